@@ -1,0 +1,256 @@
+"""Engine configuration: frozen, validated dataclasses and the CLI flags that
+build them.
+
+Layers: ``EngineArgs`` is the flat, user-facing bag of flags (vLLM's names);
+``EngineArgs.create_engine_config()`` resolves it into ``EngineConfig`` =
+``ModelConfig`` + ``CacheConfig`` + ``SchedulerConfig`` + device. Every
+derived value is resolved once here; nothing downstream re-reads flags or
+environment variables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' / '512MiB' / '1.5G' / '1048576' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"invalid size {text!r}: use bytes or a unit such as 512MiB or 2GiB")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(value * 1024**scale)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from its Hugging Face ``config.json``."""
+
+    path: Path
+    served_model_name: str
+    architecture: str
+    dtype: str  # resolved: float32 | float16 | bfloat16
+    load_format: str  # auto | safetensors | dummy
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    seed: int = 0
+
+    @staticmethod
+    def from_dir(path: Path, *, dtype: str, load_format: str, served_model_name: str,
+                 seed: int = 0) -> "ModelConfig":
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        cfg = json.loads(cfg_file.read_text())
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in _SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}")
+        num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
+            rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            path=path,
+            served_model_name=served_model_name,
+            architecture=arch,
+            dtype=dtype,
+            load_format=load_format,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=eos_ids,
+            seed=seed,
+        )
+
+    @property
+    def torch_dtype(self):  # -> torch.dtype
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; overrides the GPU budget when set
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("--num-gpu-blocks-override must be at least 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str  # "cpu" | "cuda" | "cuda:N"
+
+    def describe(self) -> str:
+        m, c, s = self.model, self.cache, self.scheduler
+        return (f"model={m.served_model_name} path={m.path} arch={m.architecture} dtype={m.dtype} "
+                f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
+                f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
+                f"max_num_batched_tokens={s.max_num_batched_tokens} "
+                f"enable_prefix_caching={c.enable_prefix_caching}")
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine flags, named as in vLLM where the meaning is the same."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None,
+                       help="Hugging Face-format model directory (default: the embedded SmolLM2-135M-Instruct)")
+        g.add_argument("--served-model-name", default=None, help="model name reported by the API")
+        g.add_argument("--dtype", default="auto", choices=_DTYPES,
+                       help="auto = float32 on CPU, bfloat16 on CUDA")
+        g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                       help="dummy = random weights at the config's shape (benchmarks)")
+        g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's max_position_embeddings)")
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and KV cache")
+        g.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache size in bytes, e.g. 2GiB (default on CPU: 1GiB)")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="force the number of KV blocks (testing)")
+        g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget per step (chunked prefill)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: getattr(ns, k) for k in names if hasattr(ns, k)})
+
+    def resolve_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} requested but CUDA is not available")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        return self.device
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.model_files import DEFAULT_MODEL, resolve_model_path
+
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        device = self.resolve_device()
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        path = resolve_model_path(self.model)
+        is_default = self.model in (None, DEFAULT_MODEL)
+        name = self.served_model_name or (DEFAULT_MODEL if is_default else Path(self.model).name)
+        model = ModelConfig.from_dir(path, dtype=dtype, load_format=self.load_format,
+                                     served_model_name=name, seed=self.seed)
+        max_len = self.max_model_len or model.max_position_embeddings
+        if max_len > model.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                             f"{model.max_position_embeddings}")
+        kv_mem = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+        if kv_mem is None and device == "cpu":
+            kv_mem = parse_size("1GiB")
+        cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                            gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
+                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+        sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                max_num_batched_tokens=self.max_num_batched_tokens,
+                                max_model_len=max_len)
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device)

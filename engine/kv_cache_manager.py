@@ -1,0 +1,126 @@
+"""Per-request block tables on top of the block pool.
+
+The scheduler talks to this class only; ``BlockPool`` internals (free queue,
+ref counts, the hash map) stay behind it.
+
+Which token ranges of a request are where, at allocation time::
+
+    | computed (KV in cache)      | new this step         | not yet scheduled |
+    0                   num_computed_tokens   +num_new_tokens         num_tokens
+    | prefix-cache hit | own blocks |
+
+Only full blocks whose every token is computed are hashed and cached.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.block_hash import NONE_HASH, hash_block_tokens
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks so far
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs, tokens = self.block_size, request.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else NONE_HASH
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, as blocks and a token count.
+        At least one token is always left to compute (its logits are needed).
+        Does not take references: ``allocate_slots`` does."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVBlock] = []
+        for h in self._block_hashes(request, max_blocks):
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        return self._num_new_blocks(request, num_new_tokens, new_computed_blocks) is not None
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: Sequence[KVBlock]) -> int | None:
+        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        need = max(0, self.blocks_needed(num_computed + num_new_tokens) - have)
+        # Cache hits sitting in the free queue stop being free once touched.
+        hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return need if need <= self.pool.num_free_blocks - hits_in_free_queue else None
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
+        """Take the prefix-cache hits and enough new blocks for
+        ``num_new_tokens`` more tokens. Returns the new blocks, or None (and
+        changes nothing) when there are not enough free blocks."""
+        need = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
+        if need is None:
+            return None
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[rid] = len(blocks)
+        new = self.pool.get_new_blocks(need) if need else []
+        blocks.extend(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's newly full and computed blocks."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (tail first, so its prefix is evicted
+        last). Hashes are kept: a preempted request recomputes the same ones."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def forget(self, request: Request) -> None:
+        """Drop all per-request state of a finished request."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)

@@ -1,0 +1,53 @@
+"""Build a model on its device and fill its weights: safetensors from a
+Hugging Face directory, or random values at the config's shape (dummy)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_ARCHS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,  # QKV bias via config.attention_bias
+}
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path} (use --load-format dummy for random weights)")
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType) -> LlamaForCausalLM:
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = _ARCHS[cfg.architecture](cfg, ops)
+    model = model.to(dtype=cfg.torch_dtype)
+    model.cos_sin = model.cos_sin.float()  # RoPE table stays float32 (cast per use, like HF)
+    if cfg.load_format == "dummy":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+        logger.info("loaded random (dummy) weights")
+    else:
+        model.load_weights(iter_safetensors(cfg.path))
+    return model.eval()

@@ -1,0 +1,147 @@
+"""The model runner owns the device: the model's weights, the KV cache
+tensor and the per-step input tensors. It turns a ``SchedulerOutput`` into
+one forward pass and samples the rows that reached the end of their tokens.
+
+KV cache layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` — for each layer a run of consecutive blocks is one contiguous
+chunk holding both K and V (what the KV transfer sends).
+"""
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_loader import load_model
+from engine.models.llama import AttentionMetadata
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def select_ops(device: torch.device) -> ModuleType:
+    """Triton kernels on CUDA, their PyTorch references elsewhere."""
+    if device.type == "cuda":
+        import kernels
+
+        return kernels
+    from kernels import reference
+
+    return reference
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.ops = select_ops(self.device)
+        mc, cc = config.model, config.cache
+        self.block_size = cc.block_size
+        self.model = load_model(mc, self.device, self.ops)
+        self.num_blocks = self._determine_num_blocks()
+        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=mc.torch_dtype, device=self.device)
+        self.sampler = Sampler()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.config.model.kv_bytes_per_token * self.block_size
+
+    def _determine_num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        else:  # CUDA: total * utilization - (weights + activation peak of a full-budget step)
+            peak = self._profile_peak_memory()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * cc.gpu_memory_utilization) - peak
+            logger.info("memory profile: peak %.2f GiB (weights + activations), KV budget %.2f GiB",
+                        peak / 2**30, budget / 2**30)
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
+                             f"{self.block_bytes}); raise --gpu-memory-utilization or --kv-cache-memory")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        mc, sc = self.config.model, self.config.scheduler
+        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        nb = -(-n // self.block_size)
+        cache = torch.zeros(mc.num_layers, nb, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+                            dtype=mc.torch_dtype, device=self.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=self.device)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device))
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), cache, meta)
+        self.model.compute_logits(hidden[-min(n, sc.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
+        del cache, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl, seq_lens, sample_idx = [0], [], []
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32)
+        bs = self.block_size
+        for i, s in enumerate(out.scheduled):
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                sample_idx.append(qsl[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True))
+        return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), meta, sample_idx)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list | None]:
+        """Run one step. Returns, aligned with ``out.scheduled``, the sampled
+        token (None for a chunk that does not reach the end of its tokens)
+        and, when any request asked for them, logprobs."""
+        input_ids, positions, meta, sample_idx = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
+                            s.request.output_token_ids, s.request.eos_token_ids)
+                for s in out.scheduled if s.samples]
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        logprobs: list | None = None
+        if rows:
+            logits = self.model.compute_logits(hidden[sample_idx])
+            res: SamplerOutput = self.sampler.sample(logits, rows)
+            which = [i for i, s in enumerate(out.scheduled) if s.samples]
+            for j, i in enumerate(which):
+                sampled[i] = res.token_ids[j]
+            if any(lp is not None for lp in res.logprobs):
+                logprobs = [None] * len(out.scheduled)
+                for j, i in enumerate(which):
+                    logprobs[i] = res.logprobs[j]
+        return sampled, logprobs

@@ -1,0 +1,25 @@
+"""The model's own tokenizer and chat template, via transformers."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def apply_chat_template(tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; send a plain prompt instead")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])

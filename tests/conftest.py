@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random-weight models written as Hugging Face
+directories, and the converted default model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a random tiny GQA decoder (transformers' own init) to ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=384, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
+              bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from engine.model_files import ensure_default_model
+
+    return ensure_default_model()
