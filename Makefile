@@ -28,7 +28,7 @@ bench-offline: install
 	$(VENV)/bin/pdserve bench offline
 
 protos: install
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. protos/pdserve/v1/*.proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/pdserve/v1/*.proto
 
 clean:
 	rm -rf $(VENV)

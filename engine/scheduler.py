@@ -91,7 +91,7 @@ class Scheduler:
         self.reserved[request.request_id] = request
         return self.kv.get_block_ids(request.request_id)
 
-    def kv_arrived(self, request_id: str, first_token: int) -> Request:
+    def kv_arrived(self, request_id: str, first_token: int, logprob=None) -> Request:
         """Decode tier: the prompt's KV is in the reserved blocks and the
         prefill tier sampled ``first_token``; the request joins the batch."""
         req = self.reserved.pop(request_id)
@@ -100,7 +100,7 @@ class Scheduler:
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._append_token(req, first_token, None)
+        self._append_token(req, first_token, logprob)
         return req
 
     # ---- the step --------------------------------------------------------

@@ -1,0 +1,29 @@
+"""`pdserve decode`: a decode server (continuous batching + token streams)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from decode_service.servicer import DecodeServicer
+from rpc.engine_server import add_server_args, advertise_host, configure_logging, serve_engine
+
+DEFAULT_PORT = 50071
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="requests that may wait for KV blocks before new ones get RESOURCE_EXHAUSTED")
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging("decode")
+    servicer = DecodeServicer(advertise_host(args), args.kv_transfer_timeout, args.max_queued_requests)
+    return asyncio.run(serve_engine(args, "decode", servicer))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="pdserve decode")
+    add_cli_args(p)
+    sys.exit(main(p.parse_args()))

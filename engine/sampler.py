@@ -1,0 +1,267 @@
+"""Pick the next token of every running sequence from the model's logits.
+
+Order of operations (vLLM semantics), per row:
+
+1. logprobs, if asked for, come from the RAW logits (``log_softmax`` before
+   anything below touches them);
+2. penalties: repetition over prompt + output tokens (positive logits are
+   divided by it, negative ones multiplied), then frequency/presence over
+   output tokens (``logit -= frequency * count + presence * (count > 0)``);
+3. ``min_tokens``: until the row has that many output tokens, its eos ids
+   (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``;
+4. greedy rows (``temperature < 1e-5``) take ``argmax`` (ties: lowest id);
+   the others are divided by the temperature, then filtered by top-k,
+   top-p (the smallest prefix of the sorted distribution whose mass reaches
+   ``top_p``; the top token is always kept) and min-p (drop tokens whose
+   probability is below ``min_p`` times the largest), then sampled.
+
+Reproducibility across processes. pdserve samples a request's first token on
+the prefill tier and the rest on the decode tier, and must match one offline
+engine token for token. So the randomness a seeded row uses at step ``k``
+(``k = len(output_token_ids)``) is a pure function of ``(seed, k)``: one
+uniform ``u = _seeded_uniform(seed, k)`` in [0, 1), computed in Python with
+integer hashing (splitmix64), identical on every machine and independent of
+torch's generators. The row then takes the inverse-CDF draw: the first token
+whose cumulative probability (float64 cumsum over the filtered distribution,
+in vocabulary order) reaches ``(1 - u) * total``. That is an exact draw from
+the filtered distribution, no state is carried between steps, and batch
+companions, the row's position in the batch and earlier calls cannot change
+it. Filtered tokens (probability 0) can never be picked. Unseeded rows take
+their uniform from torch's default CPU generator. What stays outside this
+module's control is the logits themselves: the tiers must produce the same
+logits for the same sequence (batch-invariant kernels), since any rounding
+difference in the probabilities can move a cumulative boundary.
+
+(An exponential race, ``argmax(probs / Exp(1) noise)``, would do as well
+statistically, but needs ``[B, V]`` noise per step; generating it from seeded
+CPU generators cost ~1 ms per row at V = 152k.)
+
+Host synchronisation: one ``.tolist()`` per call. Small per-row tensors
+(temperatures, penalty token lists, uniforms) go host -> device through
+pinned memory with ``non_blocking=True``, which does not wait for the GPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence to sample this step. The sampler does not modify it."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far, before this step
+    eos_token_ids: frozenset[int]  # suppressed (with stop_token_ids) until min_tokens
+
+    @property
+    def step(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def suppressed_token_ids(self) -> frozenset[int]:
+        """Token ids forbidden at this step by ``min_tokens`` (empty after it)."""
+        if self.step >= self.params.min_tokens:
+            return frozenset()
+        ids = frozenset(self.params.stop_token_ids)
+        return ids if self.params.ignore_eos else ids | self.eos_token_ids
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities (of the raw logits) at one sampled position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # of the sampled token; 1 = most likely
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # None where params.logprobs is None
+
+
+class Sampler:
+    """Stateless: every call depends only on its arguments (and, for unseeded
+    rows, on the device's default generator)."""
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row. ``logits``: [B, V]; not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, V], got {tuple(logits.shape)}")
+        if all(_is_plain_greedy(row) for row in rows):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        logits = logits.float()  # [B, V]; every op below is out of place
+        raw_logprobs = None
+        if any(row.params.logprobs is not None for row in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _apply_penalties(logits, rows)
+        logits = _apply_min_tokens(logits, rows)
+
+        token_ids = logits.argmax(dim=-1)  # [B]; final for greedy rows
+        random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_idx:
+            idx = _to_device(torch.tensor(random_idx), logits.device)
+            sampled = _sample_random(logits[idx], [rows[i] for i in random_idx])
+            token_ids = token_ids.index_copy(0, idx, sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids.tolist(), [None] * len(rows))
+        return _with_logprobs(token_ids, raw_logprobs, rows)
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.is_greedy and not p.has_penalties and p.logprobs is None
+            and not row.suppressed_token_ids)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy that does not make the host wait for the GPU."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _padded(seqs: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """[len(seqs), max_len] int64, right-padded with ``pad`` (max_len >= 1)."""
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on the rows that have any."""
+    pen_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not pen_idx:
+        return logits
+    pen_rows = [rows[i] for i in pen_idx]
+    device, vocab = logits.device, logits.shape[1]
+    idx = _to_device(torch.tensor(pen_idx), device)
+    sub = logits[idx]  # [P, V]
+
+    def column(values: list[float]) -> torch.Tensor:  # [P, 1]
+        return _to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
+
+    # Token ids are scattered into V + 1 columns: the last one absorbs padding.
+    out_ids = _to_device(_padded([r.output_token_ids for r in pen_rows], vocab), device)
+    counts = torch.zeros(len(pen_rows), vocab + 1, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    counts = counts[:, :vocab]  # [P, V] occurrences in the output
+    in_output = counts > 0
+
+    if any(r.params.repetition_penalty != 1.0 for r in pen_rows):
+        prompt_ids = _to_device(_padded([r.prompt_token_ids for r in pen_rows], vocab), device)
+        in_prompt = torch.zeros(len(pen_rows), vocab + 1, dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, prompt_ids, True)
+        seen = in_prompt[:, :vocab] | in_output
+        rep = column([r.params.repetition_penalty for r in pen_rows])
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+
+    freq = column([r.params.frequency_penalty for r in pen_rows])
+    pres = column([r.params.presence_penalty for r in pen_rows])
+    sub = sub - freq * counts - pres * in_output.float()
+    return logits.index_copy(0, idx, sub)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, row in enumerate(rows)
+             for t in sorted(row.suppressed_token_ids) if 0 <= t < vocab]
+    if not pairs:
+        return logits
+    where = _to_device(torch.tensor(pairs, dtype=torch.long), logits.device)  # [N, 2]
+    # torch.full, not torch.tensor(-inf, device=...): no blocking host copy
+    neg_inf = torch.full((len(pairs),), float("-inf"), device=logits.device)
+    return logits.index_put((where[:, 0], where[:, 1]), neg_inf)
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row. [R, V] -> [R]."""
+    device, vocab = logits.device, logits.shape[1]
+
+    def column(values: list[float]) -> torch.Tensor:  # [R, 1]
+        return _to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
+
+    logits = logits / column([r.params.temperature for r in rows])
+    use_top_k = any(0 < r.params.top_k < vocab for r in rows)
+    use_top_p = any(r.params.top_p < 1.0 for r in rows)
+    if use_top_k or use_top_p:
+        # Stable sort: ties keep id order, so the cut is deterministic.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [R, V]
+        if use_top_k:
+            k = column([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
+            position = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+            sorted_logits = sorted_logits.masked_fill(position >= k, float("-inf"))
+        if use_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # 0 for the top token
+            top_p = column([r.params.top_p for r in rows])
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    probs = logits.softmax(dim=-1)  # [R, V]
+    if any(r.params.min_p > 0.0 for r in rows):
+        floor = column([r.params.min_p for r in rows]) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    # Inverse CDF. x is in (0, total], so the pick has cdf >= x > cdf of the
+    # previous token: a token of probability 0 can never be it.
+    cdf = probs.double().cumsum(dim=-1)  # [R, V], non-decreasing
+    x = (1.0 - _uniforms(rows, device)).unsqueeze(1) * cdf[:, -1:]  # [R, 1]
+    return torch.searchsorted(cdf, x).squeeze(1)
+
+
+def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+    """[R] float64 in [0, 1); a seeded row's depends only on (seed, step)."""
+    num_unseeded = sum(row.params.seed is None for row in rows)
+    unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64).tolist() if num_unseeded else [])
+    values = [next(unseeded) if row.params.seed is None
+              else _seeded_uniform(row.params.seed, row.step) for row in rows]
+    return _to_device(torch.tensor(values, dtype=torch.float64), device)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: every output bit depends on every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) of ``step`` of a request seeded with ``seed``."""
+    bits = _mix64((_mix64(seed & _MASK64) + (step + 1) * _GOLDEN64) & _MASK64)
+    return (bits >> 11) * 2.0**-53  # 53 bits: exact in a float64
+
+
+def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
+                   rows: Sequence[SamplingRow]) -> SamplerOutput:
+    """Gather logprobs of the sampled tokens and pack everything for one sync."""
+    top_n = max(row.params.logprobs or 0 for row in rows)
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+    rank = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [B, 1]
+    top_lp, top_ids = raw_logprobs.topk(top_n, dim=-1)  # [B, N]
+    # float64 holds token ids and ranks exactly (< 2**53).
+    packed = torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), rank.double(),
+                        top_ids.double(), top_lp.double()], dim=1)  # [B, 3 + 2N]
+    host = packed.tolist()
+
+    ids = [int(r[0]) for r in host]
+    logprobs: list[Logprobs | None] = []
+    for row, r in zip(rows, host):
+        n = row.params.logprobs
+        if n is None:
+            logprobs.append(None)
+            continue
+        top = [(int(r[3 + j]), r[3 + top_n + j]) for j in range(n)]
+        logprobs.append(Logprobs(token_id=int(r[0]), logprob=r[1], rank=int(r[2]), top=top))
+    return SamplerOutput(ids, logprobs)

@@ -1,0 +1,71 @@
+"""The `pdserve` command: one subcommand per process kind.
+
+    pdserve up                 the whole topology on this machine
+    pdserve gateway|prefill|decode
+    pdserve bench offline|serve
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    return mod.add_cli_args, mod.main
+
+
+SUBCOMMANDS = {
+    "up": ("pdserve.up", "start gateway, prefill and decode servers as local processes"),
+    "gateway": ("gateway.server", "run the gateway (OpenAI HTTP + gRPC)"),
+    "prefill": ("prefill_service.server", "run a prefill server"),
+    "decode": ("decode_service.server", "run a decode server"),
+}
+BENCH = {
+    "offline": ("bench.offline", "offline throughput vs transformers generate()"),
+    "serve": ("bench.serve", "serving benchmark against a running gateway"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser (``only`` imports just one subcommand's flags)."""
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_, add_help=False)
+            continue
+        p = sub.add_parser(name, help=help_)
+        add_args, main = _service(module)
+        add_args(p)
+        p.set_defaults(func=main)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_) in BENCH.items():
+        p = bsub.add_parser(name, help=help_)
+        if only in (None, "bench"):
+            add_args, main = _service(module)
+            add_args(p)
+            p.set_defaults(func=main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    first = next((a for a in argv if not a.startswith("-")), None)
+    only = first if first in SUBCOMMANDS or first == "bench" else None
+    args = build_parser(only).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:  # configuration errors: one clear line, no traceback
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Prefill side of KV transfer: one lazily opened pair per decode server.
+
+The first transfer to a decode server asks it (gRPC ``OpenKVChannel``) for a
+rendezvous, then joins a 2-rank torch.distributed group there; later
+transfers reuse the pair. A failed pair is dropped and reopened next time.
+Runs in worker threads (blocking sends), never in the engine thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import torch
+
+from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+from rpc.convert import layout_to_proto
+from rpc.server import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+class KVSenders:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.my_address = my_address
+        self.timeout = timeout
+        self._senders: dict[str, KVSender] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _sender(self, decode_address: str) -> KVSender:
+        with self._guard:
+            lock = self._locks.setdefault(decode_address, threading.Lock())
+        with lock:  # one pair setup per decode server at a time
+            sender = self._senders.get(decode_address)
+            if sender is not None and sender.is_usable:
+                return sender
+            self._senders.pop(decode_address, None)
+            with grpc.insecure_channel(decode_address, options=CHANNEL_OPTIONS) as ch:
+                try:
+                    resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(
+                        engine_pb2.OpenKVChannelRequest(peer=self.my_address, layout=layout_to_proto(self.layout),
+                                                        device=str(self.kv_cache.device)),
+                        timeout=self.timeout)
+                except grpc.RpcError as exc:
+                    raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
+                                          f"{exc.details() or exc.code()}") from exc
+            sender = KVSender.connect(resp.host, resp.port, self.layout, backend=resp.backend,
+                                      device=self.kv_cache.device, timeout=self.timeout)
+            logger.info("KV channel to %s open (%s at %s:%d)", decode_address, resp.backend, resp.host, resp.port)
+            self._senders[decode_address] = sender
+            return sender
+
+    def send(self, decode_address: str, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
+             meta: dict) -> TransferStats:
+        """Blocking: returns once the blocks' data has left this process."""
+        if len(src_block_ids) != len(dst_block_ids):
+            raise KVTransferError(f"request {request_id}: {len(src_block_ids)} blocks computed but "
+                                  f"{len(dst_block_ids)} reserved on the decode server")
+        sender = self._sender(decode_address)
+        try:
+            return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
+        except KVTransferError:
+            if not sender.is_usable:
+                with self._guard:
+                    if self._senders.get(decode_address) is sender:
+                        del self._senders[decode_address]
+                sender.close()
+            raise
+
+    def close(self) -> None:
+        with self._guard:
+            senders, self._senders = list(self._senders.values()), {}
+        for s in senders:
+            s.close()

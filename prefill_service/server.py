@@ -1,0 +1,26 @@
+"""`pdserve prefill`: a prefill server (chunked prefill + KV send)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from prefill_service.servicer import PrefillServicer
+from rpc.engine_server import add_server_args, configure_logging, serve_engine
+
+DEFAULT_PORT = 50061
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, DEFAULT_PORT)
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging("prefill")
+    return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_transfer_timeout)))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="pdserve prefill")
+    add_cli_args(p)
+    sys.exit(main(p.parse_args()))

@@ -1,0 +1,64 @@
+"""Conversions between protobuf messages and engine value objects."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.kv_transfer import KVLayout
+from engine.sampler import Logprobs
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2, engine_pb2
+
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "logprobs",
+                    "skip_special_tokens")
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError on invalid values (the caller maps it to
+    INVALID_ARGUMENT / HTTP 400)."""
+    kw = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
+    return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+                          **kw)
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, stop=p.stop,
+        include_stop_str_in_output=p.include_stop_str_in_output, skip_special_tokens=p.skip_special_tokens)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def logprob_to_proto(lp: Logprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> Logprobs:
+    return Logprobs(token_id=msg.token_id, logprob=msg.logprob, rank=msg.rank,
+                    top=[(t.token_id, t.logprob) for t in msg.top])
+
+
+def logprobs_to_proto(lps: Sequence[Logprobs | None]) -> list[common_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in lps if lp is not None]
+
+
+def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
+    return engine_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
+                               num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim)
+
+
+def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
+    return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size, num_layers=msg.num_layers,
+                    num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim)

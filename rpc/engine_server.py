@@ -1,0 +1,80 @@
+"""What prefill and decode servers share: flags, logging, engine start-up,
+and the serve-until-signal lifecycle (health NOT_SERVING while loading and
+draining, SERVING in between)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from typing import Protocol
+
+import grpc
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from rpc.server import RpcServer
+
+logger = logging.getLogger(__name__)
+
+
+def configure_logging(name: str) -> None:
+    level = os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    g.add_argument("--port", type=int, default=default_port, help="gRPC port")
+    g.add_argument("--advertise-host", default=None,
+                   help="host other servers use to reach this one (default: --host, or the hostname "
+                        "when binding 0.0.0.0)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                   help="seconds a KV pair setup or transfer may take")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish on SIGTERM")
+    EngineArgs.add_cli_args(parser)
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostname()
+    return args.host
+
+
+class EngineService(Protocol):
+    """What a tier plugs into the shared lifecycle."""
+
+    name: str  # full gRPC service name, e.g. pdserve.v1.Decode
+
+    def register(self, server: grpc.aio.Server) -> None: ...  # before the server starts
+    def attach(self, engine: LLMEngine, address: str) -> None: ...  # once the engine is loaded
+    async def drain(self) -> None: ...
+    def close(self) -> None: ...
+
+
+async def serve_engine(args: argparse.Namespace, role: str, service: EngineService) -> int:
+    """Bind, load the engine (health NOT_SERVING meanwhile), attach it to the
+    tier's service, serve until SIGTERM/SIGINT, drain, stop."""
+    address = f"{advertise_host(args)}:{args.port}"
+    rpc = RpcServer(f"{args.host}:{args.port}", [service.name])
+    service.register(rpc.server)
+    rpc.install_signal_handlers()
+    await rpc.start()  # health answers NOT_SERVING while the model loads
+    t0 = time.time()
+    engine = await asyncio.get_running_loop().run_in_executor(
+        None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
+    service.attach(engine, address)
+    await rpc.set_serving(True)
+    print(f"{role} server ready on {address} (loaded in {time.time() - t0:.1f}s)", flush=True)
+    try:
+        await rpc.wait_and_drain(service.drain, grace=args.drain_timeout)
+    finally:
+        service.close()
+    return 0

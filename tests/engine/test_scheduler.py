@@ -1,0 +1,162 @@
+"""Scheduler invariants with a tiny cache and no model: token budgets,
+decode-first order, chunked prefill, preemption by recompute, no leaks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make(num_blocks=16, block_size=4, budget=8, max_seqs=8, max_len=256, caching=True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks)
+
+
+def req(rid, n, max_tokens=4, start=0) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   max_model_len=256)
+
+
+def step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = [token if x.samples else None for x in out.scheduled]
+    s.update_from_output(out, sampled)
+    return out
+
+
+def run_to_end(s: Scheduler, limit=500):
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return
+        step(s)
+    raise AssertionError("did not finish")
+
+
+def assert_no_leak(s: Scheduler):
+    pool = s.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not s.kv.req_blocks and not s.requests
+
+
+def test_chunked_prefill_respects_budget():
+    s = make(budget=8)
+    r = req("a", 20)
+    s.add_request(r)
+    chunks = []
+    while r.num_output_tokens == 0:
+        out = step(s)
+        chunks.append([(x.request.request_id, x.num_new_tokens) for x in out.scheduled])
+    assert chunks == [[("a", 8)], [("a", 8)], [("a", 4)]]
+    assert r.num_computed_tokens == 20 and r.output_token_ids == [7]
+
+
+def test_decode_first_then_prefill_chunk():
+    s = make(budget=8)
+    a, b = req("a", 4, max_tokens=10), req("b", 30, start=100)
+    s.add_request(a)
+    step(s)  # a prefilled (4 tokens), first token sampled
+    s.add_request(b)
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 7)]
+    out = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs():
+    s = make(budget=64, max_seqs=2)
+    for i in range(3):
+        s.add_request(req(str(i), 3, start=10 * i))
+    out = step(s)
+    assert sorted(x.request.request_id for x in out.scheduled) == ["0", "1"]
+    assert s.num_waiting == 1
+
+
+def test_preemption_by_recompute_and_no_leak():
+    # 6 blocks of 4 tokens: two requests growing to 4+12 tokens cannot both fit.
+    s = make(num_blocks=6, block_size=4, budget=64, caching=False)
+    a, b = req("a", 4, max_tokens=12), req("b", 4, max_tokens=12, start=50)
+    s.add_request(a)
+    s.add_request(b)
+    run_to_end(s)
+    assert s.num_preemptions_total >= 1
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0  # the newest is the victim
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 12
+    assert_no_leak(s)
+
+
+def test_request_too_big_for_cache_is_refused_or_capped():
+    s = make(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        s.add_request(req("big", 9))
+    r = req("grow", 6, max_tokens=10)
+    s.add_request(r)
+    run_to_end(s)
+    # 8 KV slots: 6 prompt tokens + 2 outputs computed, the 3rd output sampled
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 9
+    assert_no_leak(s)
+
+
+def test_abort_in_every_state_frees_blocks():
+    s = make(num_blocks=8, budget=4)
+    a, b, c = req("a", 10, max_tokens=8), req("b", 3, start=40), req("c", 3, start=80)
+    for r in (a, b, c):
+        s.add_request(r)
+    step(s)  # a mid-prefill, b/c waiting
+    s.finish_request("a")
+    s.finish_request("b")
+    assert a.status == RequestStatus.FINISHED_ABORTED and b.is_finished
+    run_to_end(s)
+    assert c.num_output_tokens == 4
+    assert_no_leak(s)
+
+
+def test_reserve_and_kv_arrived_path():
+    s = make(num_blocks=4, block_size=4, max_seqs=4)
+    r = req("d", 7, max_tokens=3)
+    ids = s.reserve(r)
+    assert ids == [0, 1] and r.status == RequestStatus.WAITING_FOR_KV
+    assert s.reserve(req("e", 9, start=30)) is None  # 3 more blocks do not fit
+    s.kv_arrived("d", 42)
+    assert r.num_computed_tokens == 7 and r.output_token_ids == [42]
+    run_to_end(s)
+    assert r.output_token_ids == [42, 7, 7]
+    assert_no_leak(s)
+
+
+def test_held_blocks_released_explicitly():
+    s = make()
+    r = req("p", 9, max_tokens=1)
+    r.hold_kv_on_finish = True
+    s.add_request(r)
+    step(s)
+    step(s)
+    assert r.is_finished and "p" in s.held and s.kv.get_block_ids("p") == [0, 1, 2]
+    s.finish_request("p")
+    assert_no_leak(s)
+
+
+def test_random_workload_never_leaks():
+    rng = random.Random(0)
+    s = make(num_blocks=12, block_size=4, budget=10, max_seqs=5)
+    live = []
+    for i in range(60):
+        if rng.random() < 0.5:
+            r = req(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 12), start=rng.choice([0, 100]))
+            s.add_request(r)
+            live.append(r)
+        if rng.random() < 0.1 and live:
+            s.finish_request(rng.choice(live).request_id)
+        step(s)
+        held = {b.block_id for v in s.kv.req_blocks.values() for b in v}
+        assert s.kv.pool.num_used_blocks == len(held)
+        for b in s.kv.pool.blocks:
+            assert b.ref_cnt == sum(b in v for v in s.kv.req_blocks.values())
+            assert (b.ref_cnt == 0) == (b.prev_free is not None)
+    run_to_end(s)
+    assert_no_leak(s)
