@@ -224,7 +224,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
     """[R] float64 in [0, 1); a seeded row's depends only on (seed, step)."""
     num_unseeded = sum(row.params.seed is None for row in rows)
-    unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64).tolist() if num_unseeded else [])
+    unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64).tolist())  # CPU: no sync
     values = [next(unseeded) if row.params.seed is None
               else _seeded_uniform(row.params.seed, row.step) for row in rows]
     return _to_device(torch.tensor(values, dtype=torch.float64), device)

@@ -30,8 +30,8 @@ BENCH = {
 }
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser (``only`` imports just one subcommand's flags)."""
+def build_parser(only: str | None = None, only_bench: str | None = None) -> argparse.ArgumentParser:
+    """The full parser (``only``/``only_bench`` import just one subcommand's flags)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
@@ -46,7 +46,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (module, help_) in BENCH.items():
         p = bsub.add_parser(name, help=help_)
-        if only in (None, "bench"):
+        if only is None or (only == "bench" and only_bench in (None, name)):
             add_args, main = _service(module)
             add_args(p)
             p.set_defaults(func=main)
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
     only = first if first in SUBCOMMANDS or first == "bench" else None
-    args = build_parser(only).parse_args(argv)
+    rest = [a for a in argv if not a.startswith("-")]
+    only_bench = rest[1] if only == "bench" and len(rest) > 1 and rest[1] in BENCH else None
+    args = build_parser(only, only_bench).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

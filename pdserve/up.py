@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from rpc.health_probe import is_serving
 
 _PR_SET_PDEATHSIG = 1
 
@@ -72,18 +73,6 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent)
 
 
-def _grpc_serving(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
@@ -135,7 +124,7 @@ class Cluster:
         while time.time() < deadline:
             if (why := self.dead()) is not None:
                 raise RuntimeError(why)
-            pending = {a for a in pending if not _grpc_serving(a)}
+            pending = {a for a in pending if not is_serving(a, timeout=1.0)}
             if not pending and _http_ok(health):
                 return
             time.sleep(0.5)

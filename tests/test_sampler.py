@@ -1,0 +1,215 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingRow, _apply_penalties
+from engine.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def row(prompt: list[int] | None = None, output: list[int] | None = None,
+        eos: frozenset[int] = frozenset({EOS}), **params: object) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), prompt or [0], output or [], eos)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return Sampler().sample(logits, rows).token_ids
+
+
+def logits_for(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+@pytest.fixture(autouse=True)
+def _fixed_default_generator() -> None:
+    torch.manual_seed(0)
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
+    logits = torch.randn(6, 100)
+    logits[5, 7] = logits[5, 40] = 50.0  # tie: argmax takes the lower id
+    out = Sampler().sample(logits, [row(temperature=0.0)] * 6)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[5] == 7
+    assert out.logprobs == [None] * 6
+
+
+def test_sample_does_not_modify_logits() -> None:
+    logits = torch.randn(3, 20)
+    before = logits.clone()
+    rows = [row(temperature=0.0, repetition_penalty=1.5, output=[1, 2]),
+            row(seed=1, top_p=0.5, top_k=3, min_p=0.1),
+            row(temperature=0.0, min_tokens=2, logprobs=2)]
+    Sampler().sample(logits, rows)
+    assert torch.equal(logits, before)
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = torch.randn(16, 64)
+    rows = [row(temperature=1.3, top_k=1, seed=i) for i in range(16)]
+    assert sample(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+# probabilities 0.4, 0.3, 0.15, 0.1, 0.05 scattered over ids 5, 1, 7, 0, 3
+_PERM = [5, 1, 7, 0, 3]
+_KEEP_TOP2 = {5, 1}
+
+
+def _shuffled_logits() -> torch.Tensor:
+    probs = torch.full((8,), 1e-9)
+    probs[_PERM] = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    return probs.log()
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 2},
+    {"top_p": 0.6},  # mass before id 7 is 0.7 >= 0.6
+    {"min_p": 0.5},  # 0.15 < 0.5 * 0.4
+    # top-p applies to the top-k renormalised distribution: with the top 3
+    # kept, the mass before id 7 is 0.7 / 0.85 = 0.82 >= 0.8, so it goes.
+    {"top_k": 3, "top_p": 0.8},
+    {"temperature": 0.5, "top_p": 0.7},  # sharpened: 0.56 + 0.32 >= 0.7
+])
+def test_filters_never_pick_excluded_tokens(params: dict[str, float]) -> None:
+    n = 4000
+    logits = _shuffled_logits().expand(n, -1)
+    picked = set(sample(logits, [row(**params)] * n))
+    assert picked == _KEEP_TOP2
+
+
+def test_top_p_keeps_top_token_even_when_it_alone_exceeds_top_p() -> None:
+    logits = _shuffled_logits().expand(500, -1)
+    assert set(sample(logits, [row(top_p=0.01)] * 500)) == {5}
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_sampling_matches_softmax(seeded: bool) -> None:
+    n = 20000 if not seeded else 5000
+    logits = torch.tensor([1.0, 0.2, -0.5, 1.5, 0.0])
+    temperature = 0.8
+    rows = [row(temperature=temperature, seed=i if seeded else None) for i in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits.expand(n, -1), rows)), minlength=5)
+    expected = (logits / temperature).softmax(dim=-1)
+    # ~4 standard deviations of a binomial frequency
+    tolerance = 4 * math.sqrt(0.25 / n)
+    assert torch.allclose(counts / n, expected, atol=tolerance)
+
+
+def _seeded_row(seed: int, step: int, **params: object) -> SamplingRow:
+    return row(output=list(range(step)), seed=seed, **params)
+
+
+def test_same_seed_same_token_regardless_of_batch() -> None:
+    vocab = 1000
+    target_logits = torch.randn(vocab)
+    for step in range(20):
+        target = _seeded_row(1234, step, top_p=0.95)
+        alone = sample(target_logits.unsqueeze(0), [target])
+        companions = [row(), row(temperature=0.0), _seeded_row(99, step),
+                      row(repetition_penalty=1.2, output=[3, 4], seed=5)]
+        for position in range(len(companions) + 1):
+            rows = companions[:position] + [target] + companions[position:]
+            logits = torch.randn(len(rows), vocab)
+            logits[position] = target_logits
+            assert sample(logits, rows)[position] == alone[0]
+
+
+def test_different_seeds_and_steps_differ() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: any collision is pure chance
+
+    def run(seed: int) -> list[int]:
+        return [sample(logits, [_seeded_row(seed, step)])[0] for step in range(20)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    assert len(set(run(1))) > 15  # steps do not reuse one stream
+
+
+def test_step_randomness_does_not_depend_on_earlier_calls() -> None:
+    logits = torch.randn(1, 500)
+    fresh = Sampler().sample(logits, [_seeded_row(7, 5)]).token_ids
+
+    sampler = Sampler()
+    torch.manual_seed(12345)
+    for step in range(5):  # what a decode tier would have done before step 5
+        sampler.sample(torch.randn(3, 500), [_seeded_row(7, step), row(), row(seed=1)])
+    assert sampler.sample(logits, [_seeded_row(7, 5)]).token_ids == fresh
+
+
+def test_penalties_match_hand_computed_values() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, -2.0],
+                           [2.0, -1.0, 0.5, 1.0, -2.0]])
+    penalised = row(prompt=[0, 0], output=[1, 1, 3], repetition_penalty=2.0,
+                    frequency_penalty=0.5, presence_penalty=0.25)
+    untouched = row(prompt=[0], output=[1])
+    out = _apply_penalties(logits, [penalised, untouched])
+    # id 0: prompt only -> 2 / 2
+    # id 1: output x2   -> -1 * 2 - 0.5 * 2 - 0.25
+    # id 3: output x1   -> 1 / 2 - 0.5 * 1 - 0.25
+    expected = torch.tensor([1.0, -3.25, 0.5, -0.25, -2.0])
+    assert torch.allclose(out[0], expected)
+    assert torch.equal(out[1], logits[1])
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sample(logits, [row(temperature=0.0, output=[0], frequency_penalty=0.2)]) == [1]
+    assert sample(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=1.1)]) == [1]
+    # presence/frequency look at output tokens only
+    assert sample(logits, [row(temperature=0.0, prompt=[0], presence_penalty=2.0)]) == [0]
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids() -> None:
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 8.0]])  # EOS = 2, stop id 4
+
+    def greedy(step: int, **params: object) -> int:
+        return sample(logits, [row(output=[1] * step, temperature=0.0, min_tokens=3,
+                                   stop_token_ids=[4], **params)])[0]
+
+    assert greedy(2) == 3
+    assert greedy(3) == EOS
+    assert greedy(2, ignore_eos=True) == EOS  # eos is not a stop when ignored
+    random_picks = sample(logits.expand(200, -1), [row(min_tokens=1, stop_token_ids=[4])] * 200)
+    assert EOS not in random_picks and 4 not in random_picks
+
+
+def test_logprobs_are_from_raw_logits() -> None:
+    logits = torch.randn(3, 50)
+    rows = [row(seed=3, logprobs=5, repetition_penalty=1.5, output=[1, 2], temperature=0.5),
+            row(temperature=0.0, logprobs=0),
+            row(temperature=0.0)]
+    out = Sampler().sample(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i in (0, 1):
+        lp = out.logprobs[i]
+        assert lp is not None
+        tok = out.token_ids[i]
+        assert lp.token_id == tok
+        assert lp.logprob == pytest.approx(raw[i, tok].item(), abs=1e-6)
+        assert lp.rank == 1 + int((raw[i] > raw[i, tok]).sum())
+    assert out.logprobs[1].rank == 1 and out.logprobs[1].top == []
+    assert out.logprobs[2] is None
+    top = out.logprobs[0].top
+    assert [t for t, _ in top] == raw[0].topk(5).indices.tolist()
+    assert [v for _, v in top] == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
+    assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+
+
+def test_mixed_batch_matches_each_row_alone() -> None:
+    vocab = 300
+    rows = [row(temperature=0.0),
+            _seeded_row(11, 4, top_k=20, top_p=0.9, min_p=0.05),
+            _seeded_row(12, 2, repetition_penalty=1.3, frequency_penalty=0.4, temperature=0.7),
+            row(temperature=0.0, presence_penalty=1.0, output=[5, 6]),
+            row(temperature=0.0, min_tokens=4, output=[1], logprobs=3),
+            _seeded_row(13, 0, logprobs=2)]
+    logits = torch.randn(len(rows), vocab)
+    batch = Sampler().sample(logits, rows)
+    for i, r in enumerate(rows):
+        alone = Sampler().sample(logits[i:i + 1], [r])
+        assert batch.token_ids[i] == alone.token_ids[0]
+        assert batch.logprobs[i] == alone.logprobs[0]
