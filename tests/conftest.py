@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton fixes interpreter mode when a kernel is decorated: set it before any
+# test module imports kernels/ (directly or through the engine).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -1,0 +1,24 @@
+"""Triton kernels for the model runner, each with a PyTorch twin.
+
+On CUDA the engine calls the launchers exported here; on CPU it calls the
+functions of the same name in ``kernels.reference``. This package is a leaf:
+it imports torch and triton only, never the engine or services.
+"""
+from __future__ import annotations
+
+from kernels import reference
+from kernels.activation import silu_and_mul
+from kernels.kv_cache import store_kv_cache
+from kernels.paged_attention import paged_attention
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rope import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reference",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv_cache",
+]

@@ -1,0 +1,65 @@
+"""Argument checks shared by the launchers: each failure is a ValueError that
+names the launcher and the argument, so a wrong call from the engine is
+diagnosed at the call site rather than as garbage or an illegal access."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {message}")
+
+
+def check_runnable(where: str, **tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device can run Triton here."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    require(
+        all(d == first for d in devices.values()),
+        where,
+        "all tensors must be on one device, got "
+        + ", ".join(f"{n}={d}" for n, d in devices.items()),
+    )
+    # TRITON_INTERPRET is read by triton.jit when the kernels are defined;
+    # checking it here turns a confusing launch failure into a clear message.
+    require(
+        first.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+        where,
+        f"Triton kernels need CUDA tensors (got {first}); on CPU call the "
+        "same-named function in kernels.reference, or set TRITON_INTERPRET=1 "
+        "before importing kernels",
+    )
+
+
+def check_dim(where: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    require(t.dim() == ndim, where, f"{name} must be {layout}, got shape {tuple(t.shape)}")
+
+
+def check_dtype(where: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    require(
+        t.dtype in allowed,
+        where,
+        f"{name} must have dtype in {[str(d) for d in allowed]}, got {t.dtype}",
+    )
+
+
+def check_inner_contiguous(where: str, name: str, t: torch.Tensor) -> None:
+    """The last dim must have stride 1 (rows load as vectors); other strides are free."""
+    require(
+        t.shape[-1] <= 1 or t.stride(-1) == 1,
+        where,
+        f"{name} must have stride 1 in its last dim, got strides {t.stride()}",
+    )
+
+
+def check_contiguous(where: str, name: str, t: torch.Tensor) -> None:
+    require(t.is_contiguous(), where, f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

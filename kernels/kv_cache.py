@@ -1,0 +1,119 @@
+"""Writing new tokens' keys and values into the paged KV cache."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_runnable,
+    next_pow2,
+    require,
+)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, H, D]
+    value_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, block_size, H, D]
+    v_cache_ptr,  # [num_blocks, block_size, H, D]
+    slot_mapping_ptr,  # [T]
+    block_size,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token: copies its [H, D] key and value rows.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # int64: block * block stride can pass 2^31 in a large cache.
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM) & (slot >= 0)  # [BLOCK_H, BLOCK_D]
+
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot, in place.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any
+        strides with stride 1 in head_dim (the engine passes kv_cache[l, :, 0]
+        and kv_cache[l, :, 1], which are not contiguous)
+    slot_mapping: [num_tokens] int32 or int64; slot = block_id * block_size + offset.
+        A negative slot skips its token (padding). Slots are not range-checked
+        (that would need a device sync): the caller guarantees
+        slot < num_blocks * block_size.
+
+    Modifies only k_cache and v_cache.
+    """
+    where = "store_kv_cache"
+    check_runnable(where, key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_dim(where, "key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    check_dim(where, "k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    check_dim(where, "slot_mapping", slot_mapping, 1, "[num_tokens]")
+    require(value.shape == key.shape, where, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    require(
+        v_cache.shape == k_cache.shape,
+        where,
+        f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}",
+    )
+    num_tokens, num_heads, head_dim = key.shape
+    require(
+        tuple(k_cache.shape[2:]) == (num_heads, head_dim),
+        where,
+        f"cache [num_kv_heads, head_dim] = {tuple(k_cache.shape[2:])} does not match key's {(num_heads, head_dim)}",
+    )
+    require(
+        slot_mapping.shape[0] == num_tokens,
+        where,
+        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens",
+    )
+    check_dtype(where, "key", key, FLOAT_DTYPES)
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require(t.dtype == key.dtype, where, f"{name} dtype {t.dtype} != key dtype {key.dtype}")
+    check_dtype(where, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    check_contiguous(where, "slot_mapping", slot_mapping)
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_inner_contiguous(where, name, t)
+    if num_tokens == 0:
+        return
+
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        k_cache.shape[1],
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_D=next_pow2(head_dim),
+    )

@@ -1,0 +1,152 @@
+"""Pure-PyTorch versions of every kernel: the CPU serving path and the oracle
+the Triton kernels are tested against.
+
+Each function has the same signature and contract as the Triton launcher of
+the same name and follows Hugging Face Llama's arithmetic (which dtype each
+step runs in), so a model served on CPU matches ``transformers`` in float32.
+They are vectorized over tokens; paged attention loops over sequences only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot, in place.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (views allowed)
+    slot_mapping: [num_tokens] int, slot = block_id * block_size + offset; < 0 skips the token
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0  # [num_tokens]
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced-index assignment writes through the (non-contiguous) views.
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged context.
+
+    q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
+       belong to sequence b
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [B, max_blocks_per_seq]; query_start_loc: [B+1]; seq_lens: [B]
+       (seq_lens counts the new tokens, whose K/V are already in the cache)
+    returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode) > 1:  # one batched pass for all single-token rows
+        _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out)
+    done = set(decode) if len(decode) > 1 else set()
+    for b, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or b in done:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        qb = q[q_lo:q_hi].transpose(0, 1).float()  # [num_q_heads, q_len, head_dim]
+        # Query i sits at position seq_len - q_len + i: the mask is causal
+        # aligned to the bottom-right corner, not SDPA's top-left is_causal.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+        )  # [num_q_heads, q_len, head_dim]
+        out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
+    """Single-query rows of ``paged_attention`` in one batched pass.
+
+    Each row's context is gathered slot by slot into a padded [R, L, H_kv, D]
+    tensor; padding positions re-read the row's last valid slot (never a
+    stale or foreign one) and are masked out of the softmax.
+    """
+    block_size = k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    dev = q.device
+    seq = torch.tensor([lens[b] for b in rows], device=dev)  # [R]
+    pos = torch.arange(int(seq.max()), device=dev)[None, :].expand(len(rows), -1)  # [R, L]
+    valid = pos < seq[:, None]
+    pos = torch.minimum(pos, (seq - 1)[:, None])
+    idx = torch.tensor(rows, device=dev)
+    blocks = torch.gather(block_tables[idx].long(), 1, pos // block_size)
+    k = k_cache[blocks, pos % block_size].float()  # [R, L, H_kv, D]
+    v = v_cache[blocks, pos % block_size].float()
+    token_rows = torch.tensor([starts[b] for b in rows], device=dev)
+    qd = q[token_rows].float().view(len(rows), num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
+    scores = torch.einsum("rhgd,rlhd->rhgl", qd, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    o = torch.einsum("rhgl,rlhd->rhgd", scores.softmax(dim=-1), v)
+    out[token_rows] = o.reshape(len(rows), -1, head_dim).to(q.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm. x: [T, H], weight: [H] -> [T, H] in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = x + residual (in x's dtype); returns (rms_norm(residual_out), residual_out)."""
+    residual_out = x + residual
+    return rms_norm(residual_out, weight, eps), residual_out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (HF ``rotate_half``) rotary embedding, out of place.
+
+    positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
+    cos_sin_cache: [max_positions, D] float32, [:, :D/2] = cos, [:, D/2:] = sin
+    returns contiguous (q_out, k_out) in the input dtypes.
+    """
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+    return rotate(q).contiguous(), rotate(k).contiguous()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,115 @@
+"""RMSNorm, alone and fused with the residual add that precedes it."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    FLOAT_DTYPES,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_runnable,
+    next_pow2,
+    require,
+)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [T, H]
+    residual_out_ptr,  # [T, H]; written only when ADD_RESIDUAL
+    x_ptr,  # [T, H]
+    residual_ptr,  # [T, H]; read only when ADD_RESIDUAL
+    weight_ptr,  # [H]
+    eps,
+    stride_xt, stride_rt, stride_ot, stride_rot,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    # One program per token row. The steps and their dtypes follow
+    # HF LlamaRMSNorm: add in the input dtype, normalise in float32, cast
+    # back, then scale by the weight in the input dtype.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_xt + cols, mask=ok, other=0.0)  # [BLOCK_H]
+    if ADD_RESIDUAL:
+        x = x + tl.load(residual_ptr + row * stride_rt + cols, mask=ok, other=0.0)
+        tl.store(residual_out_ptr + row * stride_rot + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+    y = (h * inv_rms).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_ot + cols, y, mask=ok)
+
+
+def _check(where: str, x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor) -> None:
+    check_runnable(where, x=x, weight=weight, **others)
+    check_dim(where, "x", x, 2, "[num_tokens, hidden_size]")
+    check_dim(where, "weight", weight, 1, "[hidden_size]")
+    require(
+        weight.shape[0] == x.shape[1],
+        where,
+        f"weight has {weight.shape[0]} entries for hidden_size {x.shape[1]}",
+    )
+    check_dtype(where, "x", x, FLOAT_DTYPES)
+    require(weight.dtype == x.dtype, where, f"weight dtype {weight.dtype} != x dtype {x.dtype}")
+    check_inner_contiguous(where, "x", x)
+    check_inner_contiguous(where, "weight", weight)
+    for name, t in others.items():
+        require(t.shape == x.shape, where, f"{name} shape {tuple(t.shape)} != x shape {tuple(x.shape)}")
+        require(t.dtype == x.dtype, where, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+        check_inner_contiguous(where, name, t)
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    num_tokens, hidden = x.shape
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else None
+    if num_tokens == 0:
+        return out, residual_out
+    block_h = next_pow2(hidden)
+    # Placeholders for the unused pointers when there is no residual.
+    res_in = residual if residual is not None else x
+    res_out = residual_out if residual_out is not None else out
+    _rms_norm_kernel[(num_tokens,)](
+        out, res_out, x, res_in, weight, eps,
+        x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
+        HIDDEN=hidden,
+        BLOCK_H=block_h,
+        ADD_RESIDUAL=residual is not None,
+        num_warps=min(16, max(1, block_h // 512)),
+    )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the norm in float32.
+
+    x: [num_tokens, hidden_size] (any row stride), weight: [hidden_size] in x's dtype.
+    Returns a new contiguous [num_tokens, hidden_size] tensor in x's dtype.
+    Modifies nothing.
+    """
+    _check("rms_norm", x, weight)
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = x + residual; out = rms_norm(residual_out, weight, eps).
+
+    x, residual: [num_tokens, hidden_size] in one dtype; weight: [hidden_size].
+    Returns new contiguous (out, residual_out); the add runs in the input
+    dtype as in HF's decoder layer. Modifies neither x nor residual.
+    """
+    _check("fused_add_rms_norm", x, weight, residual=residual)
+    out, residual_out = _launch(x, residual, weight, eps)
+    assert residual_out is not None
+    return out, residual_out

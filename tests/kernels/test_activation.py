@@ -1,0 +1,42 @@
+"""silu_and_mul against the reference; the reference against the formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels._common import DEVICE, DTYPES, TOLERANCES
+
+import kernels
+from kernels import reference
+
+SHAPES = [(1, 16), (3, 100), (33, 1500)]  # (num_tokens, intermediate_size); 1500 spans two programs
+
+
+def make_x(num_tokens, inter_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # A row-strided view, like a slice of a wider gate_up projection.
+    x = torch.randn(num_tokens, 2 * inter_size + 3, generator=gen)[:, : 2 * inter_size]
+    return (3 * x).to(dtype).to(DEVICE)
+
+
+def test_reference_matches_formula():
+    x = make_x(17, 100, torch.float64)
+    gate, up = x[:, :100], x[:, 100:]
+    torch.testing.assert_close(reference.silu_and_mul(x), gate / (1 + torch.exp(-gate)) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference(shape, dtype):
+    x = make_x(*shape, dtype)
+    got = kernels.silu_and_mul(x)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, reference.silu_and_mul(x), atol=atol, rtol=rtol)
+    assert got.shape == (shape[0], shape[1]) and got.is_contiguous() and got.dtype == dtype
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="must be even"):
+        kernels.silu_and_mul(make_x(2, 8, torch.float32)[:, :15])
+    with pytest.raises(ValueError, match="must have dtype"):
+        kernels.silu_and_mul(make_x(2, 8, torch.float32).long())

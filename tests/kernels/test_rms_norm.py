@@ -1,0 +1,71 @@
+"""rms_norm and fused_add_rms_norm against the reference; the reference
+against Hugging Face's LlamaRMSNorm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels._common import DEVICE, DTYPES, TOLERANCES
+
+import kernels
+from kernels import reference
+
+EPS = 1e-6
+SHAPES = [(1, 16), (3, 40), (17, 257)]  # (num_tokens, hidden_size)
+
+
+def make_inputs(num_tokens, hidden, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # x is a row-strided view, as a slice of a wider activation would be.
+    x = torch.randn(num_tokens, hidden + 5, generator=gen)[:, :hidden]
+    residual = torch.randn(num_tokens, hidden, generator=gen)
+    weight = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    return x.to(dtype).to(DEVICE), residual.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_matches_hf(dtype):
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    x, _, weight = make_inputs(17, 257, dtype)
+    hf = modeling_llama.LlamaRMSNorm(257, eps=EPS).to(dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        want = hf(x)
+    torch.testing.assert_close(reference.rms_norm(x, weight, EPS), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(shape, dtype):
+    x, _, weight = make_inputs(*shape, dtype)
+    x_before = x.clone()
+    got = kernels.rms_norm(x, weight, EPS)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, reference.rms_norm(x, weight, EPS), atol=atol, rtol=rtol)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm(shape, dtype):
+    x, residual, weight = make_inputs(*shape, dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS)
+    want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(residual_out, want_residual)  # one add in the input dtype: exact
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, want_out, atol=atol, rtol=rtol)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rejects_bad_arguments():
+    x, residual, weight = make_inputs(3, 40, torch.float32)
+    with pytest.raises(ValueError, match="weight has 39 entries for hidden_size 40"):
+        kernels.rms_norm(x, weight[:39], EPS)
+    with pytest.raises(ValueError, match="weight dtype"):
+        kernels.rms_norm(x, weight.half(), EPS)
+    with pytest.raises(ValueError, match="residual shape"):
+        kernels.fused_add_rms_norm(x, residual[:2], weight, EPS)
+    with pytest.raises(ValueError, match="stride 1 in its last dim"):
+        kernels.rms_norm(x.t().contiguous().t(), weight, EPS)
