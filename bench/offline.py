@@ -32,6 +32,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-batch1-prompts", type=int, default=3,
                    help="prompts run through transformers one at a time (batch-1 speed)")
     g.add_argument("--output-json", default=None, help="default: bench/results/offline-<time>.json")
+    g.add_argument("--model-shape", default=None,
+                   help="random weights at a named shape instead of --model (e.g. llama-3.1-8b)")
     EngineArgs.add_cli_args(p)
 
 
@@ -99,6 +101,11 @@ def run_transformers(args: argparse.Namespace, model_dir: str, dtype: str, devic
 def main(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from engine.model_files import resolve_model_path
+
+    if args.model_shape:
+        from bench.model_shapes import shape_dir
+
+        args.model, args.load_format, args.skip_transformers = str(shape_dir(args.model_shape)), "dummy", True
 
     vocab = ModelConfig.from_dir(resolve_model_path(args.model), dtype="float32", load_format="auto",
                                  served_model_name="x").vocab_size

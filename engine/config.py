@@ -218,13 +218,16 @@ class EngineArgs:
     def resolve_device(self) -> str:
         import torch
 
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device} requested but CUDA is not available")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        return self.device
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {device} requested but CUDA is not available")
+        if device == "cuda":  # pin an index: set_device and memory queries need one
+            return f"cuda:{torch.cuda.current_device()}"
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        return device
 
     def create_engine_config(self) -> EngineConfig:
         from engine.model_files import DEFAULT_MODEL, resolve_model_path

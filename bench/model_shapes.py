@@ -1,0 +1,33 @@
+"""Named model shapes for benchmarks with random weights (--load-format
+dummy): writes a Hugging Face config.json into the cache and returns its
+directory. Random weights at the real shape cost the same bytes and FLOPs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.model_files import cache_dir
+
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_theta=100000.0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def shape_dir(name: str) -> Path:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    d = cache_dir() / "shapes" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return d
