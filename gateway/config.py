@@ -1,0 +1,110 @@
+"""The gateway's flags and their validated, frozen form.
+
+``add_cli_args`` declares the flags (vLLM's names where the meaning is the
+same); ``GatewayConfig.from_args`` checks them and is the only place that
+reads the environment (``PDSERVE_API_KEY``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the gateway's flags to ``parser``."""
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face-format model directory whose tokenizer and chat template are used "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must use (default: the model directory's name)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length: prompt + completion tokens (default: the model's "
+                        "max_position_embeddings)")
+    g.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
+    g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)")
+    g.add_argument("--grpc-port", type=int, default=50051, help="pdserve.v1.Gateway gRPC port (0 = any free)")
+    g.add_argument("--prefill", default="",
+                   help="comma-separated host:port list of prefill servers (empty: decode servers prefill)")
+    g.add_argument("--decode", default="", help="comma-separated host:port list of decode servers (at least one)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="deadline of a whole request in seconds (every internal RPC inherits it)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests in flight at the gateway beyond which new ones get 429 (default: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Validated gateway settings. Model-derived values (the context length)
+    are resolved later, when the tokenizer is loaded."""
+
+    model: str | None
+    served_model_name: str | None
+    max_model_len: int | None
+    host: str
+    http_port: int
+    grpc_port: int
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    api_key: str | None
+    log_requests: bool
+    request_timeout: float
+    max_queued_requests: int | None
+    shutdown_timeout: float
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("--decode needs at least one decode server address (host:port)")
+        for port, flag in ((self.http_port, "--http-port"), (self.grpc_port, "--grpc-port")):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+        if self.http_port == self.grpc_port and self.http_port != 0:
+            raise ValueError(f"--http-port and --grpc-port must differ (both are {self.http_port})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.request_timeout <= 0:
+            raise ValueError(f"--request-timeout must be positive, got {self.request_timeout}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be non-negative, got {self.shutdown_timeout}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
+        """Build from parsed flags; raises ValueError with the flag's name."""
+        api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+        return cls(model=args.model, served_model_name=args.served_model_name,
+                   max_model_len=args.max_model_len, host=args.host, http_port=args.http_port,
+                   grpc_port=args.grpc_port, prefill=parse_addresses(args.prefill, "--prefill"),
+                   decode=parse_addresses(args.decode, "--decode"), api_key=api_key or None,
+                   log_requests=not args.disable_log_requests, request_timeout=args.request_timeout,
+                   max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout)
+
+
+def parse_addresses(text: str | None, flag: str) -> tuple[str, ...]:
+    """'a:1, b:2' -> ('a:1', 'b:2'); rejects entries without a valid port and duplicates."""
+    out: list[str] = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"{flag}: {item!r} is not a host:port address")
+        if item in out:
+            raise ValueError(f"{flag}: {item!r} is listed twice")
+        out.append(item)
+    return tuple(out)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """host:port, with brackets around an IPv6 literal."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API (FastAPI), a thin translation layer over
+``GatewayService``.
+
+    GET  /v1/models              POST /v1/completions    POST /v1/chat/completions
+    GET  /health  (200 when a decode server is healthy)  GET /metrics  GET /cluster
+
+Streaming: the first delta is awaited before the response starts, so errors
+that happen before any token (no decode server, queue full, prefill failure)
+get their real status code; later errors become an SSE ``{"error": ...}``
+event followed by ``[DONE]``. A client that disconnects cancels the request
+and with it every internal call.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_responses import ChatFormatter, CompletionFormatter, ResponseFormatter
+from gateway.output_processor import GenerationDelta
+from gateway.request_flow import PreparedRequest
+from gateway.service import GatewayService
+from gateway.sse import SSE_DONE, SSE_MEDIA_TYPE, sse_event
+
+T = TypeVar("T")
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+def create_app(service: GatewayService, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; ``api_key`` set -> /v1/* needs ``Authorization: Bearer <key>``."""
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app, service)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(service)]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        service.inputs.check_model(model_id)
+        return _model_card(service)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service.inputs.check_model(body.model)
+        sampling = body.to_sampling_params()
+        prompt = body.single_prompt()
+        ids = (await service.inputs.encode_text(prompt) if isinstance(prompt, str)
+               else service.inputs.check_token_ids(prompt))
+        req = _prepare(service, request, ids, sampling, "cmpl")
+        fmt = CompletionFormatter(req.request_id, service.served_model_name, service.token_text,
+                                  body.include_usage, sampling.logprobs is not None)
+        return await _respond(service, request, req, fmt, body.stream)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        service.inputs.check_model(body.model)
+        sampling = body.to_sampling_params()
+        ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt)
+        req = _prepare(service, request, ids, sampling, "chatcmpl")
+        fmt = ChatFormatter(req.request_id, service.served_model_name, service.token_text,
+                            body.include_usage, sampling.logprobs is not None)
+        return await _respond(service, request, req, fmt, body.stream)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if service.is_ready:
+            return JSONResponse({"status": "ok"})
+        reason = "draining" if service.active.is_draining else "no healthy decode server"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.CONTENT_TYPE)
+
+    @app.get("/cluster")
+    async def cluster() -> dict[str, Any]:
+        return service.registry.to_json()
+
+    return app
+
+
+def _model_card(service: GatewayService) -> dict[str, Any]:
+    return {"id": service.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pdserve", "root": service.served_model_name, "max_model_len": service.inputs.max_model_len}
+
+
+def _prepare(service: GatewayService, request: Request, ids: list[int], sampling: Any,
+             prefix: str) -> PreparedRequest:
+    return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix,
+                           traceparent=request.headers.get("traceparent"))
+
+
+async def _respond(service: GatewayService, request: Request, req: PreparedRequest, fmt: ResponseFormatter,
+                   stream: bool) -> Response:
+    deltas = service.generate(req)
+    headers = {"X-Request-Id": req.request_id}
+    try:
+        if not stream:
+            collected = await _until_disconnect(request, _collect(deltas))
+            return JSONResponse(fmt.response(collected), headers=headers)
+        first = await _until_disconnect(request, anext(deltas))
+    except _ClientDisconnected:
+        return Response(status_code=499)
+    return _SSEResponse(_sse(service, fmt, first, deltas), deltas, headers=headers)
+
+
+async def _collect(deltas: AsyncIterator[GenerationDelta]) -> list[GenerationDelta]:
+    return [d async for d in deltas]
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it and raise _ClientDisconnected if the client goes away first."""
+    task: asyncio.Future[T] = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise _ClientDisconnected
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(service: GatewayService, fmt: ResponseFormatter, first: GenerationDelta,
+               deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[bytes]:
+    try:
+        for chunk in fmt.stream_start() + fmt.stream_delta(first):
+            yield sse_event(chunk)
+        if not first.finish_reason:
+            async for delta in deltas:
+                for chunk in fmt.stream_delta(delta):
+                    yield sse_event(chunk)
+        for chunk in fmt.stream_end():
+            yield sse_event(chunk)
+    except GatewayError as e:
+        service.on_error(e)
+        yield sse_event(e.to_openai())
+    yield SSE_DONE
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes the delta stream however the response ends. Starlette may stop
+    iterating the body without closing it (client gone while a chunk was
+    being sent); closing here cancels the internal calls deterministically."""
+
+    def __init__(self, body: AsyncIterator[bytes], deltas: AsyncIterator[GenerationDelta],
+                 headers: dict[str, str]) -> None:
+        super().__init__(body, media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache", **headers})
+        self._body_gen = body
+        self._deltas = deltas
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body_gen.aclose()  # type: ignore[attr-defined]
+            await self._deltas.aclose()  # type: ignore[attr-defined]
+
+
+def _auth_dependency(api_key: str | None) -> Any:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise GatewayError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key: send "
+                               "'Authorization: Bearer <key>'.", code="invalid_api_key")
+    return check
+
+
+def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, e: GatewayError) -> JSONResponse:
+        service.on_error(e)
+        return JSONResponse(e.to_openai(), status_code=e.kind.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in e.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        error = invalid("invalid request: " + "; ".join(parts))
+        service.on_error(error)
+        return JSONResponse(error.to_openai(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
+        error = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+        service.on_error(error)
+        return JSONResponse(error.to_openai(), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        body = {"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
+                          "code": None}}
+        return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))

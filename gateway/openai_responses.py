@@ -1,0 +1,155 @@
+"""OpenAI response bodies and streaming chunks, built from GenerationDeltas.
+
+One formatter per request: ``stream_start()`` / ``stream_delta()`` give the
+chunk objects of a streamed response (``stream_end()`` the trailing usage
+chunk when ``stream_options.include_usage``), ``response()`` the body of a
+non-streamed one. Token strings in logprobs are the single-token decode.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.output_processor import GenerationDelta, Usage
+from pdserve.v1 import common_pb2
+
+TokenText = Callable[[int], str]
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class ResponseFormatter:
+    """Shared by both endpoints: envelope, usage chunk, usage-null convention."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool,
+                 want_logprobs: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self._token_text = token_text
+        self._include_usage = include_usage
+        self._want_logprobs = want_logprobs
+        self._usage: Usage | None = None
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        """Chunks to send before the first delta."""
+        return []
+
+    def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
+        """Chunks for one delta (none when it carries nothing to show)."""
+        raise NotImplementedError
+
+    def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        """The non-streamed body from every delta of a finished request."""
+        raise NotImplementedError
+
+    def stream_end(self) -> list[dict[str, Any]]:
+        """The usage-only chunk (``choices: []``) when the client asked for it."""
+        if not self._include_usage or self._usage is None:
+            return []
+        chunk = self._envelope(self.chunk_object_name, [])
+        chunk["usage"] = usage_json(self._usage)
+        return [chunk]
+
+    def _with_usage_field(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if self._include_usage:
+            chunk["usage"] = None  # OpenAI: null on every chunk but the last
+        return chunk
+
+
+class CompletionFormatter(ResponseFormatter):
+    """/v1/completions: ``text_completion`` objects."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0
+
+    def _logprobs(self, lps: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        tokens, offsets = [], []
+        for lp in lps:
+            tokens.append(self._token_text(lp.token_id))
+            offsets.append(self._text_offset)
+            self._text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_text(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
+        if d.usage is not None:
+            self._usage = d.usage
+        if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs):
+            return []
+        choice = {"index": 0, "text": d.text, "logprobs": self._logprobs(d.logprobs),
+                  "finish_reason": d.finish_reason}
+        return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
+
+    def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        last = deltas[-1]
+        lps = [lp for d in deltas for lp in d.logprobs]
+        choice = {"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(lps),
+                  "finish_reason": last.finish_reason}
+        body = self._envelope(self.object_name, [choice])
+        body["usage"] = usage_json(last.usage) if last.usage else None
+        return body
+
+
+class ChatFormatter(ResponseFormatter):
+    """/v1/chat/completions: ``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, lps: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        content = []
+        for lp in lps:
+            entry = self._token_json(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._token_json(t.token_id, t.logprob) for t in lp.top]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+               finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+
+    def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
+        if d.usage is not None:
+            self._usage = d.usage
+        if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs):
+            return []
+        delta = {"content": d.text} if d.text else {}
+        return [self._chunk(delta, self._logprobs(d.logprobs), d.finish_reason)]
+
+    def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
+        last = deltas[-1]
+        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+        choice = {"index": 0, "message": message,
+                  "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs]),
+                  "finish_reason": last.finish_reason}
+        body = self._envelope(self.object_name, [choice])
+        body["usage"] = usage_json(last.usage) if last.usage else None
+        return body

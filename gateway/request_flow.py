@@ -1,0 +1,246 @@
+"""One request's trip through the engine tiers, as a stream of token chunks.
+
+    pick decode D (and prefill P, if one is healthy)
+    no P:  D.Generate(remote_prefill=false) ............ deltas -> chunks
+    P:     D.Generate(remote_prefill=true) -> reserved{block_ids}
+           P.Prefill(dst_block_ids, decode_address=D) -> first token -> chunk (time to first token)
+           D deltas -> chunks, minus the first token (D repeats it in its first delta)
+
+Every call gets the request's remaining deadline and the client's
+``traceparent``. Whatever way the stream ends (finish, error, the consumer
+closing it, the task being cancelled, ``abort()``), every internal call is
+cancelled, which makes the engine servers free the request's blocks.
+
+A decode server that refuses the request (UNAVAILABLE, RESOURCE_EXHAUSTED)
+before anything was streamed is retried on the next healthy decode server.
+Text, stop strings and usage are not this module's business: see
+``output_processor``.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import ErrorKind, GatewayError
+from gateway.instances import Instance
+from gateway.router import Router, in_flight
+from pdserve.v1 import common_pb2, engine_pb2
+from rpc.convert import sampling_to_proto
+
+_RETRYABLE = (ErrorKind.UNAVAILABLE, ErrorKind.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class PreparedRequest:
+    """A tokenized, validated request (``sampling.max_tokens`` is resolved)."""
+
+    request_id: str  # the client's (or assigned) id, for responses and Abort
+    internal_id: str  # unique per request; what the engine servers see
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    traceparent: str | None = None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclass
+class TokenChunk:
+    """New output tokens; ``finish_reason`` is set on the last chunk only."""
+
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    num_cached_tokens: int = 0
+
+
+class _Refused(Exception):
+    """A decode server failed the request before anything was streamed."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class RequestFlow:
+    """Drives one request; owns its in-flight internal calls."""
+
+    def __init__(self, req: PreparedRequest, router: Router) -> None:
+        self._req = req
+        self._router = router
+        self._calls: set[Any] = set()
+        self._sampling = sampling_to_proto(req.sampling)
+        self.is_aborted = False
+        self.decode_address: str | None = None
+        self.prefill_address: str | None = None
+
+    def abort(self) -> None:
+        """End the stream early with finish_reason "abort" (cancels internal calls)."""
+        self.is_aborted = True
+        for call in list(self._calls):
+            call.cancel()
+
+    async def stream(self) -> AsyncIterator[TokenChunk]:
+        """Token chunks until one with a finish_reason; raises GatewayError."""
+        try:
+            if self.is_aborted:
+                raise asyncio.CancelledError
+            async for chunk in self._stream_with_retry():
+                yield chunk
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.is_aborted or (task is not None and task.cancelling()):
+                raise
+            yield TokenChunk([], finish_reason="abort")
+        finally:
+            for call in list(self._calls):
+                call.cancel()
+
+    async def _stream_with_retry(self) -> AsyncIterator[TokenChunk]:
+        tried: list[str] = []
+        last: GatewayError | None = None
+        while True:
+            try:
+                decode = self._router.pick_decode(exclude=tried)
+            except GatewayError:
+                if last is not None:
+                    raise last from None
+                raise
+            prefill = self._router.pick_prefill()
+            self.decode_address = decode.address
+            self.prefill_address = prefill.address if prefill else None
+            try:
+                async for chunk in self._run_on(decode, prefill):
+                    yield chunk
+                return
+            except _Refused as e:
+                if e.error.kind not in _RETRYABLE:
+                    raise e.error from None
+                tried.append(decode.address)
+                last = e.error
+
+    async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
+        req = self._req
+        with in_flight(decode), in_flight(prefill):
+            call = decode.stub.Generate(
+                engine_pb2.DecodeRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
+                                         sampling=self._sampling, remote_prefill=prefill is not None),
+                timeout=self._timeout(), metadata=self._metadata())
+            self._calls.add(call)
+            try:
+                if prefill is None:
+                    async for chunk in self._relay(call, decode, skip=0, refusable=True):
+                        yield chunk
+                    return
+                reserved = await self._read_reserved(call, decode)
+                first = await self._prefill(prefill, decode, reserved)
+                yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
+                                 num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
+                async for chunk in self._relay(call, decode, skip=1, refusable=False):
+                    yield chunk
+            finally:
+                call.cancel()  # a no-op once the call has finished
+                self._calls.discard(call)
+
+    async def _read_reserved(self, call: Any, decode: Instance) -> engine_pb2.Reserved:
+        msg = await self._read(call, decode, refusable=True)
+        if msg.WhichOneof("kind") != "reserved":
+            raise GatewayError(ErrorKind.INTERNAL, f"decode server {decode.address} answered a remote-prefill "
+                               f"request with {msg.WhichOneof('kind')!r} instead of 'reserved'")
+        return msg.reserved
+
+    async def _prefill(self, prefill: Instance, decode: Instance,
+                       reserved: engine_pb2.Reserved) -> engine_pb2.PrefillResponse:
+        req = self._req
+        block_size = decode.block_size
+        # Leading blocks the decode server already holds (its own prefix-cache
+        # hit) need no transfer.
+        num_skip = reserved.num_cached_tokens // block_size if block_size else 0
+        call = prefill.stub.Prefill(
+            engine_pb2.PrefillRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
+                                      sampling=self._sampling, decode_address=decode.address,
+                                      dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip),
+            timeout=self._timeout(), metadata=self._metadata())
+        self._calls.add(call)
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise self._prefill_error(e, prefill) from None
+        finally:
+            self._calls.discard(call)
+
+    async def _relay(self, call: Any, decode: Instance, skip: int, refusable: bool) -> AsyncIterator[TokenChunk]:
+        """Decode deltas as chunks, dropping the first ``skip`` tokens."""
+        while True:
+            msg = await self._read(call, decode, refusable=refusable)
+            refusable = False
+            if msg.WhichOneof("kind") != "delta":
+                raise GatewayError(ErrorKind.INTERNAL, f"decode server {decode.address} sent "
+                                   f"{msg.WhichOneof('kind')!r} where a token delta was expected")
+            delta = msg.delta
+            ids, lps = list(delta.token_ids), list(delta.logprobs)
+            if skip:
+                n = min(skip, len(ids))
+                ids, lps, skip = ids[n:], lps[n:], skip - n
+            yield TokenChunk(ids, lps, delta.finish_reason, delta.num_cached_tokens)
+            if delta.finish_reason:
+                return
+
+    async def _read(self, call: Any, decode: Instance, refusable: bool) -> engine_pb2.DecodeResponse:
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            error = self._decode_error(e, decode)
+            raise (_Refused(error) if refusable else error) from None
+        if msg is grpc.aio.EOF:
+            raise GatewayError(ErrorKind.UNAVAILABLE, f"decode server {decode.address} ended the stream of "
+                               f"request {self._req.request_id} without a finish reason")
+        return msg
+
+    def _decode_error(self, e: grpc.aio.AioRpcError, decode: Instance) -> GatewayError:
+        code, details, where = e.code(), e.details(), f"decode server {decode.address}"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return GatewayError(ErrorKind.RESOURCE_EXHAUSTED,
+                                f"{where} is at capacity ({details}); retry later", code="server_overloaded")
+        return self._rpc_error(code, details, where, decode)
+
+    def _prefill_error(self, e: grpc.aio.AioRpcError, prefill: Instance) -> GatewayError:
+        code, details, where = e.code(), e.details(), f"prefill server {prefill.address}"
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT):
+            return self._rpc_error(code, details, where, prefill)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            prefill.set_unhealthy(f"UNAVAILABLE: {details}")
+        return GatewayError(ErrorKind.UNAVAILABLE, f"{where} failed to prefill request "
+                            f"{self._req.request_id}: {code.name}: {details}", code="prefill_failed")
+
+    def _rpc_error(self, code: grpc.StatusCode, details: str, where: str, inst: Instance) -> GatewayError:
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"request {self._req.request_id} ran past its "
+                                f"deadline while waiting for {where}", code="timeout")
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                    grpc.StatusCode.FAILED_PRECONDITION):
+            return GatewayError(ErrorKind.INVALID_ARGUMENT, f"{where} rejected the request: {details}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            inst.set_unhealthy(f"UNAVAILABLE: {details}")
+            return GatewayError(ErrorKind.UNAVAILABLE, f"{where} is unavailable: {details}")
+        if code == grpc.StatusCode.CANCELLED:
+            return GatewayError(ErrorKind.UNAVAILABLE, f"{where} cancelled the request: {details}")
+        return GatewayError(ErrorKind.INTERNAL, f"{where} failed: {code.name}: {details}")
+
+    def _timeout(self) -> float:
+        remaining = self._req.remaining()
+        if remaining <= 0:
+            raise GatewayError(ErrorKind.DEADLINE_EXCEEDED,
+                               f"request {self._req.request_id} ran past its deadline", code="timeout")
+        return remaining
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("traceparent", self._req.traceparent),) if self._req.traceparent else None

@@ -1,0 +1,172 @@
+"""The gateway process: the OpenAI HTTP API (uvicorn) and ``pdserve.v1.Gateway``
+(grpc.aio) on one event loop, in front of the prefill and decode servers.
+
+    main(args): load the tokenizer -> poll the engine servers once -> start gRPC
+                -> start HTTP -> health SERVING -> "gateway ready: ..." -> wait
+    SIGTERM/SIGINT: health NOT_SERVING, refuse new requests, stop listening,
+                let in-flight requests finish (--shutdown-timeout), abort the
+                rest, close -> exit 0
+
+Entry points for the ``pdserve`` CLI: ``add_cli_args`` and ``main``;
+``python -m gateway.server --decode HOST:PORT ...`` works too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from gateway import config as gateway_config
+from gateway.config import GatewayConfig, join_host_port
+from gateway.grpc_servicer import GatewayServicer
+from gateway.http_api import create_app
+from gateway.instances import InstanceRegistry
+from gateway.metrics import GatewayMetrics
+from gateway.service import GatewayService
+from gateway.tokenization import InputProcessor
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc.server import RpcServer
+
+logger = logging.getLogger("gateway")
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+# After --shutdown-timeout, aborted requests get this long to send their last message.
+_ABORT_GRACE_S = 5.0
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the gateway's flags (see gateway/config.py)."""
+    gateway_config.add_cli_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the gateway until SIGTERM/SIGINT, then drain. Returns the exit code."""
+    _setup_logging()
+    try:
+        cfg = GatewayConfig.from_args(args)
+        inputs = load_input_processor(cfg)
+    except (ValueError, RuntimeError) as e:  # bad flags, model not found, default model unavailable
+        logger.error("gateway: %s", e)
+        return 2
+    try:
+        return asyncio.run(_serve(cfg, inputs))
+    except OSError as e:  # a port already in use
+        logger.error("gateway: %s", e)
+        return 1
+    finally:
+        inputs.close()
+
+
+def load_input_processor(cfg: GatewayConfig) -> InputProcessor:
+    """Tokenizer, served model name and context length from ``--model``."""
+    from engine.config import ModelConfig
+    from engine.model_files import DEFAULT_MODEL, resolve_model_path
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model_path(cfg.model)
+    name = cfg.served_model_name or (DEFAULT_MODEL if cfg.model in (None, DEFAULT_MODEL) else Path(cfg.model).name)
+    model = ModelConfig.from_dir(path, dtype="float32", load_format="auto", served_model_name=name)
+    max_len = cfg.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                         f"{model.max_position_embeddings}")
+    logger.info("gateway: model=%s path=%s max_model_len=%d", name, path, max_len)
+    return InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size)
+
+
+async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
+    registry = InstanceRegistry(cfg.prefill, cfg.decode)
+    service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
+                             cfg.max_queued_requests, cfg.log_requests)
+    rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), rpc.server)
+    sock = _bind(cfg.host, cfg.http_port)
+    http = _HttpServer(uvicorn.Config(create_app(service, cfg.api_key), host=cfg.host, port=cfg.http_port,
+                                      log_config=None, access_log=False, lifespan="off",
+                                      timeout_graceful_shutdown=int(cfg.shutdown_timeout + _ABORT_GRACE_S) + 1))
+    http_task: asyncio.Task[None] | None = None
+    try:
+        await registry.start()
+        await rpc.start()
+        http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http-server")
+        while not http.started:
+            if http_task.done():
+                raise OSError(f"the HTTP server did not start on {join_host_port(cfg.host, cfg.http_port)}")
+            await asyncio.sleep(0.02)
+        await rpc.set_serving(True)
+        rpc.install_signal_handlers()
+        http_port = sock.getsockname()[1]
+        ready = (f"gateway ready: http://{join_host_port(cfg.host, http_port)} "
+                 f"grpc {join_host_port(cfg.host, rpc.port)}")
+        logger.info("%s (prefill: %s; decode: %s)", ready, ", ".join(cfg.prefill) or "none", ", ".join(cfg.decode))
+        print(ready, flush=True)
+
+        async def drain() -> None:
+            await _drain(service, http, cfg.shutdown_timeout)
+
+        await rpc.wait_and_drain(drain, grace=cfg.shutdown_timeout + 2 * _ABORT_GRACE_S)
+    finally:
+        http.should_exit = True
+        if http_task is not None:
+            with contextlib.suppress(Exception):
+                await http_task
+        await registry.close()
+        sock.close()
+    logger.info("gateway stopped")
+    return 0
+
+
+async def _drain(service: GatewayService, http: uvicorn.Server, timeout: float) -> None:
+    """Refuse new requests, stop listening, wait for in-flight ones; abort the rest."""
+    service.active.start_draining()
+    http.should_exit = True
+    logger.info("draining %d in-flight request(s)", len(service.active))
+    try:
+        await asyncio.wait_for(service.active.wait_empty(), timeout)
+        return
+    except asyncio.TimeoutError:
+        pass
+    logger.warning("aborting %d request(s) still running after %.0fs", service.active.abort_all(), timeout)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(service.active.wait_empty(), _ABORT_GRACE_S)
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway drains both servers itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket (bound here so that port 0 works and a busy port is an OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    except OSError as e:
+        raise OSError(f"cannot bind the HTTP server to {join_host_port(host, port)}: {e.strerror or e}") from e
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cli() -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(parser)
+    return main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

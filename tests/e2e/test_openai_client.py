@@ -1,0 +1,147 @@
+"""End to end on loopback: one real prefill server, one real decode server and
+the gateway as separate processes on the default model, driven through the
+official ``openai`` client and gRPC ``Gateway.Generate``. Greedy (and seeded)
+outputs must equal the offline ``engine.LLM`` token for token, and no KV block
+may stay allocated afterwards."""
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.gateway.processes import GatewayProcess, ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "e2e-key"
+MAX_MODEL_LEN = 1024
+ENGINE_FLAGS = ["--kv-cache-memory", "96MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 4]
+MAX_TOKENS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess(ServiceProcess):
+    """A prefill or decode server on a free port."""
+
+    def __init__(self, role: str) -> None:
+        self.address = f"127.0.0.1:{_free_port()}"
+        # One torch thread each: two engine servers and the reference engine share the CPU cores.
+        super().__init__(role, f"{role}_service.server", ["--port", self.address.rsplit(":", 1)[1], *ENGINE_FLAGS],
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def servers():
+    prefill, decode = EngineProcess("prefill"), EngineProcess("decode")
+    gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
+                                "--max-model-len", str(MAX_MODEL_LEN)])
+    procs = [gw, prefill, decode]  # stop order: gateway first
+    try:
+        for p in (prefill, decode, gw):
+            p.wait_ready()
+        deadline = time.monotonic() + 30
+        while httpx.get(gw.http_url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, gw.logs()
+            time.sleep(0.2)
+        yield gw
+    finally:
+        codes = [p.stop() for p in procs]
+    assert codes == [0, 0, 0], [p.logs() for p in procs]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engine import LLM
+
+    return LLM(model=None, kv_cache_memory="96MiB", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def oai(servers):
+    return openai.OpenAI(base_url=servers.http_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def _assert_no_blocks_held(gw: GatewayProcess) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        instances = httpx.get(gw.http_url + "/cluster").json()["instances"]
+        used = {i["address"]: i["kv_blocks_used"] for i in instances}
+        if not any(used.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(used.values()), used
+    assert all(i["healthy"] for i in instances)
+
+
+def test_greedy_completions_match_offline_engine(servers, llm, oai):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    refs = llm.generate(PROMPTS, sp)
+    model = oai.models.list().data[0].id
+    for prompt, ref in zip(PROMPTS, refs):
+        out = ref.outputs[0]
+        c = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert c.choices[0].text == out.text
+        assert c.choices[0].finish_reason == out.finish_reason
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ref.prompt_token_ids), len(out.token_ids))
+        streamed = list(oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True))
+        assert "".join(ch.choices[0].text for ch in streamed) == out.text
+    _assert_no_blocks_held(servers)
+
+
+def test_grpc_generate_matches_token_for_token(servers, llm):
+    with grpc.insecure_channel(servers.grpc_address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        cases = [(SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                  common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
+                 (SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS),
+                  common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
+        for sp, proto in cases:
+            for prompt, ref in zip(PROMPTS, llm.generate(PROMPTS, sp)):
+                msgs = list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120))
+                assert list(msgs[0].prompt_token_ids) == ref.prompt_token_ids
+                assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids, (prompt, sp)
+                assert "".join(m.text for m in msgs) == ref.outputs[0].text
+                assert msgs[-1].finish_reason == ref.outputs[0].finish_reason
+    _assert_no_blocks_held(servers)
+
+
+def test_chat_and_stop_strings_match(servers, llm, oai):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    model = oai.models.list().data[0].id
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == ref.text
+    stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+    stop_ref = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]))[0]
+    c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=["\n"])
+    assert c.choices[0].text == stop_ref.outputs[0].text
+    assert c.choices[0].finish_reason == stop_ref.outputs[0].finish_reason
+    _assert_no_blocks_held(servers)
+
+
+def test_disconnect_frees_blocks(servers):
+    with httpx.stream("POST", servers.http_url + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    _assert_no_blocks_held(servers)

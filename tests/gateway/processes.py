@@ -1,0 +1,91 @@
+"""Service processes for tests: ``python -m <module> ...`` with its stdout
+watched for the ready line and its stderr kept in a log file."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 180.0
+
+
+class ServiceProcess:
+    """A pdserve service subprocess; ``wait_ready`` returns its ready line."""
+
+    def __init__(self, name: str, module: str, argv: list[str], ready_prefix: str,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.ready_prefix = ready_prefix
+        self.ready_line = ""
+        self._terminated = False
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pdserve-{name}-", suffix=".log", delete=False)
+        full_env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+        full_env.update(TOKENIZERS_PARALLELISM="false", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=full_env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_ready(self) -> str:
+        while not self.ready_line:
+            try:
+                line = self._lines.get(timeout=READY_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"{self.name} not ready in {READY_TIMEOUT_S}s:\n{self.logs()}") from None
+            if line is None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.wait()}):\n{self.logs()}")
+            if line.startswith(self.ready_prefix):
+                self.ready_line = line.strip()
+        return self.ready_line
+
+    def logs(self) -> str:
+        self.log.flush()
+        return f"--- {self.name} ({self.log.name}) ---\n" + Path(self.log.name).read_text()[-6000:]
+
+    def terminate(self) -> None:
+        """Send SIGTERM once (a second one would kill a process that is draining)."""
+        if not self._terminated and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self._terminated = True
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit code (killed, and raising, after ``timeout``)."""
+        self.terminate()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        if code == 0:  # keep the log only when something went wrong
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
+        return code
+
+
+class GatewayProcess(ServiceProcess):
+    """``python -m gateway.server`` on free ports; ``http_url`` and
+    ``grpc_address`` come from its ready line."""
+
+    def __init__(self, name: str, flags: list[str], env: dict[str, str] | None = None) -> None:
+        super().__init__(name, "gateway.server", ["--http-port", "0", "--grpc-port", "0", *flags],
+                         "gateway ready: ", env)
+        self.http_url = self.grpc_address = ""
+
+    def wait_ready(self) -> str:
+        line = super().wait_ready()
+        parts = line.split()  # gateway ready: http://HOST:PORT grpc HOST:PORT
+        self.http_url, self.grpc_address = parts[2], parts[4]
+        return line

@@ -1,0 +1,93 @@
+"""Router choices, and flag parsing/validation."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from gateway.config import GatewayConfig, add_cli_args, join_host_port, parse_addresses
+from gateway.errors import ErrorKind, GatewayError
+from gateway.instances import InstanceRegistry
+from gateway.router import Router, in_flight
+from pdserve.v1 import common_pb2
+
+
+def _set(inst, healthy: bool, running: int = 0, waiting: int = 0, used: int = 0, total: int = 100) -> None:
+    inst.is_healthy = healthy
+    inst.load = common_pb2.LoadInfo(num_running=running, num_waiting=waiting, kv_blocks_used=used,
+                                    kv_blocks_total=total)
+
+
+def test_router_picks_the_least_loaded_healthy_instance():
+    async def go():
+        reg = InstanceRegistry(("p1:1", "p2:2"), ("d1:1", "d2:2", "d3:3"))
+        d1, d2, d3 = reg.decode
+        _set(d1, True, running=5)
+        _set(d2, True, running=2, waiting=1)
+        _set(d3, False)
+        router = Router(reg)
+        assert router.pick_decode() is d2
+        _set(d1, True, running=3, used=10)
+        _set(d2, True, running=3, used=50)
+        assert router.pick_decode() is d1  # equal requests: lower KV usage
+        assert router.pick_decode(exclude=["d1:1"]) is d2
+        with in_flight(d1), in_flight(d1), in_flight(d1), in_flight(d1):
+            assert d1.num_requests == 4
+            assert router.pick_decode() is d2  # the gateway's own count is fresher than the poll
+        assert router.pick_prefill() is None  # no prefill is healthy: local prefill
+        _set(reg.prefill[1], True)
+        assert router.pick_prefill() is reg.prefill[1]
+        for inst in reg.decode:
+            inst.is_healthy = False
+        with pytest.raises(GatewayError) as e:
+            router.pick_decode()
+        assert e.value.kind is ErrorKind.UNAVAILABLE and "d1:1, d2:2, d3:3" in e.value.message
+        await reg.close()
+    asyncio.run(go())
+
+
+def test_router_spreads_ties():
+    async def go():
+        reg = InstanceRegistry((), ("a:1", "b:2"))
+        for inst in reg.decode:
+            _set(inst, True)
+        router = Router(reg)
+        picks = [router.pick_decode().address for _ in range(4)]
+        await reg.close()
+        return picks
+    assert sorted(asyncio.run(go())) == ["a:1", "a:1", "b:2", "b:2"]
+
+
+def _parse(*argv: str) -> GatewayConfig:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return GatewayConfig.from_args(parser.parse_args(list(argv)))
+
+
+def test_flags_and_defaults(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    cfg = _parse("--decode", "a:1, b:2", "--prefill", "")
+    assert cfg.decode == ("a:1", "b:2") and cfg.prefill == ()
+    assert (cfg.host, cfg.http_port, cfg.grpc_port, cfg.request_timeout) == ("127.0.0.1", 8000, 50051, 600.0)
+    assert cfg.api_key is None and cfg.log_requests and cfg.max_model_len is None
+    monkeypatch.setenv("PDSERVE_API_KEY", "k")
+    assert _parse("--decode", "a:1").api_key == "k"
+    assert _parse("--decode", "a:1", "--api-key", "x").api_key == "x"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ((), "--decode needs at least one"),
+    (("--decode", "nohost"), "not a host:port"),
+    (("--decode", "a:1,a:1"), "listed twice"),
+    (("--decode", "a:1", "--request-timeout", "0"), "--request-timeout"),
+    (("--decode", "a:1", "--http-port", "9", "--grpc-port", "9"), "must differ"),
+])
+def test_bad_flags(argv, fragment, monkeypatch):
+    with pytest.raises(ValueError, match=fragment):
+        _parse(*argv)
+
+
+def test_address_helpers():
+    assert parse_addresses("[::1]:5, h:6", "--x") == ("[::1]:5", "h:6")
+    assert join_host_port("::1", 5) == "[::1]:5" and join_host_port("h", 6) == "h:6"
