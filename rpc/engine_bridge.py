@@ -45,6 +45,7 @@ class EngineBridge:
         self._streams: dict[str, asyncio.Queue[Delta]] = {}
         self._sent: dict[str, int] = {}  # engine thread: output tokens already posted
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self.num_finished = 0  # engine thread writes, others read
         self.loop = EngineLoop(engine, self._on_step, idle_hook)
 
     def start(self) -> None:
@@ -99,6 +100,7 @@ class EngineBridge:
         self._sent[req.request_id] = req.num_output_tokens
         if req.is_finished:
             self._sent.pop(req.request_id, None)
+            self.num_finished += 1
         lps = req.logprobs[start:] if req.sampling_params.logprobs is not None else []
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
                      req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens)
@@ -120,7 +122,7 @@ class EngineBridge:
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
-            max_model_len=cfg.scheduler.max_model_len)
+            max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished)
 
 
 def finished_status(reason: str | None) -> RequestStatus:
