@@ -84,30 +84,40 @@ def paged_attention(
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
-    """Single-query rows of ``paged_attention`` in one batched pass.
+_DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
 
-    Each row's context is gathered slot by slot into a padded [R, L, H_kv, D]
-    tensor; padding positions re-read the row's last valid slot (never a
-    stale or foreign one) and are masked out of the softmax.
+
+def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
+    """Single-query rows of ``paged_attention``, batched.
+
+    Rows are sorted by context length and taken in groups; each group's
+    contexts are gathered slot by slot straight into [R, H_kv, L, D] (the
+    layout matmul wants, so no further copy). Padding positions re-read the
+    row's last valid slot (never a stale or foreign one) and are masked out
+    of the softmax.
     """
-    block_size = k_cache.shape[1]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     dev = q.device
-    seq = torch.tensor([lens[b] for b in rows], device=dev)  # [R]
-    pos = torch.arange(int(seq.max()), device=dev)[None, :].expand(len(rows), -1)  # [R, L]
-    valid = pos < seq[:, None]
-    pos = torch.minimum(pos, (seq - 1)[:, None])
-    idx = torch.tensor(rows, device=dev)
-    blocks = torch.gather(block_tables[idx].long(), 1, pos // block_size)
-    k = k_cache[blocks, pos % block_size].float()  # [R, L, H_kv, D]
-    v = v_cache[blocks, pos % block_size].float()
-    token_rows = torch.tensor([starts[b] for b in rows], device=dev)
-    qd = q[token_rows].float().view(len(rows), num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
-    scores = torch.einsum("rhgd,rlhd->rhgl", qd, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    o = torch.einsum("rhgl,rlhd->rhgd", scores.softmax(dim=-1), v)
-    out[token_rows] = o.reshape(len(rows), -1, head_dim).to(q.dtype)
+    k_heads, v_heads = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)  # [N, H_kv, bs, D] views
+    heads = torch.arange(num_kv_heads, device=dev)[None, :, None]
+    ordered = sorted(rows, key=lambda b: lens[b])
+    for i in range(0, len(ordered), _DECODE_GROUP):
+        group = ordered[i:i + _DECODE_GROUP]
+        seq = torch.tensor([lens[b] for b in group], device=dev)  # [R]
+        pos = torch.arange(int(seq.max()), device=dev)[None, :].expand(len(group), -1)  # [R, L]
+        valid = pos < seq[:, None]
+        pos = torch.minimum(pos, (seq - 1)[:, None])
+        table = block_tables[torch.tensor(group, device=dev)].long()
+        blocks = torch.gather(table, 1, pos // block_size)[:, None, :]  # [R, 1, L]
+        offsets = (pos % block_size)[:, None, :]
+        k = k_heads[blocks, heads, offsets].float()  # [R, H_kv, L, D]
+        v = v_heads[blocks, heads, offsets].float()
+        token_rows = torch.tensor([starts[b] for b in group], device=dev)
+        qg = q[token_rows].float().view(len(group), num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [R, H_kv, G, L]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(dim=-1), v)  # [R, H_kv, G, D]
+        out[token_rows] = o.reshape(len(group), -1, head_dim).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
 BENCH = {
     "offline": ("bench.offline", "offline throughput vs transformers generate()"),
     "serve": ("bench.serve", "serving benchmark against a running gateway"),
+    "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
 }
 
 
