@@ -69,8 +69,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent)
+def _spawn(argv: list[str], threads: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ)
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent, env=env)
+
+
+def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int) -> int | None:
+    """On CPU, engine servers split the cores instead of each taking all of
+    them (which would make prefill and decode fight over every core)."""
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not torch.cuda.is_available())
+    return max(1, (os.cpu_count() or 1) // num_engines) if on_cpu else None
 
 
 def _http_ok(url: str) -> bool:
@@ -94,11 +106,13 @@ class Cluster:
     def start(self) -> None:
         a, eng = self.args, engine_flags(self.args)
         devices = a.devices.split(",") if a.devices else []
-        for i, addr in enumerate(self.prefill + self.decode):
+        engines = self.prefill + self.decode
+        threads = cpu_threads_per_engine(a, len(engines))
+        for i, addr in enumerate(engines):
             role = "prefill" if i < len(self.prefill) else "decode"
             dev = ["--device", devices[i % len(devices)]] if devices else []
             self.procs.append((f"{role}@{addr}", _spawn(
-                [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev])))
+                [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads)))
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
         for flag in ("--model", "--served-model-name", "--max-model-len"):
@@ -109,7 +123,7 @@ class Cluster:
             gw += ["--api-key", a.api_key]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        self.procs.append(("gateway", _spawn(gw)))
+        self.procs.append(("gateway", _spawn(gw, threads=1)))
 
     def dead(self) -> str | None:
         for name, p in self.procs:
