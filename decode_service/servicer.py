@@ -24,6 +24,7 @@ from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.convert import logprobs_to_proto, sampling_from_proto
 from decode_service.kv_receiver import KVReceivers
 from rpc.engine_bridge import Delta, EngineBridge
+from rpc.engine_metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,11 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_DecodeServicer_to_server(self, server)
 
-    def attach(self, engine: LLMEngine, address: str) -> None:
-        self.bridge = EngineBridge(engine, "decode", address,
+    def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
+        self.bridge = EngineBridge(engine, "decode", address, metrics,
                                    idle_hook=lambda: self.reservations.drain(engine))
-        self.kv_receivers = KVReceivers(self.bridge, self.kv_host, self.kv_timeout)
+        self.kv_receivers = KVReceivers(self.bridge, self.kv_host, self.kv_timeout,
+                                        metrics.record_transfer if metrics else None)
         self.bridge.start()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
+from rpc.engine_metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_PrefillServicer_to_server(self, server)
 
-    def attach(self, engine: LLMEngine, address: str) -> None:
-        self.bridge = EngineBridge(engine, "prefill", address, on_step=self._on_step)
+    def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
+        self.bridge = EngineBridge(engine, "prefill", address, metrics, on_step=self._on_step)
         layout = KVLayout.of(engine.runner.kv_cache, engine.config.model.served_model_name)
         self.senders = KVSenders(engine.runner.kv_cache, layout, address, self.kv_timeout)
         self.bridge.start()
@@ -98,6 +99,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {request.decode_address} "
                                     f"failed: {exc}")
+            if bridge.metrics is not None:
+                bridge.metrics.record_transfer(stats)
             resp = engine_pb2.PrefillResponse(
                 first_token=d.token_ids[0], num_cached_tokens=d.num_cached_tokens,
                 transfer=engine_pb2.KVTransferStats(num_blocks=stats.num_blocks, num_bytes=stats.num_bytes,

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
+from rpc.engine_metrics import EngineMetrics
 from pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,11 @@ class Delta:
 
 
 class EngineBridge:
-    def __init__(self, engine: LLMEngine, role: str, address: str, metrics_url: str = "",
+    def __init__(self, engine: LLMEngine, role: str, address: str, metrics: EngineMetrics | None = None,
                  on_step: Callable[[list[Request]], None] | None = None,
                  idle_hook: Callable[[], bool] | None = None) -> None:
         self.engine = engine
-        self.role, self.address, self.metrics_url = role, address, metrics_url
+        self.role, self.address, self.metrics = role, address, metrics
         self._extra_on_step = on_step
         self._streams: dict[str, asyncio.Queue[Delta]] = {}
         self._sent: dict[str, int] = {}  # engine thread: output tokens already posted
@@ -102,6 +103,10 @@ class EngineBridge:
             self._sent.pop(req.request_id, None)
             self.num_finished += 1
         lps = req.logprobs[start:] if req.sampling_params.logprobs is not None else []
+        if self.metrics is not None:
+            if start == 0 and req.num_output_tokens:
+                self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+            self.metrics.generation_tokens.inc(req.num_output_tokens - start)
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
                      req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens)
 
@@ -118,7 +123,7 @@ class EngineBridge:
         e = self.engine
         s, cfg = e.scheduler, e.config
         return common_pb2.LoadInfo(
-            role=self.role, address=self.address, metrics_url=self.metrics_url,
+            role=self.role, address=self.address, metrics_url=self.metrics.url if self.metrics else "",
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,

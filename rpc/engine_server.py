@@ -14,6 +14,7 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from rpc.engine_metrics import EngineMetrics
 from rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         "when binding 0.0.0.0)")
     g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds a KV pair setup or transfer may take")
+    g.add_argument("--metrics-port", type=int, default=-1,
+                   help="Prometheus /metrics port (default: gRPC port + 1000; 0 disables)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM")
     EngineArgs.add_cli_args(parser)
@@ -54,7 +57,7 @@ class EngineService(Protocol):
     name: str  # full gRPC service name, e.g. pdserve.v1.Decode
 
     def register(self, server: grpc.aio.Server) -> None: ...  # before the server starts
-    def attach(self, engine: LLMEngine, address: str) -> None: ...  # once the engine is loaded
+    def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics) -> None: ...  # once loaded
     async def drain(self) -> None: ...
     def close(self) -> None: ...
 
@@ -70,7 +73,14 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     t0 = time.time()
     engine = await asyncio.get_running_loop().run_in_executor(
         None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
-    service.attach(engine, address)
+    metrics = EngineMetrics(engine, role)
+    if args.metrics_port != 0:
+        port = args.port + 1000 if args.metrics_port < 0 else args.metrics_port
+        try:
+            logger.info("metrics on %s", metrics.serve(args.host, port, advertise_host(args)))
+        except OSError as exc:  # metrics are auxiliary: serve without them rather than fail
+            logger.warning("cannot serve metrics on port %d (%s); use --metrics-port", port, exc)
+    service.attach(engine, address, metrics)
     await rpc.set_serving(True)
     print(f"{role} server ready on {address} (loaded in {time.time() - t0:.1f}s)", flush=True)
     try:

@@ -1,0 +1,72 @@
+"""Prometheus metrics of an engine server (vLLM's names, `pdserve:` prefix).
+
+Gauges and scheduler counters are read from the engine when scraped (plain
+int reads under the GIL, no locks in the step loop); token and KV-transfer
+counts are recorded by the server as they happen.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.kv_transfer import TransferStats
+from engine.llm_engine import LLMEngine
+
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
+        self.engine, self.labels = engine, labels
+
+    def collect(self) -> Iterator:
+        s = self.engine.scheduler
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pdserve:{name}", doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to run (or for their KV).", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv.pool.usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_total)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits_total)
+        yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)
+
+
+class EngineMetrics:
+    def __init__(self, engine: LLMEngine, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "model_name": engine.config.model.served_model_name}
+        self.registry.register(_SchedulerCollector(engine, labels))
+        names = list(labels)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests.", names,
+                                     registry=self.registry).labels(**labels)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", names,
+                                         registry=self.registry).labels(**labels)
+        self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV cache bytes sent or received.",
+                                names + ["backend"], registry=self.registry)
+        self.kv_seconds = Histogram("pdserve:kv_transfer_seconds", "Duration of one request's KV transfer.",
+                                    names + ["backend"], buckets=_TRANSFER_BUCKETS, registry=self.registry)
+        self._labels = labels
+        self.url = ""
+
+    def record_transfer(self, stats: TransferStats) -> None:
+        self.kv_bytes.labels(**self._labels, backend=stats.backend).inc(stats.num_bytes)
+        self.kv_seconds.labels(**self._labels, backend=stats.backend).observe(stats.seconds)
+
+    def serve(self, host: str, port: int, advertise_host: str) -> str:
+        """Start the /metrics HTTP endpoint; returns its URL."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.url = f"http://{advertise_host}:{server.server_port}/metrics"
+        return self.url
