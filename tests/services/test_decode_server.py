@@ -1,0 +1,141 @@
+"""A real decode server process, driven over gRPC: metrics, health and
+reflection, the KV channel handshake, reservation back-pressure, the KV
+deadline, abort, and SIGTERM drain. Every case checks no block is left held."""
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.gateway.processes import ServiceProcess
+
+SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    port, mport = _free_port(), _free_port()
+    # 8 blocks of 16 tokens, at most 2 requests waiting for blocks, KV deadline 1.5 s
+    proc = ServiceProcess("decode", "decode_service.server",
+                          ["--port", str(port), "--metrics-port", str(mport), "--model", str(tiny_llama_dir),
+                           "--num-gpu-blocks-override", "8", "--max-queued-requests", "2",
+                           "--kv-transfer-timeout", "1.5"], "decode server ready", env={"OMP_NUM_THREADS": "1"})
+    proc.wait_ready()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield proc, engine_pb2_grpc.DecodeStub(channel), channel, mport
+    channel.close()
+    if proc.proc.poll() is None:
+        proc.stop()
+
+
+def _load(stub) -> common_pb2.LoadInfo:
+    return stub.GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+
+def _wait_idle(stub) -> None:
+    deadline = time.monotonic() + 10
+    while (info := _load(stub)).kv_blocks_used or info.num_running or info.num_waiting:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_health_reflection_and_metrics(server, tiny_llama_dir):
+    proc, stub, channel, mport = server
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Decode"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"pdserve.v1.Decode", "grpc.health.v1.Health"} <= names
+
+    before = _load(stub).num_requests_finished
+    for _ in stub.Generate(engine_pb2.DecodeRequest(request_id="m1", prompt_token_ids=list(range(3, 23)),
+                                                    sampling=SP), timeout=60):
+        pass
+    info = _load(stub)
+    assert info.metrics_url == f"http://127.0.0.1:{mport}/metrics"
+    assert info.num_requests_finished == before + 1
+    text = httpx.get(info.metrics_url, timeout=10).text
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+             if line.startswith("pdserve:")}
+    key = f'{{model_name="{tiny_llama_dir.name}",role="decode"}}'
+    assert lines["pdserve:prompt_tokens_total" + key] >= 20
+    assert lines["pdserve:generation_tokens_total" + key] >= 5
+    assert lines["pdserve:prefix_cache_queries_total" + key] >= 20
+    assert "pdserve:kv_cache_usage_perc" + key in lines and "pdserve:num_preemptions_total" + key in lines
+    _wait_idle(stub)
+
+
+def test_mismatched_kv_layout_is_refused_with_the_field_named(server):
+    _, stub, _, _ = server
+    bad = engine_pb2.KVLayout(model="other", dtype="float32", block_size=32, num_layers=3, num_kv_heads=2,
+                              head_dim=16)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OpenKVChannel(engine_pb2.OpenKVChannelRequest(peer="p:1", layout=bad, device="cpu"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size" in err.value.details() and "model" in err.value.details()
+
+
+def test_reservation_backpressure_deadline_and_abort(server):
+    _, stub, _, _ = server
+    long_prompt = list(range(3, 3 + 16 * 6))  # 6 of the 8 blocks
+    held = stub.Generate(engine_pb2.DecodeRequest(request_id="r1", prompt_token_ids=long_prompt, sampling=SP,
+                                                  remote_prefill=True), timeout=60)
+    assert len(next(held).reserved.block_ids) == 6
+    # Next two wait for blocks (queue of 2); the third is refused at once.
+    waiting = [stub.Generate(engine_pb2.DecodeRequest(request_id=f"w{i}", prompt_token_ids=long_prompt,
+                                                      sampling=SP, remote_prefill=True), timeout=60)
+               for i in range(2)]
+    got = {}
+    threads = [threading.Thread(target=lambda i=i, w=w: got.update({i: next(w)})) for i, w in enumerate(waiting)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while _load(stub).num_waiting < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as err:
+        next(stub.Generate(engine_pb2.DecodeRequest(request_id="x", prompt_token_ids=long_prompt, sampling=SP,
+                                                    remote_prefill=True), timeout=60))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # No KV ever comes for r1: its deadline frees the blocks and w0 gets them.
+    with pytest.raises(grpc.RpcError) as err:
+        next(held)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV arrived" in err.value.details()
+    threads[0].join(10)
+    assert len(got[0].reserved.block_ids) == 6
+    waiting[0].cancel()  # client cancel frees w0; w1 gets the blocks; Abort frees them
+    threads[1].join(10)
+    assert len(got[1].reserved.block_ids) == 6
+    assert stub.Abort(common_pb2.AbortRequest(request_id="w1"), timeout=10).found
+    _wait_idle(stub)
+
+
+def test_sigterm_drains_in_flight_stream(server):
+    proc, stub, _, _ = server
+    stream = stub.Generate(engine_pb2.DecodeRequest(
+        request_id="d1", prompt_token_ids=list(range(3, 40)),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)), timeout=60)
+    first = next(stream)
+    proc.proc.send_signal(signal.SIGTERM)
+    tokens = list(first.delta.token_ids)
+    finish = ""
+    for m in stream:
+        tokens += m.delta.token_ids
+        finish = m.delta.finish_reason or finish
+    assert finish == "length" and len(tokens) == 60  # finished, not cut off
+    assert proc.proc.wait(timeout=60) == 0
