@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 
 from bench import serve
+from bench.results import write_result
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 
@@ -147,8 +146,5 @@ def main(args: argparse.Namespace) -> int:
           f"{k['transfer_bytes'] / 2**20:.1f} MiB at {k['transfer_bytes_per_s'] / 1e9:.2f} GB/s")
     print(f"gateway overhead: median {g['overhead_median_s'] * 1e3:.2f} ms per request "
           f"(via gateway {g['via_gateway_median_s'] * 1e3:.1f} ms, direct {g['direct_decode_median_s'] * 1e3:.1f} ms)")
-    out = Path(args.output_json or f"bench/results/disagg-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    write_result(result, "disagg", args.output_json)
     return 0

@@ -10,14 +10,13 @@ Results go to stdout and a JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import resource
 import time
-from pathlib import Path
 
+from bench.results import write_result
 from engine.config import EngineArgs
 
 
@@ -128,8 +127,5 @@ def main(args: argparse.Namespace) -> int:
               f"{hf['batch1_output_tokens_per_s']:.1f} tok/s")
         print(f"speedup: {result['speedup_vs_padded_batch']:.2f}x vs padded batch, "
               f"{result['speedup_vs_batch1']:.1f}x vs batch 1")
-    out = Path(args.output_json or f"bench/results/offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, "offline", args.output_json)
     return 0

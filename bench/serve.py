@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from bench.results import write_result
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -132,8 +132,5 @@ def main(args: argparse.Namespace) -> int:
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(json.dumps({k: result[k] for k in ("completed", "failed", "request_throughput", "output_tokens_per_s",
                                               "goodput_requests_per_s", "ttft", "tpot")}, indent=2))
-    out = Path(args.output_json or f"bench/results/serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    write_result(result, "serve", args.output_json)
     return 0 if result["failed"] == 0 else 1

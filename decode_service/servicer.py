@@ -25,6 +25,7 @@ from rpc.convert import logprobs_to_proto, sampling_from_proto
 from decode_service.kv_receiver import KVReceivers
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
+from rpc.engine_server import EngineServicerBase
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +83,17 @@ def delta_to_proto(d: Delta) -> engine_pb2.DecodeResponse:
         finish_reason=d.finish_reason or "", num_cached_tokens=d.num_cached_tokens))
 
 
-class DecodeServicer(engine_pb2_grpc.DecodeServicer):
+class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     """The decode tier's gRPC service; answers UNAVAILABLE until attached."""
 
     name = "pdserve.v1.Decode"
+    role = "decode"
 
     def __init__(self, kv_host: str, kv_timeout: float, max_queued: int) -> None:
-        self.kv_host, self.kv_timeout, self.max_queued = kv_host, kv_timeout, max_queued
-        self.bridge: EngineBridge | None = None
+        super().__init__()
+        self.kv_host, self.kv_timeout = kv_host, kv_timeout
         self.reservations = Reservations(max_queued)
         self.kv_receivers: KVReceivers | None = None
-        self.draining = False
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_DecodeServicer_to_server(self, server)
@@ -107,26 +108,18 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def close(self) -> None:
         if self.kv_receivers is not None:
             self.kv_receivers.close()
-        if self.bridge is not None:
-            self.bridge.stop()
-
-    async def _ready(self, context) -> EngineBridge:
-        if self.bridge is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server is loading")
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server is draining")
-        return self.bridge  # type: ignore[return-value]
+        super().close()
 
     async def Generate(self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         bridge = await self._ready(context)
         try:
             params: SamplingParams = sampling_from_proto(request.sampling)
-            req = await self.bridge.run(lambda e: e.make_request(rid, list(request.prompt_token_ids), params))
+            req = await bridge.run(lambda e: e.make_request(rid, list(request.prompt_token_ids), params))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            queue = self.bridge.open_stream(rid)
+            queue = bridge.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         finished = False
@@ -138,15 +131,15 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 finished = bool(first.finish_reason)
                 yield delta_to_proto(first)
             else:
-                await self.bridge.run(lambda e: e.scheduler.add_request(req))
+                await bridge.run(lambda e: e.scheduler.add_request(req))
             while not finished:
                 d = await queue.get()
                 finished = bool(d.finish_reason)
                 yield delta_to_proto(d)
         finally:
-            self.bridge.close_stream(rid)
+            bridge.close_stream(rid)
             if not finished:  # cancelled, deadline, error: free everything
-                self.bridge.submit(lambda e: self._abort(e, rid))
+                bridge.submit(lambda e: self._abort(e, rid))
 
     async def _reserve(self, req: Request, context) -> list[int]:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -194,8 +187,3 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             return await asyncio.get_running_loop().run_in_executor(None, self.kv_receivers.open, request)
         except ValueError as exc:  # incompatible layout or device
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-    async def drain(self) -> None:
-        self.draining = True
-        while self.bridge is not None and self.bridge.num_streams:
-            await asyncio.sleep(0.05)

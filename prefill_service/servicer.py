@@ -26,18 +26,19 @@ from prefill_service.kv_sender import KVSenders
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
+from rpc.engine_server import EngineServicerBase
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(engine_pb2_grpc.PrefillServicer):
+class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     name = "pdserve.v1.Prefill"
+    role = "prefill"
 
     def __init__(self, kv_timeout: float) -> None:
+        super().__init__()
         self.kv_timeout = kv_timeout
-        self.bridge: EngineBridge | None = None
         self.senders: KVSenders | None = None
-        self.draining = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -52,8 +53,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     def close(self) -> None:
         if self.senders is not None:
             self.senders.close()
-        if self.bridge is not None:
-            self.bridge.stop()
+        super().close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _on_step(self, updated: list[Request]) -> None:
@@ -63,13 +63,6 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             d = self.bridge.snapshot(req)
             d.block_ids = self.bridge.engine.scheduler.kv.get_block_ids(req.request_id)
             self.bridge.post(d)
-
-    async def _ready(self, context) -> EngineBridge:
-        if self.bridge is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill server is loading")
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill server is draining")
-        return self.bridge  # type: ignore[return-value]
 
     async def Prefill(self, request: engine_pb2.PrefillRequest, context) -> engine_pb2.PrefillResponse:
         bridge = await self._ready(context)
@@ -128,8 +121,3 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return (await self._ready(context)).load_info()
-
-    async def drain(self) -> None:
-        self.draining = True
-        while self.bridge is not None and self.bridge.num_streams:
-            await asyncio.sleep(0.05)

@@ -14,6 +14,7 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from rpc.engine_bridge import EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc.server import RpcServer
 
@@ -49,6 +50,33 @@ def advertise_host(args: argparse.Namespace) -> str:
 
         return socket.gethostname()
     return args.host
+
+
+class EngineServicerBase:
+    """What both tiers' servicers share: the bridge once attached, the
+    loading/draining gate, and drain = wait for open streams."""
+
+    role = "engine"
+
+    def __init__(self) -> None:
+        self.bridge: EngineBridge | None = None
+        self.draining = False
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> EngineBridge:
+        if self.bridge is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} server is loading")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} server is draining")
+        return self.bridge  # type: ignore[return-value]
+
+    async def drain(self) -> None:
+        self.draining = True
+        while self.bridge is not None and self.bridge.num_streams:
+            await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.stop()
 
 
 class EngineService(Protocol):
