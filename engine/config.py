@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -73,6 +75,13 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
             rope_scaling = None
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window and window < max_pos:
+            # Attention here is over the whole context: serve only lengths where that equals the window.
+            logger.warning("%s uses sliding-window attention (%d tokens); capping the context length to it",
+                           arch, window)
+            max_pos = window
         eos = cfg.get("eos_token_id")
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -94,7 +103,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,

@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random tiny GQA decoder (transformers' own init) to ``path``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     kw = dict(vocab_size=384, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
@@ -32,6 +33,8 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kw))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kw))
     model.save_pretrained(str(path))

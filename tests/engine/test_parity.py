@@ -40,10 +40,11 @@ def tiny_models(tmp_path_factory):
         "llama-gqa5": make_tiny_model(root / "llama5", seed=1, num_attention_heads=10, num_key_value_heads=2,
                                       hidden_size=80),
         "qwen2-bias": make_tiny_model(root / "qwen2", arch="qwen2", seed=2),
+        "mistral": make_tiny_model(root / "mistral", arch="mistral", seed=3, sliding_window=None),
     }
 
 
-@pytest.mark.parametrize("name", ["llama-gqa3", "llama-gqa5", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-gqa3", "llama-gqa5", "qwen2-bias", "mistral"])
 def test_tiny_models_match_transformers(tiny_models, name):
     d = tiny_models[name]
     prompts = random_prompts([1, 5, 17, 33, 64, 3], 384, seed=len(name))
@@ -51,6 +52,14 @@ def test_tiny_models_match_transformers(tiny_models, name):
     for budget in (16, 64, 2048):
         llm = LLM(str(d), max_num_batched_tokens=budget, kv_cache_memory="8MiB", block_size=4)
         assert engine_greedy(llm, prompts, 24) == ref, f"budget {budget}"
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    from engine.config import ModelConfig
+
+    d = make_tiny_model(tmp_path / "mistral-sw", arch="mistral", sliding_window=128)
+    cfg = ModelConfig.from_dir(d, dtype="float32", load_format="auto", served_model_name="m")
+    assert cfg.architecture == "MistralForCausalLM" and cfg.max_position_embeddings == 128
 
 
 def test_prefix_hits_and_preemption_keep_parity(tiny_models):
