@@ -104,9 +104,12 @@ class KVReceivers:
     def _check_reserved(self, engine: LLMEngine, request_id: str, dst: list[int]) -> None:
         if request_id not in engine.scheduler.reserved:
             raise ValueError(f"request {request_id} has no reserved blocks here (aborted or unknown)")
-        have = engine.scheduler.kv.get_block_ids(request_id)
-        if dst != have[:len(dst)] or len(dst) != len(have):
-            raise ValueError(f"request {request_id}: KV sent to blocks {dst}, reserved {have}")
+        req, kv = engine.scheduler.reserved[request_id], engine.scheduler.kv
+        have = kv.get_block_ids(request_id)
+        skipped = len(have) - len(dst)  # leading blocks this cache already had (prefix hits)
+        if not 0 <= skipped * kv.block_size <= req.num_cached_tokens or dst != have[skipped:]:
+            raise ValueError(f"request {request_id}: KV sent to blocks {dst}, reserved {have} "
+                             f"({req.num_cached_tokens} tokens cached here)")
         self.receiving.add(request_id)
 
     def _arrived(self, engine: LLMEngine, request_id: str, meta: dict) -> None:

@@ -126,7 +126,8 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         try:
             if request.remote_prefill:
                 block_ids = await self._reserve(req, context)
-                yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(block_ids=block_ids))
+                yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
+                    block_ids=block_ids, num_cached_tokens=req.num_cached_tokens))
                 first = await self._wait_first(queue, rid, context)
                 finished = bool(first.finish_reason)
                 yield delta_to_proto(first)

@@ -80,12 +80,18 @@ class Scheduler:
 
     def reserve(self, request: Request) -> list[int] | None:
         """Decode tier: allocate blocks for a prompt whose KV will arrive by
-        transfer. None when the blocks or a sequence slot are not free now."""
+        transfer, reusing this cache's prefix hits (``num_cached_tokens``:
+        the sender may skip those leading blocks). None when the blocks or a
+        sequence slot are not free now."""
         self.check_fits(request)
         if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
             return None
-        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits) is None:
             return None
+        request.num_cached_tokens = num_hit
+        self.prefix_queries_total += request.num_prompt_tokens
+        self.prefix_hits_total += num_hit
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request

@@ -84,9 +84,12 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             t_first = time.time()
             meta = {"first_token": d.token_ids[0],
                     "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
+            skip = request.num_skip_blocks  # the decode side has these leading blocks cached
+            if not 0 <= skip < len(d.block_ids):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_skip_blocks {skip} out of range")
             send = asyncio.get_running_loop().run_in_executor(
-                self._pool, self.senders.send, request.decode_address, rid, d.block_ids,  # type: ignore[union-attr]
-                list(request.dst_block_ids), meta)
+                self._pool, self.senders.send, request.decode_address, rid, d.block_ids[skip:],  # type: ignore[union-attr]
+                list(request.dst_block_ids)[skip:], meta)
             try:
                 stats = await asyncio.shield(send)
             except KVTransferError as exc:

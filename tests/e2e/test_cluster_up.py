@@ -123,6 +123,17 @@ def test_32_concurrent_streams_exact_and_spread(cluster):
     counts = {a: _finished(a) for a in prefill + decode}
     assert sum(counts[a] for a in decode) == 32 and sum(counts[a] for a in prefill) == 32
     assert all(counts[a] >= 4 for a in prefill + decode), counts  # both servers of each tier served
+    # Later requests hit the decode servers' prefix caches (the chat template's
+    # system prompt at least): those blocks are reserved from cache, not sent again.
+    for q in QUESTIONS[:2]:
+        assert _generate(address, q) == expected[q]
+    hits = 0.0
+    for a in decode:
+        with grpc.insecure_channel(a) as ch:
+            url = engine_pb2_grpc.DecodeStub(ch).GetLoad(common_pb2.LoadRequest(), timeout=5).metrics_url
+        hits += sum(float(line.split(" ")[1]) for line in httpx.get(url, timeout=5).text.splitlines()
+                    if line.startswith("pdserve:prefix_cache_hits_total"))
+    assert hits > 0
 
     deadline = time.monotonic() + 10
     while True:

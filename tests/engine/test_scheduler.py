@@ -129,6 +129,21 @@ def test_reserve_and_kv_arrived_path():
     assert_no_leak(s)
 
 
+def test_reserve_reuses_decode_side_prefix_hits():
+    s = make(num_blocks=8, block_size=4, max_seqs=4)
+    first = req("a", 10, max_tokens=2)
+    assert s.reserve(first) == [0, 1, 2] and first.num_cached_tokens == 0
+    s.kv_arrived("a", 42)
+    run_to_end(s)
+    second = req("b", 10, max_tokens=2)  # same prompt: blocks 0 and 1 are cached here
+    ids = s.reserve(second)
+    assert ids[:2] == [0, 1] and len(ids) == 3 and second.num_cached_tokens == 8
+    assert s.prefix_hits_total == 8 and s.prefix_queries_total == 20
+    s.kv_arrived("b", 42)
+    run_to_end(s)
+    assert_no_leak(s)
+
+
 def test_held_blocks_released_explicitly():
     s = make()
     r = req("p", 9, max_tokens=1)
