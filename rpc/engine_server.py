@@ -111,8 +111,26 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     service.attach(engine, address, metrics)
     await rpc.set_serving(True)
     print(f"{role} server ready on {address} (loaded in {time.time() - t0:.1f}s)", flush=True)
+    serving = asyncio.ensure_future(rpc.wait_and_drain(service.drain, grace=args.drain_timeout))
+    watchdog = asyncio.ensure_future(_engine_died(service))
     try:
-        await rpc.wait_and_drain(service.drain, grace=args.drain_timeout)
+        done, _ = await asyncio.wait({serving, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        if watchdog in done:  # nothing can be served: say so and exit, so a supervisor restarts us
+            logger.error("engine loop died (%r); stopping the %s server", watchdog.result(), role)
+            serving.cancel()
+            await rpc.set_serving(False)
+            await rpc.server.stop(grace=1.0)
+            return 1
+        watchdog.cancel()
+        return 0
     finally:
         service.close()
-    return 0
+
+
+async def _engine_died(service: EngineService, period: float = 0.5) -> BaseException | None:
+    """Resolves with the engine loop's error once it has died."""
+    while True:
+        bridge = getattr(service, "bridge", None)
+        if bridge is not None and not bridge.loop.is_alive:
+            return bridge.loop.error
+        await asyncio.sleep(period)

@@ -1,0 +1,75 @@
+"""EngineLoop: commands run in the engine thread between steps, steps run
+while there is work, and a failing step fails every waiting caller instead
+of hanging them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.engine_loop import EngineLoop
+
+
+class _StepCounter:
+    """A minimal stand-in with the two methods EngineLoop calls."""
+
+    def __init__(self, steps: int, fail_at: int | None = None) -> None:
+        self.left, self.fail_at, self.done = steps, fail_at, 0
+        self.threads: set[str] = set()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> list:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_at is not None and self.done == self.fail_at:
+            raise RuntimeError("step broke")
+        self.left -= 1
+        self.done += 1
+        return [self.done]
+
+
+def test_commands_and_steps_run_in_the_engine_thread():
+    eng = _StepCounter(steps=0)
+    seen: list = []
+    loop = EngineLoop(eng, seen.extend)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        assert loop.submit(lambda e: threading.current_thread().name).result(5) == "engine-loop"
+
+        def add_work(e):
+            e.left = 3
+
+        loop.submit(add_work).result(5)
+        for _ in range(100):
+            if loop.submit(lambda e: e.done).result(5) == 3:
+                break
+        assert seen == [1, 2, 3] and eng.threads == {"engine-loop"}
+        with pytest.raises(ZeroDivisionError):  # a failing command fails its caller only
+            loop.submit(lambda e: 1 / 0).result(5)
+        assert loop.is_alive
+    finally:
+        loop.stop()
+
+
+def test_a_failing_step_fails_callers_and_marks_the_loop_dead():
+    eng = _StepCounter(steps=5, fail_at=2)
+    loop = EngineLoop(eng, lambda updated: None)  # type: ignore[arg-type]
+    loop.start()
+    loop._thread.join(5)
+    assert not loop.is_alive and isinstance(loop.error, RuntimeError)
+    with pytest.raises(RuntimeError, match="engine loop died"):
+        loop.submit(lambda e: None).result(5)
+
+
+def test_server_watchdog_sees_the_dead_loop():
+    import asyncio
+    from types import SimpleNamespace
+
+    from rpc.engine_server import _engine_died
+
+    loop = EngineLoop(_StepCounter(steps=1, fail_at=0), lambda updated: None)  # type: ignore[arg-type]
+    loop.start()
+    service = SimpleNamespace(bridge=SimpleNamespace(loop=loop))
+    err = asyncio.run(asyncio.wait_for(_engine_died(service, period=0.01), 5))  # type: ignore[arg-type]
+    assert isinstance(err, RuntimeError) and "step broke" in str(err)
