@@ -64,10 +64,6 @@ class KVCacheManager:
             blocks.append(b)
         return blocks, len(blocks) * self.block_size
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        return self._num_new_blocks(request, num_new_tokens, new_computed_blocks) is not None
-
     def _num_new_blocks(self, request: Request, num_new_tokens: int,
                         new_computed_blocks: Sequence[KVBlock]) -> int | None:
         have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from rpc.engine_metrics import EngineMetrics
 from pdserve.v1 import common_pb2
 
@@ -129,7 +129,3 @@ class EngineBridge:
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
             max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished)
 
-
-def finished_status(reason: str | None) -> RequestStatus:
-    return {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}.get(
-        reason or "", RequestStatus.FINISHED_ABORTED)
