@@ -89,9 +89,9 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     name = "pdserve.v1.Decode"
     role = "decode"
 
-    def __init__(self, kv_host: str, kv_timeout: float, max_queued: int) -> None:
+    def __init__(self, kv_host: str, kv_timeout: float, max_queued: int, local_prefill: bool = False) -> None:
         super().__init__()
-        self.kv_host, self.kv_timeout = kv_host, kv_timeout
+        self.kv_host, self.kv_timeout, self.local_prefill = kv_host, kv_timeout, local_prefill
         self.reservations = Reservations(max_queued)
         self.kv_receivers: KVReceivers | None = None
 
@@ -124,7 +124,7 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         finished = False
         try:
-            if request.remote_prefill:
+            if request.remote_prefill and not self.local_prefill:
                 block_ids = await self._reserve(req, context)
                 yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
                     block_ids=block_ids, num_cached_tokens=req.num_cached_tokens))

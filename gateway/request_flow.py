@@ -140,7 +140,14 @@ class RequestFlow:
                     async for chunk in self._relay(call, decode, skip=0, refusable=True):
                         yield chunk
                     return
-                reserved = await self._read_reserved(call, decode)
+                msg = await self._read(call, decode, refusable=True)
+                if msg.WhichOneof("kind") == "delta":  # a decode server in local-prefill mode
+                    yield self._chunk(msg.delta, skip=0)
+                    if not msg.delta.finish_reason:
+                        async for chunk in self._relay(call, decode, skip=0, refusable=False):
+                            yield chunk
+                    return
+                reserved = self._reserved(msg, decode)
                 first = await self._prefill(prefill, decode, reserved)
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
                                  num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
@@ -150,8 +157,8 @@ class RequestFlow:
                 call.cancel()  # a no-op once the call has finished
                 self._calls.discard(call)
 
-    async def _read_reserved(self, call: Any, decode: Instance) -> engine_pb2.Reserved:
-        msg = await self._read(call, decode, refusable=True)
+    @staticmethod
+    def _reserved(msg: engine_pb2.DecodeResponse, decode: Instance) -> engine_pb2.Reserved:
         if msg.WhichOneof("kind") != "reserved":
             raise GatewayError(ErrorKind.INTERNAL, f"decode server {decode.address} answered a remote-prefill "
                                f"request with {msg.WhichOneof('kind')!r} instead of 'reserved'")
@@ -185,14 +192,18 @@ class RequestFlow:
             if msg.WhichOneof("kind") != "delta":
                 raise GatewayError(ErrorKind.INTERNAL, f"decode server {decode.address} sent "
                                    f"{msg.WhichOneof('kind')!r} where a token delta was expected")
-            delta = msg.delta
-            ids, lps = list(delta.token_ids), list(delta.logprobs)
-            if skip:
-                n = min(skip, len(ids))
-                ids, lps, skip = ids[n:], lps[n:], skip - n
-            yield TokenChunk(ids, lps, delta.finish_reason, delta.num_cached_tokens)
-            if delta.finish_reason:
+            chunk = self._chunk(msg.delta, skip)
+            skip = max(0, skip - len(msg.delta.token_ids))
+            yield chunk
+            if chunk.finish_reason:
                 return
+
+    @staticmethod
+    def _chunk(delta: engine_pb2.TokenDelta, skip: int) -> TokenChunk:
+        """A decode delta as a chunk, without its first ``skip`` tokens."""
+        n = min(skip, len(delta.token_ids))
+        return TokenChunk(list(delta.token_ids)[n:], list(delta.logprobs)[n:], delta.finish_reason,
+                          delta.num_cached_tokens)
 
     async def _read(self, call: Any, decode: Instance, refusable: bool) -> engine_pb2.DecodeResponse:
         try:
