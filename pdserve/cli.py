@@ -28,6 +28,7 @@ BENCH = {
     "offline": ("bench.offline", "offline throughput vs transformers generate()"),
     "serve": ("bench.serve", "serving benchmark against a running gateway"),
     "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
+    "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
 }
 
 

@@ -1,0 +1,68 @@
+"""`pdserve bench decode-step`: time one engine decode step at several batch
+sizes (all sequences at the same context length), the number to hold
+against the roofline (weights + KV bytes per step / memory bandwidth).
+
+    pdserve bench decode-step --model-shape llama-3.1-8b --batch-sizes 1,32,128 --context-len 1024
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from bench.results import write_result
+from engine.config import EngineArgs
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,32,128")
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model-shape", default=None, help="random weights at a named shape (e.g. llama-3.1-8b)")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    if args.model_shape:
+        from bench.model_shapes import shape_dir
+
+        args.model, args.load_format = str(shape_dir(args.model_shape)), "dummy"
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    args.max_num_seqs = max(max(sizes), args.max_num_seqs)
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    device, vocab = engine.config.device, engine.config.model.vocab_size
+    rng = random.Random(0)
+    result: dict = {"config": engine.config.describe(), "context_len": args.context_len, "steps": {}}
+    for b in sizes:
+        sp = SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(args.context_len)], sp)
+        while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+            engine.step()  # prefill
+        engine.step()  # warm-up decode
+        times = []
+        for _ in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+        result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+        print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
+              f"(min {result['steps'][b]['min_ms']:.2f})", flush=True)
+    write_result(result, "decode-step", args.output_json)
+    return 0
