@@ -16,7 +16,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.gateway.processes import ServiceProcess
+from tests.processes import ServiceProcess
 
 pytestmark = pytest.mark.slow
 

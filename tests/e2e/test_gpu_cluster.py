@@ -16,7 +16,7 @@ import torch
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_tiny_model
-from tests.gateway.processes import ServiceProcess
+from tests.processes import ServiceProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -15,7 +15,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.gateway.processes import GatewayProcess, ServiceProcess
+from tests.processes import GatewayProcess, ServiceProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.gateway.fake_engine import FakeEngine
-from tests.gateway.processes import GatewayProcess
+from tests.processes import GatewayProcess
 
 API_KEY = "test-key-123"
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tests.gateway.processes import ServiceProcess
+from tests.processes import ServiceProcess
 
 SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 

@@ -11,7 +11,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
 
 
