@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServiceProcess:

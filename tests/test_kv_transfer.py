@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import socket
 import threading
 import time
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from engine.kv_transfer import (
     choose_backend,
     merge_runs,
 )
+from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
 SENDER_SEED, RECEIVER_SEED = 1, 2
@@ -354,17 +354,12 @@ def test_receiver_close_wakes_a_blocked_recv(peer: Peer) -> None:
     assert isinstance(outcome[0], KVChannelClosed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_connect_to_nobody_fails_within_timeout() -> None:
     layout = layout_for(SMALL, "float32")
     start = time.monotonic()
     with pytest.raises(KVTransferError, match="no KV receiver listening"):
-        KVSender.connect("127.0.0.1", _free_port(), layout, timeout=1.0)
+        KVSender.connect("127.0.0.1", free_port(), layout, timeout=1.0)
     assert time.monotonic() - start < 1.5
 
 

@@ -3,23 +3,16 @@ itself even when the gateway has a prefill server to offer: outputs stay
 exact and the prefill server does no work."""
 from __future__ import annotations
 
-import socket
 
 import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess
+from tests.processes import GatewayProcess, ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def test_local_mode_decode_server_ignores_the_prefill_tier():
@@ -31,7 +24,7 @@ def test_local_mode_decode_server_ignores_the_prefill_tier():
     expected = [llm.chat([{"role": "user", "content": q}], sp)[0].outputs[0].token_ids for q in questions]
     del llm
 
-    pp, dp = _port(), _port()
+    pp, dp = str(free_port()), str(free_port())
     prefill = ServiceProcess("prefill", "prefill_service.server", ["--port", pp, "--metrics-port", "0", *FLAGS],
                              "prefill server ready", env={"OMP_NUM_THREADS": "1"})
     decode = ServiceProcess("decode", "decode_service.server",

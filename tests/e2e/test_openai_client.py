@@ -5,7 +5,6 @@ outputs must equal the offline ``engine.LLM`` token for token, and no KV block
 may stay allocated afterwards."""
 from __future__ import annotations
 
-import socket
 import time
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess
+from tests.processes import GatewayProcess, ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +26,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
 MAX_TOKENS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class EngineProcess(ServiceProcess):
     """A prefill or decode server on a free port."""
 
     def __init__(self, role: str) -> None:
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         # One torch thread each: two engine servers and the reference engine share the CPU cores.
         super().__init__(role, f"{role}_service.server", ["--port", self.address.rsplit(":", 1)[1], *ENGINE_FLAGS],
                          f"{role} server ready", env={"OMP_NUM_THREADS": "1"})

@@ -4,7 +4,6 @@ deadline, abort, and SIGTERM drain. Every case checks no block is left held."""
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
@@ -15,20 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tests.processes import ServiceProcess
+from tests.processes import ServiceProcess, free_port
 
 SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     # 8 blocks of 16 tokens, at most 2 requests waiting for blocks, KV deadline 1.5 s
     proc = ServiceProcess("decode", "decode_service.server",
                           ["--port", str(port), "--metrics-port", str(mport), "--model", str(tiny_llama_dir),
