@@ -84,13 +84,21 @@ def test_jaeger_takes_otlp_and_services_export_to_it(compose):
         assert s[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
 
 
+def _variables(service: dict) -> list[tuple[str, str]]:
+    """(flag, variable) for every ``${VAR}`` in the service's command; the
+    flag is the argument before it."""
+    raw = [str(a) for a in service["command"]]
+    return [(raw[i - 1] if i else "", m.group(1)) for i, a in enumerate(raw) if (m := _VAR.search(a))]
+
+
 def test_environment_variables_are_named_after_flags(compose):
-    for name in ("prefill", "decode"):
-        argv = command(compose["services"][name])
-        raw = [str(a) for a in compose["services"][name]["command"]]
-        for i, a in enumerate(raw):
-            m = _VAR.fullmatch(a)
-            if m and i > 0 and raw[i - 1].startswith("--"):
-                flag = raw[i - 1][2:].upper().replace("-", "_")
-                assert m.group(1).endswith(flag), (m.group(1), raw[i - 1])
-        assert argv  # parsed above
+    s = compose["services"]
+    for name in ("gateway", "prefill", "decode"):
+        for flag, var in _variables(s[name]):
+            assert flag.startswith("--") and var.endswith(flag[2:].upper().replace("-", "_")), (name, flag, var)
+    # The knobs the file's header promises, for both engine tiers.
+    for tier in ("prefill", "decode"):
+        names = {var for _, var in _variables(s[tier])}
+        assert {"MODEL", "DTYPE", "DEVICE", "MAX_MODEL_LEN", "BLOCK_SIZE", "GPU_MEMORY_UTILIZATION",
+                f"{tier.upper()}_MAX_NUM_BATCHED_TOKENS", f"{tier.upper()}_MAX_NUM_SEQS"} <= names, (tier, names)
+    assert {"MODEL", "MAX_MODEL_LEN"} <= {var for _, var in _variables(s["gateway"])}
