@@ -106,15 +106,30 @@ def test_chat_streaming_and_not(cluster, client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_logprobs(client):
+def test_logprobs(cluster, client, tokenizer):
+    # The fake engine gives each token logprob -0.25 and its k-th runner-up
+    # (token id + k) logprob -1 - k; the first token's come from the prefill server.
+    script = cluster.fake.state.script[:3]
+    text = [tokenizer.decode([t]) for t in script]
+    runner_up = [tokenizer.decode([t + 1]) for t in script]
     body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "logprobs": 2}).json()
     lp = body["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
-    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["token_logprobs"][0] == -0.25
+    assert cluster.fake.state.decode_requests[-1].sampling.logprobs == 2
+    assert lp["tokens"] == text and lp["token_logprobs"] == [-0.25] * 3
+    assert lp["top_logprobs"] == [{a: -0.25, b: -2.0} for a, b in zip(text, runner_up)]
+    assert lp["text_offset"] == [0, len(text[0]), len(text[0]) + len(text[1])]
     body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                      "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json()
     content = body["choices"][0]["logprobs"]["content"]
-    assert len(content) == 3 and len(content[0]["top_logprobs"]) == 2
+    assert [c["token"] for c in content] == text and [c["logprob"] for c in content] == [-0.25] * 3
+    assert [c["bytes"] for c in content] == [list(t.encode()) for t in text]
+    assert [[(x["token"], x["logprob"]) for x in c["top_logprobs"]] for c in content] == \
+        [[(a, -0.25), (b, -2.0)] for a, b in zip(text, runner_up)]
+    # logprobs without top_logprobs: the sampled token's only.
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 3, "logprobs": True}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["top_logprobs"]) for c in content] == [(t, -0.25, []) for t in text]
 
 
 def test_openai_client(cluster, oai):
