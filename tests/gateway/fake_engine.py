@@ -33,6 +33,8 @@ class Knobs:
     prefill_delay: float = 0.0
     num_cached_tokens: int = 0
     fail_after_deltas: int | None = None  # Decode.Generate fails (INTERNAL) after this many deltas
+    # Set: Decode.Generate sends its first delta, then waits for this event before the rest.
+    hold_after_first: threading.Event | None = None
 
 
 @dataclass
@@ -96,6 +98,9 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "decode step failed (fake)")
                 if i and s.knobs.token_delay:
                     await asyncio.sleep(s.knobs.token_delay)
+                if i == 1 and s.knobs.hold_after_first is not None:
+                    while not s.knobs.hold_after_first.is_set():
+                        await asyncio.sleep(0.01)
                 last = i == len(chunks) - 1
                 finished = last
                 yield engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(
