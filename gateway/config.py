@@ -2,13 +2,16 @@
 
 ``add_cli_args`` declares the flags (vLLM's names where the meaning is the
 same); ``GatewayConfig.from_args`` checks them and is the only place that
-reads the environment (``PDSERVE_API_KEY``).
+reads the environment (``PDSERVE_API_KEY``; the ``OTEL_*`` variables are
+rpc/tracing.py's).
 """
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass
+
+from rpc import tracing
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -39,6 +42,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="requests in flight at the gateway beyond which new ones get 429 (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    tracing.add_cli_args(parser)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class GatewayConfig:
     request_timeout: float
     max_queued_requests: int | None
     shutdown_timeout: float
+    otlp_traces_endpoint: str | None = None
+    traces_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -86,7 +92,8 @@ class GatewayConfig:
                    grpc_port=args.grpc_port, prefill=parse_addresses(args.prefill, "--prefill"),
                    decode=parse_addresses(args.decode, "--decode"), api_key=api_key or None,
                    log_requests=not args.disable_log_requests, request_timeout=args.request_timeout,
-                   max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout)
+                   max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+                   otlp_traces_endpoint=args.otlp_traces_endpoint, traces_file=args.traces_file)
 
 
 def parse_addresses(text: str | None, flag: str) -> tuple[str, ...]:

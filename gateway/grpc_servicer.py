@@ -1,6 +1,6 @@
 """``pdserve.v1.Gateway`` over grpc.aio: the same GatewayService as the HTTP
-API, with errors as gRPC status codes and ``traceparent`` forwarded from the
-call's metadata."""
+API, with errors as gRPC status codes. A request's trace continues the
+``traceparent`` of the call's metadata."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import grpc
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
+from gateway.request_trace import RequestTrace, trace_headers
 from gateway.service import GatewayService
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.convert import sampling_from_proto
@@ -27,8 +28,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        kind = request.WhichOneof("prompt")
+        trace = self._service.start_trace("chat" if kind == "chat" else "text_completion",
+                                          trace_headers(context.invocation_metadata() or ()), "grpc")
         try:
-            req = await self._prepare(request, _traceparent(context), context.time_remaining())
+            try:
+                req = await self._prepare(request, trace, context.time_remaining())
+            except BaseException as e:
+                trace.finish(error=e)
+                raise
             first = True
             async with aclosing(self._service.generate(req)) as deltas:
                 async for delta in deltas:
@@ -47,7 +55,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
-    async def _prepare(self, request: gateway_pb2.GenerateRequest, traceparent: str | None,
+    async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,
                        timeout: float | None) -> PreparedRequest:
         inputs = self._service.inputs
         inputs.check_model(request.model)
@@ -58,16 +66,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not request.sampling.HasField("max_tokens"):
             sampling.max_tokens = None  # proto default: up to the context length
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            ids = await inputs.encode_text(request.text)
-        elif kind == "chat":
-            ids = await inputs.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
-        elif kind == "token_ids":
-            ids = inputs.check_token_ids(request.token_ids.ids)
-        else:
-            raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
+        with trace.span("tokenize"):
+            if kind == "text":
+                ids = await inputs.encode_text(request.text)
+            elif kind == "chat":
+                ids = await inputs.encode_chat([{"role": m.role, "content": m.content}
+                                                for m in request.chat.messages])
+            elif kind == "token_ids":
+                ids = inputs.check_token_ids(request.token_ids.ids)
+            else:
+                raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return self._service.prepare(ids, sampling, request.request_id or None, prefix, traceparent, timeout)
+        return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout)
 
 
 def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool) -> gateway_pb2.GenerateResponse:
@@ -79,9 +89,3 @@ def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool) -> g
         msg.usage.CopyFrom(delta.usage.to_proto())
     return msg
 
-
-def _traceparent(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            return value if isinstance(value, str) else value.decode()
-    return None

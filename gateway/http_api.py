@@ -9,6 +9,10 @@ that happen before any token (no decode server, queue full, prefill failure)
 get their real status code; later errors become an SSE ``{"error": ...}``
 event followed by ``[DONE]``. A client that disconnects cancels the request
 and with it every internal call.
+
+Each request's trace starts when its handler does (continuing a
+``traceparent`` header) and is ended by ``GatewayService.generate``, or here
+when the request fails before that.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.openai_responses import ChatFormatter, CompletionFormatter, ResponseFormatter
 from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
+from gateway.request_trace import RequestTrace, trace_headers
 from gateway.service import GatewayService
 from gateway.sse import SSE_DONE, SSE_MEDIA_TYPE, sse_event
 
@@ -55,22 +60,34 @@ def create_app(service: GatewayService, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        service.inputs.check_model(body.model)
-        sampling = body.to_sampling_params()
-        prompt = body.single_prompt()
-        ids = (await service.inputs.encode_text(prompt) if isinstance(prompt, str)
-               else service.inputs.check_token_ids(prompt))
-        req = _prepare(service, request, ids, sampling, "cmpl")
+        trace = service.start_trace("text_completion", trace_headers(request.headers.items()), "http")
+        try:
+            service.inputs.check_model(body.model)
+            sampling = body.to_sampling_params()
+            prompt = body.single_prompt()
+            with trace.span("tokenize"):
+                ids = (await service.inputs.encode_text(prompt) if isinstance(prompt, str)
+                       else service.inputs.check_token_ids(prompt))
+            req = _prepare(service, request, ids, sampling, "cmpl", trace)
+        except BaseException as e:
+            trace.finish(error=e)
+            raise
         fmt = CompletionFormatter(req.request_id, service.served_model_name, service.token_text,
                                   body.include_usage, sampling.logprobs is not None)
         return await _respond(service, request, req, fmt, body.stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        service.inputs.check_model(body.model)
-        sampling = body.to_sampling_params()
-        ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt)
-        req = _prepare(service, request, ids, sampling, "chatcmpl")
+        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
+        try:
+            service.inputs.check_model(body.model)
+            sampling = body.to_sampling_params()
+            with trace.span("tokenize"):
+                ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt)
+            req = _prepare(service, request, ids, sampling, "chatcmpl", trace)
+        except BaseException as e:
+            trace.finish(error=e)
+            raise
         fmt = ChatFormatter(req.request_id, service.served_model_name, service.token_text,
                             body.include_usage, sampling.logprobs is not None)
         return await _respond(service, request, req, fmt, body.stream)
@@ -101,9 +118,8 @@ def _model_card(service: GatewayService) -> dict[str, Any]:
 
 
 def _prepare(service: GatewayService, request: Request, ids: list[int], sampling: Any,
-             prefix: str) -> PreparedRequest:
-    return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix,
-                           traceparent=request.headers.get("traceparent"))
+             prefix: str, trace: RequestTrace) -> PreparedRequest:
+    return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace)
 
 
 async def _respond(service: GatewayService, request: Request, req: PreparedRequest, fmt: ResponseFormatter,
@@ -116,6 +132,7 @@ async def _respond(service: GatewayService, request: Request, req: PreparedReque
             return JSONResponse(fmt.response(collected), headers=headers)
         first = await _until_disconnect(request, anext(deltas))
     except _ClientDisconnected:
+        req.trace.finish(error="client disconnected")  # in case generate() never started
         return Response(status_code=499)
     return _SSEResponse(_sse(service, fmt, first, deltas), deltas, headers=headers)
 

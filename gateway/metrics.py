@@ -2,8 +2,11 @@
 
 Names follow vLLM's with the ``pdserve:`` prefix (see docs/architecture.md);
 every series carries ``model_name``. Only values the gateway itself observes
-live here: latencies as the client sees them and token counts. Queue times,
-KV usage and prefix-cache counters are the engine servers' metrics.
+live here: latencies as the client sees them, token counts, and per request
+the phases the prefill server reports in its answer (queue and prefill time,
+KV transfer seconds and bytes; observed only for requests prefilled on a
+prefill server). KV usage and prefix-cache counters are the engine servers'
+metrics.
 """
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0)
+# 1-2-5 steps, as vLLM's token-count histograms.
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+_KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_KV_BYTES_BUCKETS = tuple(float(1 << p) for p in range(12, 36, 2))  # 4 KiB .. 16 GiB
 
 
 class GatewayMetrics:
@@ -45,6 +52,26 @@ class GatewayMetrics:
                                labels + ["status"], registry=r)
         self._in_flight = Gauge("pdserve:gateway_requests_in_flight",
                                 "Requests the gateway is currently serving.", labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self._queue_time = histogram("request_queue_time_seconds",
+                                     "Time a request waited in the prefill server's queue.", _LATENCY_BUCKETS)
+        self._prefill_time = histogram("request_prefill_time_seconds",
+                                       "Prefill server compute time of a request (first scheduled to first token).",
+                                       _LATENCY_BUCKETS)
+        self._decode_time = histogram("request_decode_time_seconds",
+                                      "First to last output token of a request, at the gateway.", _LATENCY_BUCKETS)
+        self._request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                                _TOKEN_BUCKETS)
+        self._request_generation_tokens = histogram("request_generation_tokens",
+                                                    "Generated tokens per finished request.", _TOKEN_BUCKETS)
+        self._kv_seconds = histogram("request_kv_transfer_seconds",
+                                     "KV transfer time of a request, as its prefill server reported it.",
+                                     _KV_SECONDS_BUCKETS)
+        self._kv_bytes = histogram("request_kv_transfer_bytes", "KV bytes transferred for a request.",
+                                   _KV_BYTES_BUCKETS)
         self._model_name = model_name
 
     def on_first_token(self, seconds_since_arrival: float) -> None:
@@ -63,6 +90,19 @@ class GatewayMetrics:
         self._prompt_tokens.inc(num_prompt_tokens)
         self._e2e.observe(e2e_seconds)
         self._success.labels(self._model_name, finish_reason).inc()
+
+    def on_request_phases(self, num_prompt_tokens: int, num_generation_tokens: int,
+                          queue_seconds: float | None = None, prefill_seconds: float | None = None,
+                          decode_seconds: float | None = None, kv_seconds: float | None = None,
+                          kv_bytes: int | None = None) -> None:
+        """A finished request's per-phase figures (None: not measured)."""
+        self._request_prompt_tokens.observe(num_prompt_tokens)
+        self._request_generation_tokens.observe(num_generation_tokens)
+        for hist, value in ((self._queue_time, queue_seconds), (self._prefill_time, prefill_seconds),
+                            (self._decode_time, decode_seconds), (self._kv_seconds, kv_seconds),
+                            (self._kv_bytes, kv_bytes)):
+            if value is not None:
+                hist.observe(value)
 
     def on_error(self, http_status: int) -> None:
         self._errors.labels(self._model_name, str(http_status)).inc()

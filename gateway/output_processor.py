@@ -60,7 +60,8 @@ class OutputProcessor:
         self._per_token = bool(req.sampling.stop)
         self._num_output_tokens = 0
         self._num_cached_tokens = 0
-        self._last_token_time: float | None = None
+        self.first_token_time: float | None = None  # time.monotonic()
+        self.last_token_time: float | None = None
 
     async def process(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[GenerationDelta]:
         """Deltas until the one with a finish_reason; closes ``chunks`` when done."""
@@ -98,12 +99,14 @@ class OutputProcessor:
         if num_tokens == 0:
             return
         now = time.monotonic()
-        if self._last_token_time is None:
+        if self.last_token_time is None:
+            self.first_token_time = now
             self._metrics.on_first_token(now - self._req.arrival)
             self._metrics.on_tokens(num_tokens, None)
+            self._req.trace.on_first_token(now - self._req.arrival)
         else:
-            self._metrics.on_tokens(num_tokens, now - self._last_token_time)
-        self._last_token_time = now
+            self._metrics.on_tokens(num_tokens, now - self.last_token_time)
+        self.last_token_time = now
         self._num_output_tokens += num_tokens
 
     def _final(self, ids: list[int], lps: list[common_pb2.TokenLogprob], text: str,
@@ -115,3 +118,7 @@ class OutputProcessor:
     @property
     def num_output_tokens(self) -> int:
         return self._num_output_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached_tokens

@@ -6,8 +6,8 @@
            P.Prefill(dst_block_ids, decode_address=D) -> first token -> chunk (time to first token)
            D deltas -> chunks, minus the first token (D repeats it in its first delta)
 
-Every call gets the request's remaining deadline and the client's
-``traceparent``. Whatever way the stream ends (finish, error, the consumer
+Every call gets the request's remaining deadline and its trace context
+(a CLIENT span per call, see ``request_trace``). Whatever way the stream ends (finish, error, the consumer
 closing it, the task being cancelled, ``abort()``), every internal call is
 cancelled, which makes the engine servers free the request's blocks.
 
@@ -19,16 +19,19 @@ Text, stop strings and usage are not this module's business: see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from engine.sampling_params import SamplingParams
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance
+from gateway.request_trace import RequestTrace, set_error
 from gateway.router import Router, in_flight
 from pdserve.v1 import common_pb2, engine_pb2
 from rpc.convert import sampling_to_proto
@@ -46,7 +49,7 @@ class PreparedRequest:
     sampling: SamplingParams
     arrival: float  # time.monotonic()
     deadline: float  # time.monotonic()
-    traceparent: str | None = None
+    trace: RequestTrace = field(default_factory=RequestTrace.disabled)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -81,6 +84,8 @@ class RequestFlow:
         self.is_aborted = False
         self.decode_address: str | None = None
         self.prefill_address: str | None = None
+        # What the prefill server reported: queue/compute seconds, KV transfer.
+        self.prefill_result: engine_pb2.PrefillResponse | None = None
 
     def abort(self) -> None:
         """End the stream early with finish_reason "abort" (cancels internal calls)."""
@@ -108,13 +113,16 @@ class RequestFlow:
         tried: list[str] = []
         last: GatewayError | None = None
         while True:
-            try:
-                decode = self._router.pick_decode(exclude=tried)
-            except GatewayError:
-                if last is not None:
-                    raise last from None
-                raise
-            prefill = self._router.pick_prefill()
+            with self._req.trace.span("route", **{"pdserve.route.attempt": len(tried) + 1}) as span:
+                try:
+                    decode = self._router.pick_decode(exclude=tried)
+                except GatewayError:
+                    if last is not None:
+                        raise last from None
+                    raise
+                prefill = self._router.pick_prefill()
+                span.set_attributes({"pdserve.route.decode": decode.address,
+                                     "pdserve.route.prefill": prefill.address if prefill else "local"})
             self.decode_address = decode.address
             self.prefill_address = prefill.address if prefill else None
             try:
@@ -129,11 +137,12 @@ class RequestFlow:
 
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
-        with in_flight(decode), in_flight(prefill):
+        span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
+        with in_flight(decode), in_flight(prefill), _ending(span):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None),
-                timeout=self._timeout(), metadata=self._metadata())
+                timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:
                 if prefill is None:
@@ -148,6 +157,8 @@ class RequestFlow:
                             yield chunk
                     return
                 reserved = self._reserved(msg, decode)
+                span.add_event("reserved", {"pdserve.kv.blocks": len(reserved.block_ids),
+                                            "pdserve.cached_tokens": reserved.num_cached_tokens})
                 first = await self._prefill(prefill, decode, reserved)
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
                                  num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
@@ -171,18 +182,24 @@ class RequestFlow:
         # Leading blocks the decode server already holds (its own prefix-cache
         # hit) need no transfer.
         num_skip = reserved.num_cached_tokens // block_size if block_size else 0
-        call = prefill.stub.Prefill(
-            engine_pb2.PrefillRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
-                                      sampling=self._sampling, decode_address=decode.address,
-                                      dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip),
-            timeout=self._timeout(), metadata=self._metadata())
-        self._calls.add(call)
-        try:
-            return await call
-        except grpc.aio.AioRpcError as e:
-            raise self._prefill_error(e, prefill) from None
-        finally:
-            self._calls.discard(call)
+        span = _client_span(req.trace, "pdserve.v1.Prefill/Prefill", prefill)
+        with _ending(span):
+            call = prefill.stub.Prefill(
+                engine_pb2.PrefillRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
+                                          sampling=self._sampling, decode_address=decode.address,
+                                          dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip),
+                timeout=self._timeout(), metadata=req.trace.metadata(span))
+            self._calls.add(call)
+            try:
+                result = await call
+            except grpc.aio.AioRpcError as e:
+                raise self._prefill_error(e, prefill) from None
+            finally:
+                self._calls.discard(call)
+            self.prefill_result = result
+            if span.is_recording():
+                span.set_attributes(prefill_attributes(result, num_skip))
+            return result
 
     async def _relay(self, call: Any, decode: Instance, skip: int, refusable: bool) -> AsyncIterator[TokenChunk]:
         """Decode deltas as chunks, dropping the first ``skip`` tokens."""
@@ -234,6 +251,8 @@ class RequestFlow:
 
     def _rpc_error(self, code: grpc.StatusCode, details: str, where: str, inst: Instance) -> GatewayError:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if self._req.remaining() > 0:  # the server's own bound on a state, not the client's deadline
+                return GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"{where}: {details}", code="timeout")
             return GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"request {self._req.request_id} ran past its "
                                 f"deadline while waiting for {where}", code="timeout")
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
@@ -244,6 +263,9 @@ class RequestFlow:
             return GatewayError(ErrorKind.UNAVAILABLE, f"{where} is unavailable: {details}")
         if code == grpc.StatusCode.CANCELLED:
             return GatewayError(ErrorKind.UNAVAILABLE, f"{where} cancelled the request: {details}")
+        if code == grpc.StatusCode.ABORTED:  # the KV hand-off failed; the server itself is fine
+            return GatewayError(ErrorKind.UNAVAILABLE, f"{where} ended the request: {details}",
+                                code="kv_transfer_failed")
         return GatewayError(ErrorKind.INTERNAL, f"{where} failed: {code.name}: {details}")
 
     def _timeout(self) -> float:
@@ -253,5 +275,43 @@ class RequestFlow:
                                f"request {self._req.request_id} ran past its deadline", code="timeout")
         return remaining
 
-    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
-        return (("traceparent", self._req.traceparent),) if self._req.traceparent else None
+
+
+def prefill_attributes(result: engine_pb2.PrefillResponse, num_skip_blocks: int) -> dict[str, Any]:
+    """Span attributes of what a prefill server reported."""
+    t = result.transfer
+    attrs: dict[str, Any] = {
+        "pdserve.prefill.queue_ms": round(result.queue_seconds * 1e3, 3),
+        "pdserve.prefill.compute_ms": round(max(0.0, result.prefill_seconds - result.queue_seconds) * 1e3, 3),
+        "pdserve.cached_tokens": result.num_cached_tokens, "pdserve.kv.skipped_blocks": num_skip_blocks}
+    if result.HasField("transfer"):
+        attrs.update({"pdserve.kv.blocks": t.num_blocks, "pdserve.kv.bytes": t.num_bytes,
+                      "pdserve.kv.seconds": t.seconds, "pdserve.kv.backend": t.backend})
+        if t.seconds > 0:
+            attrs["pdserve.kv.gbps"] = round(t.num_bytes / t.seconds / 1e9, 3)
+    return attrs
+
+
+def _client_span(trace: RequestTrace, method: str, instance: Instance) -> Span:
+    service, _, name = method.partition("/")
+    host, _, port = instance.address.rpartition(":")
+    return trace.start_span(method, SpanKind.CLIENT, {
+        "rpc.system": "grpc", "rpc.service": service, "rpc.method": name, "server.address": host,
+        "server.port": int(port) if port.isdigit() else 0, "pdserve.instance.role": instance.role})
+
+
+@contextlib.contextmanager
+def _ending(span: Span) -> Iterator[None]:
+    """End ``span`` when the block exits; failures mark it as an error."""
+    try:
+        yield
+    except _Refused as e:
+        set_error(span, e.error)
+        raise
+    except GeneratorExit:
+        raise
+    except BaseException as e:
+        set_error(span, e)
+        raise
+    finally:
+        span.end()

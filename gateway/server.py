@@ -32,6 +32,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from rpc import tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger("gateway")
@@ -51,6 +52,7 @@ def main(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         cfg = GatewayConfig.from_args(args)
+        tracing.init_tracing(tracing.GATEWAY, otlp_endpoint=cfg.otlp_traces_endpoint, traces_file=cfg.traces_file)
         inputs = load_input_processor(cfg)
     except (ValueError, RuntimeError) as e:  # bad flags, model not found, default model unavailable
         logger.error("gateway: %s", e)

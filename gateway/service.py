@@ -3,15 +3,22 @@ validation of a tokenized request, and ``generate()``, which runs a request
 through ``RequestFlow`` and ``OutputProcessor`` while it is registered in
 ``ActiveRequests`` (for Abort and drain).
 
-    front end --prepare()--> PreparedRequest --generate()--> GenerationDelta...
+    front end --start_trace()--> RequestTrace --prepare()--> PreparedRequest
+              --generate()--> GenerationDelta...
                                    RequestFlow (tokens) -> OutputProcessor (text)
+
+``generate()`` ends the request's trace, observes its per-phase metrics and
+writes its log line (unless ``--disable-log-requests``)::
+
+    request cmpl-1f.. : prompt_tokens=12 cached_tokens=0 output_tokens=16 ttft=0.081s e2e=0.412s
+        decode=127.0.0.1:50071 prefill=127.0.0.1:50061 finish=length trace=4bf92f35...
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 
 from engine.sampling_params import SamplingParams
@@ -21,8 +28,10 @@ from gateway.instances import InstanceRegistry
 from gateway.metrics import GatewayMetrics
 from gateway.output_processor import GenerationDelta, OutputProcessor
 from gateway.request_flow import PreparedRequest, RequestFlow
+from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.tokenization import InputProcessor
+from rpc import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,7 @@ class GatewayService:
         self.active = ActiveRequests(max_queued_requests)
         self.request_timeout = request_timeout
         self.log_requests = log_requests
+        self._tracer = tracing.get_tracer("pdserve.gateway")
 
     @property
     def served_model_name(self) -> str:
@@ -56,8 +66,14 @@ class GatewayService:
         """A token's own text (for logprobs)."""
         return self.inputs.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def start_trace(self, operation: str, headers: Mapping[str, str] | None, api: str) -> RequestTrace:
+        """The root span of a new request ("chat" | "text_completion"),
+        continuing the caller's trace headers if any. ``generate()`` ends it;
+        a front end whose request fails before that calls ``finish``."""
+        return RequestTrace(operation, self.served_model_name, headers, api, self._tracer)
+
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None,
-                id_prefix: str, traceparent: str | None = None, timeout: float | None = None) -> PreparedRequest:
+                id_prefix: str, trace: RequestTrace | None = None, timeout: float | None = None) -> PreparedRequest:
         """Check the token budget and admission; assign ids and the deadline
         (``--request-timeout``, or ``timeout`` if shorter: a gRPC client's own
         deadline). ``sampling.max_tokens`` None means the rest of the context."""
@@ -74,9 +90,10 @@ class GatewayService:
             request_id = internal_id = f"{id_prefix}-{uuid.uuid4().hex}"
         now = time.monotonic()
         timeout = self.request_timeout if timeout is None else min(timeout, self.request_timeout)
+        trace = trace or RequestTrace.disabled()
+        trace.on_prepared(request_id, internal_id, len(prompt_token_ids), sampling)
         return PreparedRequest(request_id=request_id, internal_id=internal_id, prompt_token_ids=prompt_token_ids,
-                               sampling=sampling, arrival=now, deadline=now + timeout,
-                               traceparent=traceparent)
+                               sampling=sampling, arrival=now, deadline=now + timeout, trace=trace)
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas of one request until the one with a finish_reason. Raises
@@ -86,25 +103,51 @@ class GatewayService:
         self.metrics.set_in_flight(len(self.active))
         output = OutputProcessor(self.inputs.tokenizer, req, self.metrics)
         outcome = "cancelled"
+        error: BaseException | str | None = "cancelled"
         try:
             async with aclosing(output.process(flow.stream())) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason:
-                        outcome = delta.finish_reason
+                        outcome, error = delta.finish_reason, None
                     yield delta
         except GatewayError as e:
-            outcome = f"error {e.kind.http_status}: {e.message}"
+            outcome, error = f"error {e.kind.http_status}: {e.message}", e
             raise
         finally:
             self.active.remove(handle)
             self.metrics.set_in_flight(len(self.active))
-            if self.log_requests:
-                internal = f" ({req.internal_id})" if req.internal_id != req.request_id else ""
-                logger.info("request %s%s: %d prompt + %d output tokens, decode=%s prefill=%s, %.3fs, %s",
-                            req.request_id, internal, len(req.prompt_token_ids), output.num_output_tokens,
-                            flow.decode_address or "-", flow.prefill_address or ("local" if flow.decode_address else "-"),
-                            time.monotonic() - req.arrival,
-                            outcome)
+            self._finish(req, flow, output, outcome, error)
+
+    def _finish(self, req: PreparedRequest, flow: RequestFlow, output: OutputProcessor, outcome: str,
+                error: BaseException | str | None) -> None:
+        """A request's end: phase metrics, its trace's root span, its log line."""
+        e2e = time.monotonic() - req.arrival
+        ttft = output.first_token_time - req.arrival if output.first_token_time is not None else None
+        prefill = flow.prefill_result
+        kv = prefill.transfer if prefill is not None and prefill.HasField("transfer") else None
+        if error is None:
+            decode_s = (output.last_token_time - output.first_token_time
+                        if output.first_token_time is not None and output.last_token_time is not None else None)
+            self.metrics.on_request_phases(
+                num_prompt_tokens=len(req.prompt_token_ids), num_generation_tokens=output.num_output_tokens,
+                queue_seconds=prefill.queue_seconds if prefill is not None else None,
+                prefill_seconds=max(0.0, prefill.prefill_seconds - prefill.queue_seconds) if prefill else None,
+                decode_seconds=decode_s, kv_seconds=kv.seconds if kv else None, kv_bytes=kv.num_bytes if kv else None)
+        req.trace.finish({
+            "gen_ai.response.finish_reasons": [outcome] if error is None else None,
+            "gen_ai.usage.output_tokens": output.num_output_tokens,
+            "pdserve.cached_tokens": output.num_cached_tokens, "pdserve.e2e_ms": round(e2e * 1e3, 3),
+            "pdserve.kv.bytes": kv.num_bytes if kv else None,
+            "pdserve.route.decode": flow.decode_address, "pdserve.route.prefill": flow.prefill_address}, error)
+        if self.log_requests:
+            internal = f" ({req.internal_id})" if req.internal_id != req.request_id else ""
+            logger.info("request %s%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
+                        "decode=%s prefill=%s finish=%s%s",
+                        req.request_id, internal, len(req.prompt_token_ids), output.num_cached_tokens,
+                        output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
+                        flow.decode_address or "-",
+                        flow.prefill_address or ("local" if flow.decode_address else "-"), outcome,
+                        f" trace={req.trace.trace_id}" if req.trace.trace_id else "")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by id (its stream ends with finish_reason "abort")."""

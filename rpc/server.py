@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rpc import tracing
+
 logger = logging.getLogger(__name__)
 
 # Defaults are fine for token streams; raise the message cap because a long
@@ -34,10 +36,13 @@ class RpcServer:
     """Owns one grpc.aio server, its health servicer and its lifecycle."""
 
     def __init__(self, address: str, service_names: Iterable[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.service_names = list(service_names)
+        # A SERVER span per request-carrying call under the caller's
+        # traceparent (none when tracing is off; see rpc/tracing.py).
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=tracing.server_interceptors(self.service_names))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.service_names = list(service_names)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.server)
