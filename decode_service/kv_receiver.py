@@ -3,12 +3,16 @@
 A prefill server calls ``OpenKVChannel``; we check the layouts, open a
 torch.distributed rendezvous and start a thread that receives transfers into
 this engine's KV cache for as long as the pair lives. Each transfer names its
-request and destination blocks; we check (in the engine thread) that those
-blocks are reserved for that request before any byte lands in them.
+request and destination blocks; the engine checks (``begin_kv_receive``, in
+its own thread) that those blocks are reserved for that request before any
+byte lands in them, and hears how every begun receive ended
+(``kv_received`` or ``kv_failed``): the request's state is the engine's, not
+ours.
 
-State owned by the engine thread: ``receiving`` (requests whose blocks are
-being written now) and ``abort_after_receive`` (aborted meanwhile: their
-blocks are freed only when the write ends, never under it).
+We keep only the pairs: at most one per prefill peer (a peer that opens a
+new channel replaces its old one) and at most ``max_pairs`` in all. A pair
+whose setup fails, or that breaks, is closed and forgotten, and its thread
+exits.
 """
 from __future__ import annotations
 
@@ -21,9 +25,9 @@ import torch
 from engine.kv_transfer import (KVChannelClosed, KVLayout, KVReceiver, KVTransferError, TransferStats,
                                 check_compatible, choose_backend)
 from engine.llm_engine import LLMEngine
-from engine.sampler import Logprobs
-from rpc.convert import layout_from_proto, layout_to_proto
+from engine.outputs import Logprobs
 from rpc.engine_bridge import EngineBridge
+from rpc.layout_convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -31,18 +35,21 @@ logger = logging.getLogger(__name__)
 
 class KVReceivers:
     def __init__(self, bridge: EngineBridge, host: str, timeout: float,
-                 on_transfer: Callable[[TransferStats], None] | None = None) -> None:
+                 on_transfer: Callable[[TransferStats], None] | None = None, max_pairs: int = 64) -> None:
         self.bridge = bridge
         engine = bridge.engine
-        self.kv_cache: torch.Tensor = engine.runner.kv_cache
+        self.kv_cache: torch.Tensor = engine.kv_cache
         self.layout = KVLayout.of(self.kv_cache, engine.config.model.served_model_name)
         self.host = host
         self.timeout = timeout
         self.on_transfer = on_transfer
-        self.receiving: set[str] = set()
-        self.abort_after_receive: set[str] = set()
-        self._receivers: list[KVReceiver] = []
+        self.max_pairs = max_pairs
+        self._receivers: dict[str, KVReceiver] = {}  # prefill peer -> its live pair
         self._lock = threading.Lock()
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._receivers)
 
     # ---- pair setup (gRPC executor thread) ------------------------------
     def open(self, request: engine_pb2.OpenKVChannelRequest) -> engine_pb2.OpenKVChannelResponse:
@@ -55,13 +62,19 @@ class KVReceivers:
         same_gpu = mine.startswith("cuda") and request.device == mine
         backend, reason = choose_backend(request.device or "cpu", mine, same_gpu)
         logger.info("KV channel from %s: %s", request.peer, reason)
+        with self._lock:
+            old = self._receivers.pop(request.peer, None)
+            if old is None and len(self._receivers) >= self.max_pairs:
+                raise OverflowError(f"this decode server already has {self.max_pairs} KV pairs")
+        if old is not None:  # the peer lost its side of the old pair; ours must go too
+            old.close()
         try:
             receiver, port = KVReceiver.listen(self.host, self.layout, backend=backend, device=mine,
                                                timeout=self.timeout)
         except KVTransferError as exc:
             raise ValueError(str(exc)) from exc
         with self._lock:
-            self._receivers.append(receiver)
+            self._receivers[request.peer] = receiver
         threading.Thread(target=self._recv_loop, args=(receiver, request.peer), daemon=True,
                          name=f"kv-recv-{request.peer}").start()
         return engine_pb2.OpenKVChannelResponse(host=self.host, port=port, layout=layout_to_proto(self.layout),
@@ -69,67 +82,58 @@ class KVReceivers:
 
     def close(self) -> None:
         with self._lock:
-            receivers, self._receivers = self._receivers, []
+            receivers, self._receivers = list(self._receivers.values()), {}
         for r in receivers:
             r.close()
 
+    def _forget(self, receiver: KVReceiver, peer: str) -> None:
+        with self._lock:
+            if self._receivers.get(peer) is receiver:
+                del self._receivers[peer]
+        receiver.close()
+
     # ---- receive loop (one thread per pair) ------------------------------
     def _recv_loop(self, receiver: KVReceiver, peer: str) -> None:
-        while True:
-            try:
-                rid, _, stats, meta = receiver.recv(self.kv_cache, validate=self._validate)
-            except KVChannelClosed:
-                logger.info("KV channel from %s closed", peer)
-                return
-            except KVTransferError as exc:
-                logger.warning("KV transfer from %s failed: %s", peer, exc)
-                rid = getattr(exc, "request_id", None)
-                if rid:
-                    self.bridge.submit(lambda e, rid=rid: self._failed(e, rid))
-                if not receiver.is_usable:
-                    return
-                continue
-            except Exception as exc:  # validation refused it: data drained, pair fine
-                logger.warning("KV transfer from %s refused: %s", peer, exc)
-                continue
-            if self.on_transfer is not None:
-                self.on_transfer(stats)
-            self.bridge.submit(lambda e, rid=rid, meta=meta: self._arrived(e, rid, meta))
-
-    def _validate(self, request_id: str, dst_block_ids: list[int]) -> None:
-        """Receiver thread: ask the engine thread whether the blocks are ours."""
-        self.bridge.loop.submit(lambda e: self._check_reserved(e, request_id, dst_block_ids)).result(self.timeout)
-
-    # ---- engine thread ---------------------------------------------------
-    def _check_reserved(self, engine: LLMEngine, request_id: str, dst: list[int]) -> None:
-        if request_id not in engine.scheduler.reserved:
-            raise ValueError(f"request {request_id} has no reserved blocks here (aborted or unknown)")
-        req, kv = engine.scheduler.reserved[request_id], engine.scheduler.kv
-        have = kv.get_block_ids(request_id)
-        skipped = len(have) - len(dst)  # leading blocks this cache already had (prefix hits)
-        if not 0 <= skipped * kv.block_size <= req.num_cached_tokens or dst != have[skipped:]:
-            raise ValueError(f"request {request_id}: KV sent to blocks {dst}, reserved {have} "
-                             f"({req.num_cached_tokens} tokens cached here)")
-        self.receiving.add(request_id)
-
-    def _arrived(self, engine: LLMEngine, request_id: str, meta: dict) -> None:
-        self.receiving.discard(request_id)
-        if request_id in self.abort_after_receive:
-            self.abort_after_receive.discard(request_id)
-            engine.abort_request(request_id)
+        try:
+            receiver.wait_connected()
+        except KVTransferError as exc:
+            logger.warning("KV channel from %s was not set up: %s", peer, exc)
+            self._forget(receiver, peer)
             return
-        lp = meta.get("logprob")
-        logprob = Logprobs(lp["token_id"], lp["logprob"], lp["rank"], [tuple(t) for t in lp["top"]]) if lp else None
-        req = engine.scheduler.kv_arrived(request_id, int(meta["first_token"]), logprob)
-        self.bridge.post(self.bridge.snapshot(req))
+        try:
+            while self._recv_one(receiver, peer):
+                pass
+        finally:
+            self._forget(receiver, peer)
 
-    def _failed(self, engine: LLMEngine, request_id: str) -> None:
-        self.receiving.discard(request_id)
-        self.abort_after_receive.discard(request_id)
-        self.bridge.abort_in_engine(engine, request_id)
+    def _recv_one(self, receiver: KVReceiver, peer: str) -> bool:
+        """Receive one transfer and tell the engine how it ended. False when
+        the pair is done (closed or broken)."""
+        begun: list[str] = []  # the request whose receive the engine was asked to begin
 
-    def defer_abort_if_receiving(self, request_id: str) -> bool:
-        if request_id in self.receiving:
-            self.abort_after_receive.add(request_id)
-            return True
-        return False
+        def validate(request_id: str, dst_block_ids: list[int]) -> None:
+            begun.append(request_id)
+            self.bridge.loop.submit(lambda e: e.begin_kv_receive(request_id, dst_block_ids)).result(self.timeout)
+
+        try:
+            rid, _, stats, meta = receiver.recv(self.kv_cache, validate=validate)
+        except KVChannelClosed:
+            logger.info("KV channel from %s closed", peer)
+            return False
+        except BaseException as exc:  # anything: the engine must hear the receive is over
+            rid = getattr(exc, "request_id", None) or (begun[0] if begun else None)
+            logger.warning("KV transfer %sfrom %s failed: %s", f"of {rid} " if rid else "", peer, exc)
+            if rid is not None:
+                # Runs after begin_kv_receive (commands run in order), even if that timed out here.
+                self.bridge.submit(lambda e: e.kv_failed(rid, f"KV transfer from {peer} failed: {exc}"))
+            return receiver.is_usable and isinstance(exc, Exception)
+        if self.on_transfer is not None:
+            self.on_transfer(stats)
+        self.bridge.submit(lambda e: _arrived(e, rid, meta))
+        return True
+
+
+def _arrived(engine: LLMEngine, request_id: str, meta: dict) -> None:
+    lp = meta.get("logprob")
+    logprob = Logprobs(lp["token_id"], lp["logprob"], lp["rank"], [tuple(t) for t in lp["top"]]) if lp else None
+    engine.kv_received(request_id, int(meta["first_token"]), logprob)

@@ -16,14 +16,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-mode", choices=("disaggregated", "local"), default="disaggregated",
                         help="local: prefill every request here, even when the gateway offers a prefill "
                              "server (the colocated baseline)")
-    parser.add_argument("--max-queued-requests", type=int, default=1024,
-                        help="requests that may wait for KV blocks before new ones get RESOURCE_EXHAUSTED")
 
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("decode")
-    servicer = DecodeServicer(advertise_host(args), args.kv_transfer_timeout, args.max_queued_requests,
-                              local_prefill=args.prefill_mode == "local")
+    servicer = DecodeServicer(advertise_host(args), local_prefill=args.prefill_mode == "local")
     return asyncio.run(serve_engine(args, "decode", servicer))
 
 

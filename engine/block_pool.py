@@ -78,9 +78,13 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
-        # Hashes stored/evicted since the last take_events(): the prefix index feed.
-        self._stored: list[int] = []
-        self._evicted: list[int] = []
+        # The prefix index feed: hashes stored/evicted since the last
+        # take_events(). Nothing is recorded until someone subscribes, and at
+        # most max_events are kept (then the feed is marked lost and the
+        # consumer resynchronises from ``cached``).
+        self._events: list[tuple[bool, int]] | None = None
+        self._max_events = 0
+        self.events_lost = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,7 +124,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self._evicted.append(block.block_hash)
+                self._record(False, block.block_hash)
             block.block_hash = None
 
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
@@ -132,7 +136,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self._stored.append(block_hash)
+        self._record(True, block_hash)
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue
@@ -154,8 +158,21 @@ class BlockPool:
             self._evict(b)
         return True
 
-    def take_events(self) -> tuple[list[int], list[int]]:
-        """(stored hashes, evicted hashes) since the last call."""
-        stored, evicted = self._stored, self._evicted
-        self._stored, self._evicted = [], []
-        return stored, evicted
+    def subscribe_events(self, max_events: int = 65536) -> None:
+        """Start recording stored/evicted hashes for ``take_events``."""
+        if max_events < 1:
+            raise ValueError("max_events must be at least 1")
+        self._events, self._max_events, self.events_lost = [], max_events, False
+
+    def _record(self, stored: bool, block_hash: int) -> None:
+        if self._events is None:
+            return
+        if len(self._events) >= self._max_events:
+            self._events.clear()
+            self.events_lost = True
+        self._events.append((stored, block_hash))
+
+    def take_events(self) -> list[tuple[bool, int]]:
+        """(stored?, hash) in order since the last call (empty until subscribed)."""
+        events, self._events = self._events or [], [] if self._events is not None else None
+        return events

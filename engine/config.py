@@ -146,8 +146,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    kv_transfer_timeout: float = 60.0  # seconds a KV hand-off step may take (see Scheduler.expire)
+    max_queued_requests: int = 1024  # decode tier: reservations that may wait for blocks
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"--kv-transfer-timeout must be positive, got {self.kv_transfer_timeout}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be at least 0, got {self.max_queued_requests}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -190,6 +196,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    kv_transfer_timeout: float = 60.0
+    max_queued_requests: int = 1024
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -217,6 +225,13 @@ class EngineArgs:
         g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget per step (chunked prefill)")
+        g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                       help="seconds a KV hand-off step may take: a pair setup, one transfer, and a "
+                            "decode-side wait for KV counted from the prefill's start (a reservation whose "
+                            "prefill never starts waits at most 10x this when the caller set no deadline)")
+        g.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="decode tier: requests that may wait for KV blocks before new ones get "
+                            "RESOURCE_EXHAUSTED")
         return parser
 
     @classmethod
@@ -264,5 +279,6 @@ class EngineArgs:
                             num_gpu_blocks_override=self.num_gpu_blocks_override)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
-                                max_model_len=max_len)
+                                max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
+                                max_queued_requests=self.max_queued_requests)
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device)

@@ -3,12 +3,15 @@
 The engine (scheduler, block pool, model runner) is single-threaded by
 design; servers run it here and talk to it only through ``submit``: a
 function executed in the engine thread between two steps. After every step
-the loop calls ``on_step(updated_requests)`` in the engine thread; servers
-use it to snapshot deltas and hand them to their event loop.
+that changed something the loop calls ``on_step(step_output)`` in the
+engine thread; servers use it to snapshot deltas and hand them to their
+event loop.
 
     while running:
-        run queued commands (block while idle)
-        if work: updated = engine.step(); on_step(updated)
+        run queued commands (wait up to IDLE_WAIT_S for one if the last step did nothing)
+        if the engine has requests: out = engine.step(); on_step(out) unless empty
+
+The wait bounds how late a deadline is noticed while nothing else happens.
 """
 from __future__ import annotations
 
@@ -18,21 +21,17 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.llm_engine import LLMEngine, StepOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_WAIT_S = 0.1
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[list[Request]], None],
-                 idle_hook: Callable[[], bool] | None = None) -> None:
-        """``idle_hook`` runs in the engine thread after commands and steps;
-        return True if it did work (the loop then does not block)."""
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None]) -> None:
         self.engine = engine
         self.on_step = on_step
-        self.idle_hook = idle_hook
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -61,7 +60,7 @@ class EngineLoop:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, fut = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            fn, fut = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -77,13 +76,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            idle = True
             while not self._stopped.is_set():
-                busy = self.engine.has_unfinished_requests()
-                self._run_commands(block=not busy)
+                self._run_commands(block=idle)
+                idle = True
                 if self.engine.has_unfinished_requests():
-                    self.on_step(self.engine.step())
-                if self.idle_hook is not None:
-                    self.idle_hook()
+                    out = self.engine.step()
+                    idle = not out.did_work
+                    if not out.is_empty:
+                        self.on_step(out)
         except BaseException as exc:  # a broken step: fail every caller, never hang them
             logger.exception("engine loop failed")
             self.error = exc

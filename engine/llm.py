@@ -59,9 +59,14 @@ class LLM:
             by_id = {t.request.request_id: t for t in tracks}
             bar = _progress(len(tracks)) if use_tqdm else None
             while self.engine.has_unfinished_requests():
-                for req in self.engine.step():
-                    self._on_tokens(by_id[req.request_id])
-                    if req.is_finished and bar is not None:
+                for req in self.engine.step().updated:
+                    t = by_id.pop(req.request_id, None)  # None: reported again after a stop string
+                    if t is None:
+                        continue
+                    self._on_tokens(t)
+                    if not req.is_finished:
+                        by_id[req.request_id] = t
+                    elif bar is not None:
                         bar.update(1)
             if bar is not None:
                 bar.close()

@@ -1,8 +1,17 @@
 """The engine: a scheduler and a model runner, driven one step at a time.
 
-    out = scheduler.schedule()          # which tokens of which requests
+    expired = scheduler.expire(now)     # every non-final state has a deadline
+    out = scheduler.schedule()          # reservations, then which tokens of which requests
     sampled = runner.execute(out)       # one forward pass + sampling
     scheduler.update_from_output(...)   # advance token counts, finish
+
+Servers never touch the scheduler or the cache: they call the engine's
+named operations (``add_request``, ``add_prefill_request``, ``reserve``,
+``prefill_started``, ``begin_kv_receive``, ``kv_received``, ``kv_failed``,
+``begin_send``, ``release_after_send``, ``abort_request``) and read what
+happened from each ``StepOutput``. A request that an operation finishes or
+advances outside a step is reported in the next step's output, so every
+outcome reaches the caller through one path.
 
 Not thread-safe: one thread owns an engine (the servers run it in a
 dedicated loop thread and talk to it through queues).
@@ -10,6 +19,8 @@ dedicated loop thread and talk to it through queues).
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from engine.config import EngineArgs, EngineConfig
@@ -19,6 +30,42 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step changed, for the server that drives the engine."""
+
+    updated: list[Request] = field(default_factory=list)  # got tokens, became held, or finished
+    reserved: list[Request] = field(default_factory=list)  # decode tier: blocks reserved (block ids ready)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
+    num_batched_tokens: int = 0  # tokens the model ran on (0: no forward pass)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to report (the model may still have run a prefill chunk)."""
+        return not (self.updated or self.reserved or self.started)
+
+    @property
+    def did_work(self) -> bool:
+        return self.num_batched_tokens > 0 or not self.is_empty
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters a server reports (load, metrics); a consistent snapshot."""
+
+    num_running: int
+    num_waiting: int  # waiting to run, for blocks, or for KV
+    kv_blocks_used: int  # held by live requests (idle prefix-cache blocks are free)
+    kv_blocks_total: int
+    prefix_queries_total: int
+    prefix_hits_total: int
+    num_preemptions_total: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
 
 
 class LLMEngine:
@@ -35,6 +82,7 @@ class LLMEngine:
             logger.warning("the KV cache holds %d tokens, less than --max-model-len %d", capacity,
                            sc.max_model_len)
         self.eos_token_ids = mc.eos_token_ids
+        self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -44,9 +92,17 @@ class LLMEngine:
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
+    @property
+    def kv_cache(self):  # -> torch.Tensor [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        """The paged KV cache, for the KV transfer plumbing (which reads and
+        writes only blocks the engine has handed out for that)."""
+        return self.runner.kv_cache
+
+    # ---- admission -------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
-        """Validate and build a request (not yet queued)."""
+                     arrival_time: float | None = None, deadline: float | None = None) -> Request:
+        """Validate and build a request (not yet queued). ``deadline`` is a
+        time.monotonic() instant after which the request is aborted."""
         max_len = self.config.scheduler.max_model_len
         n = len(prompt_token_ids)
         if n == 0:
@@ -60,25 +116,104 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time)
+        req.deadline = deadline
         self.scheduler.check_fits(req)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        req = self.make_request(request_id, prompt_token_ids, params, arrival_time)
+                    arrival_time: float | None = None, deadline: float | None = None) -> Request:
+        """Compute the request here, prompt and output (offline, colocated)."""
+        req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline)
         self.scheduler.add_request(req)
         return req
 
-    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        return self.scheduler.finish_request(request_id, status)
+    def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                            deadline: float | None = None) -> Request:
+        """Prefill tier: compute the prompt and sample the first token, then
+        hold the blocks (HELD_FOR_SEND) until ``begin_send`` ...
+        ``release_after_send``."""
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline)
+        req.max_tokens = 1
+        req.hold_kv_on_finish = True
+        self.scheduler.add_request(req)
+        return req
 
-    def step(self) -> list[Request]:
-        """One engine step. Returns the requests that got a token or finished."""
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                deadline: float | None = None) -> Request:
+        """Decode tier: queue a request whose prompt KV will arrive by
+        transfer. Its blocks are reserved first come first served; the step
+        that does it lists the request in ``StepOutput.reserved``. Raises
+        ValueError (invalid) or OverflowError (the queue is full)."""
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline)
+        self.scheduler.add_reservation(req)
+        return req
+
+    # ---- KV hand-off -----------------------------------------------------
+    def prefill_started(self, request_id: str) -> bool:
+        """Decode tier: the prefill server began on the request."""
+        return self.scheduler.prefill_started(request_id)
+
+    def begin_kv_receive(self, request_id: str, dst_block_ids: list[int]) -> None:
+        """Decode tier: a transfer into ``dst_block_ids`` begins; ValueError
+        unless they are the request's reserved blocks."""
+        self.scheduler.begin_kv_receive(request_id, dst_block_ids)
+
+    def kv_received(self, request_id: str, first_token: int, logprob=None) -> Request | None:
+        """Decode tier: the transfer ended well; the request joins the batch."""
+        req = self.scheduler.kv_received(request_id, first_token, logprob)
+        self._report(req)
+        return req
+
+    def kv_failed(self, request_id: str, message: str) -> Request | None:
+        """Decode tier: the transfer failed; the request ends with that error."""
+        req = self.scheduler.kv_failed(request_id, message)
+        self._report(req)
+        return req
+
+    def begin_send(self, request_id: str) -> list[int]:
+        """Prefill tier: a send of the held blocks starts; returns their ids."""
+        return self.scheduler.begin_send(request_id)
+
+    def release_after_send(self, request_id: str) -> Request | None:
+        """Prefill tier: the send ended (or never began): free the blocks."""
+        req = self.scheduler.release_held(request_id)
+        self._report(req)
+        return req
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """End the request in whatever state it is; None if unknown or done."""
+        req = self.scheduler.finish_request(request_id, status)
+        self._report(req)
+        return req
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.scheduler.kv.get_block_ids(request_id)
+
+    def _report(self, req: Request | None) -> None:
+        if req is not None:
+            self._outside_step.append(req)
+
+    # ---- the step --------------------------------------------------------
+    def step(self) -> StepOutput:
+        """One engine step."""
+        result = StepOutput(updated=self._outside_step + self.scheduler.expire(time.monotonic()))
+        self._outside_step = []
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return out.finished
-        sampled, logprobs = self.runner.execute(out)
-        return out.finished + self.scheduler.update_from_output(out, sampled, logprobs)
+        result.reserved, result.started = out.reserved, out.started
+        result.updated += out.finished
+        if not out.is_empty:
+            result.num_batched_tokens = out.num_batched_tokens
+            sampled, logprobs = self.runner.execute(out)
+            result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
+        result.updated = list(dict.fromkeys(result.updated))  # once each, first report first
+        return result
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._outside_step)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                           kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
+                           prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
+                           num_preemptions_total=s.num_preemptions_total)

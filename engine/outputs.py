@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
-    logprobs: list | None = None  # per token: engine.sampler.Logprobs
+    logprobs: list | None = None  # per token: Logprobs
 
 
 @dataclass
@@ -23,3 +23,13 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities (of the raw logits) at one sampled position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # of the sampled token; 1 = most likely
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first

@@ -17,10 +17,21 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    WAITING = enum.auto()
-    WAITING_FOR_KV = enum.auto()  # decode tier: blocks reserved, KV transfer in flight
+    """Where a request is on its tier. Every non-final state has a deadline
+    (``Scheduler.expire``); the scheduler is the only writer.
+
+    local / offline:  WAITING -> RUNNING <-> PREEMPTED -> FINISHED_*
+    prefill tier:     WAITING -> RUNNING -> HELD_FOR_SEND -> FINISHED_*
+    decode tier:      WAITING_FOR_BLOCKS -> WAITING_FOR_KV -> RECEIVING_KV -> RUNNING -> FINISHED_*
+    """
+
+    WAITING = enum.auto()  # in the waiting queue (not yet scheduled)
+    WAITING_FOR_BLOCKS = enum.auto()  # decode tier: in the FIFO reservation queue
+    WAITING_FOR_KV = enum.auto()  # decode tier: blocks reserved, waiting for the prefill tier's KV
+    RECEIVING_KV = enum.auto()  # decode tier: a transfer is writing into the reserved blocks
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    HELD_FOR_SEND = enum.auto()  # prefill tier: first token sampled, blocks kept for the KV send
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -37,13 +48,31 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended without the caller asking: ``kind`` is
+    "deadline" (a state or the caller's deadline passed) or "kv_transfer"
+    (the KV hand-off failed)."""
+
+    kind: str
+    message: str
+
+
 @dataclass
 class RequestTimes:
-    """Wall-clock timestamps (time.time()) of a request's milestones."""
+    """Wall-clock timestamps (time.time()) of a request's milestones, kept by
+    the scheduler; servers build their trace spans from them afterwards."""
 
     arrival: float = field(default_factory=time.time)
+    reserved: float | None = None  # decode tier: blocks reserved
+    prefill_started: float | None = None  # decode tier: the prefill server began on it
+    kv_recv_start: float | None = None  # decode tier
+    kv_recv_end: float | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
+    held: float | None = None  # prefill tier: blocks held for the send
+    kv_send_start: float | None = None  # prefill tier
+    kv_send_end: float | None = None
     finished: float | None = None
 
 
@@ -64,7 +93,12 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first schedule)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.hold_kv_on_finish = False  # prefill tier: keep blocks after finishing until the KV is sent
+        self.error: RequestError | None = None  # set when it was aborted by a failure, not by the caller
+        self.held_status: RequestStatus | None = None  # prefill tier: the finish status once the send ends
+        self.hold_kv_on_finish = False  # prefill tier: HELD_FOR_SEND instead of finishing
+        self.deadline: float | None = None  # time.monotonic(); the caller's deadline, if any
+        self.state_deadline: float | None = None  # time.monotonic(); the current state's own bound
+        self.is_sending = False  # prefill tier: a KV send reads the held blocks now
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
@@ -95,20 +129,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_stop(self) -> bool:
-        """After a token was appended: set a finished status if a stop
-        condition holds (eos, stop token, max_tokens / max_model_len)."""
+    def check_stop(self) -> RequestStatus | None:
+        """After a token was appended: the finished status a stop condition
+        gives (eos, stop token, max_tokens / max_model_len), or None. Sets
+        ``stop_reason``; the status itself is the scheduler's to set."""
         last = self.output_token_ids[-1]
         p = self.sampling_params
         if self.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
+                return RequestStatus.FINISHED_STOPPED
             if last in p.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
-                return True
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -73,16 +74,6 @@ class SamplingRow:
             return frozenset()
         ids = frozenset(self.params.stop_token_ids)
         return ids if self.params.ignore_eos else ids | self.eos_token_ids
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities (of the raw logits) at one sampled position."""
-
-    token_id: int
-    logprob: float
-    rank: int  # of the sampled token; 1 = most likely
-    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first
 
 
 @dataclass

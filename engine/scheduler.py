@@ -1,4 +1,5 @@
-"""Continuous batching with token accounting.
+"""Continuous batching with token accounting, and the owner of every
+request's state on its tier.
 
 Each step the scheduler hands out a token budget (``max_num_batched_tokens``):
 first one token to every running request that is decoding, then prefill
@@ -8,7 +9,23 @@ what is left of the budget); there is no prefill or decode phase. When blocks
 run out, the newest running request is preempted: its blocks are freed and it
 is recomputed later (its prefix-cache blocks usually survive).
 
-The scheduler owns the waiting/running queues and every request's status and
+The two tiers add states around that batch (see ``RequestStatus``)::
+
+    decode:  reserve ──▶ WAITING_FOR_BLOCKS ──(blocks free, FIFO)──▶ WAITING_FOR_KV
+             ──begin_kv_receive──▶ RECEIVING_KV ──kv_received──▶ RUNNING ──▶ FINISHED_*
+                                                ──kv_failed────▶ FINISHED_ABORTED
+    prefill: add_request(hold) ──▶ WAITING ──▶ RUNNING ──first token──▶ HELD_FOR_SEND
+             ──begin_send … release_held──▶ FINISHED_*
+
+Every non-final state has a deadline (``expire``): the caller's, and for the
+hand-off states their own bound, so nothing waits for ever. ``finish_request``
+is the one exit. A request finished while a transfer still reads or writes
+its blocks (RECEIVING_KV, or HELD_FOR_SEND with a send running) is reported
+finished at once but keeps its blocks in ``pending_free`` until that transfer
+ends (``kv_received`` / ``kv_failed`` / ``release_held``): never freed under
+a transfer.
+
+The scheduler owns the queues, every request's status and
 ``num_computed_tokens``; the KV cache manager owns the blocks.
 """
 from __future__ import annotations
@@ -19,7 +36,14 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestError, RequestStatus
+
+S = RequestStatus
+# A reservation whose prefill has not started, for a caller that set no
+# deadline, waits at most this many KV transfer timeouts.
+_UNSTARTED_KV_WAIT_FACTOR = 10
+# Extra time a transfer's own deadline gets before the engine gives up on it.
+_TRANSFER_GRACE_S = 5.0
 
 
 @dataclass
@@ -40,6 +64,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended while scheduling (cache too small)
+    reserved: list[Request] = field(default_factory=list)  # decode tier: blocks reserved this step
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,11 +80,13 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
         self.config = sched
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.reserved: dict[str, Request] = {}  # decode tier: blocks held while KV arrives
-        self.held: dict[str, Request] = {}  # prefill tier: finished, blocks held for the KV send
-        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED
+        self.running: list[Request] = []  # RUNNING
+        self.block_waiting: deque[Request] = deque()  # WAITING_FOR_BLOCKS, first come first served
+        self.reserved: dict[str, Request] = {}  # WAITING_FOR_KV, RECEIVING_KV
+        self.held: dict[str, Request] = {}  # HELD_FOR_SEND
+        self.pending_free: dict[str, Request] = {}  # finished; a transfer still uses their blocks
+        self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
@@ -71,60 +99,154 @@ class Scheduler:
             raise ValueError(f"the prompt needs {need} KV blocks but the cache has only "
                              f"{self.kv.num_blocks}; use a shorter prompt or a larger --kv-cache-memory")
 
-    def add_request(self, request: Request) -> None:
+    def _admit(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check_fits(request)
         self.requests[request.request_id] = request
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request to be computed here (WAITING)."""
+        self._admit(request)
         self.waiting.append(request)
 
-    def reserve(self, request: Request) -> list[int] | None:
-        """Decode tier: allocate blocks for a prompt whose KV will arrive by
-        transfer, reusing this cache's prefix hits (``num_cached_tokens``:
-        the sender may skip those leading blocks). None when the blocks or a
-        sequence slot are not free now."""
-        self.check_fits(request)
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
-            return None
-        hits, num_hit = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits) is None:
-            return None
-        request.num_cached_tokens = num_hit
-        self.prefix_queries_total += request.num_prompt_tokens
-        self.prefix_hits_total += num_hit
-        request.status = RequestStatus.WAITING_FOR_KV
-        self.requests[request.request_id] = request
-        self.reserved[request.request_id] = request
-        return self.kv.get_block_ids(request.request_id)
+    def add_reservation(self, request: Request) -> None:
+        """Decode tier: queue a request whose prompt KV will arrive by
+        transfer (WAITING_FOR_BLOCKS). Its blocks are reserved in FIFO order
+        by ``schedule()``, which reports them in ``SchedulerOutput.reserved``.
+        Raises OverflowError when ``max_queued_requests`` already wait."""
+        if len(self.block_waiting) >= self.config.max_queued_requests:
+            raise OverflowError(f"decode queue is full ({self.config.max_queued_requests} requests "
+                                "waiting for KV blocks)")
+        self._admit(request)
+        request.status = S.WAITING_FOR_BLOCKS
+        self.block_waiting.append(request)
 
-    def kv_arrived(self, request_id: str, first_token: int, logprob=None) -> Request:
-        """Decode tier: the prompt's KV is in the reserved blocks and the
-        prefill tier sampled ``first_token``; the request joins the batch."""
-        req = self.reserved.pop(request_id)
+    def _reserve_waiting(self, out: SchedulerOutput) -> None:
+        """Reserve blocks for queued reservations, in order, while they fit,
+        reusing this cache's prefix hits (``num_cached_tokens``: the sender
+        skips those leading blocks)."""
+        while self.block_waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+            req = self.block_waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hits) is None:
+                return
+            self.block_waiting.popleft()
+            req.num_cached_tokens = num_hit
+            self.prefix_queries_total += req.num_prompt_tokens
+            self.prefix_hits_total += num_hit
+            req.status = S.WAITING_FOR_KV
+            req.times.reserved = time.time()
+            req.state_deadline = time.monotonic() + _UNSTARTED_KV_WAIT_FACTOR * self.config.kv_transfer_timeout
+            self.reserved[req.request_id] = req
+            out.reserved.append(req)
+
+    # ---- KV hand-off, decode tier ----------------------------------------
+    def prefill_started(self, request_id: str) -> bool:
+        """The prefill server began computing the request: its KV is due
+        within one transfer timeout from now."""
+        req = self.reserved.get(request_id)
+        if req is None or req.status != S.WAITING_FOR_KV:
+            return False
+        req.times.prefill_started = time.time()
+        req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout
+        return True
+
+    def begin_kv_receive(self, request_id: str, dst_block_ids: list[int]) -> None:
+        """Check that ``dst_block_ids`` are this request's reserved blocks
+        (past the ones this cache already had) and mark it RECEIVING_KV.
+        Raises ValueError otherwise: no byte may land in them."""
+        req = self.reserved.get(request_id)
+        if req is None or req.status != S.WAITING_FOR_KV:
+            state = req.status.name if req is not None else "unknown or finished"
+            raise ValueError(f"request {request_id} is not waiting for KV here ({state})")
+        have = self.kv.get_block_ids(request_id)
+        skipped = len(have) - len(dst_block_ids)  # leading blocks this cache already had (prefix hits)
+        if not 0 <= skipped * self.kv.block_size <= req.num_cached_tokens or dst_block_ids != have[skipped:]:
+            raise ValueError(f"request {request_id}: KV sent to blocks {dst_block_ids}, reserved {have} "
+                             f"({req.num_cached_tokens} tokens cached here)")
+        req.status = S.RECEIVING_KV
+        req.times.kv_recv_start = time.time()
+        req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
+
+    def kv_received(self, request_id: str, first_token: int, logprob=None) -> Request | None:
+        """The prompt's KV is in the reserved blocks and the prefill tier
+        sampled ``first_token``: the request joins the batch. Returns the
+        request if it is live, None if it had already finished (its blocks
+        are freed now)."""
+        if self._end_transfer(request_id):
+            return None
+        req = self.reserved.get(request_id)
+        if req is None or req.status != S.RECEIVING_KV:
+            raise ValueError(f"request {request_id}: KV arrived but no receive was begun for it")
+        del self.reserved[request_id]
+        req.times.kv_recv_end = time.time()
         req.num_computed_tokens = req.num_prompt_tokens
         req.times.first_scheduled = req.times.first_scheduled or time.time()
         self.kv.cache_blocks(req, req.num_computed_tokens)
-        req.status = RequestStatus.RUNNING
+        req.status = S.RUNNING
+        req.state_deadline = None
         self.running.append(req)
         self._append_token(req, first_token, logprob)
+        return req
+
+    def kv_failed(self, request_id: str, message: str) -> Request | None:
+        """A transfer into the request's blocks failed or was refused: it
+        ends (FINISHED_ABORTED with a kv_transfer error) if it was waiting
+        for or receiving KV. Returns it then, else None."""
+        if self._end_transfer(request_id):
+            return None
+        req = self.reserved.get(request_id)
+        if req is None:
+            return None
+        if req.status == S.RECEIVING_KV:
+            req.times.kv_recv_end = time.time()
+        self._finish(req, S.FINISHED_ABORTED, RequestError("kv_transfer", message), transfer_over=True)
+        return req
+
+    # ---- KV hand-off, prefill tier ---------------------------------------
+    def begin_send(self, request_id: str) -> list[int]:
+        """A send of the held request's blocks starts; returns its block ids.
+        Raises ValueError if it is not held (aborted or expired meanwhile)."""
+        req = self.held.get(request_id)
+        if req is None or req.is_sending:
+            raise ValueError(f"request {request_id} has no KV held for a send here")
+        req.is_sending = True
+        req.times.kv_send_start = time.time()
+        req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
+        return self.kv.get_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> Request | None:
+        """The send ended (or will never start): the held blocks go back to
+        the pool (they stay in the prefix cache until evicted)."""
+        if self._end_transfer(request_id):
+            return None
+        req = self.held.get(request_id)
+        if req is None:
+            return None
+        if req.is_sending:
+            req.times.kv_send_end = time.time()
+        req.is_sending = False
+        self._finish(req, req.held_status or S.FINISHED_LENGTH, transfer_over=True)
         return req
 
     # ---- the step --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._reserve_waiting(out)
         budget = self.config.max_num_batched_tokens
         # Decode-first: stable sort puts requests with one token to compute first.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status != S.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._allocate_or_preempt(req, num_new, out):
                 out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
                 budget -= num_new
         if not out.preempted:
-            budget = self._schedule_waiting(budget, out)
+            self._schedule_waiting(budget, out)
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -133,8 +255,7 @@ class Scheduler:
             victims = [r for r in self.running if r.request_id not in scheduled and r is not req]
             if not victims:
                 if not scheduled:  # alone and still too big: the cache cannot hold it
-                    req.status = RequestStatus.FINISHED_LENGTH
-                    self._finish(req)
+                    self._finish(req, S.FINISHED_LENGTH)
                     out.finished.append(req)
                     return False
                 self._preempt(req)
@@ -145,7 +266,7 @@ class Scheduler:
             out.preempted.append(victim)
         return True
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
@@ -158,17 +279,17 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 self.prefix_queries_total += req.num_prompt_tokens
                 self.prefix_hits_total += num_hit
+                out.started.append(req)
             req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
+            req.status = S.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
-        return budget
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
+        req.status = S.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -182,7 +303,7 @@ class Scheduler:
         updated = []
         for i, s in enumerate(out.scheduled):
             req = s.request
-            if req.is_finished:  # aborted or stopped since the schedule
+            if req.status != S.RUNNING:  # aborted or expired since the schedule
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
@@ -199,42 +320,78 @@ class Scheduler:
             req.logprobs.append(logprob)
         if req.times.first_token is None:
             req.times.first_token = time.time()
-        if req.check_stop():
-            self._finish(req)
+        status = req.check_stop()
+        if status is None:
+            return
+        if req.hold_kv_on_finish:  # prefill tier: keep the blocks until the KV is sent
+            self.running.remove(req)
+            req.status, req.held_status = S.HELD_FOR_SEND, status
+            req.times.held = time.time()
+            req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout
+            self.held[req.request_id] = req
+            return
+        self._finish(req, status)
 
     # ---- leaving ---------------------------------------------------------
-    def _finish(self, req: Request) -> None:
-        req.times.finished = time.time()
-        if req in self.running:
+    def finish_request(self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED,
+                       error: RequestError | None = None) -> Request | None:
+        """The one exit for requests stopped from outside the step (abort,
+        client gone, stop string, deadline), in any state. Frees blocks, or
+        defers the free while a transfer uses them. Returns the request if it
+        was live here, None if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, status, error)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus, error: RequestError | None = None,
+                transfer_over: bool = False) -> None:
+        rid = req.request_id
+        busy = not transfer_over and (req.status == S.RECEIVING_KV or
+                                      (req.status == S.HELD_FOR_SEND and req.is_sending))
+        if req.status in (S.WAITING, S.PREEMPTED):
+            self.waiting.remove(req)
+        elif req.status == S.WAITING_FOR_BLOCKS:
+            self.block_waiting.remove(req)
+        elif req.status in (S.WAITING_FOR_KV, S.RECEIVING_KV):
+            del self.reserved[rid]
+        elif req.status == S.RUNNING:
             self.running.remove(req)
-        if req.hold_kv_on_finish and req.status != RequestStatus.FINISHED_ABORTED:
-            self.held[req.request_id] = req  # released by release_held() after the KV send
+        elif req.status == S.HELD_FOR_SEND:
+            del self.held[rid]
+        req.status, req.error, req.state_deadline = status, error, None
+        req.times.finished = time.time()
+        if busy:
+            self.pending_free[rid] = req
             return
         self.kv.forget(req)
-        self.requests.pop(req.request_id, None)
+        del self.requests[rid]
 
-    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        """The one exit for requests stopped from outside the step (abort,
-        client gone, stop string, deadline). Frees blocks on every path."""
-        req = self.requests.get(request_id)
+    def _end_transfer(self, request_id: str) -> bool:
+        """A transfer of a request finished earlier has ended: free its blocks now."""
+        req = self.pending_free.pop(request_id, None)
         if req is None:
-            return None
-        if req.request_id in self.held:
-            return self.release_held(request_id)
-        if not req.is_finished:
-            if req in self.waiting:
-                self.waiting.remove(req)
-            self.reserved.pop(request_id, None)
-            req.status = status
-            self._finish(req)
-        return req
+            return False
+        req.is_sending = False
+        self.kv.forget(req)
+        del self.requests[request_id]
+        return True
 
-    def release_held(self, request_id: str) -> Request | None:
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.kv.forget(req)
-            self.requests.pop(request_id, None)
-        return req
+    def expire(self, now: float) -> list[Request]:
+        """Finish (FINISHED_ABORTED, a deadline error) every request whose
+        own or current state's deadline (time.monotonic()) has passed."""
+        expired = []
+        for req in list(self.requests.values()):
+            if req.is_finished:
+                continue
+            bounds = [d for d in (req.deadline, req.state_deadline) if d is not None]
+            if not bounds or now < min(bounds):
+                continue
+            own = req.deadline is not None and now >= req.deadline
+            self._finish(req, S.FINISHED_ABORTED, RequestError("deadline", _expiry_message(req, own, self.config)))
+            expired.append(req)
+        return expired
 
     # ---- introspection ---------------------------------------------------
     @property
@@ -243,7 +400,25 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.reserved)
+        """Waiting to run, for blocks, or for their KV."""
+        return len(self.waiting) + len(self.block_waiting) + len(self.reserved)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Anything a step could advance or expire (transfers in flight included)."""
+        return bool(self.requests)
+
+
+def _expiry_message(req: Request, own_deadline: bool, config: SchedulerConfig) -> str:
+    rid, t = req.request_id, config.kv_transfer_timeout
+    if own_deadline:
+        return f"request {rid} ran past its deadline while {req.status.name}"
+    if req.status == S.WAITING_FOR_KV and req.times.prefill_started is not None:
+        return f"request {rid}: no KV arrived from the prefill tier within {t:g}s of its prefill start"
+    if req.status == S.WAITING_FOR_KV:
+        return (f"request {rid}: the prefill tier did not start on it within "
+                f"{_UNSTARTED_KV_WAIT_FACTOR * t:g}s of the reservation")
+    if req.status == S.RECEIVING_KV:
+        return f"request {rid}: the KV receive did not end within {t:g}s"
+    if req.status == S.HELD_FOR_SEND:
+        return f"request {rid}: the KV send did not {'end' if req.is_sending else 'start'} within {t:g}s"
+    return f"request {rid} expired while {req.status.name}"

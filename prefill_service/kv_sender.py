@@ -15,7 +15,7 @@ import torch
 
 from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from rpc.convert import layout_to_proto
+from rpc.layout_convert import layout_to_proto
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("prefill")
-    return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_transfer_timeout)))
+    return asyncio.run(serve_engine(args, "prefill", PrefillServicer()))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """pdserve.v1.Prefill: chunked prefill of many prompts under a token budget,
 then the KV send to the decode server the gateway chose.
 
-One request: make it finish after its first token and hold its blocks
-(``hold_kv_on_finish``) -> the engine prefills it in chunks alongside others
--> the first token is sampled -> a worker thread sends the blocks to the
-decode server -> the blocks are released (they stay in the prefix cache,
-unreferenced, until evicted). Blocks are never released while a send reads
-them, whatever happens to the RPC.
+One request, in the engine's states: ``add_prefill_request`` (WAITING) -> the
+engine prefills it in chunks alongside others (RUNNING; we tell the decode
+server it started) -> the first token is sampled and the blocks are held
+(HELD_FOR_SEND) -> ``begin_send`` -> a worker thread sends the blocks ->
+``release_after_send``: the blocks go back to the pool (they stay in the
+prefix cache, unreferenced, until evicted). The engine never frees blocks
+while a send reads them, whatever happens to the RPC.
 """
 from __future__ import annotations
 
@@ -20,34 +21,37 @@ import grpc
 
 from engine.kv_transfer import KVLayout, KVTransferError
 from engine.llm_engine import LLMEngine
-from engine.request import Request
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
-from rpc.engine_server import EngineServicerBase
+from rpc.engine_server import EngineServicerBase, deadline_of, error_status
+from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
+_NOTIFY_TIMEOUT_S = 5.0
 
 
 class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     name = "pdserve.v1.Prefill"
     role = "prefill"
 
-    def __init__(self, kv_timeout: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.kv_timeout = kv_timeout
         self.senders: KVSenders | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        self._decode_stubs: dict[str, engine_pb2_grpc.DecodeStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._notifications: set[asyncio.Task] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_PrefillServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
-        self.bridge = EngineBridge(engine, "prefill", address, metrics, on_step=self._on_step)
-        layout = KVLayout.of(engine.runner.kv_cache, engine.config.model.served_model_name)
-        self.senders = KVSenders(engine.runner.kv_cache, layout, address, self.kv_timeout)
+        self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
+        layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
+        self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout)
         self.bridge.start()
 
     def close(self) -> None:
@@ -56,44 +60,41 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         super().close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _on_step(self, updated: list[Request]) -> None:
-        """Engine thread: a finished request's delta carries its held blocks."""
-        assert self.bridge is not None
-        for req in updated:
-            d = self.bridge.snapshot(req)
-            d.block_ids = self.bridge.engine.scheduler.kv.get_block_ids(req.request_id)
-            self.bridge.post(d)
-
     async def Prefill(self, request: engine_pb2.PrefillRequest, context) -> engine_pb2.PrefillResponse:
         bridge = await self._ready(context)
         rid, t0 = request.request_id, time.time()
         try:
             params = sampling_from_proto(request.sampling)
-            req = await bridge.run(lambda e: e.make_request(rid, list(request.prompt_token_ids), params))
             queue = bridge.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        req.max_tokens = 1
-        req.hold_kv_on_finish = True
         send = None
         try:
-            await bridge.run(lambda e: e.scheduler.add_request(req))
-            d: Delta = await queue.get()
-            if d.finish_reason == "abort" or not d.token_ids:
-                await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill")
+            prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
+            try:
+                await bridge.run(lambda e: e.add_prefill_request(rid, prompt, params, deadline=deadline))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            d = await self._wait_held(queue, request.decode_address, context)
             t_first = time.time()
-            meta = {"first_token": d.token_ids[0],
-                    "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
             skip = request.num_skip_blocks  # the decode side has these leading blocks cached
             if not 0 <= skip < len(d.block_ids):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_skip_blocks {skip} out of range")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
+            try:
+                block_ids = await bridge.run(lambda e: e.begin_send(rid))
+            except ValueError as exc:  # expired or aborted since it was held
+                await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            meta = {"first_token": d.token_ids[0],
+                    "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
             send = asyncio.get_running_loop().run_in_executor(
-                self._pool, self.senders.send, request.decode_address, rid, d.block_ids[skip:],  # type: ignore[union-attr]
+                self._pool, self.senders.send, request.decode_address, rid, block_ids[skip:],  # type: ignore[union-attr]
                 list(request.dst_block_ids)[skip:], meta)
             try:
                 stats = await asyncio.shield(send)
             except KVTransferError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {request.decode_address} "
+                # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
+                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.decode_address} "
                                     f"failed: {exc}")
             if bridge.metrics is not None:
                 bridge.metrics.record_transfer(stats)
@@ -101,25 +102,58 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 first_token=d.token_ids[0], num_cached_tokens=d.num_cached_tokens,
                 transfer=engine_pb2.KVTransferStats(num_blocks=stats.num_blocks, num_bytes=stats.num_bytes,
                                                     seconds=stats.seconds, backend=stats.backend),
-                queue_seconds=max(0.0, (req.times.first_scheduled or t0) - t0),
+                queue_seconds=max(0.0, (d.times.first_scheduled or t0) - d.times.arrival) if d.times else 0.0,
                 prefill_seconds=t_first - t0)
             if d.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(d.logprobs[0]))
             return resp
         finally:
             bridge.close_stream(rid)
-            release = lambda e: e.abort_request(rid)  # noqa: E731 - releases held blocks too
-            if send is None or send.done():
-                bridge.submit(release)
+            if send is None:  # never sent: whatever state it is in, end it
+                bridge.abort(rid)
+            elif send.done():
+                bridge.submit(lambda e: e.release_after_send(rid))
             else:  # the send still reads the blocks: release when it ends
-                send.add_done_callback(lambda _: bridge.submit(release))
+                send.add_done_callback(lambda _: bridge.submit(lambda e: e.release_after_send(rid)))
+
+    async def _wait_held(self, queue: "asyncio.Queue[Delta]", decode_address: str, context) -> Delta:
+        """Deltas until the first token is sampled and the blocks are held;
+        tells the decode server when the engine starts on the request."""
+        while True:
+            d = await queue.get()
+            if d.event == "started":
+                self._notify_started(decode_address, d.request_id)
+            elif d.is_held:
+                return d
+            elif d.finish_reason:
+                if d.error is not None:
+                    await context.abort(*error_status(d.error))
+                await context.abort(grpc.StatusCode.ABORTED, f"request {d.request_id} was aborted during prefill")
+
+    def _notify_started(self, decode_address: str, request_id: str) -> None:
+        stub = self._decode_stubs.get(decode_address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(decode_address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            stub = self._decode_stubs[decode_address] = engine_pb2_grpc.DecodeStub(channel)
+
+        async def notify() -> None:
+            try:
+                await stub.PrefillStarted(engine_pb2.PrefillStartedRequest(request_id=request_id),
+                                          timeout=_NOTIFY_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:  # the KV send will fail too, with the real error
+                logger.warning("could not tell %s that request %s started: %s", decode_address, request_id,
+                               exc.code().name)
+
+        task = asyncio.ensure_future(notify())
+        self._notifications.add(task)
+        task.add_done_callback(self._notifications.discard)
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         bridge = await self._ready(context)
         rid = request.request_id
-        found = await bridge.run(lambda e: rid in e.scheduler.requests and rid not in e.scheduler.held)
-        if found:  # held blocks are released by Prefill() itself once its send ends
-            bridge.abort(rid)
+        # A held request's blocks stay until its send ends (the engine defers the free).
+        found = await bridge.run(lambda e: e.abort_request(rid) is not None)
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:

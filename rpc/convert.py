@@ -1,12 +1,12 @@
-"""Conversions between protobuf messages and engine value objects."""
+"""Conversions between protobuf messages and engine value objects (no torch:
+the gateway imports this)."""
 from __future__ import annotations
 
 from typing import Sequence
 
-from engine.kv_transfer import KVLayout
-from engine.sampler import Logprobs
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, engine_pb2
+from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "logprobs",
@@ -51,14 +51,3 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> Logprobs:
 
 def logprobs_to_proto(lps: Sequence[Logprobs | None]) -> list[common_pb2.TokenLogprob]:
     return [logprob_to_proto(lp) for lp in lps if lp is not None]
-
-
-def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
-    return engine_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                               num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                               head_dim=layout.head_dim)
-
-
-def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
-    return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size, num_layers=msg.num_layers,
-                    num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim)

@@ -1,11 +1,12 @@
 """Bridge between an engine thread and a server's asyncio event loop.
 
 The engine runs in an ``EngineLoop`` thread. A server opens a stream per
-request (an asyncio queue), submits work with ``run``, and receives
-``Delta``s: after every engine step the bridge snapshots, in the engine
-thread, what each request gained since its last delta and posts it to the
-event loop. Both tiers use it: prefill and decode servers differ only in
-what they do with the deltas.
+request (an asyncio queue), calls the engine's named operations with
+``run``/``submit``, and receives ``Delta``s: after every engine step the
+bridge turns the step's output, in the engine thread, into one delta per
+event (tokens since the last delta, "reserved", "started") and posts them to
+the event loop. The engine owns every request's state; the bridge keeps only
+the streams (who listens) and how many tokens each was already sent.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.request import Request, RequestError, RequestStatus, RequestTimes
 from rpc.engine_metrics import EngineMetrics
 from pdserve.v1 import common_pb2
 
@@ -26,6 +27,12 @@ T = TypeVar("T")
 
 @dataclass
 class Delta:
+    """One event of a request, engine thread -> event loop.
+
+    ``event``: "tokens" (new output tokens; ``finish_reason`` on the last),
+    "reserved" (decode tier: ``block_ids`` reserved) or "started" (prefill
+    tier: the engine began computing it)."""
+
     request_id: str
     token_ids: list[int]
     logprobs: list = field(default_factory=list)
@@ -33,21 +40,24 @@ class Delta:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)  # filled for held (prefill) requests
+    block_ids: list[int] = field(default_factory=list)  # "reserved", and tokens of a held request
+    event: str = "tokens"
+    error: RequestError | None = None  # set when the request ended by a failure or a deadline
+    is_held: bool = False  # prefill tier: HELD_FOR_SEND, blocks in block_ids
+    times: RequestTimes | None = None  # the request's milestones (written by the engine thread only)
 
 
 class EngineBridge:
     def __init__(self, engine: LLMEngine, role: str, address: str, metrics: EngineMetrics | None = None,
-                 on_step: Callable[[list[Request]], None] | None = None,
-                 idle_hook: Callable[[], bool] | None = None) -> None:
+                 post_started: bool = False) -> None:
         self.engine = engine
         self.role, self.address, self.metrics = role, address, metrics
-        self._extra_on_step = on_step
+        self.post_started = post_started
         self._streams: dict[str, asyncio.Queue[Delta]] = {}
         self._sent: dict[str, int] = {}  # engine thread: output tokens already posted
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.num_finished = 0  # engine thread writes, others read
-        self.loop = EngineLoop(engine, self._on_step, idle_hook)
+        self.loop = EngineLoop(engine, self._on_step)
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -80,23 +90,17 @@ class EngineBridge:
         return len(self._streams)
 
     def abort(self, request_id: str) -> None:
-        """Abort in every state (queued, running, reserved, held); frees its
-        blocks and ends a stream still open on it with finish_reason abort."""
-        self.submit(lambda e: self.abort_in_engine(e, request_id))
+        """Abort in every state; the stream gets a final "abort" delta."""
+        self.submit(lambda e: e.abort_request(request_id))
 
-    def abort_in_engine(self, engine: LLMEngine, request_id: str) -> None:
-        """Engine thread half of ``abort``."""
-        if engine.abort_request(request_id) is not None:
-            self.post(Delta(request_id, [], finish_reason="abort"))
-
-    def post(self, delta: Delta) -> None:
-        """Engine thread -> event loop."""
+    # ---- engine thread ---------------------------------------------------
+    def _post(self, delta: Delta) -> None:
         q = self._streams.get(delta.request_id)
         if q is not None and self._aloop is not None:
             self._aloop.call_soon_threadsafe(q.put_nowait, delta)
 
-    def snapshot(self, req: Request) -> Delta:
-        """Engine thread: what ``req`` gained since its last delta."""
+    def _snapshot(self, req: Request) -> Delta:
+        """What ``req`` gained since its last delta."""
         start = self._sent.get(req.request_id, 0)
         self._sent[req.request_id] = req.num_output_tokens
         if req.is_finished:
@@ -107,25 +111,29 @@ class EngineBridge:
             if start == 0 and req.num_output_tokens:
                 self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
             self.metrics.generation_tokens.inc(req.num_output_tokens - start)
+        held = req.status == RequestStatus.HELD_FOR_SEND
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
-                     req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens)
+                     req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens,
+                     block_ids=self.engine.get_block_ids(req.request_id) if held else [],
+                     error=req.error, is_held=held, times=req.times)
 
-    def _on_step(self, updated: list[Request]) -> None:
-        if self._extra_on_step is not None:
-            self._extra_on_step(updated)
-            return
-        for req in updated:
-            self.post(self.snapshot(req))
+    def _on_step(self, out: StepOutput) -> None:
+        for req in out.reserved:
+            self._post(Delta(req.request_id, [], num_cached_tokens=req.num_cached_tokens,
+                             block_ids=self.engine.get_block_ids(req.request_id), event="reserved"))
+        if self.post_started:
+            for req in out.started:
+                self._post(Delta(req.request_id, [], event="started"))
+        for req in out.updated:
+            self._post(self._snapshot(req))
 
     # ---- load ------------------------------------------------------------
     def load_info(self) -> common_pb2.LoadInfo:
-        """Racy but consistent-enough reads of engine counters (ints under the GIL)."""
-        e = self.engine
-        s, cfg = e.scheduler, e.config
+        """Engine counters (plain reads, racy but consistent enough)."""
+        s, cfg = self.engine.stats(), self.engine.config
         return common_pb2.LoadInfo(
             role=self.role, address=self.address, metrics_url=self.metrics.url if self.metrics else "",
             num_running=s.num_running, num_waiting=s.num_waiting,
-            kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
             max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished)
-

@@ -23,7 +23,7 @@ class _SchedulerCollector(Collector):
         self.engine, self.labels = engine, labels
 
     def collect(self) -> Iterator:
-        s = self.engine.scheduler
+        s = self.engine.stats()
         names, values = list(self.labels), list(self.labels.values())
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -38,7 +38,7 @@ class _SchedulerCollector(Collector):
 
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to run (or for their KV).", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv.pool.usage)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv_cache_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_total)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits_total)
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)

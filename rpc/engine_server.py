@@ -14,6 +14,7 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.request import RequestError
 from rpc.engine_bridge import EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc.server import RpcServer
@@ -33,8 +34,6 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--advertise-host", default=None,
                    help="host other servers use to reach this one (default: --host, or the hostname "
                         "when binding 0.0.0.0)")
-    g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
-                   help="seconds a KV pair setup or transfer may take")
     g.add_argument("--metrics-port", type=int, default=-1,
                    help="Prometheus /metrics port (default: gRPC port + 1000; 0 disables)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -50,6 +49,20 @@ def advertise_host(args: argparse.Namespace) -> str:
 
         return socket.gethostname()
     return args.host
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline as a time.monotonic() instant (None: no deadline)."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
+
+
+_ERROR_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "kv_transfer": grpc.StatusCode.ABORTED}
+
+
+def error_status(error: RequestError) -> tuple[grpc.StatusCode, str]:
+    """How a request the engine ended by a failure is reported to the caller."""
+    return _ERROR_CODES.get(error.kind, grpc.StatusCode.INTERNAL), error.message
 
 
 class EngineServicerBase:

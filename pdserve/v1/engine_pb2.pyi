@@ -130,3 +130,15 @@ class OpenKVChannelResponse(_message.Message):
     backend: str
     pair_name: str
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., pair_name: _Optional[str] = ...) -> None: ...
+
+class PrefillStartedRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class PrefillStartedResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

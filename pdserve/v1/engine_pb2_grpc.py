@@ -31,6 +31,9 @@ class PrefillStub:
     through them:
     1. Decode.Generate(remote prefill) -> first message: blocks reserved
     2. Prefill.Prefill(dst blocks)     -> prefill, KV sent, first token
+    (the prefill server tells the decode server when it starts on the
+    request: Decode.PrefillStarted; the decode side's wait for the KV
+    is bounded from then on)
     3. Decode.Generate stream           -> the following tokens
     Every call carries a deadline; cancelling Decode.Generate aborts the
     request and frees its blocks.
@@ -65,6 +68,9 @@ class PrefillServicer:
     through them:
     1. Decode.Generate(remote prefill) -> first message: blocks reserved
     2. Prefill.Prefill(dst blocks)     -> prefill, KV sent, first token
+    (the prefill server tells the decode server when it starts on the
+    request: Decode.PrefillStarted; the decode side's wait for the KV
+    is bounded from then on)
     3. Decode.Generate stream           -> the following tokens
     Every call carries a deadline; cancelling Decode.Generate aborts the
     request and frees its blocks.
@@ -120,6 +126,9 @@ class Prefill:
     through them:
     1. Decode.Generate(remote prefill) -> first message: blocks reserved
     2. Prefill.Prefill(dst blocks)     -> prefill, KV sent, first token
+    (the prefill server tells the decode server when it starts on the
+    request: Decode.PrefillStarted; the decode side's wait for the KV
+    is bounded from then on)
     3. Decode.Generate stream           -> the following tokens
     Every call carries a deadline; cancelling Decode.Generate aborts the
     request and frees its blocks.
@@ -237,6 +246,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_engine__pb2.OpenKVChannelRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__pb2.OpenKVChannelResponse.FromString,
                 _registered_method=True)
+        self.PrefillStarted = channel.unary_unary(
+                '/pdserve.v1.Decode/PrefillStarted',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -268,6 +282,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStarted(self, request, context):
+        """A prefill server began computing a request whose blocks this server
+        reserved: its KV is due within the KV transfer timeout from now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +312,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.OpenKVChannel,
                     request_deserializer=pdserve_dot_v1_dot_engine__pb2.OpenKVChannelRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__pb2.OpenKVChannelResponse.SerializeToString,
+            ),
+            'PrefillStarted': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillStarted,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +427,33 @@ class Decode:
             '/pdserve.v1.Decode/OpenKVChannel',
             pdserve_dot_v1_dot_engine__pb2.OpenKVChannelRequest.SerializeToString,
             pdserve_dot_v1_dot_engine__pb2.OpenKVChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStarted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/PrefillStarted',
+            pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.FromString,
             options,
             channel_credentials,
             insecure,

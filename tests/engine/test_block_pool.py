@@ -27,6 +27,7 @@ def test_hash_is_chained_and_stable():
 
 def test_free_queue_lru_order_and_eviction():
     pool = BlockPool(4)
+    pool.subscribe_events()
     assert pool.free_queue.block_ids() == [0, 1, 2, 3]
     a, b = pool.get_new_blocks(2)
     assert (a.block_id, b.block_id) == (0, 1)
@@ -40,7 +41,7 @@ def test_free_queue_lru_order_and_eviction():
     got = pool.get_new_blocks(4)
     assert [g.block_id for g in got] == [2, 3, 1, 0]
     assert pool.get_cached_block(111) is None  # evicted when reused
-    assert pool.take_events() == ([111], [111])
+    assert pool.take_events() == [(True, 111), (False, 111)]
 
 
 def test_double_free_is_caught():

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from engine.engine_loop import EngineLoop
+from engine.llm_engine import StepOutput
 
 
 class _StepCounter:
@@ -20,19 +21,19 @@ class _StepCounter:
     def has_unfinished_requests(self) -> bool:
         return self.left > 0
 
-    def step(self) -> list:
+    def step(self) -> StepOutput:
         self.threads.add(threading.current_thread().name)
         if self.fail_at is not None and self.done == self.fail_at:
             raise RuntimeError("step broke")
         self.left -= 1
         self.done += 1
-        return [self.done]
+        return StepOutput(updated=[self.done])  # type: ignore[list-item]
 
 
 def test_commands_and_steps_run_in_the_engine_thread():
     eng = _StepCounter(steps=0)
     seen: list = []
-    loop = EngineLoop(eng, seen.extend)  # type: ignore[arg-type]
+    loop = EngineLoop(eng, lambda out: seen.extend(out.updated))  # type: ignore[arg-type]
     loop.start()
     try:
         assert loop.submit(lambda e: threading.current_thread().name).result(5) == "engine-loop"

@@ -116,46 +116,6 @@ def test_abort_in_every_state_frees_blocks():
     assert_no_leak(s)
 
 
-def test_reserve_and_kv_arrived_path():
-    s = make(num_blocks=4, block_size=4, max_seqs=4)
-    r = req("d", 7, max_tokens=3)
-    ids = s.reserve(r)
-    assert ids == [0, 1] and r.status == RequestStatus.WAITING_FOR_KV
-    assert s.reserve(req("e", 9, start=30)) is None  # 3 more blocks do not fit
-    s.kv_arrived("d", 42)
-    assert r.num_computed_tokens == 7 and r.output_token_ids == [42]
-    run_to_end(s)
-    assert r.output_token_ids == [42, 7, 7]
-    assert_no_leak(s)
-
-
-def test_reserve_reuses_decode_side_prefix_hits():
-    s = make(num_blocks=8, block_size=4, max_seqs=4)
-    first = req("a", 10, max_tokens=2)
-    assert s.reserve(first) == [0, 1, 2] and first.num_cached_tokens == 0
-    s.kv_arrived("a", 42)
-    run_to_end(s)
-    second = req("b", 10, max_tokens=2)  # same prompt: blocks 0 and 1 are cached here
-    ids = s.reserve(second)
-    assert ids[:2] == [0, 1] and len(ids) == 3 and second.num_cached_tokens == 8
-    assert s.prefix_hits_total == 8 and s.prefix_queries_total == 20
-    s.kv_arrived("b", 42)
-    run_to_end(s)
-    assert_no_leak(s)
-
-
-def test_held_blocks_released_explicitly():
-    s = make()
-    r = req("p", 9, max_tokens=1)
-    r.hold_kv_on_finish = True
-    s.add_request(r)
-    step(s)
-    step(s)
-    assert r.is_finished and "p" in s.held and s.kv.get_block_ids("p") == [0, 1, 2]
-    s.finish_request("p")
-    assert_no_leak(s)
-
-
 def test_random_workload_never_leaks():
     rng = random.Random(0)
     s = make(num_blocks=12, block_size=4, budget=10, max_seqs=5)

@@ -1,9 +1,12 @@
 """A real decode server process, driven over gRPC: metrics, health and
-reflection, the KV channel handshake, reservation back-pressure, the KV
-deadline, abort, and SIGTERM drain. Every case checks no block is left held."""
+reflection, the KV channel handshake and a setup that never completes,
+reservation back-pressure, the KV wait counted from prefill start, client
+cancel and abort in each state, and SIGTERM drain. Every case checks no block is left held."""
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import threading
 import time
 
@@ -23,7 +26,7 @@ SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     port, mport = free_port(), free_port()
-    # 8 blocks of 16 tokens, at most 2 requests waiting for blocks, KV deadline 1.5 s
+    # 8 blocks of 16 tokens, at most 2 requests waiting for blocks, KV timeout 1.5 s
     proc = ServiceProcess("decode", "decode_service.server",
                           ["--port", str(port), "--metrics-port", str(mport), "--model", str(tiny_llama_dir),
                            "--num-gpu-blocks-override", "8", "--max-queued-requests", "2",
@@ -84,16 +87,19 @@ def test_mismatched_kv_layout_is_refused_with_the_field_named(server):
     assert "block_size" in err.value.details() and "model" in err.value.details()
 
 
-def test_reservation_backpressure_deadline_and_abort(server):
+def _reserve(stub, rid: str, prompt: list[int]):
+    return stub.Generate(engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=SP,
+                                                  remote_prefill=True), timeout=60)
+
+
+def test_reservation_backpressure_kv_wait_and_abort(server):
     _, stub, _, _ = server
     long_prompt = list(range(3, 3 + 16 * 6))  # 6 of the 8 blocks
-    held = stub.Generate(engine_pb2.DecodeRequest(request_id="r1", prompt_token_ids=long_prompt, sampling=SP,
-                                                  remote_prefill=True), timeout=60)
+    held = _reserve(stub, "r1", long_prompt)
     assert len(next(held).reserved.block_ids) == 6
+    t_reserved = time.monotonic()
     # Next two wait for blocks (queue of 2); the third is refused at once.
-    waiting = [stub.Generate(engine_pb2.DecodeRequest(request_id=f"w{i}", prompt_token_ids=long_prompt,
-                                                      sampling=SP, remote_prefill=True), timeout=60)
-               for i in range(2)]
+    waiting = [_reserve(stub, f"w{i}", long_prompt) for i in range(2)]
     got = {}
     threads = [threading.Thread(target=lambda i=i, w=w: got.update({i: next(w)})) for i, w in enumerate(waiting)]
     for t in threads:
@@ -103,19 +109,61 @@ def test_reservation_backpressure_deadline_and_abort(server):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     with pytest.raises(grpc.RpcError) as err:
-        next(stub.Generate(engine_pb2.DecodeRequest(request_id="x", prompt_token_ids=long_prompt, sampling=SP,
-                                                    remote_prefill=True), timeout=60))
+        next(_reserve(stub, "x", long_prompt))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # No KV ever comes for r1: its deadline frees the blocks and w0 gets them.
+    # A prefill that starts later than the KV timeout (1.5 s) after the
+    # reservation does not find it gone: the KV wait counts from prefill start.
+    time.sleep(max(0.0, t_reserved + 3.0 - time.monotonic()))
+    assert stub.PrefillStarted(engine_pb2.PrefillStartedRequest(request_id="r1"), timeout=10).found
+    assert not stub.PrefillStarted(engine_pb2.PrefillStartedRequest(request_id="w0"), timeout=10).found
+    # No KV ever comes for r1: 1.5 s after its prefill start the blocks are freed and w0 gets them.
     with pytest.raises(grpc.RpcError) as err:
         next(held)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV arrived" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no KV arrived from the prefill tier within 1.5s of its prefill start" in err.value.details()
     threads[0].join(10)
     assert len(got[0].reserved.block_ids) == 6
     waiting[0].cancel()  # client cancel frees w0; w1 gets the blocks; Abort frees them
     threads[1].join(10)
     assert len(got[1].reserved.block_ids) == 6
     assert stub.Abort(common_pb2.AbortRequest(request_id="w1"), timeout=10).found
+    assert next(waiting[1]).delta.finish_reason == "abort"  # the stream ends in a defined way
+    _wait_idle(stub)
+
+
+def test_running_request_cancelled_by_the_client_frees_its_blocks(server):
+    _, stub, _, _ = server
+    stream = stub.Generate(engine_pb2.DecodeRequest(
+        request_id="c1", prompt_token_ids=list(range(3, 40)),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)), timeout=60)
+    next(stream)
+    assert _load(stub).num_running == 1 and _load(stub).kv_blocks_used > 0
+    stream.cancel()
+    _wait_idle(stub)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_kv_channel_whose_sender_never_comes_is_closed_and_forgotten(server, tiny_llama_dir):
+    """The pair's setup times out: its thread must exit, not spin re-raising."""
+    proc, stub, _, _ = server
+    layout = engine_pb2.KVLayout(model=tiny_llama_dir.name, dtype="float32", block_size=16, num_layers=3,
+                                 num_kv_heads=2, head_dim=16)
+    for i in range(3):
+        resp = stub.OpenKVChannel(engine_pb2.OpenKVChannelRequest(peer=f"ghost:{i}", layout=layout,
+                                                                  device="cpu"), timeout=10)
+        assert resp.port > 0 and resp.backend == "gloo"
+    time.sleep(1.5 + 2.0)  # the setup deadline (the KV timeout) has passed for all three
+    before = _cpu_seconds(proc.proc.pid)
+    time.sleep(1.0)
+    busy = _cpu_seconds(proc.proc.pid) - before
+    assert busy < 0.3, f"the idle decode server used {busy:.2f} CPU-seconds in 1 s"
+    for i in range(3):  # each port is closed: nothing listens there any more
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", resp.port), timeout=1).close()
     _wait_idle(stub)
 
 

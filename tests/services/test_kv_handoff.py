@@ -1,6 +1,7 @@
 """The KV that lands on the decode side equals what the prefill side
-computed: two real engines, a real gloo pair, the prefill tier's hold/release
-and the decode tier's reserve/kv_arrived paths; then the decode engine
+computed: two real engines, a real gloo pair, driven through the engines'
+named hand-off operations (prefill: add_prefill_request, begin_send,
+release_after_send; decode: reserve, begin_kv_receive, kv_received); then the decode engine
 continues and matches a colocated engine token for token."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from engine.config import EngineArgs
 from engine.kv_transfer import KVLayout, KVReceiver, KVSender
 from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 
 
@@ -32,46 +34,49 @@ def test_prefill_to_decode_handoff(tiny_llama_dir):
     ref = colocated.add_request("r", prompt, sp)
     _run(colocated)
 
-    # Prefill tier: finish after the first token, keep the blocks for the send.
-    p = prefill.make_request("r", prompt, sp)
-    p.max_tokens, p.hold_kv_on_finish = 1, True
-    prefill.scheduler.add_request(p)
-    _run(prefill)
-    src = prefill.scheduler.kv.get_block_ids("r")
-    assert p.is_finished and "r" in prefill.scheduler.held and len(src) == 10
+    # Prefill tier: the first token, then the blocks are held for the send.
+    p = prefill.add_prefill_request("r", prompt, sp)
+    while not p.status == RequestStatus.HELD_FOR_SEND:
+        prefill.step()
+    src = prefill.begin_send("r")
+    assert len(src) == 10 and not p.is_finished
 
-    # Decode tier: reserve, then receive into the reserved blocks.
-    filler = decode.make_request("filler", prompt[:8], sp)
-    decode.scheduler.kv.allocate_slots(filler, 8)  # occupy blocks so src and dst ids differ
-    d = decode.make_request("r", prompt, sp)
-    dst = decode.scheduler.reserve(d)
-    assert dst is not None and dst != src
+    # Decode tier: a request holding blocks (so src and dst ids differ), then the reservation.
+    decode.add_request("filler", [t + 1 for t in prompt[:8]], sp)  # no prefix shared
+    decode.step()
+    d = decode.reserve("r", prompt, sp)
+    out = decode.step()
+    assert out.reserved == [d]
+    dst = decode.get_block_ids("r")
+    assert dst != src and len(dst) == 10
+    decode.abort_request("filler")
 
-    layout = KVLayout.of(prefill.runner.kv_cache, "tiny")
+    layout = KVLayout.of(prefill.kv_cache, "tiny")
     receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
     got = {}
-    t = threading.Thread(target=lambda: got.update(r=receiver.recv(decode.runner.kv_cache, timeout=20)))
+    t = threading.Thread(target=lambda: got.update(r=receiver.recv(
+        decode.kv_cache, validate=decode.begin_kv_receive, timeout=20)))
     t.start()
     sender = KVSender.connect("127.0.0.1", port, layout, timeout=20)
-    sender.send("r", src, dst, prefill.runner.kv_cache, meta={"first_token": p.output_token_ids[0]})
+    sender.send("r", src, dst, prefill.kv_cache, meta={"first_token": p.output_token_ids[0]})
     t.join(30)
     sender.close()
     receiver.close()
-    prefill.abort_request("r")  # releases the held blocks
-    assert prefill.scheduler.kv.pool.num_used_blocks == 0
+    assert prefill.release_after_send("r") is p and p.is_finished
+    assert prefill.stats().kv_blocks_used == 0
 
     # Bit-exact: the decode cache now holds exactly what prefill computed,
     # and what the colocated engine computed for the same prompt.
-    kv_p, kv_d = prefill.runner.kv_cache, decode.runner.kv_cache
+    kv_p, kv_d = prefill.kv_cache, decode.kv_cache
     assert torch.equal(kv_d[:, dst], kv_p[:, src])
     n_full = len(prompt) // 4
     ref_blocks = [b.block_id for b in colocated.scheduler.kv.pool.blocks if b.block_hash is not None][:n_full]
-    assert torch.equal(kv_d[:, dst[:n_full]], colocated.runner.kv_cache[:, ref_blocks])
+    assert torch.equal(kv_d[:, dst[:n_full]], colocated.kv_cache[:, ref_blocks])
 
     rid, _, stats, meta = got["r"]
     assert rid == "r" and stats.num_blocks == 10 and stats.num_bytes == kv_p[:, :10].numel() * 4
-    decode.scheduler.kv_arrived("r", meta["first_token"])
+    assert d.status == RequestStatus.RECEIVING_KV
+    decode.kv_received("r", meta["first_token"])
     _run(decode)
     assert d.output_token_ids == ref.output_token_ids
-    decode.scheduler.kv.forget(filler)
-    assert decode.scheduler.kv.pool.num_used_blocks == 0
+    assert decode.stats().kv_blocks_used == 0
