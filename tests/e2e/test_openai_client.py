@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.processes import GatewayProcess, ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -26,14 +26,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
 MAX_TOKENS = 16
 
 
-
 class EngineProcess(ServiceProcess):
     """A prefill or decode server on a free port."""
 
     def __init__(self, role: str) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         # One torch thread each: two engine servers and the reference engine share the CPU cores.
-        super().__init__(role, f"{role}_service.server", ["--port", self.address.rsplit(":", 1)[1], *ENGINE_FLAGS],
+        super().__init__(role, f"{role}_service.server", ["--port", self.address.rsplit(":", 1)[1],
+                                                          "--metrics-port", str(free_port()), *ENGINE_FLAGS],
                          f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
 
 
@@ -42,6 +42,7 @@ def servers():
     prefill, decode = EngineProcess("prefill"), EngineProcess("decode")
     gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
                                 "--max-model-len", str(MAX_MODEL_LEN)])
+    gw.decode_address = decode.address  # type: ignore[attr-defined]
     procs = [gw, prefill, decode]  # stop order: gateway first
     try:
         for p in (prefill, decode, gw):
@@ -125,17 +126,58 @@ def test_chat_and_stop_strings_match(servers, llm, oai):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
+    # Unstopped, the answer runs on past a newline within MAX_TOKENS; with stop=["\n"] it ends there.
+    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
     stop_ref = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]))[0]
+    stopped = stop_ref.outputs[0]
+    assert "\n" in full.text and stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index("\n")] and stopped.text
     c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=["\n"])
-    assert c.choices[0].text == stop_ref.outputs[0].text
-    assert c.choices[0].finish_reason == stop_ref.outputs[0].finish_reason
+    assert c.choices[0].text == stopped.text
+    assert c.choices[0].finish_reason == "stop"
+    assert c.usage.completion_tokens < len(full.token_ids)
+    chunks = list(oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                         stop=["\n"], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == stopped.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
     _assert_no_blocks_held(servers)
 
 
+def _decode_load(gw: GatewayProcess) -> common_pb2.LoadInfo:
+    """The decode server's load, asked now (the gateway's /cluster is up to a poll old)."""
+    with grpc.insecure_channel(gw.decode_address) as ch:  # type: ignore[attr-defined]
+        return engine_pb2_grpc.DecodeStub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+
+def _decode_generation_tokens(gw: GatewayProcess) -> float:
+    """The decode server's pdserve:generation_tokens_total."""
+    text = httpx.get(_decode_load(gw).metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:generation_tokens_total"))
+
+
+# Generating DISCONNECT_TOKENS takes ~35 s here at ~40 ms a token (one thread, 2 cores), longer
+# under load; the blocks must be free well before: within FREED_WITHIN_S of the disconnect.
+DISCONNECT_TOKENS = 900
+FREED_WITHIN_S = 10.0
+
+
 def test_disconnect_frees_blocks(servers):
+    before = _decode_generation_tokens(servers)
     with httpx.stream("POST", servers.http_url + "/v1/completions", timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                      json={"prompt": PROMPTS[2], "max_tokens": DISCONNECT_TOKENS, "ignore_eos": True,
+                            "stream": True}) as r:
         assert r.status_code == 200
-        next(r.iter_lines())
+        lines = r.iter_lines()
+        while not next(lines):  # the first event: the request is decoding
+            pass
+        assert _decode_load(servers).kv_blocks_used > 0
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while (load := _decode_load(servers)).kv_blocks_used or load.num_running:
+        assert time.monotonic() < deadline, f"blocks still held {FREED_WITHIN_S}s after the disconnect: {load}"
+        time.sleep(0.05)
+    # It stopped generating: far fewer tokens than the request asked for.
+    generated = _decode_generation_tokens(servers) - before
+    assert generated < DISCONNECT_TOKENS // 4, generated
     _assert_no_blocks_held(servers)
