@@ -6,6 +6,14 @@ from typing import Any, Sequence
 
 
 def load_tokenizer(path: Path):
+    """The model's tokenizer. With a ``tokenizer.json`` we load the fast
+    (tokenizers-backed) class directly: ``AutoTokenizer`` first reads the
+    model config, and that imports torch, which the gateway process must not
+    need. Same class, same chat template, same ids."""
+    if (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
