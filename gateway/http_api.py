@@ -43,9 +43,21 @@ class _ClientDisconnected(Exception):
     pass
 
 
+def _untraced(scope: dict[str, Any]) -> bool:
+    """Only generation requests get FastAPI's HTTP span (not health or metrics polls)."""
+    return scope.get("path") not in ("/v1/completions", "/v1/chat/completions")
+
+
+# FastAPI's own OpenTelemetry HTTP span (active once rpc.tracing installed a
+# provider) is the root of a request's trace; RequestTrace nests under it.
+_TELEMETRY: Any = {"tracing": True, "operation_spans": False, "metrics": False, "logs": False,
+                   "exclude": _untraced}
+
+
 def create_app(service: GatewayService, api_key: str | None = None) -> FastAPI:
     """The FastAPI app; ``api_key`` set -> /v1/* needs ``Authorization: Bearer <key>``."""
-    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry=_TELEMETRY)
     _install_error_handlers(app, service)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
 

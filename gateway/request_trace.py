@@ -1,7 +1,10 @@
 """One request's spans at the gateway (OpenTelemetry; see rpc/tracing.py).
 
-    {operation} {model}           SERVER, the root: continues the caller's traceparent
-    │                             (HTTP header or gRPC metadata), else starts the trace
+    POST /v1/chat/completions | /pdserve.v1.Gateway/Generate
+    │                             SERVER, the root: FastAPI's own HTTP span or the gRPC
+    │                             interceptor's; continues the caller's traceparent (HTTP
+    │                             header or gRPC metadata), else starts the trace
+    {operation} {model}           the request (GenAI span)
     ├─ tokenize
     ├─ route                      the chosen decode and prefill server (one per attempt)
     ├─ pdserve.v1.Decode/Generate CLIENT: the decode stream (event "reserved")
@@ -55,8 +58,12 @@ class RequestTrace:
                  api: str = "", tracer: Any = None) -> None:
         self._tracer = tracer or tracing.get_tracer(_TRACER_NAME)
         self._headers = dict(headers or {})
+        # Under the transport's SERVER span when there is one (it already
+        # continued the caller's context), else straight under the caller's.
+        current = tracing.current_context()
+        parent = current if trace.get_current_span(current).is_recording() else tracing.extract(self._headers)
         self.root: Span = self._tracer.start_span(
-            f"{operation} {model}", context=tracing.extract(self._headers), kind=SpanKind.SERVER,
+            f"{operation} {model}", context=parent, kind=SpanKind.INTERNAL,
             attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                         "gen_ai.provider.name": "pdserve", "pdserve.api": api, "pdserve.phase": "gateway"})
         self._root_ctx = trace.set_span_in_context(self.root)

@@ -3,6 +3,7 @@
     pdserve up                 the whole topology on this machine
     pdserve gateway|prefill|decode
     pdserve bench offline|serve
+    pdserve trace REQUEST_ID | --slowest N   where a request's time went
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "gateway": ("gateway.server", "run the gateway (OpenAI HTTP + gRPC)"),
     "prefill": ("prefill_service.server", "run a prefill server"),
     "decode": ("decode_service.server", "run a decode server"),
+    "trace": ("pdserve.trace", "show a request's spans: waterfall and time-to-first-token breakdown"),
 }
 BENCH = {
     "offline": ("bench.offline", "offline throughput vs transformers generate()"),

@@ -18,6 +18,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from rpc import tracing
 from rpc.health_probe import is_serving
 
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +42,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
+    tracing.add_cli_args(p)  # every process gets them (through its environment)
     EngineArgs.add_cli_args(p)
 
 
@@ -69,8 +71,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(argv: list[str], threads: int | None = None) -> subprocess.Popen:
-    env = dict(os.environ)
+def _spawn(argv: list[str], threads: int | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(extra_env or {})}
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent, env=env)
@@ -102,6 +104,9 @@ class Cluster:
         self.prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(n_prefill)]
         self.decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        # Spans always go to a local traces file too (pdserve trace reads it).
+        self.traces_file = args.traces_file or str(tracing.default_traces_file())
+        self.trace_env = tracing.child_env(args.otlp_traces_endpoint, self.traces_file)
 
     def start(self) -> None:
         a, eng = self.args, engine_flags(self.args)
@@ -112,7 +117,7 @@ class Cluster:
             role = "prefill" if i < len(self.prefill) else "decode"
             dev = ["--device", devices[i % len(devices)]] if devices else []
             self.procs.append((f"{role}@{addr}", _spawn(
-                [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads)))
+                [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads, self.trace_env)))
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
         for flag in ("--model", "--served-model-name", "--max-model-len"):
@@ -123,7 +128,7 @@ class Cluster:
             gw += ["--api-key", a.api_key]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        self.procs.append(("gateway", _spawn(gw, threads=1)))
+        self.procs.append(("gateway", _spawn(gw, threads=1, extra_env=self.trace_env)))
 
     def dead(self) -> str | None:
         for name, p in self.procs:
@@ -170,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    print(f"traces file: {cluster.traces_file}", flush=True)
     try:
         cluster.start()
         cluster.wait_ready()
@@ -181,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  prefill      {addr}", flush=True)
         for addr in cluster.decode:
             print(f"  decode       {addr}", flush=True)
+        print(f"  traces       {cluster.traces_file} (pdserve trace <request id>)", flush=True)
         print("pdserve ready. Press Ctrl-C to stop.", flush=True)
         while (why := cluster.dead()) is None:
             time.sleep(0.5)

@@ -91,6 +91,7 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -105,7 +106,8 @@ TRACES_FILE_ENV = "PDSERVE_TRACES_FILE"
 PROTOCOLS = ("grpc", "http/protobuf")
 # Methods that carry a request (and so a trace); everything else (health,
 # reflection, load polls every 0.5 s, Abort) would only add noise.
-TRACED_METHODS = frozenset({"/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Decode/Generate"})
+TRACED_METHODS = frozenset({"/pdserve.v1.Gateway/Generate", "/pdserve.v1.Prefill/Prefill",
+                            "/pdserve.v1.Decode/Generate"})
 _SERVICE_BY_GRPC_NAME = {"pdserve.v1.Gateway": GATEWAY, "pdserve.v1.Prefill": PREFILL,
                          "pdserve.v1.Decode": DECODE}
 # Spans reach the traces file within this long (pdserve trace right after a request).
@@ -113,6 +115,25 @@ _FILE_SCHEDULE_DELAY_MS = 500
 
 _lock = threading.Lock()
 _provider: Any = None  # the TracerProvider this module installed, if any
+
+
+def default_traces_file() -> Path:
+    """Where ``pdserve up`` writes spans and ``pdserve trace`` reads them:
+    ``$PDSERVE_TRACES_FILE``, else ``traces.jsonl`` in pdserve's cache directory."""
+    from engine.model_files import cache_dir
+
+    return Path(os.environ.get(TRACES_FILE_ENV) or cache_dir() / "traces.jsonl").expanduser()
+
+
+def child_env(otlp_endpoint: str | None, traces_file: str | os.PathLike[str] | None) -> dict[str, str]:
+    """Environment entries that make a child process (any pdserve service)
+    trace as these flags say."""
+    env = {}
+    if traces_file:
+        env[TRACES_FILE_ENV] = str(traces_file)
+    if otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_endpoint
+    return env
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
