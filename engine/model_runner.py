@@ -5,10 +5,22 @@ one forward pass and samples the rows that reached the end of their tokens.
 KV cache layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads,
 head_dim]`` — for each layer a run of consecutive blocks is one contiguous
 chunk holding both K and V (what the KV transfer sends).
+
+Kernels: the Triton launchers of ``kernels`` on CUDA, their PyTorch
+references (``kernels.reference``) elsewhere. ``PDSERVE_KERNELS`` (read here
+only, when a runner is built) overrides that choice:
+
+    auto       (default) triton on CUDA, reference elsewhere
+    triton     the Triton kernels; on CPU only under Triton's interpreter
+               (TRITON_INTERPRET=1 set before anything imports kernels/):
+               far too slow to serve, it lets CPU tests run the kernels
+               inside a real forward pass
+    reference  the PyTorch references, also on CUDA
 """
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 
 import torch
@@ -22,15 +34,27 @@ from engine.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def select_ops(device: torch.device) -> ModuleType:
-    """Triton kernels on CUDA, their PyTorch references elsewhere."""
-    if device.type == "cuda":
-        import kernels
+KERNELS_ENV = "PDSERVE_KERNELS"
+KERNEL_CHOICES = ("auto", "triton", "reference")
 
-        return kernels
-    from kernels import reference
 
-    return reference
+def select_ops(device: torch.device, choice: str | None = None) -> ModuleType:
+    """The kernel module for ``device``: ``kernels`` (Triton) or
+    ``kernels.reference``. ``choice`` defaults to ``$PDSERVE_KERNELS`` or auto."""
+    choice = choice if choice is not None else (os.environ.get(KERNELS_ENV) or "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    use_triton = device.type == "cuda" if choice == "auto" else choice == "triton"
+    if not use_triton:
+        from kernels import reference
+
+        return reference
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{KERNELS_ENV}=triton on {device} needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "before the process imports kernels/ (slow; meant for tests)")
+    import kernels
+
+    return kernels
 
 
 class ModelRunner:
@@ -40,6 +64,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.ops = select_ops(self.device)
+        logger.info("kernels: %s", self.ops.__name__)
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
         self.model = load_model(mc, self.device, self.ops)

@@ -1,0 +1,89 @@
+"""The Triton kernels inside a real forward pass, on CPU: a child process
+with TRITON_INTERPRET=1 (fixed when triton.jit decorates the kernels, so it
+must be set before anything imports kernels/) and PDSERVE_KERNELS=triton
+runs the offline engine on a tiny float32 GQA model, with chunked prefill
+and mixed prefill/decode batches, and must produce transformers' greedy
+tokens exactly. Every launcher must have run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_model
+from tests.processes import REPO
+
+# Shapes kept tiny: the interpreter runs each Triton program in NumPy, one after another.
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+PROMPT_LENS = (1, 6, 19)
+MAX_TOKENS = 6
+
+CHILD = r"""
+import json, sys
+import kernels
+from engine import LLM, SamplingParams
+
+model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+calls = {}
+for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+             "silu_and_mul"):
+    def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
+        calls[_name] = calls.get(_name, 0) + 1
+        return _fn(*args, **kwargs)
+    setattr(kernels, name, counted)
+# A budget of 8 tokens splits the 19-token prompt into chunks that share steps with decodes.
+llm = LLM(model_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8,
+          kv_cache_memory="1MiB")
+out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+print(json.dumps({"ops": llm.engine.runner.ops.__name__, "calls": calls,
+                  "tokens": [o.outputs[0].token_ids for o in out]}))
+"""
+
+
+def _hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        o = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                        attention_mask=torch.ones_like(ids))
+        outs.append(o[0, len(p):].tolist())
+    return outs
+
+
+def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=7, **TINY)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    env = dict(os.environ, TRITON_INTERPRET="1", PDSERVE_KERNELS="triton", CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    child = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts), str(MAX_TOKENS)],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["ops"] == "kernels"  # the Triton package, not kernels.reference
+    num_layers = TINY["num_hidden_layers"]
+    assert set(result["calls"]) == {"store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
+                                    "rotary_embedding", "silu_and_mul"}
+    assert result["calls"]["paged_attention"] % num_layers == 0 and result["calls"]["paged_attention"] > num_layers
+    assert result["tokens"] == _hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_kernel_choice_is_validated(monkeypatch):
+    from engine.model_runner import select_ops
+
+    cpu = torch.device("cpu")
+    assert select_ops(cpu, "auto").__name__ == "kernels.reference"
+    assert select_ops(cpu, "reference").__name__ == "kernels.reference"
+    with pytest.raises(ValueError, match="PDSERVE_KERNELS must be one of auto, triton, reference"):
+        select_ops(cpu, "cuda-graphs")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs Triton's interpreter: set TRITON_INTERPRET=1"):
+        select_ops(cpu, "triton")
