@@ -80,3 +80,37 @@ def test_prefill_to_decode_handoff(tiny_llama_dir):
     _run(decode)
     assert d.output_token_ids == ref.output_token_ids
     assert decode.stats().kv_blocks_used == 0
+
+
+def test_transferred_request_preempted_on_decode_recomputes_the_same_tokens(tiny_llama_dir):
+    """A request whose prompt KV came by transfer is preempted on a full decode
+    cache and recomputed there from its tokens: the output is unchanged."""
+    def engine(**kw) -> LLMEngine:
+        return LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), block_size=4,
+                                                     max_num_batched_tokens=64, **kw))
+
+    prefill, colocated = engine(kv_cache_memory="4MiB"), engine(kv_cache_memory="4MiB")
+    decode = engine(num_gpu_blocks_override=26)  # 104 slots: two requests growing to 37+30 do not fit
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 384, (37,), generator=gen).tolist() for _ in range(2)]
+    refs = [colocated.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    _run(colocated)
+
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        p = prefill.add_prefill_request(f"r{i}", prompt, sp)
+        while p.status != RequestStatus.HELD_FOR_SEND:
+            prefill.step()
+        src = prefill.begin_send(f"r{i}")
+        reqs.append(decode.reserve(f"r{i}", prompt, sp))
+        decode.step()
+        dst = decode.get_block_ids(f"r{i}")
+        decode.begin_kv_receive(f"r{i}", dst)
+        decode.kv_cache[:, dst] = prefill.kv_cache[:, src]  # the transfer itself is tested above
+        decode.kv_received(f"r{i}", p.output_token_ids[0])
+        prefill.release_after_send(f"r{i}")
+    _run(decode)
+    assert decode.scheduler.num_preemptions_total > 0 and any(r.num_preemptions for r in reqs)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in refs]
+    assert decode.stats().kv_blocks_used == 0 and prefill.stats().kv_blocks_used == 0
