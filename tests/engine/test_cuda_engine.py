@@ -1,6 +1,7 @@
 """The engine's CUDA path (Triton kernels, memory profiling): greedy parity
-with transformers in float32 on the GPU, and a bf16 run. Skipped without
-CUDA; run on the GPU machine."""
+with transformers in float32 on the GPU, and in bfloat16 up to rounding
+(a token may differ from transformers' only where its top two logits nearly
+tie). Skipped without CUDA; run on the GPU machine."""
 from __future__ import annotations
 
 import pytest
@@ -33,11 +34,41 @@ def test_cuda_float32_matches_transformers(tiny_llama_dir):
         assert [o.outputs[0].token_ids for o in out] == ref, f"budget {budget}"
 
 
-def test_cuda_bf16_memory_profile_and_generation(tiny_llama_dir):
+# Two bf16 implementations differ by rounding: measured on this tiny model,
+# bf16 logits are within ~0.1 of float32 ones (logits of magnitude ~4, median
+# top-2 gap ~0.2). A token may differ only where the gap is under this; a real
+# defect (RoPE, scale, a kernel) moves logits by whole units.
+BF16_NEAR_TIE = 0.25
+BF16_TOKENS = 16
+
+
+def test_cuda_bf16_memory_profile_and_matches_transformers(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
     llm = LLM(str(tiny_llama_dir), gpu_memory_utilization=0.3)
     assert llm.engine.config.model.dtype == "bfloat16"
     total = torch.cuda.get_device_properties(0).total_memory
     kv_bytes = llm.engine.num_blocks * llm.engine.runner.block_bytes
     assert 0.2 * total < kv_bytes < 0.3 * total
-    out = llm.generate(_prompts(384), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 16 for o in out)
+    prompts = _prompts(384)
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=BF16_TOKENS, ignore_eos=True))
+    ours = [o.outputs[0].token_ids for o in out]
+    assert all(len(t) == BF16_TOKENS for t in ours)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.bfloat16).cuda().eval()
+    for p, toks in zip(prompts, ours):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(ids, max_new_tokens=BF16_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
+        # transformers' logits along our tokens: each of ours must be its argmax or a near-tie.
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + toks], device="cuda")).logits[0, len(p) - 1:-1].float()
+        best = logits.max(dim=-1).values
+        chosen = logits.gather(1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
+        deficit = (best - chosen).tolist()
+        assert max(deficit) <= BF16_NEAR_TIE, (p[:8], toks, ref, deficit)
+        if toks != ref:  # the first difference is a near-tie between the two tokens
+            k = next(i for i, (a, b) in enumerate(zip(toks, ref)) if a != b)
+            gap = abs(logits[k, ref[k]] - logits[k, toks[k]]).item()
+            top2 = logits[k].topk(2).values
+            assert gap <= BF16_NEAR_TIE and (top2[0] - top2[1]).item() <= BF16_NEAR_TIE, (k, toks, ref, gap)
