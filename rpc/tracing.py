@@ -280,7 +280,7 @@ _NS = 1_000_000_000
 
 
 def _ns(t: float) -> int:
-    return int(t * _NS)
+    return int(float(t) * _NS)
 
 
 def _engine_attributes(attributes: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
