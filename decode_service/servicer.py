@@ -24,6 +24,7 @@ from rpc.convert import logprobs_to_proto, sampling_from_proto
 from decode_service.kv_receiver import KVReceivers
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
+from rpc import tracing
 from rpc.engine_server import EngineServicerBase, deadline_of, error_status
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,14 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     async def Generate(self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         bridge = await self._ready(context)
+        trace_ctx = tracing.current_context()
         remote = request.remote_prefill and not self.local_prefill
         try:
             params: SamplingParams = sampling_from_proto(request.sampling)
             queue = bridge.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finished = False
+        finished, last = False, None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             try:
@@ -85,7 +87,7 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
                     yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
                         block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens))
                     continue
-                finished = bool(d.finish_reason)
+                finished, last = bool(d.finish_reason), d
                 if d.error is not None:
                     await context.abort(*error_status(d.error))
                 yield delta_to_proto(d)
@@ -93,6 +95,11 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
             bridge.close_stream(rid)
             if not finished:  # cancelled, deadline, error: free everything
                 bridge.abort(rid)
+            if last is not None and last.times is not None:
+                tracing.record_engine_spans("decode", rid, trace_ctx, last.times, {
+                    "num_prompt_tokens": last.num_prompt_tokens, "num_cached_tokens": last.num_cached_tokens,
+                    "num_output_tokens": last.num_output_tokens,
+                    "finish_reason": last.finish_reason or "abort"})
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         rid = request.request_id

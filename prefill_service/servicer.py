@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 
@@ -26,6 +27,7 @@ from prefill_service.kv_sender import KVSenders
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
+from rpc import tracing
 from rpc.engine_server import EngineServicerBase, deadline_of, error_status
 from rpc.server import CHANNEL_OPTIONS
 
@@ -63,12 +65,13 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: engine_pb2.PrefillRequest, context) -> engine_pb2.PrefillResponse:
         bridge = await self._ready(context)
         rid, t0 = request.request_id, time.time()
+        trace_ctx = tracing.current_context()
         try:
             params = sampling_from_proto(request.sampling)
             queue = bridge.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        send = None
+        send = d = stats = None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             try:
@@ -109,6 +112,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             return resp
         finally:
             bridge.close_stream(rid)
+            if d is not None and d.times is not None:
+                _record_spans(rid, trace_ctx, d, stats, len(request.prompt_token_ids))
             if send is None:  # never sent: whatever state it is in, end it
                 bridge.abort(rid)
             elif send.done():
@@ -158,3 +163,19 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return (await self._ready(context)).load_info()
+
+
+def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int) -> None:
+    """This tier's spans from the engine's timestamps; the send and the
+    request end now, as far as the client is concerned."""
+    now = time.time()
+    times = SimpleNamespace(**vars(d.times))
+    if times.kv_send_start is not None and times.kv_send_end is None:
+        times.kv_send_end = now
+    times.finished = times.finished or now
+    attrs = {"num_prompt_tokens": num_prompt_tokens, "num_cached_tokens": d.num_cached_tokens,
+             "num_output_tokens": len(d.token_ids)}
+    if stats is not None:
+        attrs.update(kv_blocks=stats.num_blocks, kv_bytes=stats.num_bytes, kv_seconds=stats.seconds,
+                     kv_backend=stats.backend)
+    tracing.record_engine_spans("prefill", rid, trace_ctx, times, attrs)

@@ -1,0 +1,94 @@
+"""The decode server's KV receive loop against a real engine thread and a real
+gloo pair: every receive it begins ends in the engine (received or failed),
+also when the engine refuses the destination blocks or answers too late, and
+the pair keeps working afterwards."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from decode_service.kv_receiver import KVReceivers
+from engine.config import EngineArgs
+from engine.kv_transfer import KVLayout, KVSender
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import engine_pb2
+from rpc.engine_bridge import EngineBridge
+from rpc.layout_convert import layout_to_proto
+
+TIMEOUT = 2.0
+SP = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def test_every_begun_receive_ends_in_the_engine(tiny_llama_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
+                                                   kv_transfer_timeout=TIMEOUT))
+    asyncio.run(_scenario(engine))
+
+
+async def _scenario(engine: LLMEngine) -> None:
+    loop = asyncio.get_running_loop()
+    bridge = EngineBridge(engine, "decode", "test")
+    bridge.start()
+    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
+    source = torch.randn_like(engine.kv_cache)  # the "prefill" side's cache
+    try:
+        resp = await loop.run_in_executor(None, receivers.open, engine_pb2.OpenKVChannelRequest(
+            peer="p:1", layout=layout_to_proto(layout), device="cpu"))
+        sender = await loop.run_in_executor(None, lambda: KVSender.connect(
+            "127.0.0.1", resp.port, layout, timeout=10))
+
+        async def reserve(rid: str):
+            q = bridge.open_stream(rid)
+            await bridge.run(lambda e: e.reserve(rid, list(range(3, 40)), SP))
+            d = await asyncio.wait_for(q.get(), 10)
+            assert d.event == "reserved" and len(d.block_ids) == 3
+            return q, d.block_ids
+
+        async def send(rid: str, dst: list[int]) -> None:
+            await loop.run_in_executor(None, lambda: sender.send(rid, [10, 11, 12], dst, source,
+                                                                 meta={"first_token": 5}))
+
+        # 1. The engine refuses the destination blocks (a ValueError, not a
+        #    KVTransferError): the data is drained and the request fails at once.
+        q, dst = await reserve("wrong")
+        await send("wrong", dst[::-1])
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and d.error.kind == "kv_transfer" and "reserved" in d.error.message
+        assert engine.stats().kv_blocks_used == 0
+
+        # 2. The engine thread answers the validation after the receiver gave
+        #    up waiting: the failure still lands after the begin, and frees.
+        q, dst = await reserve("late")
+        bridge.submit(lambda e: time.sleep(TIMEOUT + 1.0))  # the engine thread is busy
+        t0 = time.monotonic()
+        await send("late", dst)
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and d.error.kind == "kv_transfer"
+        assert time.monotonic() - t0 < TIMEOUT + 5
+        assert engine.stats().kv_blocks_used == 0 and not engine.scheduler.requests
+
+        # 3. The pair is still good: the next transfer lands and the request runs.
+        q, dst = await reserve("ok")
+        await send("ok", dst)
+        tokens = []
+        while True:
+            d = await asyncio.wait_for(q.get(), 10)
+            tokens += d.token_ids
+            if d.finish_reason:
+                break
+        assert d.finish_reason == "length" and d.error is None and tokens[0] == 5 and len(tokens) == 3
+        # The two full prompt blocks hold exactly what was sent (decoding has written into the third).
+        assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11]])
+        assert engine.stats().kv_blocks_used == 0 and receivers.num_pairs == 1
+        await loop.run_in_executor(None, sender.close)
+        deadline = time.monotonic() + 10
+        while receivers.num_pairs:  # the peer closed: the pair is forgotten, its thread gone
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        receivers.close()
+        bridge.stop()
