@@ -122,10 +122,12 @@ class KVReceivers:
             return False
         except BaseException as exc:  # anything: the engine must hear the receive is over
             rid = getattr(exc, "request_id", None) or (begun[0] if begun else None)
-            logger.warning("KV transfer %sfrom %s failed: %s", f"of {rid} " if rid else "", peer, exc)
+            why = str(exc) or f"{type(exc).__name__} (the engine did not answer in {self.timeout:g}s)"
+            logger.warning("KV transfer %sfrom %s failed: %s", f"of {rid} " if rid else "", peer, why)
             if rid is not None:
                 # Runs after begin_kv_receive (commands run in order), even if that timed out here.
-                self.bridge.submit(lambda e: e.kv_failed(rid, f"KV transfer from {peer} failed: {exc}"))
+                message = f"KV transfer from {peer} failed: {why}"  # exc is unbound after this block
+                self.bridge.submit(lambda e: e.kv_failed(rid, message))
             return receiver.is_usable and isinstance(exc, Exception)
         if self.on_transfer is not None:
             self.on_transfer(stats)
