@@ -131,11 +131,16 @@ def test_reservation_backpressure_kv_wait_and_abort(server):
     _wait_idle(stub)
 
 
+def _generate(stub, rid: str, max_tokens: int):
+    """A locally prefilled request on the decode server."""
+    return stub.Generate(engine_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=list(range(3, 40)),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)), timeout=60)
+
+
 def test_running_request_cancelled_by_the_client_frees_its_blocks(server):
     _, stub, _, _ = server
-    stream = stub.Generate(engine_pb2.DecodeRequest(
-        request_id="c1", prompt_token_ids=list(range(3, 40)),
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)), timeout=60)
+    stream = _generate(stub, "c1", 400)
     next(stream)
     assert _load(stub).num_running == 1 and _load(stub).kv_blocks_used > 0
     stream.cancel()
@@ -152,26 +157,26 @@ def test_kv_channel_whose_sender_never_comes_is_closed_and_forgotten(server, tin
     proc, stub, _, _ = server
     layout = engine_pb2.KVLayout(model=tiny_llama_dir.name, dtype="float32", block_size=16, num_layers=3,
                                  num_kv_heads=2, head_dim=16)
+    ports = []
     for i in range(3):
         resp = stub.OpenKVChannel(engine_pb2.OpenKVChannelRequest(peer=f"ghost:{i}", layout=layout,
                                                                   device="cpu"), timeout=10)
         assert resp.port > 0 and resp.backend == "gloo"
+        ports.append(resp.port)
     time.sleep(1.5 + 2.0)  # the setup deadline (the KV timeout) has passed for all three
     before = _cpu_seconds(proc.proc.pid)
     time.sleep(1.0)
     busy = _cpu_seconds(proc.proc.pid) - before
     assert busy < 0.3, f"the idle decode server used {busy:.2f} CPU-seconds in 1 s"
-    for i in range(3):  # each port is closed: nothing listens there any more
+    for port in ports:  # each port is closed: nothing listens there any more
         with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", resp.port), timeout=1).close()
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
     _wait_idle(stub)
 
 
 def test_sigterm_drains_in_flight_stream(server):
     proc, stub, _, _ = server
-    stream = stub.Generate(engine_pb2.DecodeRequest(
-        request_id="d1", prompt_token_ids=list(range(3, 40)),
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)), timeout=60)
+    stream = _generate(stub, "d1", 60)
     first = next(stream)
     proc.proc.send_signal(signal.SIGTERM)
     tokens = list(first.delta.token_ids)
