@@ -16,6 +16,11 @@ only, when a runner is built) overrides that choice:
                far too slow to serve, it lets CPU tests run the kernels
                inside a real forward pass
     reference  the PyTorch references, also on CUDA
+
+Fault injection, for tests only: with ``PDSERVE_FAULT_FORWARD_FAILS_AFTER=N``
+(read here only, when a runner is built; unset = off) the forward pass runs
+N times, then every later ``execute`` raises ``InjectedFault``, as a device
+error would. Tests use it to kill a real server's engine loop.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 KERNELS_ENV = "PDSERVE_KERNELS"
+FAULT_ENV = "PDSERVE_FAULT_FORWARD_FAILS_AFTER"
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
 
@@ -57,8 +63,23 @@ def select_ops(device: torch.device, choice: str | None = None) -> ModuleType:
     return kernels
 
 
+class InjectedFault(RuntimeError):
+    """The failure ``PDSERVE_FAULT_FORWARD_FAILS_AFTER`` asks for."""
+
+
+def _forward_fault_budget() -> int | None:
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{FAULT_ENV} must be a number of forward passes, got {value!r}")
+    logger.warning("%s=%s: the forward pass will fail after %s step(s)", FAULT_ENV, value, value)
+    return int(value)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
+        self._forwards_before_fault = _forward_fault_budget()
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
@@ -152,6 +173,10 @@ class ModelRunner:
         """Run one step. Returns, aligned with ``out.scheduled``, the sampled
         token (None for a chunk that does not reach the end of its tokens)
         and, when any request asked for them, logprobs."""
+        if self._forwards_before_fault is not None:
+            if self._forwards_before_fault == 0:
+                raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
+            self._forwards_before_fault -= 1
         input_ids, positions, meta, sample_idx = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
