@@ -5,6 +5,12 @@ Starts N prefill servers (ports from --prefill-port upward), M decode servers
 prints the endpoints and a ready line. Ctrl-C (or SIGTERM) stops them all
 gracefully; children also die with this process (PR_SET_PDEATHSIG), so none
 is orphaned even if it is killed.
+
+Every server's output is shown prefixed with its name, as docker compose
+does (``prefill-0 | ...``); its stdout goes to ours and its stderr (the
+logs) to ours. A server counts as ready once it answers health checks and
+has printed its own ready line; the banner comes once, after all of them.
+The gateway's printed ready line is not echoed: its log says the same.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -22,6 +29,15 @@ from rpc import tracing
 from rpc.health_probe import is_serving
 
 _PR_SET_PDEATHSIG = 1
+# The line each kind of server prints on stdout once it serves.
+_READY_PREFIX = {"prefill": "prefill server ready", "decode": "decode server ready", "gateway": "gateway ready: "}
+_OUTPUT_LOCK = threading.Lock()  # whole lines only, from the servers' pumps and the banner
+
+
+def say(text: str, file=None) -> None:
+    """Print whole lines without interleaving them with the servers' output."""
+    with _OUTPUT_LOCK:
+        print(text, file=file or sys.stdout, flush=True)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -72,10 +88,41 @@ def _die_with_parent() -> None:
 
 
 def _spawn(argv: list[str], threads: int | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}  # lines reach the prefixer at once
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent, env=env)
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+
+
+class ServerOutput:
+    """Copies one server's stdout and stderr to ours, each line prefixed with
+    its name, and notes when the server printed its ready line."""
+
+    def __init__(self, name: str, kind: str, proc: subprocess.Popen, width: int) -> None:
+        self.name = name
+        self.ready = threading.Event()
+        self._prefix = f"{name:<{width}} | "
+        self._ready_line = _READY_PREFIX[kind]
+        self._echo_ready = kind != "gateway"  # the gateway logs its ready line as well
+        self._threads = [threading.Thread(target=self._pump, args=(stream, to_stderr), name=f"output-{name}",
+                                          daemon=True)
+                         for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True))]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream, to_stderr: bool) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            is_ready = not to_stderr and line.startswith(self._ready_line)
+            if not is_ready or self._echo_ready:
+                say(self._prefix + line, file=sys.stderr if to_stderr else None)
+            if is_ready:
+                self.ready.set()
+
+    def join(self, timeout: float) -> None:
+        for t in self._threads:
+            t.join(timeout)
 
 
 def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int) -> int | None:
@@ -104,6 +151,7 @@ class Cluster:
         self.prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(n_prefill)]
         self.decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.outputs: list[ServerOutput] = []
         # Spans always go to a local traces file too (pdserve trace reads it).
         self.traces_file = args.traces_file or str(tracing.default_traces_file())
         self.trace_env = tracing.child_env(args.otlp_traces_endpoint, self.traces_file)
@@ -113,11 +161,16 @@ class Cluster:
         devices = a.devices.split(",") if a.devices else []
         engines = self.prefill + self.decode
         threads = cpu_threads_per_engine(a, len(engines))
+        width = max(len("gateway"), *(len(f"{r}-{n - 1}") for r, n in (("prefill", len(self.prefill)),
+                                                                       ("decode", len(self.decode))) if n))
         for i, addr in enumerate(engines):
             role = "prefill" if i < len(self.prefill) else "decode"
+            name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
             dev = ["--device", devices[i % len(devices)]] if devices else []
-            self.procs.append((f"{role}@{addr}", _spawn(
-                [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads, self.trace_env)))
+            proc = _spawn([role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads,
+                          self.trace_env)
+            self.procs.append((f"{name} ({addr})", proc))
+            self.outputs.append(ServerOutput(name, role, proc, width))
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
         for flag in ("--model", "--served-model-name", "--max-model-len"):
@@ -128,7 +181,9 @@ class Cluster:
             gw += ["--api-key", a.api_key]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        self.procs.append(("gateway", _spawn(gw, threads=1, extra_env=self.trace_env)))
+        proc = _spawn(gw, threads=1, extra_env=self.trace_env)
+        self.procs.append(("gateway", proc))
+        self.outputs.append(ServerOutput("gateway", "gateway", proc, width))
 
     def dead(self) -> str | None:
         for name, p in self.procs:
@@ -144,10 +199,11 @@ class Cluster:
             if (why := self.dead()) is not None:
                 raise RuntimeError(why)
             pending = {a for a in pending if not is_serving(a, timeout=1.0)}
-            if not pending and _http_ok(health):
+            if not pending and _http_ok(health) and all(o.ready.is_set() for o in self.outputs):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"not ready after {self.args.startup_timeout:.0f}s: {sorted(pending) or 'gateway'}")
+        waiting = sorted(pending) or [o.name for o in self.outputs if not o.ready.is_set()] or ["gateway"]
+        raise RuntimeError(f"not ready after {self.args.startup_timeout:.0f}s: {', '.join(waiting)}")
 
     def stop(self, grace: float = 30.0) -> None:
         for _, p in reversed(self.procs):  # gateway first: stop taking requests
@@ -160,6 +216,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for out in self.outputs:  # their last lines
+            out.join(timeout=5.0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -175,29 +233,28 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"traces file: {cluster.traces_file}", flush=True)
+    say(f"traces file: {cluster.traces_file}")
     try:
         cluster.start()
         cluster.wait_ready()
         a = args
-        print("pdserve is up:", flush=True)
-        print(f"  OpenAI HTTP  http://{a.host}:{a.http_port}/v1", flush=True)
-        print(f"  gRPC         {a.host}:{a.grpc_port} (pdserve.v1.Gateway)", flush=True)
-        for addr in cluster.prefill:
-            print(f"  prefill      {addr}", flush=True)
-        for addr in cluster.decode:
-            print(f"  decode       {addr}", flush=True)
-        print(f"  traces       {cluster.traces_file} (pdserve trace <request id>)", flush=True)
-        print("pdserve ready. Press Ctrl-C to stop.", flush=True)
+        banner = ["pdserve is up:",
+                  f"  OpenAI HTTP  http://{a.host}:{a.http_port}/v1",
+                  f"  gRPC         {a.host}:{a.grpc_port} (pdserve.v1.Gateway)"]
+        banner += [f"  prefill-{i:<5}{addr}" for i, addr in enumerate(cluster.prefill)]
+        banner += [f"  decode-{i:<6}{addr}" for i, addr in enumerate(cluster.decode)]
+        banner += [f"  traces       {cluster.traces_file} (pdserve trace <request id>)",
+                   "pdserve ready. Press Ctrl-C to stop."]
+        say("\n".join(banner))
         while (why := cluster.dead()) is None:
             time.sleep(0.5)
-        print(f"pdserve: {why}; stopping the cluster", file=sys.stderr, flush=True)
+        say(f"pdserve: {why}; stopping the cluster", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("pdserve: stopping...", flush=True)
+        say("pdserve: stopping...")
         return 0
     except RuntimeError as exc:
-        print(f"pdserve: {exc}", file=sys.stderr, flush=True)
+        say(f"pdserve: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,14 +1,19 @@
 """`pdserve up` with two prefill and two decode servers, as a user runs it:
-32 concurrent gRPC streams all complete with the offline engine's exact
-greedy tokens, requests spread over both servers of each tier, no KV block
-stays held, and Ctrl-C stops every process."""
+every server's output prefixed with its name and one ready banner after all
+of them; 32 concurrent gRPC streams all complete with the offline engine's
+exact greedy tokens, requests spread over both servers of each tier, no KV
+block stays held; Ctrl-C with streams in flight lets each of them finish and
+stops every process."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -22,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 12
+SERVERS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "gateway")
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
              "Say hello in Spanish.", "What do bees make?", "Which planet is red?",
              "Write one word about the sea.", "What is the opposite of hot?"]
@@ -63,11 +69,35 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+class UpProcess(ServiceProcess):
+    """`pdserve up`, keeping every line of its stdout (its stderr is in ``log``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stdout_lines: list[str] = []
+
+    def wait_ready(self) -> str:
+        while not self.ready_line:
+            line = self._lines.get(timeout=300)
+            assert line is not None, f"pdserve up exited ({self.proc.wait()}):\n{self.logs()}"
+            self.stdout_lines.append(line.rstrip("\n"))
+            if line.startswith(self.ready_prefix):
+                self.ready_line = line.strip()
+        return self.ready_line
+
+    def rest_of_stdout(self) -> list[str]:
+        """Every stdout line after the ready line (call once the process has exited)."""
+        out = []
+        while (line := self._lines.get(timeout=10)) is not None:
+            out.append(line.rstrip("\n"))
+        return out
+
+
 @pytest.fixture(scope="module")
 def cluster():
     base = _port_base(6)
     ports = dict(http=base, grpc=base + 1, prefill=base + 2, decode=base + 4)
-    up = ServiceProcess("up", "pdserve.cli", [
+    up = UpProcess("up", "pdserve.cli", [
         "up", "--prefill", "2", "--decode", "2", "--http-port", str(ports["http"]),
         "--grpc-port", str(ports["grpc"]), "--prefill-port", str(ports["prefill"]),
         "--decode-port", str(ports["decode"]), "--kv-cache-memory", "64MiB",
@@ -145,12 +175,64 @@ def test_32_concurrent_streams_exact_and_spread(cluster):
     assert len(inst) == 4
 
 
-def test_ctrl_c_stops_every_process(cluster):
+def test_output_is_prefixed_and_the_banner_comes_once_after_every_server(cluster):
     up, _ = cluster
+    before = up.stdout_lines
+    assert before[-1].startswith("pdserve ready") and sum(line.startswith("pdserve ready") for line in before) == 1
+    # Each engine server's own ready line, under its name, before the banner.
+    for name in SERVERS[:4]:
+        role = name.split("-")[0]
+        assert sum(line.startswith(f"{name:<9} | {role} server ready on ") for line in before) == 1, before
+    assert not any("gateway ready" in line for line in before)  # the gateway's shows in its log, once
+    log = Path(up.log.name).read_text().splitlines()
+    assert sum(line.startswith("gateway   | ") and "gateway ready: http://" in line for line in log) == 1
+    for name in SERVERS:  # every server's log lines carry its name
+        assert any(line.startswith(f"{name:<9} | ") for line in log), name
+
+
+def _stream(address: str, question: str, first: threading.Event, outcomes: queue.Queue) -> None:
+    tokens, finish = [], ""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            req = gateway_pb2.GenerateRequest(
+                chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content=question)]),
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=IN_FLIGHT_TOKENS, ignore_eos=True))
+            for delta in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120):
+                tokens += delta.token_ids
+                finish = delta.finish_reason or finish
+                first.set()
+        outcomes.put((len(tokens), finish, None))
+    except grpc.RpcError as e:
+        outcomes.put((len(tokens), finish, e.code()))
+    finally:
+        first.set()
+
+
+IN_FLIGHT_TOKENS = 40
+
+
+def test_ctrl_c_with_streams_in_flight_finishes_them_and_stops_every_process(cluster):
+    up, ports = cluster
     children = _children(up.proc.pid)
     assert len(children) == 5  # 2 prefill + 2 decode + gateway
+    address = f"127.0.0.1:{ports['grpc']}"
+    outcomes: queue.Queue = queue.Queue()
+    started = [threading.Event() for _ in range(8)]
+    threads = [threading.Thread(target=_stream, args=(address, q, ev, outcomes))
+               for q, ev in zip(QUESTIONS, started)]
+    for t in threads:
+        t.start()
+    for ev in started:  # every stream is decoding
+        assert ev.wait(120)
     up.proc.send_signal(signal.SIGINT)
+    for t in threads:
+        t.join(120)
+    results = [outcomes.get_nowait() for _ in threads]
+    # Admitted before Ctrl-C, so drained to the end: every stream gets all its tokens.
+    assert results == [(IN_FLIGHT_TOKENS, "length", None)] * len(threads), results
     assert up.proc.wait(timeout=90) == 0
+    after = up.rest_of_stdout()
+    assert "pdserve: stopping..." in after and not any(line.startswith("pdserve ready") for line in after)
     deadline = time.monotonic() + 10
     while any(os.path.exists(f"/proc/{c}") and _state(c) != "Z" for c in children):
         assert time.monotonic() < deadline, "orphaned server processes"
