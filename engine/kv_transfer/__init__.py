@@ -9,42 +9,58 @@ Setup (addresses travel over gRPC; that is the services' job, not this module's)
     decode:  KVReceiver.listen(host, layout)  -> (receiver, port)   TCPStore server on a free port,
                                                                     the rest runs in a thread
     prefill: KVSender.connect(host, port, layout)                   blocks until the pair is up
-    both:    hello/<rank> = {"protocol", "backend", "layout"} (JSON, through the store)
-             both compare, both raise KVTransferError on a mismatch, before any process group exists
-             ProcessGroupGloo|NCCL(PrefixStore(pair_name, store), rank, 2)   rank 0 = sender, 1 = receiver
-             one 1-element warm-up message (NCCL builds its communicator on the first op)
+    both:    hello/<rank> = {"protocol", "backend" asked for, "gpu" UUID, "layout"} (JSON, in the store)
+             both run the same checks on both hellos: a mismatch raises KVTransferError on both
+             sides before any process group exists; else both settle the same backend:
+             NCCL when the caches sit on two different GPUs (compared by UUID: in containers
+             every GPU is cuda:0), gloo otherwise (host-staged when a cache is on a GPU)
+             ProcessGroupGloo|NCCL(PrefixStore(pair_name, store clone), rank, 2)   rank 0 = sender
+             NCCL: its one communicator is built right away, on the cache's GPU
+             one 1-element message, sender to receiver
 
 One transfer (the receiver needs to know nothing in advance)::
 
-    control  store queue "hdr"   {"request_id", "src": [...], "dst": [...]}   (JSON, one message)
-    data     process group       for layer in 0..L-1, for (s, d, n) in merge_runs(src, dst):
-                                     sender kv_cache[layer, s:s+n]  ->  receiver kv_cache[layer, d:d+n]
+    control  store queue "hdr"  {"request_id", "src", "dst", "meta", "pack", "chunk_layers"}  (JSON)
+    data     layers cut into chunks of chunk_layers; chunk by chunk, one batch (NCCL group) each:
+               pack=False   kv_cache[l, s:s+n] -> kv_cache[l, d:d+n]  for l in chunk, (s, d, n) in runs
+               pack=True    gather kv_cache[chunk][:, src] -> one staging message -> scatter into [:, dst]
+             the int64 trailer (_OK | _ABORTED) rides in the last chunk's batch
+
+The sender picks the plan (``plan_transfer``): long runs go in place, every layer in one
+NCCL group; short runs are gathered into chunks (two staging slots a side, so gathering
+chunk k+1 overlaps sending chunk k, and scattering chunk k overlaps receiving chunk k+1).
 
 Why the header goes through the store and not the process group: the receiver
 waits for the next header for as long as the pair is idle. An idle gloo recv
 that times out closes the pair ("Application timeout caused pair closure"), and
-an idle NCCL recv trips the watchdog, which tears the process down. A store
+an idle NCCL recv cannot be cancelled short of aborting the communicator. A store
 queue wait has no such side effect, and ``close()`` can wake it.
 
 Tensors: ``kv_cache: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``
-(K at 0, V at 1), contiguous, so ``kv_cache[l, s:s+n]`` is one contiguous chunk
-and goes on the wire without a copy (gloo on CPU, NCCL on GPU). gloo with a CUDA
-cache stages each layer through pinned host buffers (two, used alternately).
-At most two layers are in flight: posting layer l waits for layer l-1.
+(K at 0, V at 1), contiguous, so ``kv_cache[l, s:s+n]`` is one contiguous chunk and
+goes on the wire without a copy. Every side's data work runs on the pair's own CUDA
+stream, ordered after the calling thread's stream; ``send`` and ``recv`` return once
+the data has left / landed.
 
-Failure model: every blocking step has a deadline. A data-plane error (timeout,
-peer gone) marks the pair broken; later calls raise and the services build a new
-pair. A transfer the decode side rejects (``validate`` raises, or a block id out
-of range) is still received, into scratch memory, so the pair stays in sync.
+Failure model: every blocking step has a deadline. NCCL transfers are polled from the
+calling thread and the group is aborted at the deadline (NCCL runs with blocking wait:
+no watchdog thread that could end the process). A data-plane error (timeout, peer
+gone) marks the pair broken; later calls raise and the services build a new pair.
+Closing aborts an NCCL group rather than shutting it down: destroying a communicator
+waits for the peer to destroy its end. A transfer the decode side rejects (``validate``
+raises, or a block id out of range) is still received, into scratch memory, so the
+pair stays in sync.
 """
 from __future__ import annotations
 
-from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION, RECEIVER_RANK,
-                                         SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError, ReceivedKV,
-                                         TransferStats, check_compatible, choose_backend, merge_runs)
+from engine.kv_transfer.protocol import (BACKENDS, DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION,
+                                         RECEIVER_RANK, SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError,
+                                         ReceivedKV, TransferStats, WirePlan, check_compatible, choose_backend,
+                                         chunk_ranges, gpu_uuid, merge_runs, plan_transfer, resolve_backend)
 from engine.kv_transfer.receiver import KVReceiver
 from engine.kv_transfer.sender import KVSender, KVSendTransfer
 
-__all__ = ["DEFAULT_PAIR_NAME", "DEFAULT_TIMEOUT_S", "PROTOCOL_VERSION", "RECEIVER_RANK", "SENDER_RANK",
-           "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "TransferStats", "check_compatible",
-           "choose_backend", "merge_runs", "KVReceiver", "KVSender", "KVSendTransfer"]
+__all__ = ["BACKENDS", "DEFAULT_PAIR_NAME", "DEFAULT_TIMEOUT_S", "PROTOCOL_VERSION", "RECEIVER_RANK", "SENDER_RANK",
+           "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "TransferStats", "WirePlan",
+           "check_compatible", "choose_backend", "chunk_ranges", "gpu_uuid", "merge_runs", "plan_transfer",
+           "resolve_backend", "KVReceiver", "KVSender", "KVSendTransfer"]

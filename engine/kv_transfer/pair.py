@@ -1,21 +1,37 @@
 """What both ends of a KV pair share: deadlines, the hello handshake, the process
-group, staging buffers."""
+group, the pair's CUDA stream and staging buffers, posting, waiting and aborting."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION,
-                                         _Group, _WILDCARD_HOSTS, _layout_diffs)
+from engine.kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION, _Group,
+                                         _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend)
 
 logger = logging.getLogger(__name__)
+
+# ProcessGroupNCCL reads this when a group is built. With blocking wait it starts no watchdog
+# thread, hence no heartbeat monitor: a failed or timed-out NCCL op surfaces in the thread that
+# waits for it, and nothing in the background ends the process (the watchdog's default on a
+# timeout or a peer's death). Deadlines stay ours: _Pair._wait polls and aborts the group.
+_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+if os.environ.setdefault(_BLOCKING_WAIT, "1") != "1":
+    logger.warning("%s=%s: NCCL's watchdog may end this process when a KV peer dies",
+                   _BLOCKING_WAIT, os.environ[_BLOCKING_WAIT])
+
+# An NCCL transfer is polled without sleeping for _SPIN_S (a 16k-token prompt of an 8B model
+# moves in ~6 ms; a sleep would add its own granularity to every transfer), then every _POLL_S.
+_SPIN_S = 0.05
+_POLL_S = 0.0005
 
 
 def _remaining(deadline: float, what: str) -> timedelta:
@@ -25,23 +41,35 @@ def _remaining(deadline: float, what: str) -> timedelta:
     return timedelta(seconds=left)
 
 
-def _hello(layout: KVLayout, backend: str, **extra: Any) -> str:
-    return json.dumps({"protocol": PROTOCOL_VERSION, "backend": backend,
-                       "layout": layout.to_dict(), **extra})
+def _as_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """[layers, blocks, ...] contiguous -> [layers, blocks, row] viewed as int64 when the row's
+    bytes allow: gather and scatter kernels then move 8 bytes per element, not 2."""
+    rows = blocks.view(blocks.shape[0], blocks.shape[1], -1)
+    if rows.element_size() < 8 and rows.shape[-1] * rows.element_size() % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
 
 
-def _check_hello(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
-    """Same check, same message, on both sides (values in (prefill, decode) order)."""
+def _hello(layout: KVLayout, asks: str, device: torch.device, **extra: Any) -> dict[str, Any]:
+    """What one side tells the other before any process group exists. ``gpu`` is the UUID
+    of the GPU holding this side's cache (None: host memory): it decides the backend."""
+    return {"protocol": PROTOCOL_VERSION, "backend": asks, "gpu": gpu_uuid(device),
+            "layout": layout.to_dict(), **extra}
+
+
+def _settle(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[str, str]:
+    """Both sides run this on the two hellos (values in (prefill, decode) order): the same
+    checks, the same error message, the same (backend, reason)."""
     if prefill.get("closed") or decode.get("closed"):
         raise KVChannelClosed("KV pair closed during setup")
     problems = []
     if prefill["protocol"] != decode["protocol"]:
         problems.append(f"protocol {prefill['protocol']} != {decode['protocol']}")
-    if prefill["backend"] != decode["backend"]:
-        problems.append(f"backend {prefill['backend']} != {decode['backend']}")
-    problems += _layout_diffs(KVLayout.from_dict(prefill["layout"]), KVLayout.from_dict(decode["layout"]))
+    else:
+        problems += _layout_diffs(KVLayout.from_dict(prefill["layout"]), KVLayout.from_dict(decode["layout"]))
     if problems:
         raise KVTransferError("KV layout mismatch between prefill and decode: " + "; ".join(problems))
+    return resolve_backend(prefill["backend"], decode["backend"], prefill.get("gpu"), decode.get("gpu"))
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
@@ -66,42 +94,58 @@ def _local_addr_toward(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
-def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta,
-                bind_host: str | None) -> _Group:
+def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta, bind_host: str | None,
+                device: torch.device) -> _Group:
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise KVTransferError("backend nccl requested but this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+        group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        # Build the pair's one communicator now, on this cache's GPU, while both sides are in
+        # setup. Otherwise the first op builds it lazily, from whatever thread and current
+        # device sends first, and a single (unbatched) op would build a second one.
+        group.eager_connect_single_device(device)
+        return group
     if backend != "gloo":
         raise ValueError(f"unknown KV transfer backend {backend!r}")
     gloo = dist.ProcessGroupGloo
-    device = None
+    gloo_device = None
     if bind_host and bind_host not in _WILDCARD_HOSTS:
         try:
-            device = gloo.create_device(hostname=bind_host)
+            gloo_device = gloo.create_device(hostname=bind_host)
         except RuntimeError as e:  # not a local address: let gloo pick (GLOO_SOCKET_IFNAME)
             logger.warning("gloo cannot bind %s (%s); using the default interface", bind_host, e)
     opts = gloo._Options()
     opts._timeout = timeout
-    opts._devices = [device or gloo.create_default_device()]
+    opts._devices = [gloo_device or gloo.create_default_device()]
     return gloo(store, rank, 2, opts)
 
 
 class _Pair:
-    """State shared by both ends: store, group, health, staging buffers."""
+    """State shared by both ends: header store, group, health, CUDA stream, staging buffers.
 
-    def __init__(self, layout: KVLayout, backend: str, timeout: float, device: str | torch.device) -> None:
+    All data work of a pair runs on the pair's own CUDA stream (``_on_stream``): NCCL waits
+    for it, and neither side's engine stream ever waits for a transfer."""
+
+    _peer_rank: int  # set by the subclass
+
+    def __init__(self, layout: KVLayout, asks: str, timeout: float, device: str | torch.device) -> None:
         self.layout = layout
-        self.backend = backend
+        self.asks = asks  # the backend this side asked for: "auto" | "gloo" | "nccl"
+        self.backend = asks  # settled by the handshake
+        self.reason = ""  # why that backend, for the logs
         self.timeout = timeout
         self.device = torch.device(device)
-        self._store: dist.Store | None = None
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._store: dist.Store | None = None  # header channel; the group has its own clone
         self._group: _Group | None = None
         self._broken: str | None = None
         self._closed = False
-        self._staging: list[torch.Tensor | None] = [None, None]
+        self._aborted = False
+        self._stream: torch.cuda.Stream | None = None
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # staging, by (kind, slot)
 
     @property
     def wire_device(self) -> torch.device:
@@ -120,37 +164,132 @@ class _Pair:
         assert self._group is not None
         return self._group
 
-    def _is_staged(self, kv_cache: torch.Tensor) -> bool:
-        return self.backend == "gloo" and kv_cache.device.type != "cpu"
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Current device and stream for this pair's data work (nothing on CPU)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
 
-    def _staging_views(self, slot: int, kv_cache: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Views [n, 2, block_size, heads, head_dim] into pinned host buffer ``slot``, one per run."""
-        block_shape = kv_cache.shape[2:]
-        block_numel = kv_cache[0, 0].numel()
-        need = sum(lengths) * block_numel
-        buf = self._staging[slot]
-        if buf is None or buf.numel() < need or buf.dtype != kv_cache.dtype:
-            buf = torch.empty(need, dtype=kv_cache.dtype, pin_memory=True)
-            self._staging[slot] = buf
-        views, offset = [], 0
-        for n in lengths:
-            views.append(buf[offset:offset + n * block_numel].view(n, *block_shape))
-            offset += n * block_numel
-        return views
+    def _after_callers_work(self) -> None:
+        """Order this pair's stream after the calling thread's current stream (the engine's
+        writes to the cache, or its last reads of blocks about to be overwritten)."""
+        if self.device.type == "cuda":
+            caller = torch.cuda.current_stream(self.device)
+            with self._on_stream():
+                assert self._stream is not None
+                self._stream.wait_stream(caller)
 
-    def _wait(self, works: Sequence[dist.Work], deadline: float, what: str) -> None:
+    def _buffer(self, kind: str, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat staging buffer of at least ``numel``, kept for the pair's life (two slots a
+        kind, used alternately). Host buffers are pinned when the cache is on a GPU."""
+        buf = self._buffers.get((kind, slot))
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            pin = device.type == "cpu" and self.device.type == "cuda"
+            buf = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+            self._buffers[(kind, slot)] = buf
+        return buf[:numel]
+
+    def _post(self, tensors: Sequence[torch.Tensor], send: bool, what: str) -> list[Any]:
+        """Post one batch of messages to the peer, in order. NCCL: one group (a single Work);
+        gloo: one Work per message."""
+        group = self._check_usable()
+        op = group.send if send else group.recv
         try:
-            for work in works:
-                work.wait(_remaining(deadline, what))
+            if self.backend != "nccl":
+                return [op([t], self._peer_rank, _TAG) for t in tensors]
+            group._start_coalescing()  # ncclGroupStart: one kernel launch for the whole batch
+            try:
+                for t in tensors:
+                    op([t], self._peer_rank, _TAG)
+            finally:
+                work = group._end_coalescing()
+            return [work]
         except Exception as e:
-            self._broken = f"{what}: {e}"
+            self._fail(what, e)
             raise KVTransferError(f"{what} failed: {e}") from e
 
+    def _wait(self, works: Sequence[Any], deadline: float, what: str,
+              done: torch.cuda.Event | None = None) -> None:
+        """Until every work (and the event ``done``) has completed, or the deadline passes:
+        then the pair is broken and its group aborted. gloo blocks in ``wait``; NCCL is
+        polled from here, since a blocking NCCL wait sleeps in coarse steps."""
+        try:
+            if self.backend != "nccl":
+                for work in works:
+                    work.wait(_remaining(deadline, what))
+                return
+            pending, start = list(works), time.monotonic()
+            while True:
+                still = []
+                for work in pending:
+                    if work.is_completed():
+                        work.wait()  # raises the op's error, if it failed
+                    else:
+                        still.append(work)
+                pending = still
+                if not pending and (done is None or done.query()):
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"not done within {self.timeout}s (peer gone or stalled)")
+                time.sleep(0 if now - start < _SPIN_S else _POLL_S)
+        except KVTransferError:
+            raise
+        except Exception as e:
+            self._fail(what, e)
+            raise KVTransferError(f"{what} failed: {e}") from e
 
-def _shutdown(group: _Group | None) -> None:
-    if group is None:
-        return
-    try:
-        group.shutdown()
-    except Exception as e:  # already torn down by a peer error
-        logger.debug("KV group shutdown: %s", e)
+    def _fail(self, what: str, error: BaseException) -> None:
+        """A data-plane error: the pair is broken for good (the peer may be mid-message) and an
+        NCCL group is aborted now, which ends its kernels still waiting on the peer."""
+        self._broken = self._broken or f"{what}: {error}"
+        if self.backend == "nccl":
+            self._abort()
+
+    def _abort(self) -> None:
+        if self._aborted or self._group is None:
+            return
+        self._aborted = True
+        try:
+            self._group.abort()
+        except Exception as e:  # already torn down by a peer error
+            logger.debug("KV group abort: %s", e)
+
+    def _build_group(self, rank: int, deadline: float, where: str, bind_host: str | None) -> None:
+        """The process group on a clone of the store, then one message each way, so both sides
+        know the data path works before the first transfer."""
+        assert self._store is not None
+        try:
+            with self._on_stream():
+                self._group = _make_group(self._store.clone(), rank, self.backend, _remaining(deadline, where),
+                                          bind_host, self.device)
+                ping = torch.ones(1, device=self.wire_device)
+                works = self._post([ping], send=rank == 0, what=where)
+                self._wait(works, deadline, where)
+        except KVTransferError:
+            self._teardown()
+            raise
+        except Exception as e:
+            self._teardown()
+            raise KVTransferError(f"{where}: {e}") from e
+
+    def _teardown(self) -> None:
+        """Drop the group. NCCL is aborted, never shut down: shutdown() destroys the communicator,
+        which waits for the peer to destroy its end too (it hangs while the peer lives on)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            if self.backend == "nccl":
+                if not self._aborted:
+                    self._aborted = True
+                    group.abort()
+            else:
+                group.shutdown()
+        except Exception as e:  # already torn down by a peer error
+            logger.debug("KV group teardown: %s", e)

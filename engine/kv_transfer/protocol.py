@@ -1,12 +1,14 @@
 """Wire protocol of a KV pair: layouts and their compatibility, merged block runs,
-the backend choice, errors and per-transfer results."""
+the backend choice, the message plan of a transfer, errors and per-transfer results."""
 from __future__ import annotations
 
+import base64
 import logging
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -14,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directly (no init_process_group)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: backend negotiated from GPU UUIDs in the hello; chunked message plan
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
@@ -23,6 +25,7 @@ _HEADER_QUEUE = "hdr"
 _TAG = 0
 _OK, _ABORTED = 0, 1  # trailer values
 _IDLE_WAIT = timedelta(days=1)  # header wait chunk when recv(timeout=None); close() wakes it
+BACKENDS = ("auto", "gloo", "nccl")  # what a side may ask for; "auto" = decide from the GPU UUIDs
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
@@ -98,33 +101,136 @@ def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> li
     """(src_start, dst_start, length) for maximal runs where src and dst ids both go up by one.
 
     merge_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
-    """
-    if len(src_block_ids) != len(dst_block_ids):
+
+    Vectorized: a 16k-token prompt has 1024 blocks, and this runs on the critical path."""
+    src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"{len(src_block_ids)} src block ids but {len(dst_block_ids)} dst block ids")
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in zip(src_block_ids, dst_block_ids):
-        if runs:
-            s, d, n = runs[-1]
-            if src == s + n and dst == d + n:
-                runs[-1] = (s, d, n + 1)
-                continue
-        runs.append((int(src), int(dst), 1))
-    return runs
+    if src.size == 0:
+        return []
+    starts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], starts))
+    lengths = np.diff(np.append(starts, src.size))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
 
 
-def choose_backend(sender_device: str, receiver_device: str, same_gpu: bool) -> tuple[str, str]:
-    """("nccl" | "gloo", reason for the logs). Pure: both sides compute the same answer."""
-    s_cuda = torch.device(sender_device).type == "cuda"
-    r_cuda = torch.device(receiver_device).type == "cuda"
-    if s_cuda and r_cuda and not same_gpu:
-        return "nccl", f"nccl: prefill on {sender_device}, decode on {receiver_device}"
-    if s_cuda and r_cuda:
-        return "gloo", (f"gloo (host-staged): prefill and decode share {sender_device}, "
+def expand_runs(runs: Sequence[tuple[int, int, int]], side: int) -> np.ndarray:
+    """The block ids of one side of ``runs`` (0: src, 1: dst), in order, as int64."""
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    r = np.asarray(runs, dtype=np.int64)
+    starts, lengths = r[:, side], r[:, 2]
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64) - offsets
+
+
+def encode_runs(runs: Sequence[tuple[int, int, int]]) -> str:
+    """Runs as base64 of int64 triples: a header stays small and quick to parse at any length."""
+    return base64.b64encode(np.asarray(runs, dtype=np.int64).reshape(-1).tobytes()).decode()
+
+
+def decode_runs(text: str) -> list[tuple[int, int, int]]:
+    flat = np.frombuffer(base64.b64decode(text), dtype=np.int64)
+    if flat.size % 3:
+        raise ValueError(f"runs must come in (src, dst, length) triples, got {flat.size} numbers")
+    return [tuple(r) for r in flat.reshape(-1, 3).tolist()]
+
+
+def gpu_uuid(device: str | torch.device) -> str | None:
+    """The UUID of the GPU behind ``device`` (None for host memory).
+
+    Device strings cannot say whether two processes share a GPU: in containers every
+    process calls its GPU ``cuda:0``. The UUID names the physical device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def choose_backend(prefill_gpu: str | None, decode_gpu: str | None) -> tuple[str, str]:
+    """("nccl" | "gloo", reason for the logs) from the GPU UUID of each side's KV cache
+    (None: the cache is in host memory). Pure: both sides compute the same answer."""
+    if prefill_gpu and decode_gpu and prefill_gpu != decode_gpu:
+        return "nccl", f"nccl: prefill on GPU {prefill_gpu[:8]}, decode on GPU {decode_gpu[:8]}"
+    if prefill_gpu and decode_gpu:
+        return "gloo", (f"gloo (host-staged): prefill and decode share GPU {prefill_gpu[:8]}, "
                         "NCCL cannot pair two ranks on one GPU")
-    if s_cuda or r_cuda:
-        return "gloo", (f"gloo (host-staged): prefill on {sender_device}, decode on "
-                        f"{receiver_device}; NCCL needs CUDA on both sides")
+    if prefill_gpu or decode_gpu:
+        where = "prefill" if prefill_gpu else "decode"
+        return "gloo", f"gloo (host-staged): only {where} is on a GPU; NCCL needs GPUs on both sides"
     return "gloo", "gloo: prefill and decode on CPU"
+
+
+def resolve_backend(prefill_asks: str, decode_asks: str, prefill_gpu: str | None,
+                    decode_gpu: str | None) -> tuple[str, str]:
+    """The backend of a pair from what each side asks for ("auto" | "gloo" | "nccl") and
+    where each cache lives. Pure, run by both sides on the exchanged hellos.
+    Raises KVTransferError if the sides insist on different backends, or on NCCL where
+    it cannot work (one GPU for both, or a cache in host memory)."""
+    for asks in (prefill_asks, decode_asks):
+        if asks not in BACKENDS:
+            raise KVTransferError(f"unknown KV transfer backend {asks!r} (expected one of {BACKENDS})")
+    if "auto" not in (prefill_asks, decode_asks) and prefill_asks != decode_asks:
+        raise KVTransferError(f"KV backend mismatch: prefill asks for {prefill_asks}, decode for {decode_asks}")
+    auto, reason = choose_backend(prefill_gpu, decode_gpu)
+    wanted = decode_asks if prefill_asks == "auto" else prefill_asks
+    if wanted in ("auto", auto):
+        return auto, reason
+    if wanted == "nccl":
+        raise KVTransferError(f"backend nccl was asked for, but {reason.split(': ', 1)[1]}")
+    return wanted, f"{wanted} (asked for; the automatic choice would be {reason})"
+
+
+class WirePlan(NamedTuple):
+    """How the sender lays one transfer's data on the wire; travels in the header, so the
+    receiver posts exactly the matching messages.
+
+    The layers are cut into chunks of ``chunk_layers`` consecutive layers. Each chunk is one
+    batch of messages (one NCCL group): either one message per merged run and layer
+    (``pack`` False: zero-copy views of the cache) or one message holding the chunk's
+    blocks gathered into a staging buffer (``pack`` True), then scattered on arrival."""
+
+    pack: bool
+    chunk_layers: int
+
+
+def chunk_ranges(num_layers: int, chunk_layers: int) -> list[tuple[int, int]]:
+    """[(first_layer, end_layer)] covering 0..num_layers-1 in order.
+
+    chunk_ranges(5, 2) == [(0, 2), (2, 4), (4, 5)]"""
+    if chunk_layers <= 0:
+        raise ValueError(f"chunk_layers must be positive, got {chunk_layers}")
+    return [(l0, min(l0 + chunk_layers, num_layers)) for l0 in range(0, num_layers, chunk_layers)]
+
+
+# NCCL message plan (measured on two H200s over NVLink, see docs/benchmarks.md):
+# a message per run costs host time per op and NCCL time per message, so runs pay off
+# only when they are long; otherwise gather into chunks of about _PACK_CHUNK_BYTES,
+# two staging buffers per side, so that gathering chunk k+1 overlaps sending chunk k.
+_DIRECT_MIN_RUN_BYTES = 16 << 20
+_DIRECT_MAX_MESSAGES = 256
+_PACK_CHUNK_BYTES = 64 << 20
+
+
+def plan_transfer(runs: Sequence[tuple[int, int, int]], num_layers: int, layer_block_bytes: int,
+                  backend: str, cache_on_gpu: bool) -> WirePlan:
+    """The sender's choice of WirePlan. ``layer_block_bytes``: bytes of one block in one layer.
+
+    gloo from host memory sends the runs in place, a layer at a time (no copies); gloo from a
+    GPU cache stages each layer through pinned host memory as one message. NCCL sends long
+    runs in place, every layer in one group, and gathers short runs into chunks."""
+    num_blocks = sum(n for _, _, n in runs)
+    if not runs:
+        return WirePlan(pack=False, chunk_layers=max(num_layers, 1))
+    if backend != "nccl":
+        return WirePlan(pack=cache_on_gpu, chunk_layers=1)
+    direct = (num_blocks * layer_block_bytes >= len(runs) * _DIRECT_MIN_RUN_BYTES
+              and len(runs) * num_layers <= _DIRECT_MAX_MESSAGES)
+    if direct:
+        return WirePlan(pack=False, chunk_layers=num_layers)
+    layer_bytes = num_blocks * layer_block_bytes
+    return WirePlan(pack=True, chunk_layers=max(1, min(num_layers, _PACK_CHUNK_BYTES // layer_bytes)))
 
 
 @dataclass(frozen=True)

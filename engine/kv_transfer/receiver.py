@@ -8,14 +8,15 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
-                                         KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK,
-                                         TransferStats, _HEADER_QUEUE, _IDLE_WAIT, _OK, _TAG,
-                                         _WILDCARD_HOSTS, merge_runs)
-from engine.kv_transfer.pair import _Pair, _check_hello, _hello, _make_group, _remaining, _shutdown
+                                         KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
+                                         WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS, chunk_ranges,
+                                         decode_runs, expand_runs)
+from engine.kv_transfer.pair import _Pair, _as_rows, _hello, _remaining, _settle
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,10 @@ logger = logging.getLogger(__name__)
 class KVReceiver(_Pair):
     """Decode end of one pair. ``recv`` is meant for one thread (the pair's receive loop)."""
 
-    def __init__(self, layout: KVLayout, backend: str, timeout: float, device: str | torch.device) -> None:
-        super().__init__(layout, backend, timeout, device)
+    _peer_rank = SENDER_RANK
+
+    def __init__(self, layout: KVLayout, asks: str, timeout: float, device: str | torch.device) -> None:
+        super().__init__(layout, asks, timeout, device)
         self.host = ""
         self.port = 0
         self._ready = threading.Event()
@@ -32,14 +35,16 @@ class KVReceiver(_Pair):
         self._setup_thread: threading.Thread | None = None
         self._recv_lock = threading.Lock()
         self._peer_closed = False
+        self._landed: list[torch.cuda.Event | None] = [None, None]  # staged gloo: slot's H2D copy done
 
     @classmethod
-    def listen(cls, host: str, layout: KVLayout, *, port: int = 0, backend: str = "gloo",
+    def listen(cls, host: str, layout: KVLayout, *, port: int = 0, backend: str = "auto",
                device: str | torch.device = "cpu", timeout: float = DEFAULT_TIMEOUT_S,
                pair_name: str = DEFAULT_PAIR_NAME) -> tuple[KVReceiver, int]:
         """Open a TCPStore at host:port (0 = a free port) and return at once with the port to
-        hand to the prefill side. The handshake and group setup run in a background thread,
-        bounded by ``timeout``; ``wait_connected()`` / ``recv()`` raise its error, if any."""
+        hand to the prefill side. The handshake (which settles the backend when ``backend`` is
+        "auto") and group setup run in a background thread, bounded by ``timeout``;
+        ``wait_connected()`` / ``recv()`` raise its error, if any."""
         self = cls(layout, backend, timeout, device)
         try:
             store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout),
@@ -48,7 +53,7 @@ class KVReceiver(_Pair):
             raise KVTransferError(f"cannot open KV store at {host}:{port}: {e}") from e
         self.host, self.port = host, store.port
         self._store = dist.PrefixStore(pair_name, store)
-        self._store.set("hello/1", _hello(layout, backend))
+        self._store.set("hello/1", json.dumps(_hello(layout, backend, self.device)))
         self._setup_thread = threading.Thread(target=self._setup, name=f"kv-listen-{self.port}",
                                               daemon=True)
         self._setup_thread.start()
@@ -67,20 +72,12 @@ class KVReceiver(_Pair):
                 raise KVTransferError(f"{where}: no prefill server connected within "
                                       f"{self.timeout}s") from e
             theirs = json.loads(self._store.get("hello/0"))
-            _check_hello(theirs, json.loads(_hello(self.layout, self.backend)))
+            self.backend, self.reason = _settle(theirs, _hello(self.layout, self.asks, self.device))
             bind = self.host if self.host not in _WILDCARD_HOSTS else theirs.get("dialed_host")
-            try:
-                self._group = _make_group(self._store, RECEIVER_RANK, self.backend,
-                                          _remaining(deadline, where), bind)
-                ping = torch.zeros(1, device=self.wire_device)
-                self._wait([self._group.recv([ping], SENDER_RANK, _TAG)], deadline, where)
-            except KVTransferError:
-                raise
-            except Exception as e:
-                raise KVTransferError(f"{where}: {e}") from e
+            self._build_group(RECEIVER_RANK, deadline, where, bind)
             if self._closed:
                 raise KVChannelClosed("KV pair closed during setup")
-            logger.info("KV pair up: receiving at %s:%d over %s", self.host, self.port, self.backend)
+            logger.info("KV pair up: receiving at %s:%d, %s", self.host, self.port, self.reason)
         except BaseException as e:
             self._setup_error = e
             if not isinstance(e, KVChannelClosed):
@@ -101,33 +98,42 @@ class KVReceiver(_Pair):
 
     def recv(self, kv_cache: torch.Tensor, validate: Callable[[str, list[int]], None] | None = None,
              timeout: float | None = None) -> ReceivedKV:
-        """Receive the next transfer into ``kv_cache``: (request_id, dst_block_ids, stats).
+        """Receive the next transfer into ``kv_cache``: (request_id, dst_block_ids, stats, meta).
 
         Waits up to ``timeout`` s (None: until a transfer comes or the pair closes) for the
         header, then calls ``validate(request_id, dst_block_ids)``. If it raises (or a dst id
         is out of range / repeated), the data is drained into scratch memory, ``kv_cache`` is
-        not modified and the exception is re-raised; the pair stays usable."""
+        not modified and the exception is re-raised; the pair stays usable. Returns once the
+        data is in ``kv_cache`` (later work on any stream sees it)."""
         self.layout.check_cache(kv_cache)
-        if self.backend == "nccl" and kv_cache.device.type != "cuda":
-            raise ValueError("backend nccl needs a CUDA kv_cache")
         with self._recv_lock:
             self.wait_connected()
+            if self.backend == "nccl" and kv_cache.device != self.device:
+                raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
             header = self._next_header(timeout)
             start = time.perf_counter()
-            request_id, src, dst = header["request_id"], header["src"], header["dst"]
-            runs = merge_runs(src, dst)
             try:
-                bad = [b for b in dst if not 0 <= b < kv_cache.shape[1]]
-                if bad or len(set(dst)) != len(dst):
+                request_id = header["request_id"]
+                runs = decode_runs(header["runs"])
+                dst_ids = expand_runs(runs, 1)
+                plan = WirePlan(pack=bool(header["pack"]), chunk_layers=int(header["chunk_layers"]))
+                chunk_ranges(self.layout.num_layers, plan.chunk_layers)  # validates
+            except Exception as e:  # cannot know which messages follow: out of sync for good
+                self._fail("reading a KV header", e)
+                raise KVTransferError(f"malformed KV header {header!r}: {e}") from e
+            dst = dst_ids.tolist()
+            try:
+                in_range = dst_ids.size == 0 or (dst_ids.min() >= 0 and dst_ids.max() < kv_cache.shape[1])
+                if not in_range or np.unique(dst_ids).size != dst_ids.size:
                     raise KVTransferError(f"request {request_id}: dst block ids out of range "
                                           f"[0, {kv_cache.shape[1]}) or repeated: {dst}")
                 if validate is not None:
                     validate(request_id, list(dst))
             except Exception:
-                self._recv_layers(request_id, runs, kv_cache, drain=True)
+                self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=True)
                 raise
             try:
-                status = self._recv_layers(request_id, runs, kv_cache, drain=False)
+                status, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=False)
             except KVTransferError as e:
                 e.request_id = request_id
                 raise
@@ -140,19 +146,21 @@ class KVReceiver(_Pair):
         return ReceivedKV(request_id, list(dst), TransferStats(
             num_blocks=len(dst), num_bytes=len(dst) * block_bytes * self.layout.num_layers,
             seconds=time.perf_counter() - start, backend=self.backend,
-            num_messages=len(runs) * self.layout.num_layers), header.get("meta") or {})
+            num_messages=num_messages), header.get("meta") or {})
 
     def _next_header(self, timeout: float | None) -> dict[str, Any]:
+        """One blocking pop from the store's header queue (one round trip). An idle pair waits
+        here, not in the process group: an idle posted NCCL or gloo receive would time out."""
         store = self._store
         if store is None or self._closed:
             raise KVChannelClosed("KV pair is closed")
         if self._peer_closed:
             raise KVChannelClosed("the prefill side closed the KV pair")
         self._check_usable()
+        store.set_timeout(_IDLE_WAIT if timeout is None else timedelta(seconds=timeout))
         while True:
             try:
-                store.wait([_HEADER_QUEUE], _IDLE_WAIT if timeout is None else timedelta(seconds=timeout))
-                header = json.loads(store.queue_pop(_HEADER_QUEUE, False))
+                header = json.loads(store.queue_pop(_HEADER_QUEUE, True))
                 break
             except Exception as e:
                 if self._closed:
@@ -165,56 +173,99 @@ class KVReceiver(_Pair):
                                   else "the prefill side closed the KV pair")
         return header
 
-    def _recv_layers(self, request_id: str, runs: list[tuple[int, int, int]],
-                     kv_cache: torch.Tensor, drain: bool) -> int:
-        """Layer by layer, two in flight, straight into kv_cache[l, d:d+n] unless staged or
-        drained; then the trailer, whose value (_OK or _ABORTED) is returned."""
-        group = self._check_usable()
+    def _recv_chunks(self, request_id: str, runs: list[tuple[int, int, int]], dst_ids: np.ndarray,
+                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool) -> tuple[int, int]:
+        """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
+        previous one lands. Drained: everything goes to scratch and kv_cache is not touched.
+        Returns (trailer value, data messages)."""
         deadline = time.monotonic() + self.timeout
         what = f"request {request_id}: receiving KV" + (" (draining a rejected transfer)" if drain else "")
-        staged = self._is_staged(kv_cache) and not drain
+        chunks = chunk_ranges(self.layout.num_layers, plan.chunk_layers)
+        self._after_callers_work()
+        with self._on_stream():
+            dst_index = None
+            if plan.pack and not drain:
+                dst_index = torch.from_numpy(dst_ids).to(kv_cache.device, non_blocking=True)
+            trailer = torch.empty(1, dtype=torch.int64, device=self.wire_device)
+            works: list[list[Any]] = []
+            staged: list[list[torch.Tensor]] = []  # per chunk: its messages' staging views ([] if in place)
+            num_messages = 0
+            for k in range(len(chunks) + 1):
+                if k < len(chunks):
+                    targets, in_staging = self._targets(k, chunks[k], runs, kv_cache, plan, drain)
+                    num_messages += len(targets)
+                    staged.append(list(targets) if in_staging and not drain else [])
+                    if k == len(chunks) - 1:
+                        targets.append(trailer)
+                    works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][0]}.."))
+                if k >= 1:
+                    self._land(k - 1, chunks[k - 1], works[k - 1], staged[k - 1], runs, kv_cache, dst_index,
+                               deadline, what)
+            if self.backend == "nccl":
+                done = torch.cuda.Event()
+                done.record()
+                self._wait([w for ws in works for w in ws], deadline, what, done=done)
+            elif kv_cache.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            return int(trailer.item()), num_messages
+
+    def _targets(self, k: int, chunk: tuple[int, int], runs: list[tuple[int, int, int]], kv_cache: torch.Tensor,
+                 plan: WirePlan, drain: bool) -> tuple[list[torch.Tensor], bool]:
+        """Where chunk k's messages land, and whether that is staging slot k % 2 (else straight
+        into kv_cache). A slot is free again once chunk k - 2 has landed from it: for NCCL by
+        stream order (this receive waits for this stream, which holds that scatter); for gloo
+        into a GPU cache, once the slot's copy to the device is done."""
+        l0, l1 = chunk
+        block_shape, block_numel = kv_cache.shape[2:], kv_cache[0, 0].numel()
         lengths = [n for _, _, n in runs]
-        scratch, offsets = None, [sum(lengths[:i]) for i in range(len(lengths))] if drain else []
-        if drain:  # [2 slots, blocks in the transfer, 2, block_size, heads, head_dim]
-            scratch = torch.empty((2, sum(lengths), *kv_cache.shape[2:]), dtype=kv_cache.dtype,
-                                  device=self.wire_device)
-        events: list[Any] = [None, None]
-        prev: tuple[int, list[dist.Work], list[torch.Tensor]] | None = None
-        for layer in range(self.layout.num_layers + 1):
-            current = None
-            if layer < self.layout.num_layers:
-                if scratch is not None:
-                    views = [scratch[layer % 2, o:o + n] for o, n in zip(offsets, lengths)]
-                elif staged:
-                    if events[layer % 2] is not None:  # H2D copy of layer - 2 out of this slot
-                        events[layer % 2].synchronize()
-                    views = self._staging_views(layer % 2, kv_cache, lengths)
-                else:
-                    views = [kv_cache[layer, d:d + n] for _, d, n in runs]
-                try:
-                    current = (layer, [group.recv([v], SENDER_RANK, _TAG) for v in views], views)
-                except Exception as e:
-                    self._broken = f"{what}: {e}"
-                    raise KVTransferError(f"{what} failed: {e}") from e
-            if prev is not None:
-                done_layer, works, views = prev
-                self._wait(works, deadline, f"{what} layer {done_layer}")
-                if staged:
-                    for view, (_, d, n) in zip(views, runs):
-                        kv_cache[done_layer, d:d + n].copy_(view, non_blocking=True)
-                    events[done_layer % 2] = torch.cuda.Event()
-                    events[done_layer % 2].record(torch.cuda.current_stream(kv_cache.device))
-            prev = current
-        trailer = torch.empty(1, dtype=torch.int64, device=self.wire_device)
-        try:
-            work = group.recv([trailer], SENDER_RANK, _TAG)
-        except Exception as e:
-            self._broken = f"{what}: {e}"
-            raise KVTransferError(f"{what} failed: {e}") from e
-        self._wait([work], deadline, what)
-        if staged:
-            torch.cuda.current_stream(kv_cache.device).synchronize()
-        return int(trailer.item())
+        in_place = self.wire_device == kv_cache.device
+        if not plan.pack and not drain and in_place:
+            return [kv_cache[layer, d:d + n] for layer in range(l0, l1) for _, d, n in runs], False
+        if not in_place and self._landed[k % 2] is not None:
+            self._landed[k % 2].synchronize()
+        if drain and not plan.pack:  # every message into the same scratch: the bytes are thrown away
+            scratch = self._buffer("wire", k % 2, max(lengths, default=0) * block_numel, kv_cache.dtype,
+                                   self.wire_device)
+            return [scratch[:n * block_numel].view(n, *block_shape) for _ in range(l0, l1) for n in lengths], True
+        slot = self._buffer("wire", k % 2, (l1 - l0) * sum(lengths) * block_numel, kv_cache.dtype,
+                            self.wire_device)
+        if plan.pack:
+            return [slot.view(l1 - l0, sum(lengths), *block_shape)], True
+        views, offset = [], 0  # runs staged through host memory, one view per (layer, run)
+        for _ in range(l0, l1):
+            for n in lengths:
+                views.append(slot[offset:offset + n * block_numel].view(n, *block_shape))
+                offset += n * block_numel
+        return views, True
+
+    def _land(self, k: int, chunk: tuple[int, int], works: list[Any], staged: list[torch.Tensor],
+              runs: list[tuple[int, int, int]], kv_cache: torch.Tensor, dst_index: torch.Tensor | None,
+              deadline: float, what: str) -> None:
+        """Chunk k was posted: order this stream after it, then move what it staged into
+        kv_cache (scatter the packed [layers, blocks, 2, block_size, heads, head_dim] message by
+        ``dst_index``, or copy each staged run into place)."""
+        l0, l1 = chunk
+        if self.backend == "nccl":
+            for work in works:
+                work.block_current_stream()  # stream-side: the host does not wait here
+        else:
+            self._wait(works, deadline, what)
+        if not staged:
+            return
+        if dst_index is not None:
+            data = staged[0]
+            if data.device != kv_cache.device:  # gloo into a GPU cache: through the device
+                on_gpu = self._buffer("scatter", k % 2, data.numel(), kv_cache.dtype, kv_cache.device)
+                data = on_gpu.view(data.shape).copy_(data, non_blocking=True)
+            _as_rows(kv_cache[l0:l1]).index_copy_(1, dst_index, _as_rows(data))
+        else:
+            views = iter(staged)
+            for layer in range(l0, l1):
+                for _, d, n in runs:
+                    kv_cache[layer, d:d + n].copy_(next(views), non_blocking=True)
+        if staged[0].device != kv_cache.device:
+            self._landed[k % 2] = torch.cuda.Event()
+            self._landed[k % 2].record()
 
     def close(self) -> None:
         """Stop receiving: a blocked ``recv`` raises KVChannelClosed; the port is released."""
@@ -233,8 +284,8 @@ class KVReceiver(_Pair):
             self._setup_thread.join(self.timeout)
         locked = self._recv_lock.acquire(timeout=self.timeout)
         try:
-            _shutdown(self._group)
-            self._group = self._store = None
+            self._teardown()
+            self._store = None
         finally:
             if locked:
                 self._recv_lock.release()

@@ -7,14 +7,16 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
-                                         RECEIVER_RANK, SENDER_RANK, TransferStats, _ABORTED, _HEADER_QUEUE,
-                                         _OK, _TAG, merge_runs)
-from engine.kv_transfer.pair import (_Pair, _check_hello, _hello, _local_addr_toward, _make_group,
-                                     _remaining, _shutdown, _wait_for_listener)
+                                         RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
+                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, expand_runs, merge_runs,
+                                         plan_transfer)
+from engine.kv_transfer.pair import (_Pair, _as_rows, _hello, _local_addr_toward, _remaining, _settle,
+                                     _wait_for_listener)
 
 logger = logging.getLogger(__name__)
 
@@ -22,78 +24,96 @@ logger = logging.getLogger(__name__)
 class KVSender(_Pair):
     """Prefill end of one pair. Thread-safe: transfers are serialized by a lock."""
 
-    def __init__(self, layout: KVLayout, backend: str, timeout: float, device: str | torch.device) -> None:
-        super().__init__(layout, backend, timeout, device)
+    _peer_rank = RECEIVER_RANK
+
+    def __init__(self, layout: KVLayout, asks: str, timeout: float, device: str | torch.device) -> None:
+        super().__init__(layout, asks, timeout, device)
         self._lock = threading.Lock()
 
     @classmethod
-    def connect(cls, host: str, port: int, layout: KVLayout, *, backend: str = "gloo",
+    def connect(cls, host: str, port: int, layout: KVLayout, *, backend: str = "auto",
                 device: str | torch.device = "cpu", timeout: float = DEFAULT_TIMEOUT_S,
                 pair_name: str = DEFAULT_PAIR_NAME) -> KVSender:
-        """Join the pair a KVReceiver listens for at host:port. Raises KVTransferError within
-        ``timeout`` if nobody listens, the layouts differ, or the group cannot be built."""
+        """Join the pair a KVReceiver listens for at host:port. ``backend`` "auto" lets the
+        handshake decide from the two GPUs' UUIDs. Raises KVTransferError within ``timeout``
+        if nobody listens, the layouts or backends disagree, or the group cannot be built."""
         deadline = time.monotonic() + timeout
         self = cls(layout, backend, timeout, device)
         where = f"KV pair setup with decode at {host}:{port}"
         _wait_for_listener(host, port, deadline)
+        mine = _hello(layout, backend, self.device, dialed_host=host)
         try:
             store = dist.TCPStore(host, port, None, False, _remaining(deadline, where),
                                   wait_for_workers=False)
             self._store = dist.PrefixStore(pair_name, store)
-            self._store.set("hello/0", _hello(layout, backend, dialed_host=host))
+            self._store.set("hello/0", json.dumps(mine))
             self._store.wait(["hello/1"], _remaining(deadline, where))
             theirs = json.loads(self._store.get("hello/1"))
         except KVTransferError:
             raise
         except Exception as e:
             raise KVTransferError(f"{where}: {e}") from e
-        _check_hello(json.loads(_hello(layout, backend)), theirs)
-        try:
-            self._group = _make_group(self._store, SENDER_RANK, backend, _remaining(deadline, where),
-                                      _local_addr_toward(host, port))
-            ping = torch.ones(1, device=self.wire_device)
-            self._wait([self._group.send([ping], RECEIVER_RANK, _TAG)], deadline, where)
-        except KVTransferError:
-            raise
-        except Exception as e:
-            raise KVTransferError(f"{where}: {e}") from e
-        logger.info("KV pair up: sending to %s:%d over %s", host, port, backend)
+        self.backend, self.reason = _settle(mine, theirs)
+        self._build_group(SENDER_RANK, deadline, where, _local_addr_toward(host, port))
+        logger.info("KV pair up: sending to %s:%d, %s", host, port, self.reason)
         return self
 
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-              kv_cache: torch.Tensor, meta: dict[str, Any] | None = None) -> KVSendTransfer:
-        """Start one transfer: takes the pair's lock and sends the header. Then call
-        ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer)
-        and ``finish()``; use it as a context manager."""
+              kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
+              plan: WirePlan | None = None, header_first: bool = True) -> KVSendTransfer:
+        """Start one transfer: takes the pair's lock. Then call ``send_layer(l)`` for
+        l = 0..L-1 in order (e.g. as prefill finishes each layer) and ``finish()``; use it as a
+        context manager. Data leaves a chunk at a time, once its last layer was given.
+
+        ``header_first``: send the header now, so the receiver posts its receives while the
+        layers are computed. False defers it until this side has posted its data or must wait
+        for the peer (``send`` does so: its data is ready, and posting overlaps the header's
+        trip). ``plan`` overrides the message plan (benchmarks, tests)."""
         self.layout.check_cache(kv_cache)
-        src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
-        runs = merge_runs(src, dst)
-        if any(not 0 <= b < kv_cache.shape[1] for b in src):
-            raise ValueError(f"src block ids out of range [0, {kv_cache.shape[1]}): {src}")
-        if len(set(dst)) != len(dst):
-            raise ValueError(f"duplicate dst block ids: {dst}")
-        if self.backend == "nccl" and kv_cache.device.type != "cuda":
-            raise ValueError("backend nccl needs a CUDA kv_cache")
+        runs = merge_runs(src_block_ids, dst_block_ids)
+        src, dst = expand_runs(runs, 0), expand_runs(runs, 1)
+        if src.size and (src.min() < 0 or src.max() >= kv_cache.shape[1]):
+            raise ValueError(f"src block ids out of range [0, {kv_cache.shape[1]}): {src.tolist()}")
+        if np.unique(dst).size != dst.size:
+            raise ValueError(f"duplicate dst block ids: {dst.tolist()}")
+        if self.backend == "nccl" and kv_cache.device != self.device:
+            raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
+        layer_block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
+        plan = plan or plan_transfer(runs, self.layout.num_layers, layer_block_bytes, self.backend,
+                                     kv_cache.is_cuda)
+        if not runs:
+            plan = WirePlan(pack=False, chunk_layers=self.layout.num_layers)
+        elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
+            raise ValueError("gloo from a GPU cache stages through host memory: the plan must pack")
+        header = json.dumps({"request_id": request_id, "runs": encode_runs(runs), "meta": meta or {},
+                             "pack": plan.pack, "chunk_layers": plan.chunk_layers})
         if not self._lock.acquire(timeout=self.timeout):
             raise KVTransferError(f"request {request_id}: KV pair busy for {self.timeout}s")
         try:
             self._check_usable()
-            assert self._store is not None
-            self._store.queue_push(_HEADER_QUEUE, json.dumps(
-                {"request_id": request_id, "src": src, "dst": dst, "meta": meta or {}}))
-        except Exception as e:
+            transfer = KVSendTransfer(self, request_id, runs, src, kv_cache, plan, header)
+            if header_first:
+                transfer._send_header()
+            return transfer
+        except Exception:
             self._lock.release()
-            if isinstance(e, KVTransferError):
-                raise
+            raise
+
+    def _push_header(self, request_id: str, header: str) -> None:
+        try:
+            assert self._store is not None
+            self._store.queue_push(_HEADER_QUEUE, header)
+        except Exception as e:
             self._broken = f"header: {e}"
             raise KVTransferError(f"request {request_id}: sending KV header failed: {e}") from e
-        return KVSendTransfer(self, request_id, runs, kv_cache)
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             kv_cache: torch.Tensor, meta: dict[str, Any] | None = None) -> TransferStats:
-        """Send kv_cache[:, src_block_ids] into the receiver's dst_block_ids; returns when
-        the data has left this process's memory (the blocks may then be freed)."""
-        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta) as transfer:
+             kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
+             plan: WirePlan | None = None) -> TransferStats:
+        """Send kv_cache[:, src_block_ids] into the receiver's dst_block_ids; returns when the
+        data has left this process's memory (the blocks may then be freed or rewritten)."""
+        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan,
+                        header_first=False) as transfer:
             for layer in range(self.layout.num_layers):
                 transfer.send_layer(layer)
         return transfer.finish()
@@ -110,59 +130,108 @@ class KVSender(_Pair):
                 except Exception as e:  # receiver already gone
                     logger.debug("KV sender close: %s", e)
             self._closed = True
-            _shutdown(self._group)
-            self._group = self._store = None
+            self._teardown()
+            self._store = None
         finally:
             if locked:
                 self._lock.release()
 
 
 class KVSendTransfer:
-    """One request's transfer in flight. Holds the pair's lock until ``finish()``."""
+    """One request's transfer in flight. Holds the pair's lock until ``finish()``.
 
-    def __init__(self, sender: KVSender, request_id: str, runs: list[tuple[int, int, int]],
-                 kv_cache: torch.Tensor) -> None:
+    Chunk k (``plan.chunk_layers`` layers) is posted once its last layer was given, except
+    the last chunk, which ``finish()`` posts together with the trailer. With a packed plan,
+    chunk k is gathered into staging slot k % 2; that slot is reused by chunk k + 2 only
+    after chunk k has left (a stream-side wait for NCCL, a host-side one for gloo)."""
+
+    def __init__(self, sender: KVSender, request_id: str, runs: list[tuple[int, int, int]], src: np.ndarray,
+                 kv_cache: torch.Tensor, plan: WirePlan, header: str) -> None:
         self.request_id = request_id
+        self._header: str | None = header  # None once sent
         self._sender = sender
         self._runs = runs
         self._kv_cache = kv_cache
+        self._plan = plan
+        self._chunks = chunk_ranges(sender.layout.num_layers, plan.chunk_layers)
+        self._works: list[list[Any]] = []  # per posted chunk
+        self._num_waited = 0  # chunks whose works were waited for (a gloo work is waited once)
+        self._num_messages = 0
         self._next_layer = 0
-        self._inflight: list[dist.Work] = []
         self._start = time.perf_counter()
         self._deadline = time.monotonic() + sender.timeout
         self._stats: TransferStats | None = None
         self._done = False
+        self._src_index: torch.Tensor | None = None
+        sender._after_callers_work()
+        if plan.pack:
+            with sender._on_stream():
+                self._src_index = torch.from_numpy(src).to(kv_cache.device, non_blocking=True)
+
+    def _send_header(self) -> None:
+        if self._header is not None:
+            self._sender._push_header(self.request_id, self._header)
+            self._header = None
 
     def send_layer(self, layer: int) -> None:
-        """Post layer ``layer``'s runs, then wait for the previous layer's (two layers in flight)."""
-        sender, kv = self._sender, self._kv_cache
+        """Layer ``layer`` of the cache is ready (in order); posts every chunk it completes,
+        except the last one."""
         if self._done:
             raise KVTransferError(f"request {self.request_id}: send_layer after finish()")
         if layer != self._next_layer:
             raise ValueError(f"send_layer({layer}) out of order: expected layer {self._next_layer}")
-        group = sender._check_usable()
-        what = f"request {self.request_id}: sending KV layer {layer}"
-        if sender._is_staged(kv):
-            # Slot layer % 2 was last used by layer - 2, whose sends finished during layer - 1.
-            views = sender._staging_views(layer % 2, kv, [n for _, _, n in self._runs])
-            for view, (s, _, n) in zip(views, self._runs):
-                view.copy_(kv[layer, s:s + n], non_blocking=True)
-            torch.cuda.current_stream(kv.device).synchronize()
-        else:
-            views = [kv[layer, s:s + n] for s, _, n in self._runs]  # contiguous views, no copy
-        try:
-            works = [group.send([v], RECEIVER_RANK, _TAG) for v in views]
-        except Exception as e:
-            sender._broken = f"{what}: {e}"
-            raise KVTransferError(f"{what} failed: {e}") from e
-        sender._wait(self._inflight, self._deadline, what)
-        self._inflight = works
+        self._sender._check_usable()
         self._next_layer += 1
+        k = len(self._works)
+        if k < len(self._chunks) - 1 and self._chunks[k][1] == self._next_layer:
+            self._post_chunk(k, trailer=None)
+
+    def _post_chunk(self, k: int, trailer: torch.Tensor | None) -> None:
+        sender, kv, (l0, l1) = self._sender, self._kv_cache, self._chunks[k]
+        what = f"request {self.request_id}: sending KV layers {l0}..{l1 - 1}"
+        nccl = sender.backend == "nccl"
+        with sender._on_stream():
+            if k >= 2:  # chunk k may reuse what chunk k - 2 sent from
+                if nccl:
+                    for work in self._works[k - 2]:
+                        work.block_current_stream()
+                elif self._num_waited <= k - 2:
+                    self._send_header()
+                    sender._wait(self._works[k - 2], self._deadline, what)
+                    self._num_waited = k - 1
+            if self._plan.pack:
+                messages = [self._gather(k, l0, l1)]
+            else:
+                messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs]
+            self._num_messages += len(messages)
+            if trailer is not None:
+                messages.append(trailer)
+            self._works.append(sender._post(messages, send=True, what=what))
+
+    def _gather(self, k: int, l0: int, l1: int) -> torch.Tensor:
+        """Chunk k's blocks, [layers, blocks, 2, block_size, heads, head_dim], in staging slot k % 2
+        on the wire: gathered on the cache's device, then copied to pinned host memory for gloo."""
+        sender, kv = self._sender, self._kv_cache
+        assert self._src_index is not None
+        shape = (l1 - l0, len(self._src_index), *kv.shape[2:])
+        numel = shape[0] * shape[1] * kv[0, 0].numel()
+        wire = sender.wire_device
+        if wire.type == kv.device.type:
+            out = sender._buffer("wire", k % 2, numel, kv.dtype, wire).view(shape)
+            torch.index_select(_as_rows(kv[l0:l1]), 1, self._src_index, out=_as_rows(out))
+            return out
+        gathered = sender._buffer("gather", k % 2, numel, kv.dtype, kv.device).view(shape)
+        torch.index_select(_as_rows(kv[l0:l1]), 1, self._src_index, out=_as_rows(gathered))
+        host = sender._buffer("wire", k % 2, numel, kv.dtype, wire).view(shape)
+        host.copy_(gathered, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # gloo reads host memory now
+        return host
 
     def finish(self) -> TransferStats:
-        """Send the trailer, wait for everything, release the pair, return the stats.
+        """Post the last chunk and the trailer, wait until everything has left, release the
+        pair, return the stats.
 
-        Called before every layer was sent (the caller failed mid-prefill), it sends the
+        Called before every layer was given (the caller failed mid-prefill), it sends the
         remaining layers anyway so the receiver stays in sync, marks the trailer "aborted"
         (the receiver's recv raises) and raises KVTransferError. Idempotent once it succeeded.
         """
@@ -176,18 +245,13 @@ class KVSendTransfer:
         try:
             for layer in range(self._next_layer, num_layers):
                 self.send_layer(layer)
-            trailer = torch.tensor([_ABORTED if aborted else _OK], dtype=torch.int64,
-                                   device=sender.wire_device)
-            try:
-                self._inflight.append(sender._check_usable().send([trailer], RECEIVER_RANK, _TAG))
-            except KVTransferError:
-                raise
-            except Exception as e:
-                sender._broken = f"{what}: {e}"
-                raise KVTransferError(f"{what} failed: {e}") from e
-            sender._wait(self._inflight, self._deadline, what)
+            with sender._on_stream():
+                trailer = torch.tensor([_ABORTED if aborted else _OK], dtype=torch.int64).to(sender.wire_device)
+            self._post_chunk(len(self._chunks) - 1, trailer)
+            self._send_header()
+            sender._wait([w for works in self._works[self._num_waited:] for w in works], self._deadline, what)
         finally:
-            self._inflight = []
+            self._works = []
             self._next_layer = num_layers
             self._done = True
             sender._lock.release()
@@ -199,7 +263,7 @@ class KVSendTransfer:
         self._stats = TransferStats(
             num_blocks=num_blocks, num_bytes=num_blocks * block_bytes * num_layers,
             seconds=time.perf_counter() - self._start, backend=sender.backend,
-            num_messages=len(self._runs) * num_layers)
+            num_messages=self._num_messages)
         return self._stats
 
     def __enter__(self) -> KVSendTransfer:
