@@ -59,8 +59,13 @@ class KVReceivers:
         except KVTransferError as exc:
             raise ValueError(str(exc)) from exc
         mine = str(self.kv_cache.device)
-        same_gpu = mine.startswith("cuda") and request.device == mine
-        backend, reason = choose_backend(request.device or "cpu", mine, same_gpu)
+        theirs_on_gpu, mine_on_gpu = request.device.startswith("cuda"), mine.startswith("cuda")
+        if theirs_on_gpu and mine_on_gpu:
+            # Device strings cannot tell one GPU from two (in containers every GPU is cuda:0):
+            # the pair's handshake compares the GPUs' UUIDs and settles NCCL or host-staged gloo.
+            backend, reason = "auto", "GPUs on both sides: backend settled by GPU UUID in the handshake"
+        else:  # a cache in host memory: gloo whatever the GPUs (no UUID needed to know that)
+            backend, reason = choose_backend("gpu" if theirs_on_gpu else None, "gpu" if mine_on_gpu else None)
         logger.info("KV channel from %s: %s", request.peer, reason)
         with self._lock:
             old = self._receivers.pop(request.peer, None)

@@ -48,9 +48,10 @@ class KVSenders:
                 except grpc.RpcError as exc:
                     raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
                                           f"{exc.details() or exc.code()}") from exc
-            sender = KVSender.connect(resp.host, resp.port, self.layout, backend=resp.backend,
+            # resp.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
+            sender = KVSender.connect(resp.host, resp.port, self.layout, backend=resp.backend or "auto",
                                       device=self.kv_cache.device, timeout=self.timeout)
-            logger.info("KV channel to %s open (%s at %s:%d)", decode_address, resp.backend, resp.host, resp.port)
+            logger.info("KV channel to %s open at %s:%d: %s", decode_address, resp.host, resp.port, sender.reason)
             self._senders[decode_address] = sender
             return sender
 
