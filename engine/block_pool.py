@@ -158,6 +158,10 @@ class BlockPool:
             self._evict(b)
         return True
 
+    @property
+    def is_recording(self) -> bool:
+        return self._events is not None
+
     def subscribe_events(self, max_events: int = 65536) -> None:
         """Start recording stored/evicted hashes for ``take_events``."""
         if max_events < 1:

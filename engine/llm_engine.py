@@ -189,6 +189,31 @@ class LLMEngine:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.scheduler.kv.get_block_ids(request_id)
 
+    # ---- prefix-cache feed (for a cluster-wide prefix index) ------------
+    @property
+    def cache_namespace(self) -> str:
+        """What a block hash of this engine is only meaningful within: the
+        model, the block size and the KV dtype (the hash itself has no salt)."""
+        c = self.config
+        return f"{c.model.served_model_name}:{c.cache.block_size}:{c.model.dtype}"
+
+    def cache_snapshot(self) -> list[int]:
+        """Start recording prefix-cache events (if not yet) and return every
+        full-block hash cached now; ``take_cache_events`` continues from here."""
+        pool = self.scheduler.kv.pool
+        if not pool.is_recording:
+            pool.subscribe_events()
+        pool.take_events()
+        pool.events_lost = False
+        return list(pool.cached)
+
+    def take_cache_events(self) -> tuple[list[tuple[bool, int]], bool]:
+        """(events in order: (stored?, hash), lost) since the last call; lost
+        means the buffer overflowed and only a new snapshot is exact."""
+        pool = self.scheduler.kv.pool
+        lost, pool.events_lost = pool.events_lost, False
+        return pool.take_events(), lost
+
     def _report(self, req: Request | None) -> None:
         if req is not None:
             self._outside_step.append(req)

@@ -42,6 +42,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="requests in flight at the gateway beyond which new ones get 429 (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    r = parser.add_argument_group("KV-aware routing")
+    r.add_argument("--redis-url", default=None,
+                   help="read the prefix index from Redis, e.g. redis://127.0.0.1:6379/0 (the engine servers "
+                        "publish to the same URL); without it the gateway follows each server's cache over gRPC")
+    r.add_argument("--redis-timeout", type=float, default=0.01,
+                   help="seconds a prefix-index lookup in Redis may take before routing falls back to load")
+    r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
+                   help="weight of the prompt tokens a prefill server would compute (not in its prefix cache) "
+                        "against the tokens already queued on it; 0 routes by queued work alone")
+    r.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="the decode server prefills a request itself when at most this many of its prompt "
+                        "tokens are missing from its prefix cache (0: always use a prefill server)")
     tracing.add_cli_args(parser)
 
 
@@ -65,6 +77,10 @@ class GatewayConfig:
     shutdown_timeout: float
     otlp_traces_endpoint: str | None = None
     traces_file: str | None = None
+    redis_url: str | None = None
+    redis_timeout: float = 0.01
+    kv_overlap_score_weight: float = 1.0
+    local_prefill_threshold: int = 0
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -82,6 +98,12 @@ class GatewayConfig:
             raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be non-negative, got {self.shutdown_timeout}")
+        if self.redis_timeout <= 0:
+            raise ValueError(f"--redis-timeout must be positive, got {self.redis_timeout}")
+        if self.kv_overlap_score_weight < 0:
+            raise ValueError(f"--kv-overlap-score-weight must be non-negative, got {self.kv_overlap_score_weight}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"--local-prefill-threshold must be non-negative, got {self.local_prefill_threshold}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
@@ -93,7 +115,10 @@ class GatewayConfig:
                    decode=parse_addresses(args.decode, "--decode"), api_key=api_key or None,
                    log_requests=not args.disable_log_requests, request_timeout=args.request_timeout,
                    max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-                   otlp_traces_endpoint=args.otlp_traces_endpoint, traces_file=args.traces_file)
+                   otlp_traces_endpoint=args.otlp_traces_endpoint, traces_file=args.traces_file,
+                   redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+                   kv_overlap_score_weight=args.kv_overlap_score_weight,
+                   local_prefill_threshold=args.local_prefill_threshold)
 
 
 def parse_addresses(text: str | None, flag: str) -> tuple[str, ...]:

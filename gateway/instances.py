@@ -38,7 +38,8 @@ class Instance:
     """One engine server: its channel, stubs, last known load and health.
 
     ``num_in_flight`` counts this gateway's requests currently routed to it
-    (fresher than the polled load between two polls)."""
+    (fresher than the polled load between two polls); ``num_queued_tokens``
+    the prompt tokens it is prefilling for them."""
 
     def __init__(self, role: str, address: str) -> None:
         self.role = role
@@ -51,6 +52,7 @@ class Instance:
         self.is_healthy = False
         self.error: str | None = "not polled yet"
         self.num_in_flight = 0
+        self.num_queued_tokens = 0
 
     @property
     def num_requests(self) -> int:

@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance
 from gateway.request_trace import RequestTrace, set_error
-from gateway.router import Router, in_flight
+from gateway.router import Route, Router, in_flight
 from pdserve.v1 import common_pb2, engine_pb2
 from rpc.convert import sampling_to_proto
 
@@ -86,6 +86,7 @@ class RequestFlow:
         self.prefill_address: str | None = None
         # What the prefill server reported: queue/compute seconds, KV transfer.
         self.prefill_result: engine_pb2.PrefillResponse | None = None
+        self.route: Route | None = None  # the last routing decision
 
     def abort(self) -> None:
         """End the stream early with finish_reason "abort" (cancels internal calls)."""
@@ -112,17 +113,22 @@ class RequestFlow:
     async def _stream_with_retry(self) -> AsyncIterator[TokenChunk]:
         tried: list[str] = []
         last: GatewayError | None = None
+        hashes: list[int] | None = None
         while True:
             with self._req.trace.span("route", **{"pdserve.route.attempt": len(tried) + 1}) as span:
                 try:
-                    decode = self._router.pick_decode(exclude=tried)
+                    route, hashes = await self._router.route(self._req.prompt_token_ids, tried, hashes)
                 except GatewayError:
                     if last is not None:
                         raise last from None
                     raise
-                prefill = self._router.pick_prefill()
+                decode, prefill = route.decode, route.prefill
+                self.route = route
                 span.set_attributes({"pdserve.route.decode": decode.address,
-                                     "pdserve.route.prefill": prefill.address if prefill else "local"})
+                                     "pdserve.route.prefill": prefill.address if prefill else "local",
+                                     "pdserve.route.reason": route.reason,
+                                     "pdserve.route.prefill_cached_tokens": route.cached_tokens(prefill),
+                                     "pdserve.route.decode_cached_tokens": route.cached_tokens(decode)})
             self.decode_address = decode.address
             self.prefill_address = prefill.address if prefill else None
             try:
@@ -138,7 +144,7 @@ class RequestFlow:
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
         span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
-        with in_flight(decode), in_flight(prefill), _ending(span):
+        with in_flight(decode), _ending(span):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None),
@@ -183,7 +189,8 @@ class RequestFlow:
         # hit) need no transfer.
         num_skip = reserved.num_cached_tokens // block_size if block_size else 0
         span = _client_span(req.trace, "pdserve.v1.Prefill/Prefill", prefill)
-        with _ending(span):
+        uncached = len(req.prompt_token_ids) - (self.route.cached_tokens(prefill) if self.route else 0)
+        with in_flight(prefill, tokens=uncached), _ending(span):
             call = prefill.stub.Prefill(
                 engine_pb2.PrefillRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
                                           sampling=self._sampling, decode_address=decode.address,

@@ -1,61 +1,128 @@
 """Which prefill and which decode server serve a request.
 
-Least loaded among healthy instances: fewest requests (the larger of the
-last polled running+waiting count and this gateway's own in-flight count,
-which is fresher between polls), then the lowest KV-block usage, then the
-fewest requests routed so far (spreads ties round-robin).
+Prefill, KV-aware (as NVIDIA Dynamo's KV router weighs it): each healthy
+prefill server is costed in tokens of prefill work, ::
 
-Not yet: prefix-cache-aware prefill routing (the Redis prefix index of the
-architecture doc).
+    cost = w * (prompt tokens it would compute: not in its prefix cache)
+           + prompt tokens this gateway has queued on it now
+
+(``w`` = ``--kv-overlap-score-weight``), and the cheapest wins. The cached
+lengths come from the prefix index (``gateway/prefix_index.py``); with no
+match anywhere this is plain least-queued-work routing.
+
+Decode: the fewest requests (the larger of the last polled running+waiting
+count and this gateway's in-flight count, which is fresher between polls),
+less the fraction of the prompt already in that server's own prefix cache
+(a full hit weighs as much as one request), then the lowest KV-block usage,
+then the fewest requests routed so far (ties go round-robin).
+
+Conditional disaggregation: when the part of the prompt the chosen decode
+server lacks is at most ``--local-prefill-threshold`` tokens, it prefills
+the request itself and no KV moves.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Collection, Iterator
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance, InstanceRegistry
+from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Route:
+    decode: Instance
+    prefill: Instance | None  # None: the decode server prefills (no prefill server, or a short uncached part)
+    block_size: int = 0
+    matched: dict[str, int] = field(default_factory=dict)  # address -> cached prompt tokens there
+    reason: str = "load"  # "prefix" | "load" | "local" (conditional) | "no-prefill-server"
+
+    def cached_tokens(self, inst: Instance | None) -> int:
+        return self.matched.get(inst.address, 0) if inst is not None else 0
 
 
 class Router:
     """Picks instances from the registry; owns the per-instance routed counts."""
 
-    def __init__(self, registry: InstanceRegistry) -> None:
+    def __init__(self, registry: InstanceRegistry, index: PrefixIndex | None = None,
+                 overlap_weight: float = 1.0, local_prefill_threshold: int = 0) -> None:
         self._registry = registry
+        self.index = index
+        self.overlap_weight = overlap_weight
+        self.local_prefill_threshold = local_prefill_threshold
         self._num_routed: dict[str, int] = {}
 
-    def pick_decode(self, exclude: Collection[str] = ()) -> Instance:
-        """The least loaded healthy decode server not in ``exclude`` (addresses);
-        raises UNAVAILABLE when there is none."""
-        candidates = [i for i in self._registry.decode if i.is_healthy and i.address not in exclude]
-        if not candidates:
+    async def route(self, prompt_token_ids: Sequence[int], exclude: Collection[str] = (),
+                    hashes: list[int] | None = None) -> tuple[Route, list[int] | None]:
+        """Pick the decode and prefill servers for a prompt; also returns the
+        prompt's block hashes (pass them back on a retry)."""
+        decodes = self._healthy(self._registry.decode, exclude)
+        if not decodes:
             configured = ", ".join(i.address for i in self._registry.decode)
             tried = f" (tried {', '.join(exclude)})" if exclude else ""
             raise GatewayError(ErrorKind.UNAVAILABLE,
                                f"no healthy decode server is available{tried}; configured: {configured}",
                                code="no_healthy_decode_server")
-        return self._least_loaded(candidates)
+        prefills = self._healthy(self._registry.prefill, ())
+        matched, block_size = {}, 0
+        if self.index is not None:
+            namespace, block_size = _namespace(decodes + prefills)
+            if namespace and block_size:
+                if hashes is None:
+                    hashes = await asyncio.get_running_loop().run_in_executor(
+                        None, prompt_block_hashes, list(prompt_token_ids), block_size)
+                blocks = await self.index.match(namespace, hashes)
+                matched = {addr: n * block_size for addr, n in blocks.items()}
+        n = len(prompt_token_ids)
+        decode = self._pick(decodes, lambda i: (i.num_requests - min(1.0, matched.get(i.address, 0) / n),
+                                                i.kv_usage))
+        route = Route(decode, None, block_size, matched, "no-prefill-server")
+        if not prefills:
+            return route, hashes
+        if n - matched.get(decode.address, 0) <= self.local_prefill_threshold:
+            route.reason = "local"
+            return route, hashes
+        w = self.overlap_weight
+        route.prefill = self._pick(prefills, lambda i: (w * (n - matched.get(i.address, 0)) + i.num_queued_tokens,
+                                                        i.num_requests, i.kv_usage))
+        route.reason = "prefix" if matched.get(route.prefill.address) else "load"
+        return route, hashes
 
-    def pick_prefill(self) -> Instance | None:
-        """The least loaded healthy prefill server, or None (the decode server
-        then prefills locally)."""
-        candidates = [i for i in self._registry.prefill if i.is_healthy]
-        return self._least_loaded(candidates) if candidates else None
+    @staticmethod
+    def _healthy(instances: list[Instance], exclude: Collection[str]) -> list[Instance]:
+        return [i for i in instances if i.is_healthy and i.address not in exclude]
 
-    def _least_loaded(self, candidates: list[Instance]) -> Instance:
-        best = min(candidates, key=lambda i: (i.num_requests, i.kv_usage, self._num_routed.get(i.address, 0)))
+    def _pick(self, candidates: list[Instance], cost) -> Instance:
+        best = min(candidates, key=lambda i: (*cost(i), self._num_routed.get(i.address, 0)))
         self._num_routed[best.address] = self._num_routed.get(best.address, 0) + 1
         return best
 
 
+def _namespace(instances: list[Instance]) -> tuple[str, int]:
+    """The cache namespace and block size the engine servers report."""
+    for inst in instances:
+        if inst.load is not None and inst.load.cache_namespace:
+            return inst.load.cache_namespace, inst.load.block_size
+    return "", 0
+
+
 @contextlib.contextmanager
-def in_flight(instance: Instance | None) -> Iterator[None]:
-    """Count a request against ``instance`` while the block runs."""
+def in_flight(instance: Instance | None, tokens: int = 0) -> Iterator[None]:
+    """Count a request (and ``tokens`` of prefill work) against ``instance``
+    while the block runs."""
     if instance is None:
         yield
         return
     instance.num_in_flight += 1
+    instance.num_queued_tokens += tokens
     try:
         yield
     finally:
         instance.num_in_flight -= 1
+        instance.num_queued_tokens -= tokens

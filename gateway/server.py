@@ -29,6 +29,8 @@ from gateway.grpc_servicer import GatewayServicer
 from gateway.http_api import create_app
 from gateway.instances import InstanceRegistry
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -83,10 +85,21 @@ def load_input_processor(cfg: GatewayConfig) -> InputProcessor:
     return InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size)
 
 
+def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixIndex:
+    """Redis when ``--redis-url`` is set, else this process's own copy."""
+    if cfg.redis_url:
+        logger.info("prefix index: Redis at %s", cfg.redis_url)
+        return RedisPrefixIndex(cfg.redis_url, cfg.redis_timeout)
+    logger.info("prefix index: in memory, following every engine server's cache events")
+    return MemoryPrefixIndex(registry)
+
+
 async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     registry = InstanceRegistry(cfg.prefill, cfg.decode)
+    index = make_prefix_index(cfg, registry)
+    router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold)
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
-                             cfg.max_queued_requests, cfg.log_requests)
+                             cfg.max_queued_requests, cfg.log_requests, router)
     rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), rpc.server)
     sock = _bind(cfg.host, cfg.http_port)
@@ -96,6 +109,7 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     http_task: asyncio.Task[None] | None = None
     try:
         await registry.start()
+        await index.start()
         await rpc.start()
         http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http-server")
         while not http.started:
@@ -119,6 +133,7 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
         if http_task is not None:
             with contextlib.suppress(Exception):
                 await http_task
+        await index.close()
         await registry.close()
         sock.close()
     logger.info("gateway stopped")

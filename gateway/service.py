@@ -43,11 +43,11 @@ class GatewayService:
 
     def __init__(self, inputs: InputProcessor, registry: InstanceRegistry, metrics: GatewayMetrics,
                  request_timeout: float, max_queued_requests: int | None = None,
-                 log_requests: bool = True) -> None:
+                 log_requests: bool = True, router: Router | None = None) -> None:
         self.inputs = inputs
         self.registry = registry
         self.metrics = metrics
-        self.router = Router(registry)
+        self.router = router or Router(registry)
         self.active = ActiveRequests(max_queued_requests)
         self.request_timeout = request_timeout
         self.log_requests = log_requests
@@ -141,12 +141,15 @@ class GatewayService:
             "pdserve.route.decode": flow.decode_address, "pdserve.route.prefill": flow.prefill_address}, error)
         if self.log_requests:
             internal = f" ({req.internal_id})" if req.internal_id != req.request_id else ""
+            route = flow.route
+            matched = route.cached_tokens(route.prefill or route.decode) if route is not None else 0
             logger.info("request %s%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
-                        "decode=%s prefill=%s finish=%s%s",
+                        "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s",
                         req.request_id, internal, len(req.prompt_token_ids), output.num_cached_tokens,
                         output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
                         flow.decode_address or "-",
-                        flow.prefill_address or ("local" if flow.decode_address else "-"), outcome,
+                        flow.prefill_address or ("local" if flow.decode_address else "-"),
+                        route.reason if route is not None else "-", matched, outcome,
                         f" trace={req.trace.trace_id}" if req.trace.trace_id else "")
 
     def abort(self, request_id: str) -> bool:

@@ -27,6 +27,7 @@ import urllib.request
 from engine.config import EngineArgs
 from rpc import tracing
 from rpc.health_probe import is_serving
+from rpc.local_redis import LocalRedis
 
 _PR_SET_PDEATHSIG = 1
 # The line each kind of server prints on stdout once it serves.
@@ -55,6 +56,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="require this bearer token on /v1/* (env PDSERVE_API_KEY)")
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    r = p.add_argument_group("prefix index (KV-aware routing)")
+    r.add_argument("--redis-url", default=None,
+                   help="keep the prefix index in this Redis (default: in the gateway's memory, fed over gRPC)")
+    r.add_argument("--start-redis", action="store_true",
+                   help="start a local Redis-protocol server on a free port for the index, stopped on exit")
+    r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
+                   help="gateway: weight of uncached prompt tokens against queued prefill work")
+    r.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="gateway: decode servers prefill prompts missing at most this many tokens from their "
+                        "prefix cache (0: never)")
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
@@ -155,8 +166,14 @@ class Cluster:
         # Spans always go to a local traces file too (pdserve trace reads it).
         self.traces_file = args.traces_file or str(tracing.default_traces_file())
         self.trace_env = tracing.child_env(args.otlp_traces_endpoint, self.traces_file)
+        if args.start_redis and args.redis_url:
+            raise ValueError("give --redis-url or --start-redis, not both")
+        self.local_redis = LocalRedis() if args.start_redis else None
+        self.redis_url = self.local_redis.url if self.local_redis else args.redis_url
 
     def start(self) -> None:
+        if self.local_redis is not None:
+            self.local_redis.start()
         a, eng = self.args, engine_flags(self.args)
         devices = a.devices.split(",") if a.devices else []
         engines = self.prefill + self.decode
@@ -167,7 +184,8 @@ class Cluster:
             role = "prefill" if i < len(self.prefill) else "decode"
             name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
             dev = ["--device", devices[i % len(devices)]] if devices else []
-            proc = _spawn([role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev], threads,
+            redis = ["--redis-url", self.redis_url] if self.redis_url else []
+            proc = _spawn([role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis], threads,
                           self.trace_env)
             self.procs.append((f"{name} ({addr})", proc))
             self.outputs.append(ServerOutput(name, role, proc, width))
@@ -179,6 +197,10 @@ class Cluster:
                 gw += [flag, str(value)]
         if a.api_key:
             gw += ["--api-key", a.api_key]
+        if self.redis_url:
+            gw += ["--redis-url", self.redis_url]
+        gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
+               "--local-prefill-threshold", str(a.local_prefill_threshold)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
         proc = _spawn(gw, threads=1, extra_env=self.trace_env)
@@ -218,6 +240,8 @@ class Cluster:
                 p.wait()
         for out in self.outputs:  # their last lines
             out.join(timeout=5.0)
+        if self.local_redis is not None:
+            self.local_redis.close()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -243,6 +267,8 @@ def main(args: argparse.Namespace) -> int:
                   f"  gRPC         {a.host}:{a.grpc_port} (pdserve.v1.Gateway)"]
         banner += [f"  prefill-{i:<5}{addr}" for i, addr in enumerate(cluster.prefill)]
         banner += [f"  decode-{i:<6}{addr}" for i, addr in enumerate(cluster.decode)]
+        if cluster.redis_url:
+            banner.append(f"  prefix index {cluster.redis_url}")
         banner += [f"  traces       {cluster.traces_file} (pdserve trace <request id>)",
                    "pdserve ready. Press Ctrl-C to stop."]
         say("\n".join(banner))

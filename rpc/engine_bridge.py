@@ -57,6 +57,8 @@ class EngineBridge:
         self._sent: dict[str, int] = {}  # engine thread: output tokens already posted
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.num_finished = 0  # engine thread writes, others read
+        self.after_step: Callable[[LLMEngine], None] | None = None  # engine thread, after each reported step
+        self.instance_id = self.cache_namespace = ""
         self.loop = EngineLoop(engine, self._on_step)
 
     def start(self) -> None:
@@ -126,6 +128,8 @@ class EngineBridge:
                 self._post(Delta(req.request_id, [], event="started"))
         for req in out.updated:
             self._post(self._snapshot(req))
+        if self.after_step is not None:
+            self.after_step(self.engine)
 
     # ---- load ------------------------------------------------------------
     def load_info(self) -> common_pb2.LoadInfo:
@@ -136,4 +140,5 @@ class EngineBridge:
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
-            max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished)
+            max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished,
+            cache_namespace=self.cache_namespace, instance_id=self.instance_id)

@@ -15,7 +15,10 @@ import grpc
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.request import RequestError
+from pdserve.v1 import engine_pb2_grpc
+from rpc.cache_feed import CacheEventFeed, CacheEventsServicer
 from rpc.engine_bridge import EngineBridge
+from rpc.prefix_index import RedisIndexPublisher
 from rpc.engine_metrics import EngineMetrics
 from rpc.server import RpcServer
 
@@ -36,6 +39,9 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         "when binding 0.0.0.0)")
     g.add_argument("--metrics-port", type=int, default=-1,
                    help="Prometheus /metrics port (default: gRPC port + 1000; 0 disables)")
+    g.add_argument("--redis-url", default=None,
+                   help="publish this server's prefix-cache blocks to the cluster's prefix index in Redis, "
+                        "e.g. redis://127.0.0.1:6379/0 (without it the gateway follows them over gRPC)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM")
     EngineArgs.add_cli_args(parser)
@@ -107,8 +113,10 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     """Bind, load the engine (health NOT_SERVING meanwhile), attach it to the
     tier's service, serve until SIGTERM/SIGINT, drain, stop."""
     address = f"{advertise_host(args)}:{args.port}"
-    rpc = RpcServer(f"{args.host}:{args.port}", [service.name])
+    cache_events = CacheEventsServicer()
+    rpc = RpcServer(f"{args.host}:{args.port}", [service.name, cache_events.name])
     service.register(rpc.server)
+    engine_pb2_grpc.add_CacheEventsServicer_to_server(cache_events, rpc.server)
     rpc.install_signal_handlers()
     await rpc.start()  # health answers NOT_SERVING while the model loads
     t0 = time.time()
@@ -122,6 +130,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
         except OSError as exc:  # metrics are auxiliary: serve without them rather than fail
             logger.warning("cannot serve metrics on port %d (%s); use --metrics-port", port, exc)
     service.attach(engine, address, metrics)
+    publisher = _start_cache_feed(service, cache_events, engine, address, getattr(args, "redis_url", None))
     await rpc.set_serving(True)
     print(f"{role} server ready on {address} (loaded in {time.time() - t0:.1f}s)", flush=True)
     serving = asyncio.ensure_future(rpc.wait_and_drain(service.drain, grace=args.drain_timeout))
@@ -137,7 +146,26 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
         watchdog.cancel()
         return 0
     finally:
+        if publisher is not None:
+            publisher.stop()
         service.close()
+
+
+def _start_cache_feed(service: EngineService, cache_events: CacheEventsServicer, engine: LLMEngine,
+                      address: str, redis_url: str | None) -> RedisIndexPublisher | None:
+    """The prefix-cache feed: drained after every engine step, watched over
+    gRPC, and mirrored into Redis when ``redis_url`` is set."""
+    bridge: EngineBridge = service.bridge  # type: ignore[attr-defined]
+    feed = CacheEventFeed(address, engine.cache_namespace)
+    bridge.after_step = feed.publish
+    bridge.instance_id, bridge.cache_namespace = feed.instance_id, feed.namespace
+    cache_events.attach(feed, bridge.loop.submit)
+    if not redis_url:
+        return None
+    publisher = RedisIndexPublisher(redis_url, feed, bridge.loop.submit)
+    publisher.start()
+    logger.info("prefix index: publishing to %s (namespace %s)", redis_url, feed.namespace)
+    return publisher
 
 
 async def _engine_died(service: EngineService, period: float = 0.5) -> BaseException | None:

@@ -25,6 +25,6 @@ def test_every_service_is_in_package_pdserve_v1():
     from pdserve.v1 import engine_pb2, gateway_pb2
 
     names = {s.full_name for m in (engine_pb2, gateway_pb2) for s in m.DESCRIPTOR.services_by_name.values()}
-    assert names == {"pdserve.v1.Gateway", "pdserve.v1.Prefill", "pdserve.v1.Decode"}
+    assert names == {"pdserve.v1.Gateway", "pdserve.v1.Prefill", "pdserve.v1.Decode", "pdserve.v1.CacheEvents"}
     gw = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
     assert gw.methods_by_name["Generate"].server_streaming and "Abort" in gw.methods_by_name

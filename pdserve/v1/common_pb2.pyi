@@ -73,7 +73,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadInfo(_message.Message):
-    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished")
+    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished", "cache_namespace", "instance_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class LoadInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     metrics_url: str
@@ -96,7 +98,9 @@ class LoadInfo(_message.Message):
     block_size: int
     max_model_len: int
     num_requests_finished: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ...) -> None: ...
+    cache_namespace: str
+    instance_id: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -142,3 +142,21 @@ class PrefillStartedResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class WatchCacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("instance_id", "cache_namespace", "snapshot", "hashes", "stored")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    cache_namespace: str
+    snapshot: bool
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    stored: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, instance_id: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., snapshot: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ..., stored: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -463,3 +463,86 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CacheEventsStub:
+    """Every engine server's prefix cache, as a feed of the full-block hashes
+    entering and leaving it: what the gateway's in-memory prefix index follows
+    when no Redis is configured.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Watch = channel.unary_stream(
+                '/pdserve.v1.CacheEvents/Watch',
+                request_serializer=pdserve_dot_v1_dot_engine__pb2.WatchCacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
+
+
+class CacheEventsServicer:
+    """Every engine server's prefix cache, as a feed of the full-block hashes
+    entering and leaving it: what the gateway's in-memory prefix index follows
+    when no Redis is configured.
+    """
+
+    def Watch(self, request, context):
+        """First a snapshot (every hash cached now), then changes as they happen.
+        A subscriber that falls too far behind is dropped and reconnects.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CacheEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=pdserve_dot_v1_dot_engine__pb2.WatchCacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__pb2.CacheEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.CacheEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.CacheEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CacheEvents:
+    """Every engine server's prefix cache, as a feed of the full-block hashes
+    entering and leaving it: what the gateway's in-memory prefix index follows
+    when no Redis is configured.
+    """
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.CacheEvents/Watch',
+            pdserve_dot_v1_dot_engine__pb2.WatchCacheEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_engine__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

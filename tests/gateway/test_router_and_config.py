@@ -19,6 +19,14 @@ def _set(inst, healthy: bool, running: int = 0, waiting: int = 0, used: int = 0,
                                     kv_blocks_total=total)
 
 
+PROMPT = list(range(100, 164))  # 64 tokens: 3 blocks of 16 can be prefix hits ((64 - 1) // 16)
+
+
+async def _pick(router: Router, exclude=()):
+    route, _ = await router.route(PROMPT, exclude)
+    return route
+
+
 def test_router_picks_the_least_loaded_healthy_instance():
     async def go():
         reg = InstanceRegistry(("p1:1", "p2:2"), ("d1:1", "d2:2", "d3:3"))
@@ -27,21 +35,22 @@ def test_router_picks_the_least_loaded_healthy_instance():
         _set(d2, True, running=2, waiting=1)
         _set(d3, False)
         router = Router(reg)
-        assert router.pick_decode() is d2
+        assert (await _pick(router)).decode is d2
         _set(d1, True, running=3, used=10)
         _set(d2, True, running=3, used=50)
-        assert router.pick_decode() is d1  # equal requests: lower KV usage
-        assert router.pick_decode(exclude=["d1:1"]) is d2
+        assert (await _pick(router)).decode is d1  # equal requests: lower KV usage
+        assert (await _pick(router, ["d1:1"])).decode is d2
         with in_flight(d1), in_flight(d1), in_flight(d1), in_flight(d1):
             assert d1.num_requests == 4
-            assert router.pick_decode() is d2  # the gateway's own count is fresher than the poll
-        assert router.pick_prefill() is None  # no prefill is healthy: local prefill
+            assert (await _pick(router)).decode is d2  # the gateway's own count is fresher than the poll
+        route = await _pick(router)
+        assert route.prefill is None and route.reason == "no-prefill-server"  # none healthy: local prefill
         _set(reg.prefill[1], True)
-        assert router.pick_prefill() is reg.prefill[1]
+        assert (await _pick(router)).prefill is reg.prefill[1]
         for inst in reg.decode:
             inst.is_healthy = False
         with pytest.raises(GatewayError) as e:
-            router.pick_decode()
+            await _pick(router)
         assert e.value.kind is ErrorKind.UNAVAILABLE and "d1:1, d2:2, d3:3" in e.value.message
         await reg.close()
     asyncio.run(go())
@@ -53,10 +62,51 @@ def test_router_spreads_ties():
         for inst in reg.decode:
             _set(inst, True)
         router = Router(reg)
-        picks = [router.pick_decode().address for _ in range(4)]
+        picks = [(await _pick(router)).decode.address for _ in range(4)]
         await reg.close()
         return picks
     assert sorted(asyncio.run(go())) == ["a:1", "a:1", "b:2", "b:2"]
+
+
+class _FixedIndex:
+    """A prefix index with known contents (the real backends are tested against real servers)."""
+
+    def __init__(self, blocks: dict[str, int]) -> None:
+        self.blocks, self.calls = blocks, []
+
+    async def match(self, namespace, hashes):
+        self.calls.append((namespace, len(hashes)))
+        return dict(self.blocks)
+
+
+def test_kv_aware_prefill_choice_weighs_cached_tokens_against_queued_work():
+    async def go():
+        reg = InstanceRegistry(("p1:1", "p2:2"), ("d1:1",))
+        for inst in reg:
+            _set(inst, True)
+            inst.load.cache_namespace, inst.load.block_size = "m:16:float32", 16
+        p1, p2 = reg.prefill
+        index = _FixedIndex({"p2:2": 3})  # p2 holds 48 of the 64 prompt tokens
+        router = Router(reg, index, overlap_weight=1.0)
+        route = await _pick(router)
+        assert route.prefill is p2 and route.reason == "prefix" and route.cached_tokens(p2) == 48
+        assert index.calls == [("m:16:float32", 3)]
+        with in_flight(p2, tokens=40):  # p2: 16 to compute + 40 queued > p1: 64 to compute
+            assert (await _pick(router)).prefill is p2  # 56 < 64
+        with in_flight(p2, tokens=60):
+            route = await _pick(router)
+            assert route.prefill is p1 and route.reason == "load"  # 76 > 64
+        router.overlap_weight = 0.0  # queued work alone: a tie (nothing queued), so the one routed to less
+        assert (await _pick(router)).prefill is p1
+        # Conditional disaggregation: the decode server lacks at most 20 tokens -> it prefills itself.
+        router.local_prefill_threshold = 20
+        index.blocks = {"d1:1": 3}  # 64 - 48 = 16 missing
+        route = await _pick(router)
+        assert route.prefill is None and route.reason == "local"
+        index.blocks = {"d1:1": 2}  # 32 missing
+        assert (await _pick(router)).prefill is not None
+        await reg.close()
+    asyncio.run(go())
 
 
 def _parse(*argv: str) -> GatewayConfig:

@@ -177,7 +177,8 @@ def test_request_log_line_and_phase_metrics(setup):
         time.sleep(0.1)
     line = next(x for x in gw.logs().splitlines() if "request log-line-test " in x)
     m = re.search(r"request log-line-test \(log-line-test-\w+\): prompt_tokens=(\d+) cached_tokens=0 "
-                  r"output_tokens=3 ttft=(\d+\.\d+)s e2e=(\d+\.\d+)s decode=\S+ prefill=\S+ finish=length "
+                  r"output_tokens=3 ttft=(\d+\.\d+)s e2e=(\d+\.\d+)s decode=\S+ prefill=\S+ "
+                  r"route=load matched_tokens=0 finish=length "
                   r"trace=([0-9a-f]{32})$", line)
     assert m, line
     assert int(m.group(1)) == r.json()["usage"]["prompt_tokens"] and float(m.group(2)) <= float(m.group(3))

@@ -1,0 +1,158 @@
+"""An engine server's prefix-cache feed: the full-block hashes entering and
+leaving its cache, fanned out to whoever indexes them (the Redis publisher in
+this process, the gateways watching over gRPC).
+
+    engine thread, after each step:  events = engine.take_cache_events() -> every subscriber
+    subscribe (in the engine thread): a snapshot of every cached hash, then the events after it
+
+Nothing is recorded until the first subscription. A subscriber that falls
+more than ``max_pending`` batches behind is dropped (its ``closed`` is set)
+and must subscribe again, which starts it from a fresh snapshot; so nothing
+here grows without bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from pdserve.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheBatch:
+    snapshot: bool  # True: ``hashes`` is everything cached now (all stored)
+    hashes: list[int] = field(default_factory=list)
+    stored: list[bool] = field(default_factory=list)
+
+
+class Subscription:
+    """One subscriber's pending batches; ``deliver`` is called in the engine thread."""
+
+    def __init__(self, deliver: Callable[[CacheBatch], None], max_pending: int) -> None:
+        self._deliver = deliver
+        self.max_pending = max_pending
+        self.num_pending = 0  # delivered, not yet consumed (engine thread adds, consumer subtracts)
+        self.closed = False
+
+    def deliver(self, batch: CacheBatch) -> bool:
+        if self.closed or self.num_pending >= self.max_pending:
+            self.closed = True
+            return False
+        self.num_pending += 1
+        self._deliver(batch)
+        return True
+
+    def consumed(self) -> None:
+        self.num_pending -= 1
+
+
+class CacheEventFeed:
+    def __init__(self, address: str, namespace: str, max_pending: int = 1024) -> None:
+        # A new id on every start (and every re-publication): an index never
+        # credits this server with blocks an earlier life of it held.
+        self.address = address
+        self.namespace = namespace
+        self.instance_id = f"{address}#{uuid.uuid4().hex[:8]}"
+        self.max_pending = max_pending
+        self._subs: list[Subscription] = []
+        self._lock = threading.Lock()
+
+    # ---- engine thread ---------------------------------------------------
+    def subscribe(self, engine: LLMEngine, deliver: Callable[[CacheBatch], None]) -> Subscription:
+        sub = Subscription(deliver, self.max_pending)
+        self.publish(engine)  # the others get what is pending before the snapshot resets it
+        snapshot = engine.cache_snapshot()
+        sub.deliver(CacheBatch(True, snapshot, [True] * len(snapshot)))
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def publish(self, engine: LLMEngine) -> None:
+        """After a step: hand the step's cache events to every subscriber."""
+        if not self._subs:
+            return
+        events, lost = engine.take_cache_events()
+        if lost:
+            snapshot = engine.cache_snapshot()
+            batch = CacheBatch(True, snapshot, [True] * len(snapshot))
+        elif events:
+            batch = CacheBatch(False, [h for _, h in events], [s for s, _ in events])
+        else:
+            return
+        with self._lock:
+            self._subs = [s for s in self._subs if s.deliver(batch)]
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.closed = True
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subs)
+
+
+class CacheEventsServicer(engine_pb2_grpc.CacheEventsServicer):
+    """``pdserve.v1.CacheEvents``: the feed as a gRPC stream (one per watcher)."""
+
+    name = "pdserve.v1.CacheEvents"
+
+    def __init__(self) -> None:
+        self.feed: CacheEventFeed | None = None
+        self.submit: Callable | None = None  # runs a function in the engine thread, returns a future
+
+    def attach(self, feed: CacheEventFeed, submit: Callable) -> None:
+        self.feed, self.submit = feed, submit
+
+    async def Watch(self, request: engine_pb2.WatchCacheEventsRequest, context: grpc.aio.ServicerContext):
+        if self.feed is None or self.submit is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        feed = self.feed
+        aloop = asyncio.get_running_loop()
+        batches: asyncio.Queue[CacheBatch] = asyncio.Queue()
+        sub = await asyncio.wrap_future(self.submit(lambda e: feed.subscribe(
+            e, lambda b: aloop.call_soon_threadsafe(batches.put_nowait, b))))
+        try:
+            while not sub.closed or not batches.empty():
+                try:
+                    batch = await asyncio.wait_for(batches.get(), 1.0)
+                except asyncio.TimeoutError:
+                    continue
+                sub.consumed()
+                yield engine_pb2.CacheEventBatch(instance_id=feed.instance_id, cache_namespace=feed.namespace,
+                                                 snapshot=batch.snapshot, hashes=batch.hashes, stored=batch.stored)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "the watcher fell too far behind; watch again for a fresh snapshot")
+        finally:
+            feed.unsubscribe(sub)
+
+
+class QueueConsumer:
+    """A thread-side subscriber (the Redis publisher): batches in a queue."""
+
+    def __init__(self) -> None:
+        self.queue: "queue.Queue[CacheBatch]" = queue.Queue()
+        self.sub: Subscription | None = None
+
+    def deliver(self, batch: CacheBatch) -> None:
+        self.queue.put(batch)
+
+    def get(self, timeout: float) -> CacheBatch | None:
+        try:
+            batch = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if self.sub is not None:
+            self.sub.consumed()
+        return batch

@@ -1,0 +1,152 @@
+"""KV-aware routing end to end: a real Redis server (or none: the gateway's
+in-memory index fed over gRPC), two real prefill servers, a decode server and
+the gateway. A long shared prefix sent again and again goes to the prefill
+server that holds it, is reported as cached, and stays token-exact; a
+restarted server is credited with nothing; Redis going away costs no request,
+and Redis coming back empty is refilled without restarting anything."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from engine.block_hash import hash_request_blocks
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from gateway.prefix_index import RedisPrefixIndex
+from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from rpc.local_redis import LocalRedis
+from tests.processes import GatewayProcess, ServiceProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+PREFIX = [5 + (i * 7) % 370 for i in range(160)]  # 10 blocks of 16
+MAX_TOKENS = 4
+
+
+class Engine(ServiceProcess):
+    def __init__(self, role: str, model, redis_url: str | None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        flags = ["--redis-url", redis_url] if redis_url else []
+        super().__init__(f"{role}-{self.port}", f"{role}_service.server",
+                         ["--port", str(self.port), "--metrics-port", "0", "--model", str(model),
+                          "--kv-cache-memory", "16MiB", *flags],
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+        stub = engine_pb2_grpc.PrefillStub if role == "prefill" else engine_pb2_grpc.DecodeStub
+        self.stub = stub(grpc.insecure_channel(self.address))
+
+    def finished(self) -> int:
+        return self.stub.GetLoad(common_pb2.LoadRequest(), timeout=10).num_requests_finished
+
+
+def _prompt(i: int) -> list[int]:
+    return PREFIX + [100 + i, 200 + i, 300 + i]
+
+
+def _generate(stub, prompt: list[int]):
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    deltas = list(stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
+                                                             sampling=sampling), timeout=60))
+    return [t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="16MiB"))
+
+    def run(prompt: list[int]) -> list[int]:
+        req = engine.add_request(str(time.monotonic_ns()), prompt,
+                                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return req.output_token_ids
+    return run
+
+
+def _start(tiny_llama_dir, redis_url):
+    prefills = [Engine("prefill", tiny_llama_dir, redis_url) for _ in range(2)]
+    decode = Engine("decode", tiny_llama_dir, redis_url)
+    flags = ["--prefill", ",".join(p.address for p in prefills), "--decode", decode.address,
+             "--max-model-len", "512"] + (["--redis-url", redis_url, "--redis-timeout", "0.2"] if redis_url else [])
+    gw = GatewayProcess("gw-prefix", flags)
+    for p in (*prefills, decode, gw):
+        p.wait_ready()
+    deadline = time.monotonic() + 30
+    while httpx.get(gw.http_url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return prefills, decode, gw
+
+
+def _warm_holder(stub, prefills, reference) -> "Engine":
+    """Send the prefix once; the prefill server that served it holds it."""
+    before = [p.finished() for p in prefills]
+    tokens, _ = _generate(stub, _prompt(0))
+    assert tokens == reference(_prompt(0))
+    return next(p for p, b in zip(prefills, before) if p.finished() > b)
+
+
+def _sticks_to(holders, stub, prefills, reference, first: int, n: int) -> None:
+    """The next ``n`` prompts sharing the prefix all go to ``holders``, cached."""
+    time.sleep(0.5)  # the holder's cache events reach the index (published every step, batched)
+    before = [p.finished() for p in prefills]
+    for i in range(first, first + n):
+        tokens, cached = _generate(stub, _prompt(i))
+        assert tokens == reference(_prompt(i))
+        assert cached >= len(PREFIX) - 16, cached  # the prefix's full blocks, at least
+    gained = [p.finished() - b for p, b in zip(prefills, before)]
+    assert sum(gained) == n and all(g == 0 for p, g in zip(prefills, gained) if p not in holders), gained
+
+
+def _indexed(redis_url: str, ns: str, want: dict[str, int | None], timeout: float = 10.0) -> dict[str, int]:
+    """Poll the Redis index until the prefix's matches include ``want``."""
+    hashes = hash_request_blocks(PREFIX, 16)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = asyncio.run(RedisPrefixIndex(redis_url, timeout_s=1.0).match(ns, hashes))
+        if all(got.get(a) == n for a, n in want.items()):
+            return got
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backend):
+    redis = LocalRedis().start() if backend == "redis" else None
+    prefills, decode, gw = _start(tiny_llama_dir, redis.url if redis else None)
+    procs = [gw, *prefills, decode]
+    try:
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+        holder = _warm_holder(stub, prefills, reference)
+        _sticks_to({holder}, stub, prefills, reference, 1, 4)
+        if redis is None:
+            return
+        ns = holder.stub.GetLoad(common_pb2.LoadRequest(), timeout=10).cache_namespace
+        _indexed(redis.url, ns, {holder.address: 10})
+        # Redis goes away: requests keep succeeding (routed by load alone)...
+        redis.stop()
+        before = [p.finished() for p in prefills]
+        for i in range(10, 13):
+            tokens, _ = _generate(stub, _prompt(i))
+            assert tokens == reference(_prompt(i))
+        holders = {holder} | {p for p, b in zip(prefills, before) if p.finished() > b}
+        # ... and comes back empty: the servers publish again, with no restart, and prefix routing resumes.
+        redis.start()
+        _indexed(redis.url, ns, {p.address: 10 for p in holders})
+        _sticks_to(holders, stub, prefills, reference, 20, 3)
+        # A restarted server is credited with nothing it held before.
+        assert holder.stop() == 0
+        restarted = Engine("prefill", tiny_llama_dir, redis.url, port=holder.port)
+        procs.append(restarted)
+        restarted.wait_ready()
+        _indexed(redis.url, ns, {holder.address: None})
+    finally:
+        codes = [p.stop() for p in procs if p.proc.poll() is None]
+        if redis is not None:
+            redis.stop()
+    assert set(codes) <= {0}, [p.logs() for p in procs]
