@@ -150,7 +150,7 @@ def slowest(traces: Iterable[Trace], n: int, by: str = "ttft") -> list[Trace]:
     last) or "e2e"."""
     reqs = request_traces(traces)
     if by == "ttft":
-        key = lambda t: (t.ttft_ms is not None, t.ttft_ms or 0.0, t.e2e_ms)  # noqa: E731
+        key = lambda t: (t.ttft_ms or 0.0, t.e2e_ms)  # noqa: E731
     else:
         key = lambda t: (t.e2e_ms, t.ttft_ms or 0.0)  # noqa: E731
     return sorted(reqs, key=key, reverse=True)[:n]

@@ -3,7 +3,8 @@ processes on the default model, exporting OTLP to a receiver this test runs
 (the gateway and decode server over gRPC, the prefill server over
 http/protobuf) and to a shared traces file. One HTTP request with a caller's
 traceparent must give one trace with spans from all three services, every
-parent link resolving under the caller's span, the GenAI attributes set, and
+parent link resolving under the caller's span, the GenAI attributes and the
+engine spans (queue, compute, KV send and receive, decode) set, and
 `pdserve trace` must render it from the file."""
 from __future__ import annotations
 
@@ -47,10 +48,12 @@ def cluster(tmp_path_factory):
         for p in procs[1:] + procs[:1]:
             p.wait_ready()
         deadline = time.monotonic() + 30
-        while httpx.get(gw.http_url + "/health").status_code != 200:
+        # Both engine servers healthy at the gateway: a request routed before
+        # the prefill server is seen would be prefilled by the decode server.
+        while not all(i["healthy"] for i in httpx.get(gw.http_url + "/cluster").json()["instances"]):
             assert time.monotonic() < deadline, gw.logs()
-            time.sleep(0.2)
-        yield gw, receiver, traces
+            time.sleep(0.1)
+        yield gw, receiver, traces, procs
     finally:
         codes = [p.stop() for p in procs]
         receiver.stop()
@@ -60,7 +63,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def request_trace(cluster):
     """(response body, spans of its trace) once all three services exported."""
-    gw, receiver, _ = cluster
+    gw, receiver, _, _ = cluster
     r = httpx.post(gw.http_url + "/v1/completions", timeout=120, headers={
         "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
         json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
@@ -71,7 +74,9 @@ def request_trace(cluster):
         return {s.service for s in mine} == SERVICES and any(
             "pdserve.request_id" in s.attributes for s in mine)
 
-    receiver.wait_for(complete, timeout=30)
+    spans = receiver.wait_for(complete, timeout=30)
+    assert complete(spans), (sorted({(s.service, s.name) for s in spans if s.trace_id == CALLER_TRACE}),
+                             receiver.num_requests, [p.logs() for p in cluster[3]])
     time.sleep(0.5)  # let the last batches (the roots end last) arrive
     return r.json(), receiver.trace(CALLER_TRACE)
 
@@ -118,25 +123,37 @@ def test_genai_attributes_are_set(request_trace):
     assert pcall.attributes["pdserve.kv.backend"] == "gloo" and pcall.attributes["pdserve.kv.blocks"] >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="engine spans not wired yet")
 def test_engine_spans_are_there(request_trace):
     _, spans = request_trace
+    by_id = {s.span_id: s for s in spans}
     names = {(s.service, s.name) for s in spans}
-    for expected in (("pdserve-prefill", "prefill.queue"), ("pdserve-prefill", "prefill.compute"),
-                     ("pdserve-prefill", "kv.send"), ("pdserve-decode", "decode.reservation_wait"),
-                     ("pdserve-decode", "kv.receive"), ("pdserve-decode", "decode.generate")):
+    for expected in (("pdserve-prefill", "prefill"), ("pdserve-prefill", "prefill.queue"),
+                     ("pdserve-prefill", "prefill.compute"), ("pdserve-prefill", "kv.send"),
+                     ("pdserve-decode", "decode"), ("pdserve-decode", "decode.reservation_wait"),
+                     ("pdserve-decode", "kv.receive"), ("pdserve-decode", "decode.queue"),
+                     ("pdserve-decode", "decode.generate")):
         assert expected in names, expected
+    for role in ("prefill", "decode"):  # under the server span of the call that carried the request
+        [top] = [s for s in spans if s.name == role]
+        assert by_id[top.parent_id].kind == 2 and by_id[top.parent_id].service == f"pdserve-{role}"  # SERVER
     [send] = [s for s in spans if s.name == "kv.send"]
-    [recv] = [s for s in spans if s.name == "kv.receive"]
-    for kv in (send, recv):
-        assert kv.attributes["pdserve.kv.bytes"] > 0 and kv.attributes["pdserve.kv.blocks"] >= 1
-        assert kv.attributes["pdserve.kv.backend"] == "gloo"
+    assert send.attributes["pdserve.kv.bytes"] > 0 and send.attributes["pdserve.kv.blocks"] >= 1
+    assert send.attributes["pdserve.kv.backend"] == "gloo"
     [gen] = [s for s in spans if s.name == "decode.generate"]
     assert "first_token" in gen.events
 
 
+@pytest.mark.xfail(strict=True, reason="the decode servicer does not pass the received KV's figures "
+                                       "(kv_bytes, kv_blocks, kv_backend) to record_engine_spans yet")
+def test_kv_receive_span_carries_the_transfer_figures(request_trace):
+    _, spans = request_trace
+    [recv] = [s for s in spans if s.name == "kv.receive"]
+    assert recv.attributes["pdserve.kv.bytes"] > 0 and recv.attributes["pdserve.kv.blocks"] >= 1
+    assert recv.attributes["pdserve.kv.backend"] == "gloo"
+
+
 def test_pdserve_trace_renders_the_request_from_the_traces_file(cluster, request_trace, capsys):
-    _, _, traces = cluster
+    _, _, traces, _ = cluster
     body, spans = request_trace
     deadline = time.monotonic() + 10
     while True:  # the file gets the same spans (its processor flushes every 200 ms here)
@@ -160,7 +177,7 @@ def test_pdserve_trace_renders_the_request_from_the_traces_file(cluster, request
 
 
 def test_gateway_observes_kv_transfer_per_request(cluster, request_trace):
-    gw, _, _ = cluster
+    gw, _, _, _ = cluster
     metrics = httpx.get(gw.http_url + "/metrics").text
     for name in ("request_kv_transfer_bytes", "request_kv_transfer_seconds", "request_prefill_time_seconds"):
         m = re.search(rf'^pdserve:{name}_count{{model_name="SmolLM2-135M-Instruct"}} (\S+)$', metrics, re.M)

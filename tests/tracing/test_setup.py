@@ -142,3 +142,4 @@ def test_a_writer_reopens_after_another_rotated_and_torn_lines_are_skipped(tmp_p
         f.write('{"trace_id": "ab", "span_')  # a line still being written
     provider.shutdown()
     assert [r["name"] for r in read_spans(path)] == ["before", "after"]
+    assert json.loads(open(path).readline())["name"] == "after"  # into the new file, not the rotated one

@@ -8,12 +8,13 @@ with whole-millisecond times so that every breakdown figure is exact.
       text_completion m                           1-499  ttft 120
         tokenize 1-5, route 5-6, detokenize 121-499
         Decode/Generate (client) 6-499
-          decode server 7-498: reservation 7-9, kv.receive 90-110, queue 110-112, generate 112-498
+          decode server 7-498: reservation 7-9, kv.receive 80-110, queue 110-112, generate 112-498
         Prefill/Prefill (client) 10-118
           prefill server 11-117: queue 11-21, compute 21-85, kv.send 86-110
 
-    breakdown: gateway 5, decode reservation 2, prefill queue 10, prefill compute 64,
-               KV transfer 24 (86-110), first decode step 9 (112-121), rest 6
+    breakdown (KV transfer wins over the compute it overlaps, 80-85): gateway 5,
+               decode reservation 2, prefill queue 10, prefill compute 59 (21-80),
+               KV transfer 30 (80-110), first decode step 9 (112-121), rest 5
 
 ``cmpl-e`` (e2e 400) has no engine spans: its Prefill client span (10-118)
 says queue 10 ms, compute 60 ms, KV 30 ms -> gateway 5, queue 10, compute 60,
@@ -79,7 +80,7 @@ def sample_spans() -> list[dict[str, Any]]:
             _span(ta, "tokenize", GW, 1, 5, req, attributes=g), _span(ta, "route", GW, 5, 6, req, attributes=g),
             _span(ta, "detokenize", GW, 121, 499, req, attributes=g),
             _span(ta, "decode.reservation_wait", DC, 7, 9, dtop, attributes={"pdserve.phase": "decode_reservation"}),
-            _span(ta, "kv.receive", DC, 90, 110, dtop, attributes={"pdserve.phase": "kv_transfer"}),
+            _span(ta, "kv.receive", DC, 80, 110, dtop, attributes={"pdserve.phase": "kv_transfer"}),
             _span(ta, "decode.queue", DC, 110, 112, dtop, attributes={"pdserve.phase": "decode_queue"}),
             _span(ta, "decode.generate", DC, 112, 498, dtop, attributes={"pdserve.phase": "decode"}),
             _span(ta, "prefill.queue", PF, 11, 21, ptop, attributes={"pdserve.phase": "prefill_queue"}),
