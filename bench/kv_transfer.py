@@ -37,7 +37,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="cuda:0,cuda:1", help="prefill device, decode device")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--plans", default="auto,direct,direct-per-layer,packed-1,packed-2,packed-8,packed-32",
+    p.add_argument("--plans", default="auto,direct,packed-1,packed-8,packed-32",
                    help="auto (the sender's own choice), direct (runs in place, one group), "
                         "direct-per-layer, packed-C (gathered, C layers a chunk)")
     p.add_argument("--output-json", default=None)

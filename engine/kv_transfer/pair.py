@@ -3,7 +3,6 @@ group, the pair's CUDA stream and staging buffers, posting, waiting and aborting
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -32,6 +31,7 @@ if os.environ.setdefault(_BLOCKING_WAIT, "1") != "1":
 # moves in ~6 ms; a sleep would add its own granularity to every transfer), then every _POLL_S.
 _SPIN_S = 0.05
 _POLL_S = 0.0005
+_NCCL_PING_BYTES = 32 << 20  # >= p2p channels (32 on H200 pairs) x NCCL's 512 KiB p2p chunk
 
 
 def _remaining(deadline: float, what: str) -> timedelta:
@@ -268,7 +268,11 @@ class _Pair:
             with self._on_stream():
                 self._group = _make_group(self._store.clone(), rank, self.backend, _remaining(deadline, where),
                                           bind_host, self.device)
-                ping = torch.ones(1, device=self.wire_device)
+                # NCCL connects a peer's channels on first use, and only those a message needs;
+                # connecting needs the peer's help. A ping that spreads over every channel does it
+                # now, while the peer is known to be there.
+                ping = torch.ones(_NCCL_PING_BYTES if self.backend == "nccl" else 1, dtype=torch.uint8,
+                                  device=self.wire_device)
                 works = self._post([ping], send=rank == 0, what=where)
                 self._wait(works, deadline, where)
         except KVTransferError:

@@ -149,8 +149,9 @@ class KVReceiver(_Pair):
             num_messages=num_messages), header.get("meta") or {})
 
     def _next_header(self, timeout: float | None) -> dict[str, Any]:
-        """One blocking pop from the store's header queue (one round trip). An idle pair waits
-        here, not in the process group: an idle posted NCCL or gloo receive would time out."""
+        """One blocking pop from the store's header queue. An idle pair waits here, not in the
+        process group: an idle posted gloo receive times out, an idle NCCL one cannot be
+        cancelled short of aborting the communicator."""
         store = self._store
         if store is None or self._closed:
             raise KVChannelClosed("KV pair is closed")

@@ -60,15 +60,15 @@ class KVSender(_Pair):
 
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
               kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
-              plan: WirePlan | None = None, header_first: bool = True) -> KVSendTransfer:
-        """Start one transfer: takes the pair's lock. Then call ``send_layer(l)`` for
-        l = 0..L-1 in order (e.g. as prefill finishes each layer) and ``finish()``; use it as a
-        context manager. Data leaves a chunk at a time, once its last layer was given.
+              plan: WirePlan | None = None) -> KVSendTransfer:
+        """Start one transfer: takes the pair's lock and sends the header. Then call
+        ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer) and
+        ``finish()``; use it as a context manager. Data leaves a chunk at a time, once its last
+        layer was given. ``plan`` overrides the message plan (benchmarks, tests).
 
-        ``header_first``: send the header now, so the receiver posts its receives while the
-        layers are computed. False defers it until this side has posted its data or must wait
-        for the peer (``send`` does so: its data is ready, and posting overlaps the header's
-        trip). ``plan`` overrides the message plan (benchmarks, tests)."""
+        The header always goes first: posting an NCCL batch may block this thread until the
+        peer posts its side (NCCL connects channels on first use), and the peer posts only
+        once it has the header."""
         self.layout.check_cache(kv_cache)
         runs = merge_runs(src_block_ids, dst_block_ids)
         src, dst = expand_runs(runs, 0), expand_runs(runs, 1)
@@ -91,10 +91,8 @@ class KVSender(_Pair):
             raise KVTransferError(f"request {request_id}: KV pair busy for {self.timeout}s")
         try:
             self._check_usable()
-            transfer = KVSendTransfer(self, request_id, runs, src, kv_cache, plan, header)
-            if header_first:
-                transfer._send_header()
-            return transfer
+            self._push_header(request_id, header)
+            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan)
         except Exception:
             self._lock.release()
             raise
@@ -112,8 +110,7 @@ class KVSender(_Pair):
              plan: WirePlan | None = None) -> TransferStats:
         """Send kv_cache[:, src_block_ids] into the receiver's dst_block_ids; returns when the
         data has left this process's memory (the blocks may then be freed or rewritten)."""
-        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan,
-                        header_first=False) as transfer:
+        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan) as transfer:
             for layer in range(self.layout.num_layers):
                 transfer.send_layer(layer)
         return transfer.finish()
@@ -146,9 +143,8 @@ class KVSendTransfer:
     after chunk k has left (a stream-side wait for NCCL, a host-side one for gloo)."""
 
     def __init__(self, sender: KVSender, request_id: str, runs: list[tuple[int, int, int]], src: np.ndarray,
-                 kv_cache: torch.Tensor, plan: WirePlan, header: str) -> None:
+                 kv_cache: torch.Tensor, plan: WirePlan) -> None:
         self.request_id = request_id
-        self._header: str | None = header  # None once sent
         self._sender = sender
         self._runs = runs
         self._kv_cache = kv_cache
@@ -167,11 +163,6 @@ class KVSendTransfer:
         if plan.pack:
             with sender._on_stream():
                 self._src_index = torch.from_numpy(src).to(kv_cache.device, non_blocking=True)
-
-    def _send_header(self) -> None:
-        if self._header is not None:
-            self._sender._push_header(self.request_id, self._header)
-            self._header = None
 
     def send_layer(self, layer: int) -> None:
         """Layer ``layer`` of the cache is ready (in order); posts every chunk it completes,
@@ -196,7 +187,6 @@ class KVSendTransfer:
                     for work in self._works[k - 2]:
                         work.block_current_stream()
                 elif self._num_waited <= k - 2:
-                    self._send_header()
                     sender._wait(self._works[k - 2], self._deadline, what)
                     self._num_waited = k - 1
             if self._plan.pack:
@@ -248,7 +238,6 @@ class KVSendTransfer:
             with sender._on_stream():
                 trailer = torch.tensor([_ABORTED if aborted else _OK], dtype=torch.int64).to(sender.wire_device)
             self._post_chunk(len(self._chunks) - 1, trailer)
-            self._send_header()
             sender._wait([w for works in self._works[self._num_waited:] for w in works], self._deadline, what)
         finally:
             self._works = []
