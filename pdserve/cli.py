@@ -31,6 +31,7 @@ BENCH = {
     "serve": ("bench.serve", "serving benchmark against a running gateway"),
     "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
+    "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
 }
 
 

@@ -1,0 +1,191 @@
+"""`pdserve bench prefix`: KV-aware against load-only routing on a
+prefix-heavy workload, each on a fresh `pdserve up` cluster (2 prefill
+servers, 1 decode server, a local Redis for the index).
+
+Workload: ``--conversations`` multi-turn chats that all start with the same
+``--system-len``-token system prompt; turn t's prompt is turn t-1's prompt,
+a reply and a new user message (synthetic token ids: what is measured is the
+cache, not the text). One warm-up request carries the system prompt alone;
+then each round sends the next turn of every chat at once.
+
+Reported per mode:
+- shareable tokens: for each request, the leading full blocks of its prompt
+  that an earlier prompt already had (the most any prefix cache could give);
+- prefill-side cache hits: the prefill servers' own ``prefix_cache_hits``
+  counters, so the ratio is the share of shareable tokens not computed again;
+- TTFT and end-to-end latency percentiles;
+- the gateway's ``route`` span durations (prefix lookup + choice) from the
+  traces file.
+Load-only routing is the same cluster with ``--kv-overlap-score-weight 0``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.results import write_result
+from bench.serve import Sample, _pct, one_request
+from engine.block_hash import hash_request_blocks
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system-len", type=int, default=1024, help="shared system prompt tokens")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--user-len", type=int, default=96, help="new tokens per user message")
+    p.add_argument("--reply-len", type=int, default=96, help="tokens of each earlier reply in the history")
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--port-base", type=int, default=58100)
+    p.add_argument("--modes", default="kv-aware,load-only")
+    p.add_argument("--engine-args", default="--kv-cache-memory 512MiB --max-model-len 4096",
+                   help="extra flags for the engine servers")
+    p.add_argument("--output-json", default=None)
+
+
+def workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
+    """(system prompt, prompts[turn][conversation])."""
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    system = tokens(args.system_len)
+    history = [list(system) for _ in range(args.conversations)]
+    turns = []
+    for t in range(args.turns):
+        prompts = []
+        for c in range(args.conversations):
+            if t:
+                history[c] += tokens(args.reply_len)
+            history[c] += tokens(args.user_len)
+            prompts.append(list(history[c]))
+        turns.append(prompts)
+    return system, turns
+
+
+def shareable(rounds: list[list[list[int]]], block_size: int) -> list[int]:
+    """Per prompt, in send order, the tokens of its leading full blocks that a
+    prompt of an earlier round already had (prompts of one round go together)."""
+    seen: set[int] = set()
+    out = []
+    for prompts in rounds:
+        for p in prompts:
+            hashes = hash_request_blocks(p[:((len(p) - 1) // block_size) * block_size], block_size)
+            n = 0
+            while n < len(hashes) and hashes[n] in seen:
+                n += 1
+            out.append(n * block_size)
+        for p in prompts:
+            seen.update(hash_request_blocks(p, block_size))
+    return out
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, weight: float, traces: Path) -> None:
+        b = args.port_base
+        self.http, self.prefill_ports = b, (b + 2, b + 3)
+        self.argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "1", "--start-redis",
+                     "--http-port", str(b), "--grpc-port", str(b + 1), "--prefill-port", str(b + 2),
+                     "--decode-port", str(b + 5), "--kv-overlap-score-weight", str(weight),
+                     "--traces-file", str(traces), "--disable-log-requests", "--block-size", str(args.block_size),
+                     *args.engine_args.split()]
+
+    def __enter__(self) -> "Cluster":
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("pdserve ready"):
+                return self
+        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+
+    def prefill_hits(self) -> float:
+        import httpx
+
+        total = 0.0
+        for port in self.prefill_ports:
+            text = httpx.get(f"http://127.0.0.1:{port + 1000}/metrics", timeout=10).text
+            total += sum(float(m.group(1)) for m in re.finditer(r'^pdserve:prefix_cache_hits_total\{[^}]*\} (\S+)',
+                                                               text, re.M))
+        return total
+
+
+async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int],
+                    turns: list[list[list[int]]]) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cluster.http}") as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        def body(prompt: list[int]) -> dict:
+            return {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+        warm = await one_request(client, "/v1/completions", body(system + [7]), {})
+        assert warm.ok, warm.error
+        time.sleep(1.0)  # the index hears of the warm-up's blocks
+        hits0 = cluster.prefill_hits()
+        samples: list[Sample] = []
+        t0 = time.perf_counter()
+        for prompts in turns:
+            samples += await asyncio.gather(*(one_request(client, "/v1/completions", body(p), {}) for p in prompts))
+        wall = time.perf_counter() - t0
+        hits = cluster.prefill_hits() - hits0
+    ok = [s for s in samples if s.ok]
+
+    def stats(xs: list[float]) -> dict:
+        return {"p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99),
+                "mean": statistics.fmean(xs) if xs else 0.0}
+
+    return {"completed": len(ok), "failed": len(samples) - len(ok), "wall_seconds": wall,
+            "prefill_cache_hit_tokens": hits, "ttft": stats([s.ttft for s in ok]), "e2e": stats([s.e2e for s in ok]),
+            "errors": sorted({s.error for s in samples if s.error})[:3]}
+
+
+def route_times(traces: Path) -> dict:
+    ms = []
+    for line in traces.read_text().splitlines():
+        span = json.loads(line)
+        if span["name"] == "route" and span["service"] == "pdserve-gateway":
+            ms.append((span["end_ns"] - span["start_ns"]) / 1e6)
+    return {"count": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms, default=0.0)}
+
+
+def main(args: argparse.Namespace) -> int:
+    system, turns = workload(args)
+    flat = [p for prompts in turns for p in prompts]
+    share = shareable([[system + [7]], *turns], args.block_size)[1:]
+    result: dict = {"shareable_tokens": sum(share), "prompt_tokens": sum(len(p) for p in flat), "modes": {}}
+    for mode in args.modes.split(","):
+        weight = {"kv-aware": 1.0, "load-only": 0.0}[mode]
+        with tempfile.TemporaryDirectory() as tmp:
+            traces = Path(tmp) / "traces.jsonl"
+            with Cluster(args, weight, traces) as cluster:
+                r = asyncio.run(_run_mode(args, cluster, system, turns))
+            time.sleep(1.0)  # the last spans are flushed
+            r["route"] = route_times(traces)
+        r["cached_share_of_shareable"] = r["prefill_cache_hit_tokens"] / max(1, result["shareable_tokens"])
+        result["modes"][mode] = r
+        print(f"{mode}: cached {r['cached_share_of_shareable']:.1%} of shareable tokens, TTFT p50 "
+              f"{r['ttft']['p50'] * 1e3:.0f} ms p90 {r['ttft']['p90'] * 1e3:.0f} ms, route p99 "
+              f"{r['route']['p99_ms']:.2f} ms, {r['completed']} ok / {r['failed']} failed", flush=True)
+    modes = result["modes"]
+    if {"kv-aware", "load-only"} <= modes.keys():
+        result["ttft_p50_speedup"] = modes["load-only"]["ttft"]["p50"] / max(1e-9, modes["kv-aware"]["ttft"]["p50"])
+        print(f"TTFT p50 speedup of KV-aware routing: {result['ttft_p50_speedup']:.2f}x")
+    result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    write_result(result, "prefix", args.output_json)
+    return 0
