@@ -6,7 +6,7 @@ Workload: ``--conversations`` multi-turn chats that all start with the same
 ``--system-len``-token system prompt; turn t's prompt is turn t-1's prompt,
 a reply and a new user message (synthetic token ids: what is measured is the
 cache, not the text). One warm-up request carries the system prompt alone;
-then each round sends the next turn of every chat at once.
+then each round sends the next turn of every chat at once, in a random order.
 
 Reported per mode:
 - shareable tokens: for each request, the leading full blocks of its prompt
@@ -45,6 +45,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reply-len", type=int, default=96, help="tokens of each earlier reply in the history")
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--route-probes", type=int, default=30,
+                   help="sequential requests after the run whose route spans time the routing alone")
     p.add_argument("--port-base", type=int, default=58100)
     p.add_argument("--modes", default="kv-aware,load-only")
     p.add_argument("--engine-args", default="--kv-cache-memory 512MiB --max-model-len 4096",
@@ -140,10 +142,20 @@ async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int
         hits0 = cluster.prefill_hits()
         samples: list[Sample] = []
         t0 = time.perf_counter()
+        order = random.Random(1)
         for prompts in turns:
+            # Clients of one round arrive in a random order: a fixed order would pin each chat to one
+            # server under load-only routing by accident (round robin over the same sequence).
+            prompts = order.sample(prompts, len(prompts))
             samples += await asyncio.gather(*(one_request(client, "/v1/completions", body(p), {}) for p in prompts))
         wall = time.perf_counter() - t0
         hits = cluster.prefill_hits() - hits0
+        # Routing cost on an otherwise idle cluster: one request at a time, so no
+        # engine computes while the gateway routes (the route spans measure it).
+        probe = {**body(turns[-1][0]), "max_tokens": 1, "stream": False}
+        probe.pop("stream_options")
+        for _ in range(args.route_probes):
+            await client.post("/v1/completions", json=probe, timeout=600)
     ok = [s for s in samples if s.ok]
 
     def stats(xs: list[float]) -> dict:
@@ -155,13 +167,18 @@ async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int
             "errors": sorted({s.error for s in samples if s.error})[:3]}
 
 
-def route_times(traces: Path) -> dict:
+def route_times(traces: Path, num_probes: int) -> dict:
+    """Durations of the gateway's route spans: all of them (under load), and
+    the last ``num_probes`` (the sequential probe requests, cluster idle)."""
     ms = []
     for line in traces.read_text().splitlines():
         span = json.loads(line)
         if span["name"] == "route" and span["service"] == "pdserve-gateway":
-            ms.append((span["end_ns"] - span["start_ns"]) / 1e6)
-    return {"count": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms, default=0.0)}
+            ms.append((span["start_ns"], (span["end_ns"] - span["start_ns"]) / 1e6))
+    ms = [d for _, d in sorted(ms)]
+    idle = ms[-num_probes:] if num_probes else []
+    return {"count": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms, default=0.0),
+            "idle_p50_ms": _pct(idle, 0.5), "idle_p99_ms": _pct(idle, 0.99)}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -176,12 +193,13 @@ def main(args: argparse.Namespace) -> int:
             with Cluster(args, weight, traces) as cluster:
                 r = asyncio.run(_run_mode(args, cluster, system, turns))
             time.sleep(1.0)  # the last spans are flushed
-            r["route"] = route_times(traces)
+            r["route"] = route_times(traces, args.route_probes)
         r["cached_share_of_shareable"] = r["prefill_cache_hit_tokens"] / max(1, result["shareable_tokens"])
         result["modes"][mode] = r
         print(f"{mode}: cached {r['cached_share_of_shareable']:.1%} of shareable tokens, TTFT p50 "
               f"{r['ttft']['p50'] * 1e3:.0f} ms p90 {r['ttft']['p90'] * 1e3:.0f} ms, route p99 "
-              f"{r['route']['p99_ms']:.2f} ms, {r['completed']} ok / {r['failed']} failed", flush=True)
+              f"{r['route']['p99_ms']:.2f} ms under load, {r['route']['idle_p99_ms']:.2f} ms idle, "
+              f"{r['completed']} ok / {r['failed']} failed", flush=True)
     modes = result["modes"]
     if {"kv-aware", "load-only"} <= modes.keys():
         result["ttft_p50_speedup"] = modes["load-only"]["ttft"]["p50"] / max(1e-9, modes["kv-aware"]["ttft"]["p50"])
