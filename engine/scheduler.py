@@ -235,6 +235,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._reserve_waiting(out)
         budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()  # ids in out.scheduled, kept alongside it (no rebuild per request)
         # Decode-first: stable sort puts requests with one token to compute first.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
@@ -242,18 +243,22 @@ class Scheduler:
             if req.status != S.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, num_new, out):
+            if self._allocate_or_preempt(req, num_new, out, scheduled):
                 out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+                scheduled.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
             self._schedule_waiting(budget, out)
         return out
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        scheduled = {s.request.request_id for s in out.scheduled}
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput,
+                             scheduled: set[str]) -> bool:
+        """Allocate ``num_new`` tokens' blocks for ``req``, preempting the
+        newest running requests not in ``scheduled`` (ids already scheduled
+        this step) until they fit. False when ``req`` itself had to go."""
         while self.kv.allocate_slots(req, num_new) is None:
-            victims = [r for r in self.running if r.request_id not in scheduled and r is not req]
-            if not victims:
+            victim = self._newest_unscheduled(req, scheduled)
+            if victim is None:
                 if not scheduled:  # alone and still too big: the cache cannot hold it
                     self._finish(req, S.FINISHED_LENGTH)
                     out.finished.append(req)
@@ -261,10 +266,15 @@ class Scheduler:
                 self._preempt(req)
                 out.preempted.append(req)
                 return False
-            victim = victims[-1]
             self._preempt(victim)
             out.preempted.append(victim)
         return True
+
+    def _newest_unscheduled(self, req: Request, scheduled: set[str]) -> Request | None:
+        for r in reversed(self.running):
+            if r is not req and r.request_id not in scheduled:
+                return r
+        return None
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
