@@ -73,6 +73,15 @@ class _Refused(Exception):
         self.error = error
 
 
+class _PrefillFailed(Exception):
+    """The prefill server (or its KV hand-off) failed before anything was
+    streamed: worth another prefill server, with a fresh reservation."""
+
+    def __init__(self, error: GatewayError, prefill: Instance) -> None:
+        super().__init__(error.message)
+        self.error, self.prefill = error, prefill
+
+
 class RequestFlow:
     """Drives one request; owns its in-flight internal calls."""
 
@@ -81,6 +90,7 @@ class RequestFlow:
         self._router = router
         self._calls: set[Any] = set()
         self._sampling = sampling_to_proto(req.sampling)
+        self._engine_id = req.internal_id  # this attempt's id on the engine servers
         self.is_aborted = False
         self.decode_address: str | None = None
         self.prefill_address: str | None = None
@@ -111,13 +121,19 @@ class RequestFlow:
                 call.cancel()
 
     async def _stream_with_retry(self) -> AsyncIterator[TokenChunk]:
-        tried: list[str] = []
+        tried: list[str] = []  # decode servers that refused
+        failed_prefill: list[str] = []  # prefill servers that failed (a retry prefills elsewhere, or locally)
         last: GatewayError | None = None
         hashes: list[int] | None = None
         while True:
-            with self._req.trace.span("route", **{"pdserve.route.attempt": len(tried) + 1}) as span:
+            attempt = len(tried) + len(failed_prefill)
+            # Each attempt is a new request to the engine servers: the last one's id may still be
+            # releasing its blocks there.
+            self._engine_id = self._req.internal_id if attempt == 0 else f"{self._req.internal_id}.{attempt}"
+            with self._req.trace.span("route", **{"pdserve.route.attempt": attempt + 1}) as span:
                 try:
-                    route, hashes = await self._router.route(self._req.prompt_token_ids, tried, hashes)
+                    route, hashes = await self._router.route(self._req.prompt_token_ids, tried, hashes,
+                                                             exclude_prefill=failed_prefill)
                 except GatewayError:
                     if last is not None:
                         raise last from None
@@ -140,13 +156,16 @@ class RequestFlow:
                     raise e.error from None
                 tried.append(decode.address)
                 last = e.error
+            except _PrefillFailed as e:
+                failed_prefill.append(e.prefill.address)
+                last = e.error
 
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
         span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
         with in_flight(decode), _ending(span):
             call = decode.stub.Generate(
-                engine_pb2.DecodeRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
+                engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
@@ -192,7 +211,7 @@ class RequestFlow:
         uncached = len(req.prompt_token_ids) - (self.route.cached_tokens(prefill) if self.route else 0)
         with in_flight(prefill, tokens=uncached), _ending(span):
             call = prefill.stub.Prefill(
-                engine_pb2.PrefillRequest(request_id=req.internal_id, prompt_token_ids=req.prompt_token_ids,
+                engine_pb2.PrefillRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                           sampling=self._sampling, decode_address=decode.address,
                                           dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
@@ -200,7 +219,13 @@ class RequestFlow:
             try:
                 result = await call
             except grpc.aio.AioRpcError as e:
-                raise self._prefill_error(e, prefill) from None
+                error = self._prefill_error(e, prefill)
+                if e.code() == grpc.StatusCode.UNAVAILABLE and self._req.remaining() > 0:
+                    # The prefill server is gone or draining and nothing was streamed yet: another one
+                    # (or, with none left, the decode server itself) takes the request afresh. A failed
+                    # KV hand-off (ABORTED) is not retried: the pair's other end is as likely the cause.
+                    raise _PrefillFailed(error, prefill) from None
+                raise error from None
             finally:
                 self._calls.discard(call)
             self.prefill_result = result

@@ -59,9 +59,11 @@ class Router:
         self._num_routed: dict[str, int] = {}
 
     async def route(self, prompt_token_ids: Sequence[int], exclude: Collection[str] = (),
-                    hashes: list[int] | None = None) -> tuple[Route, list[int] | None]:
-        """Pick the decode and prefill servers for a prompt; also returns the
-        prompt's block hashes (pass them back on a retry)."""
+                    hashes: list[int] | None = None,
+                    exclude_prefill: Collection[str] = ()) -> tuple[Route, list[int] | None]:
+        """Pick the decode and prefill servers for a prompt, never one in
+        ``exclude`` / ``exclude_prefill`` (addresses that failed this request);
+        also returns the prompt's block hashes (pass them back on a retry)."""
         decodes = self._healthy(self._registry.decode, exclude)
         if not decodes:
             configured = ", ".join(i.address for i in self._registry.decode)
@@ -69,7 +71,7 @@ class Router:
             raise GatewayError(ErrorKind.UNAVAILABLE,
                                f"no healthy decode server is available{tried}; configured: {configured}",
                                code="no_healthy_decode_server")
-        prefills = self._healthy(self._registry.prefill, ())
+        prefills = self._healthy(self._registry.prefill, exclude_prefill)
         matched, block_size = {}, 0
         if self.index is not None:
             namespace, block_size = _namespace(decodes + prefills)

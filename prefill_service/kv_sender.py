@@ -31,13 +31,15 @@ class KVSenders:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def _sender(self, decode_address: str) -> KVSender:
+    def _sender(self, decode_address: str, reuse: bool = True) -> KVSender:
         with self._guard:
             lock = self._locks.setdefault(decode_address, threading.Lock())
         with lock:  # one pair setup per decode server at a time
             sender = self._senders.get(decode_address)
-            if sender is not None and sender.is_usable:
+            if sender is not None and sender.is_usable and reuse:
                 return sender
+            if sender is not None:
+                sender.close()
             self._senders.pop(decode_address, None)
             with grpc.insecure_channel(decode_address, options=CHANNEL_OPTIONS) as ch:
                 try:
@@ -61,16 +63,32 @@ class KVSenders:
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"request {request_id}: {len(src_block_ids)} blocks computed but "
                                   f"{len(dst_block_ids)} reserved on the decode server")
+        reused = decode_address in self._senders
         sender = self._sender(decode_address)
+        try:
+            return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
+        except KVTransferError as exc:
+            if sender.is_usable:
+                raise
+            self._drop(decode_address, sender)
+            if not reused:
+                raise
+            # A pair that worked before and broke now most often means the decode server restarted
+            # (its end of the pair is gone): open a new pair once and send again.
+            logger.info("KV pair to %s broke (%s); opening a new one", decode_address, exc)
+        sender = self._sender(decode_address, reuse=False)
         try:
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         except KVTransferError:
             if not sender.is_usable:
-                with self._guard:
-                    if self._senders.get(decode_address) is sender:
-                        del self._senders[decode_address]
-                sender.close()
+                self._drop(decode_address, sender)
             raise
+
+    def _drop(self, decode_address: str, sender: KVSender) -> None:
+        with self._guard:
+            if self._senders.get(decode_address) is sender:
+                del self._senders[decode_address]
+        sender.close()
 
     def close(self) -> None:
         with self._guard:

@@ -1,0 +1,134 @@
+"""Servers killed under a running cluster (real processes, tiny model): a
+restarted decode server is served at once (the prefill side opens a new KV
+pair instead of failing on the stale one), a dead prefill server costs no
+request (the gateway retries elsewhere with a fresh reservation), and a decode
+server killed mid-stream ends its client's stream with an error at once
+while new requests go to the survivor. No block stays held anywhere."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.processes import GatewayProcess, ServiceProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+
+class Engine(ServiceProcess):
+    def __init__(self, role: str, model, port: int | None = None) -> None:
+        self.role, self.model = role, model
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        super().__init__(f"{role}-{self.port}", f"{role}_service.server",
+                         ["--port", str(self.port), "--metrics-port", "0", "--model", str(model),
+                          "--kv-cache-memory", "16MiB", "--kv-transfer-timeout", "10"],
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+
+    def restart(self) -> "Engine":
+        return Engine(self.role, self.model, self.port)
+
+    def used_blocks(self) -> int:
+        stub = (engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub)
+        with grpc.insecure_channel(self.address) as ch:
+            return stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10).kv_blocks_used
+
+
+def _generate(stub, i: int, max_tokens: int = 4):
+    prompt = [7 + (i * 31 + j * 13) % 370 for j in range(40)]
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=sampling),
+                         timeout=60)
+
+
+def _tokens(stub, i: int) -> list[int]:
+    return [t for d in _generate(stub, i) for t in d.token_ids]
+
+
+def _wait_healthy(gw: GatewayProcess, addresses: set[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        cluster = httpx.get(gw.http_url + "/cluster", timeout=10).json()["instances"]
+        if {i["address"] for i in cluster if i["healthy"]} >= addresses:
+            return
+        assert time.monotonic() < deadline, cluster
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def cluster(tiny_llama_dir):
+    procs: list[ServiceProcess] = []
+
+    def start(n_prefill: int, n_decode: int):
+        prefills = [Engine("prefill", tiny_llama_dir) for _ in range(n_prefill)]
+        decodes = [Engine("decode", tiny_llama_dir) for _ in range(n_decode)]
+        gw = GatewayProcess("gw-faults", ["--prefill", ",".join(p.address for p in prefills),
+                                          "--decode", ",".join(d.address for d in decodes), "--max-model-len", "512"])
+        procs.extend([gw, *prefills, *decodes])
+        for p in procs:
+            p.wait_ready()
+        _wait_healthy(gw, {e.address for e in prefills + decodes})
+        return gw, prefills, decodes, gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+
+    start.procs = procs  # type: ignore[attr-defined]
+    yield start
+    for p in procs:
+        if p.proc.poll() is None:
+            p.stop()
+
+
+def test_restarted_decode_server_is_served_at_once(cluster):
+    gw, (prefill,), (decode,), stub = cluster(1, 1)
+    expected = _tokens(stub, 0)
+    decode.proc.send_signal(signal.SIGKILL)
+    decode.proc.wait()
+    fresh = decode.restart()
+    cluster.procs.append(fresh)
+    fresh.wait_ready()
+    _wait_healthy(gw, {fresh.address})
+    assert _tokens(stub, 0) == expected  # the first request after the restart, over a new KV pair
+    cluster_json = httpx.get(gw.http_url + "/cluster", timeout=10).json()["instances"]
+    assert all(i["healthy"] for i in cluster_json), cluster_json  # the prefill server was never blamed
+    assert prefill.used_blocks() == 0 and fresh.used_blocks() == 0
+
+
+def test_dead_prefill_server_costs_no_request(cluster):
+    gw, prefills, (decode,), stub = cluster(2, 1)
+    expected = [_tokens(stub, i) for i in range(4)]
+    prefills[0].proc.send_signal(signal.SIGKILL)  # the gateway has not noticed yet when the next requests come
+    prefills[0].proc.wait()
+    assert [_tokens(stub, i) for i in range(4)] == expected
+    assert prefills[1].used_blocks() == 0 and decode.used_blocks() == 0
+
+
+def test_decode_server_killed_mid_stream(cluster):
+    gw, _, decodes, stub = cluster(1, 2)
+    stream = _generate(stub, 1, max_tokens=400)
+    next(stream)
+    victim = next(d for d in decodes if d.used_blocks() > 0)
+    outcome: dict = {}
+
+    def drain() -> None:
+        try:
+            for _ in stream:
+                pass
+            outcome["ended"] = "finished"
+        except grpc.RpcError as e:
+            outcome["ended"] = e.code()
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    t0 = time.monotonic()
+    victim.proc.send_signal(signal.SIGKILL)
+    reader.join(10)
+    assert not reader.is_alive() and outcome["ended"] == grpc.StatusCode.UNAVAILABLE, outcome
+    assert time.monotonic() - t0 < 5
+    survivor = next(d for d in decodes if d is not victim)
+    for i in range(3):  # new requests go to the survivor
+        assert len(_tokens(stub, 10 + i)) == 4
+    assert survivor.used_blocks() == 0
