@@ -36,6 +36,13 @@ difference in the probabilities can move a cumulative boundary.
 statistically, but needs ``[B, V]`` noise per step; generating it from seeded
 CPU generators cost ~1 ms per row at V = 152k.)
 
+Guard. A row whose numbers are not finite (a NaN or infinite penalty or
+temperature that got past validation, or NaN logits) has no distribution to
+draw from; the inverse-CDF search would return an id outside the vocabulary.
+Such a row gets ``SAMPLE_FAILED`` (-1) instead of a token, and the scheduler
+ends that one request with a "sampling" error; its batch companions are not
+affected. The check rides on the existing host copy (no extra sync).
+
 Host synchronisation: one ``.tolist()`` per call. Small per-row tensors
 (temperatures, penalty token lists, uniforms) go host -> device through
 pinned memory with ``non_blocking=True``, which does not wait for the GPU.
@@ -50,6 +57,8 @@ import torch
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
+# The token id of a row that could not be sampled (see "Guard" above).
+SAMPLE_FAILED = -1
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -106,10 +115,21 @@ class Sampler:
             idx = _to_device(torch.tensor(random_idx), logits.device)
             sampled = _sample_random(logits[idx], [rows[i] for i in random_idx])
             token_ids = token_ids.index_copy(0, idx, sampled)
+        token_ids = _guard(token_ids, logits)
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), [None] * len(rows))
         return _with_logprobs(token_ids, raw_logprobs, rows)
+
+
+def _guard(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[B] ids -> the same, with SAMPLE_FAILED where the id is outside the
+    vocabulary or its (penalised) logit is NaN. No host sync."""
+    vocab = logits.shape[1]
+    inside = (token_ids >= 0) & (token_ids < vocab)
+    chosen = logits.gather(1, token_ids.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)  # [B]
+    ok = inside & ~chosen.isnan()
+    return torch.where(ok, token_ids, torch.full_like(token_ids, SAMPLE_FAILED))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -208,8 +228,11 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     # Inverse CDF. x is in (0, total], so the pick has cdf >= x > cdf of the
     # previous token: a token of probability 0 can never be it.
     cdf = probs.double().cumsum(dim=-1)  # [R, V], non-decreasing
-    x = (1.0 - _uniforms(rows, device)).unsqueeze(1) * cdf[:, -1:]  # [R, 1]
-    return torch.searchsorted(cdf, x).squeeze(1)
+    total = cdf[:, -1:]  # [R, 1]; NaN or 0 when the row has no distribution
+    x = (1.0 - _uniforms(rows, device)).unsqueeze(1) * total  # [R, 1]
+    picked = torch.searchsorted(cdf, x).squeeze(1)  # [R]
+    no_distribution = ~(total.squeeze(1) > 0) | total.squeeze(1).isinf()
+    return picked.masked_fill(no_distribution, vocab)  # out of range: _guard marks it failed
 
 
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
@@ -238,7 +261,7 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
                    rows: Sequence[SamplingRow]) -> SamplerOutput:
     """Gather logprobs of the sampled tokens and pack everything for one sync."""
     top_n = max(row.params.logprobs or 0 for row in rows)
-    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+    chosen = raw_logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1))  # [B, 1]; failed rows: dropped below
     rank = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [B, 1]
     top_lp, top_ids = raw_logprobs.topk(top_n, dim=-1)  # [B, N]
     # float64 holds token ids and ranks exactly (< 2**53).
@@ -250,7 +273,7 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
     logprobs: list[Logprobs | None] = []
     for row, r in zip(rows, host):
         n = row.params.logprobs
-        if n is None:
+        if n is None or int(r[0]) == SAMPLE_FAILED:
             logprobs.append(None)
             continue
         top = [(int(r[3 + j]), r[3 + top_n + j]) for j in range(n)]

@@ -1,9 +1,24 @@
 """Per-request sampling parameters (the vLLM shape)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+# Limits every request is checked against. The integer ones are what the
+# int32 / int64 fields of pdserve.v1.SamplingParams hold; the float ones keep
+# every intermediate of the sampler finite in float32 (logits are O(10-100)).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_TEMPERATURE = 1000.0
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1000.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -35,36 +50,59 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r:.80}")
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` with a user-facing message on a bad value."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` with a user-facing message naming the field on
+        a bad value: wrong type, not finite, outside its range (the ranges
+        fit the int32/float32/int64 fields of pdserve.v1.SamplingParams), a
+        string that is not valid Unicode, too many or too long stop strings,
+        or, with ``vocab_size``, a stop token id outside the vocabulary.
+
+        Every front end (HTTP, gRPC, the offline ``LLM``) goes through here."""
+        if _is_int(self.n) and self.n != 1:
+            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+        _check_int("n", self.n, 1, 1)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, INT32_MAX, what=f"-1 or 0 (disabled) or in [1, {INT32_MAX}]")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                     MAX_REPETITION_PENALTY)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, INT64_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r:.80}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                                 f"got one of {len(s)}")
+            check_unicode(s, "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        high = INT32_MAX if vocab_size is None else vocab_size - 1
+        for t in self.stop_token_ids:
+            if not _is_int(t) or not 0 <= t <= high:
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {high}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -74,3 +112,32 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def check_unicode(text: str, field_name: str) -> None:
+    """ValueError unless ``text`` is valid Unicode (no lone surrogates, which
+    JSON's \\ud800 escapes can smuggle into a Python str)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field_name} is not valid Unicode: {e.reason} at character {e.start}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: int, what: str | None = None) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r:.80}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be {what or f'in [{low}, {high}]'}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r:.80}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if not (low < value if low_open else low <= value) or not value <= high:
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")

@@ -320,6 +320,12 @@ class Scheduler:
             tok = sampled[i]
             if tok is None:
                 continue
+            if tok < 0:  # the sampler's guard (SAMPLE_FAILED): this request alone fails
+                self._finish(req, S.FINISHED_ABORTED, RequestError(
+                    "sampling", f"request {req.request_id}: no token could be sampled (the distribution "
+                                "was not finite: NaN or infinite logits after penalties and temperature)"))
+                updated.append(req)
+                continue
             self._append_token(req, tok, logprobs[i] if logprobs else None)
             updated.append(req)
         return updated
