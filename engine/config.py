@@ -168,6 +168,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str  # "cpu" | "cuda" | "cuda:N"
+    enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
 
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
@@ -175,7 +176,7 @@ class EngineConfig:
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
                 f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
-                f"enable_prefix_caching={c.enable_prefix_caching}")
+                f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager}")
 
 
 @dataclass
@@ -198,6 +199,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     kv_transfer_timeout: float = 60.0
     max_queued_requests: int = 1024
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -232,6 +234,8 @@ class EngineArgs:
         g.add_argument("--max-queued-requests", type=int, default=1024,
                        help="decode tier: requests that may wait for KV blocks before new ones get "
                             "RESOURCE_EXHAUSTED")
+        g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                       help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
         return parser
 
     @classmethod
@@ -281,4 +285,5 @@ class EngineArgs:
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
                                 max_queued_requests=self.max_queued_requests)
-        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device)
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
+                            enforce_eager=self.enforce_eager)

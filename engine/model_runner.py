@@ -17,6 +17,12 @@ only, when a runner is built) overrides that choice:
                inside a real forward pass
     reference  the PyTorch references, also on CUDA
 
+CUDA graphs (``engine/cuda_graphs.py``): on CUDA with the Triton kernels,
+pure decode steps replay a graph captured for their padded batch size;
+prefill and mixed steps, CPU, the references and ``--enforce-eager`` run
+eagerly. The graphs' memory is taken from the KV cache's budget: a decode
+pass of ``max_num_seqs`` rows is profiled with the prefill pass.
+
 Fault injection, for tests only: with ``PDSERVE_FAULT_FORWARD_FAILS_AFTER=N``
 (read here only, when a runner is built; unset = off) the forward pass runs
 N times, then every later ``execute`` raises ``InjectedFault``, as a device
@@ -31,6 +37,8 @@ from types import ModuleType
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
+from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.models.llama import AttentionMetadata
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -89,10 +97,48 @@ class ModelRunner:
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
         self.model = load_model(mc, self.device, self.ops)
+        self.use_cuda_graphs = self._graphs_wanted()
+        self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
         self.num_blocks = self._determine_num_blocks()
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=mc.torch_dtype, device=self.device)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs:
+            self.graphs = self.build_decode_graphs(use_graphs=True)
+            self.graphs.capture()
+
+    def _graphs_wanted(self) -> bool:
+        if self.device.type != "cuda":
+            return False
+        if self.config.enforce_eager:
+            logger.info("CUDA graphs off (--enforce-eager)")
+            return False
+        if self.ops.__name__ != "kernels":
+            logger.info("CUDA graphs off: the reference kernels synchronise with the host")
+            return False
+        return True
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, kv_cache, meta))
+
+    def build_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
+        """The decode-graph runner over this runner's model and KV cache, not
+        yet captured. ``use_graphs=False`` runs the same buffers eagerly
+        (for tests, also on CPU)."""
+        mc, sc = self.config.model, self.config.scheduler
+        sizes = self.graph_sizes or capture_sizes(sc.max_num_seqs)
+        max_blocks = cdiv(sc.max_model_len, self.block_size)
+        inputs = DecodeInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device)
+        splits: dict[int, int | None] = {}
+        if self.ops.__name__ == "kernels":
+            from kernels.paged_attention import paged_attention_num_splits
+
+            splits = {b: paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                                    max_blocks * self.block_size, self.device)
+                      for b in sizes}
+        return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, splits, use_graphs=use_graphs)
 
     @property
     def block_bytes(self) -> int:
@@ -104,12 +150,13 @@ class ModelRunner:
             return cc.num_gpu_blocks_override
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
-        else:  # CUDA: total * utilization - (weights + activation peak of a full-budget step)
+        else:  # CUDA: total * utilization - (weights + activation peak of a full-budget step) - graphs
             peak = self._profile_peak_memory()
+            graphs = self._graph_memory_estimate() if self.use_cuda_graphs else 0
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(total * cc.gpu_memory_utilization) - peak
-            logger.info("memory profile: peak %.2f GiB (weights + activations), KV budget %.2f GiB",
-                        peak / 2**30, budget / 2**30)
+            budget = int(total * cc.gpu_memory_utilization) - peak - graphs
+            logger.info("memory profile: peak %.2f GiB (weights + activations), CUDA graphs %.2f GiB, "
+                        "KV budget %.2f GiB", peak / 2**30, graphs / 2**30, budget / 2**30)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
@@ -138,6 +185,33 @@ class ModelRunner:
         del cache, hidden
         torch.cuda.empty_cache()
         return peak
+
+    @torch.inference_mode()
+    def _graph_memory_estimate(self) -> int:
+        """Bytes the decode graphs will hold: the activation peak of an eager
+        decode pass of ``max_num_seqs`` rows (their private pool), the shared
+        logits output, the persistent input buffers, and a margin."""
+        mc, sc = self.config.model, self.config.scheduler
+        m = sc.max_num_seqs
+        cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+                            dtype=mc.torch_dtype, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((m,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(m, 1, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.arange(m + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(m, dtype=torch.int32, device=self.device))
+        ids = torch.zeros(m, dtype=torch.long, device=self.device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._forward_logits(ids, ids, cache, meta)
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated(self.device) - base
+        del cache
+        torch.cuda.empty_cache()
+        max_blocks = cdiv(sc.max_model_len, self.block_size)
+        buffers = 2 * m * max_blocks * 4 + 3 * m * 8
+        return int(1.25 * activations) + m * mc.vocab_size * 4 + buffers + 64 * 2**20
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids: list[int] = []
@@ -177,15 +251,19 @@ class ModelRunner:
             if self._forwards_before_fault == 0:
                 raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
             self._forwards_before_fault -= 1
-        input_ids, positions, meta, sample_idx = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids)
                 for s in out.scheduled if s.samples]
+        logits = self.graphs.run(out.scheduled) if self.graphs is not None else None  # [n, V] or None
+        if logits is None:
+            input_ids, positions, meta, sample_idx = self._prepare(out)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            if rows:
+                logits = self.model.compute_logits(hidden[sample_idx])
         sampled: list[int | None] = [None] * len(out.scheduled)
         logprobs: list | None = None
         if rows:
-            logits = self.model.compute_logits(hidden[sample_idx])
+            assert logits is not None
             res: SamplerOutput = self.sampler.sample(logits, rows)
             which = [i for i, s in enumerate(out.scheduled) if s.samples]
             for j, i in enumerate(which):

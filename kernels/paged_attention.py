@@ -296,15 +296,35 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _default_num_splits(q: torch.Tensor, num_programs: int, max_kv_tiles: int) -> int:
+def _default_num_splits(device: torch.device, num_programs: int, max_kv_tiles: int) -> int:
     """Split keys only when the grid leaves most SMs idle and contexts can be long."""
-    if not q.is_cuda or max_kv_tiles < 8:
+    if device.type != "cuda" or max_kv_tiles < 8:
         return 1
-    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs >= sms:
         return 1
     # About _PROGRAMS_PER_SM programs per SM, each split keeping at least 4 key tiles.
     return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, num_programs), max_kv_tiles // 4, _MAX_SPLITS))
+
+
+def paged_attention_num_splits(
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> int:
+    """The split count ``paged_attention`` picks when ``num_splits`` is None,
+    from shapes alone (no device access but the SM count): ``max_seq_len`` is
+    the longest context the block tables can describe. A CUDA graph captured
+    for one batch shape passes this explicitly, so the count (and the size of
+    the partial buffers, allocated once in the graph's pool) is fixed for
+    every replay whatever the contexts are at run time."""
+    cfg = _tile_config(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
+    busy_programs = triton.cdiv(num_tokens, cfg.block_q) * num_kv_heads
+    return _default_num_splits(device, busy_programs, triton.cdiv(max_seq_len, cfg.block_n))
 
 
 def _check_args(
@@ -411,9 +431,8 @@ def paged_attention(
     cfg = _tile_config(num_tokens, num_seqs, group, head_dim)
     num_tiles = num_tokens // cfg.block_q + num_seqs
     if num_splits is None:
-        busy_programs = triton.cdiv(num_tokens, cfg.block_q) * num_kv_heads
-        max_kv_tiles = triton.cdiv(block_tables.shape[1] * block_size, cfg.block_n)
-        num_splits = _default_num_splits(q, busy_programs, max_kv_tiles)
+        num_splits = paged_attention_num_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                                block_tables.shape[1] * block_size, q.device)
 
     if num_splits == 1:
         partial, m, l = out, out, out  # m and l are unused by this variant

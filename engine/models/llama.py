@@ -28,6 +28,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, context length incl. this step's tokens
+    # Key-range splits of the Triton attention; None lets the launcher pick
+    # from the shapes. A CUDA graph fixes it per captured batch size.
+    num_splits: int | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -91,8 +94,9 @@ class LlamaAttention(nn.Module):
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         self.ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = {} if meta.num_splits is None else {"num_splits": meta.num_splits}  # references take none
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, self.scale)
+                                     meta.seq_lens, self.scale, **extra)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

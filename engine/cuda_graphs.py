@@ -1,0 +1,238 @@
+"""Decode steps under CUDA graphs.
+
+A decode step of a Python engine launches a few hundred small kernels; at
+~10 us each the launches, not the GPU, set the step time. A CUDA graph
+replays the whole forward pass (and the logits) as one launch. A graph
+freezes every tensor address and shape, so:
+
+- the step's inputs live in persistent device buffers (``DecodeInputs``),
+  refilled before each replay from pinned host memory without a host sync;
+- graphs are captured for a few padded batch sizes (``capture_sizes``); a
+  batch of ``n`` runs the smallest captured size ``>= n`` and its padding
+  rows write nowhere (slot -1) and read one key of block 0 (any block:
+  their outputs are thrown away);
+- block tables are ``[max_num_seqs, cdiv(max_model_len, block_size)]``, so
+  one graph serves every context length; the attention's split-K count is
+  chosen per size from that width and passed explicitly, and its partial
+  buffers come from the graphs' private memory pool, allocated at capture
+  and reused by every replay;
+- the logits are a static output, read by the sampler after the replay.
+
+Only pure decode steps (every scheduled request computes its one last
+token) replay a graph; prefill and mixed steps run eagerly. The runner owns
+this object; nothing else touches its buffers.
+
+Padded batch of a replay (``n`` real requests, size ``b``)::
+
+    row          ids      positions   slot                seq_len   block table row
+    [0, n)       token    p = n_comp  table[p//bs]*bs+p%bs  p + 1     the request's blocks, 0 after
+    [n, b)       0        0           -1 (skip the write)   1         0 (reads block 0, key 0)
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.models.llama import AttentionMetadata
+from engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+# Batch sizes up to 8 are captured one power of two at a time; above that
+# at 2^k and 1.5 * 2^k, so padding wastes at most a third of a batch.
+_SMALL_SIZES = (1, 2, 4, 8)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes to capture, ascending; the last is ``max_num_seqs``."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    sizes = {s for s in _SMALL_SIZES if s <= max_num_seqs}
+    k = 16
+    while k <= max_num_seqs:
+        sizes.add(k)
+        if k * 3 // 2 <= max_num_seqs:
+            sizes.add(k * 3 // 2)
+        k *= 2
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def padded_size(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``n`` rows, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if n >= 1 and i < len(sizes) else None
+
+
+def is_pure_decode(scheduled: Sequence[ScheduledRequest]) -> bool:
+    """Every request computes exactly its last known token (and samples the next)."""
+    return bool(scheduled) and all(
+        s.num_new_tokens == 1 and s.request.num_computed_tokens + 1 == s.request.num_tokens for s in scheduled)
+
+
+class DecodeInputs:
+    """Persistent input buffers of a padded decode batch, and their host
+    staging. ``fill`` writes a batch into pinned host memory; ``upload``
+    queues the copies to the device on the current stream (no host sync).
+    The host buffers may be rewritten only after the previous step's
+    copies ran: the runner's one sync per step (the sampled ids) ensures it.
+
+    Device layout (views are what a graph captures):
+        i64  [3, M]       ids | positions | slots
+        i32  [M + M*W]    seq_lens | block-table staging (bucket x width, packed)
+        qsl  [M + 1]      0, 1, ..., M (one query per row, constant)
+        tables [M, W]     block tables, W = cdiv(max_model_len, block_size)
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        m, w = max_num_seqs, max_blocks_per_seq
+        self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
+        self.device = device
+        pin = device.type == "cuda"
+        self.host_i64 = torch.zeros(3, m, dtype=torch.int64, pin_memory=pin)
+        self.host_i32 = torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)
+        self._h64 = self.host_i64.numpy()  # shares memory
+        self._h32 = self.host_i32.numpy()
+        self.i64 = torch.zeros(3, m, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(m + m * w, dtype=torch.int32, device=device)
+        self.i32[:m] = 1
+        self.qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(m, w, dtype=torch.int32, device=device)
+        self.i64[2] = -1  # before any fill: every row is padding
+
+    def views(self, size: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        AttentionMetadata]:
+        """(input_ids, positions, metadata) of a padded batch of ``size`` rows."""
+        meta = AttentionMetadata(slot_mapping=self.i64[2, :size], block_tables=self.tables[:size],
+                                 query_start_loc=self.qsl[:size + 1], seq_lens=self.i32[:size],
+                                 num_splits=num_splits)
+        return self.i64[0, :size], self.i64[1, :size], meta
+
+    def fill(self, scheduled: Sequence[ScheduledRequest], size: int) -> int:
+        """Write a pure-decode batch, padded to ``size`` rows, into the host
+        buffers. Returns the block-table width used (the longest table)."""
+        n, m, bs = len(scheduled), self.max_num_seqs, self.block_size
+        if not 1 <= n <= size <= m:
+            raise ValueError(f"batch of {n} does not fit a padded size of {size} (at most {m})")
+        width = max(len(s.block_ids) for s in scheduled)
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table has {width} blocks; the buffers hold {self.max_blocks_per_seq}")
+        h64, h32 = self._h64, self._h32
+        pos = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        h64[1, :n] = pos
+        h64[0, :n] = np.fromiter((s.request.all_token_ids[p] for s, p in zip(scheduled, pos.tolist())),
+                                 dtype=np.int64, count=n)
+        h64[2, :n] = np.fromiter((s.block_ids[p // bs] for s, p in zip(scheduled, pos.tolist())),
+                                 dtype=np.int64, count=n) * bs + pos % bs
+        h64[0, n:size] = 0
+        h64[1, n:size] = 0
+        h64[2, n:size] = -1
+        h32[:n] = pos + 1
+        h32[n:size] = 1
+        tables = h32[m:m + size * width].reshape(size, width)
+        tables.fill(0)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.block_ids)] = s.block_ids
+        return width
+
+    def upload(self, size: int, width: int) -> None:
+        """Queue the host -> device copies of a filled batch (non-blocking)."""
+        m = self.max_num_seqs
+        self.i64.copy_(self.host_i64, non_blocking=True)
+        end = m + size * width
+        self.i32[:end].copy_(self.host_i32[:end], non_blocking=True)
+        self.tables[:size, :width].copy_(self.i32[m:end].view(size, width))
+
+
+# (input_ids [B], positions [B], kv_cache, metadata) -> logits [B, V] float32
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Captured decode graphs, one per padded batch size.
+
+    ``forward`` is the model's forward pass followed by its logits. With
+    ``use_graphs=False`` (CPU tests) ``run`` calls it eagerly on the same
+    persistent buffers, so everything but the capture itself is testable
+    without a GPU.
+    """
+
+    def __init__(self, forward: ForwardFn, kv_cache: torch.Tensor, inputs: DecodeInputs,
+                 sizes: Sequence[int], num_splits: dict[int, int | None] | None = None,
+                 use_graphs: bool = True) -> None:
+        if max(sizes) > inputs.max_num_seqs:
+            raise ValueError(f"capture size {max(sizes)} exceeds the buffers' {inputs.max_num_seqs} rows")
+        self.forward, self.kv_cache, self.inputs = forward, kv_cache, inputs
+        self.sizes = sorted(sizes)
+        self.num_splits = num_splits or {}
+        self.use_graphs = use_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # static output [max size, V] float32, shared by all sizes
+        self.num_replays = 0
+        self.memory_bytes = 0  # device memory the capture took (pool + graphs), measured
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions, meta = self.inputs.views(size, self.num_splits.get(size))
+        return self.forward(ids, positions, self.kv_cache, meta)
+
+    def _forward_into_output(self, size: int) -> None:
+        # One shared output outside the graphs' pool: per-size outputs would
+        # each stay allocated (hundreds of MiB at a 128k vocabulary).
+        logits = self._forward(size)
+        if self.logits is None:
+            self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=torch.float32,
+                                      device=logits.device)
+        self.logits[:size].copy_(logits)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (compiles the Triton kernels of each shape) and capture
+        every size, largest first so the smaller ones reuse its pool. The
+        buffers hold padding rows only, so capture writes nothing to the KV
+        cache."""
+        t0 = time.perf_counter()
+        dev = self.inputs.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward_into_output(size)  # warm-up outside the graph: Triton compiles here
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward_into_output(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the warm-ups' blocks; the graphs' pool stays
+        used = free_before - torch.cuda.mem_get_info(dev)[0]
+        self.memory_bytes = used
+        logger.info("captured %d decode graphs (batch sizes %s; attention splits %s) in %.1f s, %.0f MiB",
+                    len(self.sizes), ",".join(map(str, self.sizes)),
+                    {s: self.num_splits.get(s) for s in self.sizes}, time.perf_counter() - t0, used / 2**20)
+
+    def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """Logits [n, V] of a pure-decode batch of n requests (a view of the
+        static output: valid until the next replay), or None when this step
+        must run eagerly (not pure decode, too many requests, or a table
+        wider than the buffers)."""
+        size = padded_size(self.sizes, len(scheduled))
+        if size is None or not is_pure_decode(scheduled):
+            return None
+        if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
+            return None
+        width = self.inputs.fill(scheduled, size)
+        self.inputs.upload(size, width)
+        if self.use_graphs:
+            self.graphs[size].replay()
+        else:
+            self._forward_into_output(size)
+        self.num_replays += 1
+        assert self.logits is not None
+        return self.logits[:len(scheduled)]
