@@ -2,7 +2,9 @@
 
 Starts N prefill servers (ports from --prefill-port upward), M decode servers
 (from --decode-port) and the gateway, waits until every one reports healthy,
-prints the endpoints and a ready line. Ctrl-C (or SIGTERM) stops them all
+prints the endpoints and a ready line. A server that dies is started again
+(backoff 1 s doubling to 30 s, at most --max-restarts times in a row) while
+the gateway routes around it. Ctrl-C (or SIGTERM) stops them all
 gracefully; children also die with this process (PR_SET_PDEATHSIG), so none
 is orphaned even if it is killed.
 
@@ -30,6 +32,8 @@ from rpc.health_probe import is_serving
 from rpc.local_redis import LocalRedis
 
 _PR_SET_PDEATHSIG = 1
+_BACKOFF_S, _BACKOFF_MAX_S = 1.0, 30.0
+_STABLE_S = 60.0  # a server up this long has its restart count reset
 # The line each kind of server prints on stdout once it serves.
 _READY_PREFIX = {"prefill": "prefill server ready", "decode": "decode server ready", "gateway": "gateway ready: "}
 _OUTPUT_LOCK = threading.Lock()  # whole lines only, from the servers' pumps and the banner
@@ -56,6 +60,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="require this bearer token on /v1/* (env PDSERVE_API_KEY)")
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    g.add_argument("--max-restarts", type=int, default=5,
+                   help="times a server that dies is restarted (backoff 1 s doubling to 30 s) before the "
+                        "cluster stops; the count starts again once it has stayed up for a minute")
     r = p.add_argument_group("prefix index (KV-aware routing)")
     r.add_argument("--redis-url", default=None,
                    help="keep the prefix index in this Redis (default: in the gateway's memory, fed over gRPC)")
@@ -163,6 +170,10 @@ class Cluster:
         self.decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.outputs: list[ServerOutput] = []
+        self.specs: list[tuple] = []  # how each server was started, to start it again
+        self.restarts: dict[int, int] = {}  # server index -> restarts since it last stayed up
+        self.died_at: dict[int, float] = {}
+        self.started_at: dict[int, float] = {}
         # Spans always go to a local traces file too (pdserve trace reads it).
         self.traces_file = args.traces_file or str(tracing.default_traces_file())
         self.trace_env = tracing.child_env(args.otlp_traces_endpoint, self.traces_file)
@@ -185,10 +196,9 @@ class Cluster:
             name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
             dev = ["--device", devices[i % len(devices)]] if devices else []
             redis = ["--redis-url", self.redis_url] if self.redis_url else []
-            proc = _spawn([role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis], threads,
-                          self.trace_env)
-            self.procs.append((f"{name} ({addr})", proc))
-            self.outputs.append(ServerOutput(name, role, proc, width))
+            self._launch(f"{name} ({addr})", name, role,
+                         [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis], threads,
+                         self.trace_env, width)
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
         for flag in ("--model", "--served-model-name", "--max-model-len"):
@@ -203,9 +213,43 @@ class Cluster:
                "--local-prefill-threshold", str(a.local_prefill_threshold)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        proc = _spawn(gw, threads=1, extra_env=self.trace_env)
-        self.procs.append(("gateway", proc))
-        self.outputs.append(ServerOutput("gateway", "gateway", proc, width))
+        self._launch("gateway", "gateway", "gateway", gw, 1, self.trace_env, width)
+
+    def _launch(self, label: str, name: str, kind: str, argv: list[str], threads: int | None,
+                env: dict[str, str], width: int, index: int | None = None) -> None:
+        """Start one server (``index``: in place of a dead one)."""
+        proc = _spawn(argv, threads, env)
+        entry, output = (label, proc), ServerOutput(name, kind, proc, width)
+        if index is None:
+            self.specs.append((label, name, kind, argv, threads, env, width))
+            self.procs.append(entry)
+            self.outputs.append(output)
+        else:
+            self.procs[index], self.outputs[index] = entry, output
+
+    def supervise(self) -> str | None:
+        """Restart servers that died, with backoff; None while the cluster
+        lives, else why it must stop (a server kept dying)."""
+        now = time.monotonic()
+        for i, (label, p) in enumerate(self.procs):
+            if p.poll() is None:
+                if now - self.started_at.get(i, now) > _STABLE_S:
+                    self.restarts.pop(i, None)  # it stayed up: a later death starts the count again
+                continue
+            n = self.restarts.get(i, 0)
+            if n >= self.args.max_restarts:
+                return f"{label} exited with code {p.returncode} and was restarted {n} times; giving up"
+            due = self.died_at.setdefault(i, now) + min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** n)
+            if now < due:
+                continue
+            say(f"pdserve: {label} exited with code {p.returncode}; restarting it "
+                f"({n + 1}/{self.args.max_restarts})", file=sys.stderr)
+            self.restarts[i] = n + 1
+            self.died_at.pop(i, None)
+            self.started_at[i] = now
+            _, name, kind, argv, threads, env, width = self.specs[i]
+            self._launch(label, name, kind, argv, threads, env, width, index=i)
+        return None
 
     def dead(self) -> str | None:
         for name, p in self.procs:
@@ -272,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         banner += [f"  traces       {cluster.traces_file} (pdserve trace <request id>)",
                    "pdserve ready. Press Ctrl-C to stop."]
         say("\n".join(banner))
-        while (why := cluster.dead()) is None:
+        while (why := cluster.supervise()) is None:
             time.sleep(0.5)
         say(f"pdserve: {why}; stopping the cluster", file=sys.stderr)
         return 1
