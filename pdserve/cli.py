@@ -4,12 +4,17 @@
     pdserve gateway|prefill|decode
     pdserve bench offline|serve
     pdserve trace REQUEST_ID | --slowest N   where a request's time went
+
+Every command takes ``--config FILE`` (YAML keyed by long flag names; the
+command line wins): see pdserve/config_file.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Callable
+
+from pdserve.config_file import add_config_flag, with_config_files
 
 
 def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
@@ -46,6 +51,7 @@ def build_parser(only: str | None = None, only_bench: str | None = None) -> argp
         p = sub.add_parser(name, help=help_)
         add_args, main = _service(module)
         add_args(p)
+        add_config_flag(p)
         p.set_defaults(func=main)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -54,6 +60,7 @@ def build_parser(only: str | None = None, only_bench: str | None = None) -> argp
         if only is None or (only == "bench" and only_bench in (None, name)):
             add_args, main = _service(module)
             add_args(p)
+            add_config_flag(p)
             p.set_defaults(func=main)
     return parser
 
@@ -64,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     only = first if first in SUBCOMMANDS or first == "bench" else None
     rest = [a for a in argv if not a.startswith("-")]
     only_bench = rest[1] if only == "bench" and len(rest) > 1 and rest[1] in BENCH else None
-    args = build_parser(only, only_bench).parse_args(argv)
+    parser = build_parser(only, only_bench)
+    try:
+        argv = with_config_files(parser, argv)
+    except ValueError as exc:  # exits 2 with the usage line, as a bad flag does
+        parser.error(str(exc))
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
