@@ -11,9 +11,12 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from engine.config import parse_size
 from rpc import tracing
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+DEFAULT_MAX_REQUEST_BODY = "4MiB"
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +37,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated host:port list of prefill servers (empty: decode servers prefill)")
     g.add_argument("--decode", default="", help="comma-separated host:port list of decode servers (at least one)")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /cluster, and as gRPC metadata on "
+                        f"pdserve.v1.Gateway (default: ${API_KEY_ENV}, which keeps the key out of ps)")
+    g.add_argument("--max-request-body", default=DEFAULT_MAX_REQUEST_BODY,
+                   help="largest request body (HTTP) or message (gRPC), e.g. 4MiB; larger ones get 413 / "
+                        "RESOURCE_EXHAUSTED")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="deadline of a whole request in seconds (every internal RPC inherits it)")
-    g.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests in flight at the gateway beyond which new ones get 429 (default: no limit)")
+    g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="requests in flight at the gateway beyond which new ones get 429 with Retry-After "
+                        "(gRPC: RESOURCE_EXHAUSTED)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     r = parser.add_argument_group("KV-aware routing")
@@ -81,6 +89,7 @@ class GatewayConfig:
     redis_timeout: float = 0.01
     kv_overlap_score_weight: float = 1.0
     local_prefill_threshold: int = 0
+    max_request_body: int = 4 * 1024 * 1024  # bytes
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -96,6 +105,8 @@ class GatewayConfig:
             raise ValueError(f"--request-timeout must be positive, got {self.request_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
+        if self.max_request_body < 1024:
+            raise ValueError(f"--max-request-body must be at least 1KiB, got {self.max_request_body} bytes")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be non-negative, got {self.shutdown_timeout}")
         if self.redis_timeout <= 0:
@@ -118,7 +129,8 @@ class GatewayConfig:
                    otlp_traces_endpoint=args.otlp_traces_endpoint, traces_file=args.traces_file,
                    redis_url=args.redis_url, redis_timeout=args.redis_timeout,
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
-                   local_prefill_threshold=args.local_prefill_threshold)
+                   local_prefill_threshold=args.local_prefill_threshold,
+                   max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)))
 
 
 def parse_addresses(text: str | None, flag: str) -> tuple[str, ...]:

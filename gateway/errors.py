@@ -4,7 +4,8 @@ shapes) and gRPC status codes.
 Every failure a client can see is a ``GatewayError`` with a kind and a clear
 message. The HTTP layer turns it into ``{"error": {"message", "type",
 "param", "code"}}``: ``type`` is OpenAI's error type, ``code`` a short
-machine-readable string (e.g. ``"context_length_exceeded"``) or null.
+machine-readable string (e.g. ``"context_length_exceeded"``) or null. A 429
+carries ``Retry-After``; gRPC gets RESOURCE_EXHAUSTED for both 413 and 429.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error")
     UNAUTHENTICATED = (401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error")
     NOT_FOUND = (404, grpc.StatusCode.NOT_FOUND, "invalid_request_error")
+    PAYLOAD_TOO_LARGE = (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid_request_error")
     RESOURCE_EXHAUSTED = (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error")
     INTERNAL = (500, grpc.StatusCode.INTERNAL, "internal_error")
     UNAVAILABLE = (503, grpc.StatusCode.UNAVAILABLE, "service_unavailable_error")
@@ -37,6 +39,14 @@ class ErrorKind(enum.Enum):
     def openai_type(self) -> str:
         return self.value[2]
 
+    @property
+    def retry_after(self) -> int | None:
+        """Seconds for HTTP's ``Retry-After``: a full queue or cap clears soon."""
+        return RETRY_AFTER_S if self is ErrorKind.RESOURCE_EXHAUSTED else None
+
+
+RETRY_AFTER_S = 1
+
 
 class GatewayError(Exception):
     """A failure with a user-facing message; ``code`` is OpenAI's ``error.code``."""
@@ -51,8 +61,13 @@ class GatewayError(Exception):
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.kind.openai_type,
+        return {"error": {"message": _printable(self.message), "type": self.kind.openai_type,
                           "param": self.param, "code": self.code}}
+
+    def http_headers(self) -> dict[str, str] | None:
+        """Extra HTTP headers of this error's response (``Retry-After`` on 429)."""
+        after = self.kind.retry_after
+        return {"Retry-After": str(after)} if after is not None else None
 
     def __repr__(self) -> str:
         return f"GatewayError({self.kind.name}, {self.message!r}, code={self.code!r})"
@@ -61,3 +76,11 @@ class GatewayError(Exception):
 def invalid(message: str, code: str | None = None, param: str | None = None) -> GatewayError:
     """Shorthand for a 400 / INVALID_ARGUMENT error."""
     return GatewayError(ErrorKind.INVALID_ARGUMENT, message, code=code, param=param)
+
+
+def _printable(text: str, limit: int = 2000) -> str:
+    """``text`` cut to ``limit`` characters and safe to encode as UTF-8 (a
+    message may quote client input, e.g. a model name with a lone surrogate)."""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

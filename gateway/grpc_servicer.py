@@ -1,13 +1,26 @@
 """``pdserve.v1.Gateway`` over grpc.aio: the same GatewayService as the HTTP
 API, with errors as gRPC status codes. A request's trace continues the
-``traceparent`` of the call's metadata."""
+``traceparent`` of the call's metadata.
+
+Requests arrive as raw bytes (``add_gateway_servicer`` registers the methods
+without a deserializer) and are parsed here: bytes that are not a valid
+message (truncated, wrong wire types, invalid UTF-8 in a string) get
+INVALID_ARGUMENT with the parser's reason, not the UNKNOWN that grpcio
+answers when its own deserializer raises. A message longer than
+``--max-request-body`` gets RESOURCE_EXHAUSTED. With ``--api-key`` both
+methods need ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED
+otherwise); health and reflection stay open.
+"""
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.output_processor import GenerationDelta
@@ -20,11 +33,59 @@ from rpc.convert import sampling_from_proto
 logger = logging.getLogger(__name__)
 
 
+def add_gateway_servicer(servicer: "GatewayServicer", server: grpc.aio.Server) -> None:
+    """Register ``pdserve.v1.Gateway`` with requests parsed by the servicer itself."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.generate_raw, response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.abort_raw, response_serializer=common_pb2.AbortResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Gateway", handlers),))
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Generate and Abort on top of GatewayService."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, api_key: str | None = None,
+                 max_request_bytes: int | None = None) -> None:
         self._service = service
+        self._api_key = api_key
+        self._max_request_bytes = max_request_bytes
+
+    async def generate_raw(self, data: bytes,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        request = await self._parse(gateway_pb2.GenerateRequest, data, context)
+        async for response in self.Generate(request, context):
+            yield response
+
+    async def abort_raw(self, data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        return await self.Abort(await self._parse(common_pb2.AbortRequest, data, context), context)
+
+    async def _parse(self, cls: Any, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        """Check the key and the size, then parse; aborts the call on failure."""
+        error: GatewayError | None = self._auth_error(context)
+        if error is None and self._max_request_bytes is not None and len(data) > self._max_request_bytes:
+            error = GatewayError(ErrorKind.PAYLOAD_TOO_LARGE,
+                                 f"the request is {len(data)} bytes; the limit is {self._max_request_bytes} "
+                                 "(--max-request-body)", code="request_too_large")
+        if error is None:
+            try:
+                return cls.FromString(data)
+            except DecodeError as e:
+                error = invalid(f"the request is not a valid {cls.DESCRIPTOR.full_name} message: {e}")
+        self._service.on_error(error)
+        await context.abort(error.kind.grpc_status, error.message)
+
+    def _auth_error(self, context: grpc.aio.ServicerContext) -> GatewayError | None:
+        if self._api_key is None:
+            return None
+        value = dict(context.invocation_metadata() or ()).get("authorization", "")
+        scheme, _, token = (value if isinstance(value, str) else "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            return None
+        return GatewayError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key: send "
+                            "'authorization: Bearer <key>' metadata.", code="invalid_api_key")
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -33,6 +94,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                           trace_headers(context.invocation_metadata() or ()), "grpc")
         try:
             try:
+                auth = self._auth_error(context)
+                if auth is not None:
+                    raise auth
                 req = await self._prepare(request, trace, context.time_remaining())
             except BaseException as e:
                 trace.finish(error=e)
@@ -53,6 +117,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        auth = self._auth_error(context)
+        if auth is not None:
+            self._service.on_error(auth)
+            await context.abort(auth.kind.grpc_status, auth.message)
         return common_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,

@@ -10,6 +10,13 @@ get their real status code; later errors become an SSE ``{"error": ...}``
 event followed by ``[DONE]``. A client that disconnects cancels the request
 and with it every internal call.
 
+Limits and keys: a request body longer than ``max_request_body`` bytes gets
+413 before it is parsed (``_BodyLimit``); with ``api_key`` set, ``/v1/*`` and
+``/cluster`` need ``Authorization: Bearer <key>`` (``/health`` and
+``/metrics`` stay open for probes and scrapers); a 429 carries
+``Retry-After``. Every error is ``{"error": {"message", "type", "param",
+"code"}}``; bodies that do not parse or have the wrong types are 400s.
+
 Each request's trace starts when its handler does (continuing a
 ``traceparent`` header) and is ended by ``GatewayService.generate``, or here
 when the request fails before that.
@@ -54,12 +61,19 @@ _TELEMETRY: Any = {"tracing": True, "operation_spans": False, "metrics": False, 
                    "exclude": _untraced}
 
 
-def create_app(service: GatewayService, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; ``api_key`` set -> /v1/* needs ``Authorization: Bearer <key>``."""
+DEFAULT_MAX_REQUEST_BODY = 4 * 1024 * 1024
+
+
+def create_app(service: GatewayService, api_key: str | None = None,
+               max_request_body: int = DEFAULT_MAX_REQUEST_BODY) -> FastAPI:
+    """The FastAPI app; ``api_key`` set -> /v1/* and /cluster need
+    ``Authorization: Bearer <key>``; bodies over ``max_request_body`` bytes get 413."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
                   telemetry=_TELEMETRY)
     _install_error_handlers(app, service)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+    app.add_middleware(_BodyLimit, max_bytes=max_request_body, on_error=service.on_error)
+    auth = Depends(_auth_dependency(api_key))
+    v1 = APIRouter(prefix="/v1", dependencies=[auth])
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -117,7 +131,7 @@ def create_app(service: GatewayService, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.CONTENT_TYPE)
 
-    @app.get("/cluster")
+    @app.get("/cluster", dependencies=[auth])
     async def cluster() -> dict[str, Any]:
         return service.registry.to_json()
 
@@ -223,18 +237,68 @@ def _auth_dependency(api_key: str | None) -> Any:
     return check
 
 
+class _BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` (by Content-Length, or
+    counted as it arrives) is answered 413 before the app parses it; a body
+    within the limit is handed on whole (it is bounded, so buffering is)."""
+
+    def __init__(self, app: Any, max_bytes: int, on_error: Any) -> None:
+        self.app, self.max_bytes, self.on_error = app, max_bytes, on_error
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send, None)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # disconnect watching goes on as usual
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Any, receive: Any, send: Any, size: int | None) -> None:
+        got = f"{size} bytes" if size is not None else f"more than {self.max_bytes} bytes"
+        error = GatewayError(ErrorKind.PAYLOAD_TOO_LARGE, f"the request body is {got}; the limit is "
+                             f"{self.max_bytes} bytes (--max-request-body)", code="request_too_large")
+        self.on_error(error)
+        # Connection: close, so the server does not read the rest of the body.
+        await JSONResponse(error.to_openai(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+
 def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, e: GatewayError) -> JSONResponse:
         service.on_error(e)
-        return JSONResponse(e.to_openai(), status_code=e.kind.http_status)
+        return JSONResponse(e.to_openai(), status_code=e.kind.http_status, headers=e.http_headers())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         parts = []
         for err in e.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+            loc = ".".join(f"{x!s:.40}" for x in err.get("loc", ()) if x != "body")
+            msg = f"{err.get('msg')!s:.200}"
+            parts.append(f"{loc}: {msg}" if loc else msg)
         error = invalid("invalid request: " + "; ".join(parts))
         service.on_error(error)
         return JSONResponse(error.to_openai(), status_code=400)

@@ -3,8 +3,14 @@ pydantic models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
 change the meaning of a request and that pdserve does not implement (echo,
-suffix, n > 1, best_of > 1, logit_bias, tools, non-text response formats)
-are refused with a 400.
+suffix, n > 1, best_of > 1, logit_bias, tools, tool_choice, functions,
+function_call, audio, non-text modalities, prediction, non-text response
+formats) are refused with a 400 that names the option.
+
+Types are strict (JSON numbers for numbers, booleans for booleans: ``"1"``
+or ``true`` is not an integer); ranges are checked once, by
+``SamplingParams.validate``, for HTTP and gRPC alike. Sizes are bounded by
+``--max-request-body`` before parsing and by the counts below after.
 """
 from __future__ import annotations
 
@@ -19,15 +25,20 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presenc
                       "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
+_STRICT = ConfigDict(extra="ignore", strict=True)
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+MAX_CONTENT_PARTS = 1024
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints (OpenAI's and vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     stream: bool = False
@@ -61,6 +72,15 @@ class _SamplingRequest(BaseModel):
             raise invalid(f"best_of must be 1, got {self.best_of}", param="best_of")
         if self.logit_bias:
             raise invalid("logit_bias is not supported", param="logit_bias")
+        extra = self.model_extra or {}
+        for name in ("functions", "function_call", "audio", "prediction"):
+            if extra.get(name) is not None:
+                raise invalid(f"{name} is not supported", param=name)
+        if extra.get("tool_choice") not in (None, "none"):
+            raise invalid("tool_choice is not supported (tools are not supported)", param="tool_choice")
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise invalid(f"modalities {modalities!r:.80} is not supported; only ['text']", param="modalities")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -96,6 +116,8 @@ class CompletionRequest(_SamplingRequest):
                 raise invalid(f"batched prompts are not supported: got {len(p)} prompts, send one per request",
                               param="prompt")
             p = p[0]
+        if isinstance(p, list) and len(p) > MAX_PROMPT_TOKEN_IDS:
+            raise invalid(f"prompt: at most {MAX_PROMPT_TOKEN_IDS} token ids, got {len(p)}", param="prompt")
         return p
 
     def to_sampling_params(self) -> SamplingParams:
@@ -107,28 +129,40 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined)."""
+        """The message as the chat template sees it (text parts joined); the
+        role and the text are checked by InputProcessor.encode_chat."""
         content = self.content
         if isinstance(content, list):
+            if len(content) > MAX_CONTENT_PARTS:
+                raise invalid(f"at most {MAX_CONTENT_PARTS} content parts per message, got {len(content)}",
+                              param="messages")
             parts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise invalid(f"content parts of type {part.get('type')!r} are not supported; only 'text'",
+                    raise invalid(f"content parts of type {part.get('type')!r:.60} are not supported; only 'text'",
                                   param="messages")
-                parts.append(str(part.get("text", "")))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise invalid("a text content part's text must be a string", param="messages")
+                parts.append(text)
             content = "".join(parts)
-        out = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
-        out.update(role=self.role, content=content or "")
+        for name in ("tool_calls", "function_call", "tool_call_id", "audio"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise invalid(f"messages with {name} are not supported", param="messages")
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
         return out
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str = "text"
 
 

@@ -25,7 +25,7 @@ import uvicorn
 
 from gateway import config as gateway_config
 from gateway.config import GatewayConfig, join_host_port
-from gateway.grpc_servicer import GatewayServicer
+from gateway.grpc_servicer import GatewayServicer, add_gateway_servicer
 from gateway.http_api import create_app
 from gateway.instances import InstanceRegistry
 from gateway.metrics import GatewayMetrics
@@ -33,7 +33,7 @@ from gateway.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixInde
 from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import gateway_pb2
 from rpc import tracing
 from rpc.server import RpcServer
 
@@ -101,9 +101,10 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router)
     rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), rpc.server)
+    add_gateway_servicer(GatewayServicer(service, cfg.api_key, cfg.max_request_body), rpc.server)
     sock = _bind(cfg.host, cfg.http_port)
-    http = _HttpServer(uvicorn.Config(create_app(service, cfg.api_key), host=cfg.host, port=cfg.http_port,
+    app = create_app(service, cfg.api_key, cfg.max_request_body)
+    http = _HttpServer(uvicorn.Config(app, host=cfg.host, port=cfg.http_port,
                                       log_config=None, access_log=False, lifespan="off",
                                       timeout_graceful_shutdown=int(cfg.shutdown_timeout + _ABORT_GRACE_S) + 1))
     http_task: asyncio.Task[None] | None = None

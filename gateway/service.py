@@ -78,6 +78,7 @@ class GatewayService:
         (``--request-timeout``, or ``timeout`` if shorter: a gRPC client's own
         deadline). ``sampling.max_tokens`` None means the rest of the context."""
         self.active.check_admission()
+        self.inputs.check_sampling(sampling)  # the one range check for HTTP and gRPC
         sampling.max_tokens = self.inputs.resolve_max_tokens(len(prompt_token_ids), sampling.max_tokens)
         if sampling.min_tokens > sampling.max_tokens:
             raise invalid(f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "

@@ -1,53 +1,113 @@
 """Prompts in, validated token ids out: the model's tokenizer and chat
-template, the served-model-name check and the context-length check.
+template, the served-model-name check, the context-length check, and the
+checks every prompt and sampling parameter passes whichever front end it
+came through (text is valid Unicode, token ids inside the vocabulary, chat
+roles known, messages bounded in count).
 
-Encoding runs on one dedicated worker thread, so a long prompt or a chat
-template does not stall the event loop (one thread: Hugging Face fast
-tokenizers must not be mutated from two threads at once).
+Encoding runs off the event loop on two single-thread pools, each with its
+own copy of the tokenizer (Hugging Face fast tokenizers must not be used
+from two threads at once):
+
+    prompt text (chat: all contents)      pool       queued at most
+    <= LONG_PROMPT_CHARS characters       short      MAX_PENDING_SHORT
+    longer, up to max_prompt_chars        long       MAX_PENDING_LONG
+    longer than max_prompt_chars          refused at once: it cannot fit the context
+
+so one huge prompt never stalls the short ones behind it. ``max_prompt_chars``
+is ``max_model_len`` times the longest vocabulary entry (in characters) times
+2: a prompt longer than that has more tokens than the context holds, so it is
+refused without tokenizing. A full pool answers RESOURCE_EXHAUSTED (429).
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+from engine.sampling_params import SamplingParams, check_unicode
 from engine.tokenizer import apply_chat_template, encode_prompt
 from gateway.errors import ErrorKind, GatewayError, invalid
+
+LONG_PROMPT_CHARS = 16_384
+MAX_PENDING_SHORT = 512
+MAX_PENDING_LONG = 8
+MAX_MESSAGES = 1024
+# Roles the chat template is given; "developer" (OpenAI's newer name) is rendered as "system".
+CHAT_ROLES = ("system", "user", "assistant")
+_ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass
+class _Pool:
+    """One tokenizer copy, the thread that uses it, and its queue bound."""
+
+    name: str
+    tokenizer: Any
+    executor: ThreadPoolExecutor
+    max_pending: int
+    pending: int = 0
 
 
 class InputProcessor:
     """Owns the tokenizer (encode side) and the limits a prompt must respect."""
 
-    def __init__(self, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
+                 long_prompt_chars: int = LONG_PROMPT_CHARS) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.long_prompt_chars = long_prompt_chars
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest, 1) * 2
+        self._short = _Pool("short", tokenizer, ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
+                            MAX_PENDING_SHORT)
+        self._long = _Pool("long", copy.deepcopy(tokenizer),
+                           ThreadPoolExecutor(1, thread_name_prefix="tokenize-long"), MAX_PENDING_LONG)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._short, self._long):
+            pool.executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         """Raise NOT_FOUND unless ``model`` is empty or the served model name."""
         if model and model != self.served_model_name:
             raise GatewayError(ErrorKind.NOT_FOUND,
-                               f"The model `{model}` does not exist. This server serves "
+                               f"The model `{model:.200}` does not exist. This server serves "
                                f"`{self.served_model_name}`.", code="model_not_found", param="model")
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Every sampling parameter in range (SamplingParams.validate, with
+        this vocabulary for stop_token_ids); INVALID_ARGUMENT otherwise."""
+        try:
+            sampling.validate(vocab_size=self.vocab_size)
+        except ValueError as e:
+            raise invalid(str(e)) from e
 
     async def encode_text(self, text: str) -> list[int]:
         """Tokenize a raw prompt as is (special tokens the tokenizer adds included)."""
         if not isinstance(text, str):
             raise invalid("prompt must be a string", param="prompt")
-        ids = await self._run(encode_prompt, self.tokenizer, text)
+        _check_text(text, "prompt")
+        ids = await self._run(len(text), encode_prompt, text)
         return self.check_token_ids(ids)
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render ``messages`` with the model's chat template and tokenize."""
+        """Render ``messages`` with the model's chat template and tokenize.
+        Each message is ``{"role", "content"}`` (plus an optional string
+        ``name``); roles other than CHAT_ROLES are refused."""
         if not messages:
             raise invalid("messages must not be empty", param="messages")
+        if len(messages) > MAX_MESSAGES:
+            raise invalid(f"at most {MAX_MESSAGES} messages per request, got {len(messages)}", param="messages")
+        clean = [_template_message(i, m) for i, m in enumerate(messages)]
+        num_chars = sum(len(m["content"]) for m in clean)
         try:
-            ids = await self._run(apply_chat_template, self.tokenizer, list(messages), add_generation_prompt)
+            ids = await self._run(num_chars, apply_chat_template, clean, add_generation_prompt)
+        except GatewayError:
+            raise
         except ValueError as e:
             raise invalid(str(e), param="messages") from e
         except Exception as e:  # jinja errors: the template rejected the conversation
@@ -59,9 +119,10 @@ class InputProcessor:
         ids = list(ids)
         if not ids:
             raise invalid("the prompt is empty (0 tokens); send at least one token", param="prompt")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise invalid(f"token id {bad!r} is out of range: the vocabulary has {self.vocab_size} tokens",
+            raise invalid(f"token id {bad!r:.40} is out of range: the vocabulary has {self.vocab_size} tokens",
                           param="prompt")
         return ids
 
@@ -78,5 +139,55 @@ class InputProcessor:
                 code="context_length_exceeded", param="max_tokens" if room >= 1 else "messages")
         return requested
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def _too_long(self) -> GatewayError:
+        return invalid(f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                       f"prompt is longer than {self.max_prompt_chars} characters, more tokens than that. "
+                       "Please reduce the length of the prompt.", code="context_length_exceeded", param="prompt")
+
+    async def _run(self, num_chars: int, fn: Any, *args: Any) -> Any:
+        """``fn(tokenizer, *args)`` on the pool for prompts of ``num_chars``."""
+        if num_chars > self.max_prompt_chars:
+            raise self._too_long()
+        pool = self._long if num_chars > self.long_prompt_chars else self._short
+        if pool.pending >= pool.max_pending:
+            raise GatewayError(ErrorKind.RESOURCE_EXHAUSTED,
+                               f"the gateway's tokenizer queue for {pool.name} prompts is full "
+                               f"({pool.max_pending} waiting); retry later", code="server_overloaded")
+        pool.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool.executor, fn, pool.tokenizer, *args)
+        finally:
+            pool.pending -= 1
+
+
+def _check_text(text: str, field_name: str) -> None:
+    try:
+        check_unicode(text, field_name)
+    except ValueError as e:
+        raise invalid(str(e), param=field_name) from e
+
+
+def _template_message(index: int, message: Any) -> dict[str, Any]:
+    """One message as the chat template sees it: a known role, string content
+    (valid Unicode) and, if given, a string ``name``."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object with role and content", param="messages")
+    role = message.get("role")
+    role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+    if role not in CHAT_ROLES:
+        raise invalid(f"{where}.role {message.get('role')!r:.60} is not supported; use one of "
+                      f"{', '.join(CHAT_ROLES)} (or developer)", param="messages")
+    content = message.get("content")
+    content = "" if content is None else content
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content must be a string", param="messages")
+    _check_text(content, f"{where}.content")
+    out = {"role": role, "content": content}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or len(name) > 256:
+            raise invalid(f"{where}.name must be a string of at most 256 characters", param="messages")
+        _check_text(name, f"{where}.name")
+        out["name"] = name
+    return out

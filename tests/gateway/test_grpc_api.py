@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.gateway.conftest import SCRIPT_TEXT
+from tests.gateway.conftest import API_KEY, SCRIPT_TEXT
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +17,45 @@ def channel(cluster):
         yield ch
 
 
+class _Key(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the gateway's API key to every call (the "main" gateway runs with --api-key)."""
+
+    def _with_key(self, details):
+        metadata = list(details.metadata or []) + [("authorization", f"Bearer {API_KEY}")]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
+            details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
 @pytest.fixture(scope="module")
 def stub(channel):
-    return gateway_pb2_grpc.GatewayStub(channel)
+    return gateway_pb2_grpc.GatewayStub(grpc.intercept_channel(channel, _Key()))
+
+
+@pytest.mark.parametrize("metadata", [None, [("authorization", "Bearer wrong")], [("authorization", API_KEY)]])
+def test_gateway_methods_need_the_api_key(cluster, channel, metadata):
+    """Generate and Abort answer UNAUTHENTICATED without the key; health and
+    reflection (test_health_and_reflection, on the same bare channel) stay open."""
+    bare = gateway_pb2_grpc.GatewayStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        list(bare.Generate(gateway_pb2.GenerateRequest(text="x"), timeout=10, metadata=metadata))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        bare.Abort(common_pb2.AbortRequest(request_id="x"), timeout=10, metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert not cluster.fake.state.decode_requests
 
 
 def _generate(stub, **kw) -> list[gateway_pb2.GenerateResponse]:
