@@ -72,7 +72,8 @@ def oai(servers):
 def _assert_no_blocks_held(gw: GatewayProcess) -> None:
     deadline = time.monotonic() + 10
     while True:
-        instances = httpx.get(gw.http_url + "/cluster").json()["instances"]
+        instances = httpx.get(gw.http_url + "/cluster",  # guarded by the key, like /v1/*
+                              headers={"Authorization": f"Bearer {API_KEY}"}).json()["instances"]
         used = {i["address"]: i["kv_blocks_used"] for i in instances}
         if not any(used.values()) or time.monotonic() > deadline:
             break
