@@ -59,6 +59,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="weight of the prompt tokens a prefill server would compute (not in its prefix cache) "
                         "against the tokens already queued on it; 0 routes by queued work alone")
+    r.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail",
+                   help="when a request's KV hand-off from prefill to decode fails (stalls past its deadline, "
+                        "is refused or breaks): fail it, or have the decode server compute the prompt itself")
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="the decode server prefills a request itself when at most this many of its prompt "
                         "tokens are missing from its prefix cache (0: always use a prefill server)")
@@ -89,6 +92,7 @@ class GatewayConfig:
     redis_timeout: float = 0.01
     kv_overlap_score_weight: float = 1.0
     local_prefill_threshold: int = 0
+    kv_load_failure_policy: str = "fail"
     max_request_body: int = 4 * 1024 * 1024  # bytes
 
     def __post_init__(self) -> None:
@@ -130,6 +134,7 @@ class GatewayConfig:
                    redis_url=args.redis_url, redis_timeout=args.redis_timeout,
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
                    local_prefill_threshold=args.local_prefill_threshold,
+                   kv_load_failure_policy=args.kv_load_failure_policy,
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)))
 
 

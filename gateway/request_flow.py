@@ -75,11 +75,12 @@ class _Refused(Exception):
 
 class _PrefillFailed(Exception):
     """The prefill server (or its KV hand-off) failed before anything was
-    streamed: worth another prefill server, with a fresh reservation."""
+    streamed: worth another attempt with a fresh reservation, on another
+    prefill server, or (``recompute``) prefilled by the decode server."""
 
-    def __init__(self, error: GatewayError, prefill: Instance) -> None:
+    def __init__(self, error: GatewayError, prefill: Instance, recompute: bool = False) -> None:
         super().__init__(error.message)
-        self.error, self.prefill = error, prefill
+        self.error, self.prefill, self.recompute = error, prefill, recompute
 
 
 class RequestFlow:
@@ -157,7 +158,8 @@ class RequestFlow:
                 tried.append(decode.address)
                 last = e.error
             except _PrefillFailed as e:
-                failed_prefill.append(e.prefill.address)
+                failed_prefill += ([i.address for i in self._router.prefill_instances] if e.recompute
+                                   else [e.prefill.address])
                 last = e.error
 
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
@@ -222,9 +224,13 @@ class RequestFlow:
                 error = self._prefill_error(e, prefill)
                 if e.code() == grpc.StatusCode.UNAVAILABLE and self._req.remaining() > 0:
                     # The prefill server is gone or draining and nothing was streamed yet: another one
-                    # (or, with none left, the decode server itself) takes the request afresh. A failed
-                    # KV hand-off (ABORTED) is not retried: the pair's other end is as likely the cause.
+                    # (or, with none left, the decode server itself) takes the request afresh.
                     raise _PrefillFailed(error, prefill) from None
+                if (e.code() == grpc.StatusCode.ABORTED and self._router.kv_load_failure_policy == "recompute"
+                        and self._req.remaining() > 0):
+                    # The KV hand-off failed (stalled past its deadline, refused, broken): the decode
+                    # server computes the prompt itself. With "fail" the client gets the error.
+                    raise _PrefillFailed(error, prefill, recompute=True) from None
                 raise error from None
             finally:
                 self._calls.discard(call)

@@ -19,6 +19,10 @@ then the fewest requests routed so far (ties go round-robin).
 Conditional disaggregation: when the part of the prompt the chosen decode
 server lacks is at most ``--local-prefill-threshold`` tokens, it prefills
 the request itself and no KV moves.
+
+A request whose KV hand-off failed is, by ``--kv-load-failure-policy``,
+either failed ("fail", the default) or sent again to be prefilled by a decode
+server ("recompute"; ``RequestFlow`` excludes every prefill server).
 """
 from __future__ import annotations
 
@@ -51,11 +55,15 @@ class Router:
     """Picks instances from the registry; owns the per-instance routed counts."""
 
     def __init__(self, registry: InstanceRegistry, index: PrefixIndex | None = None,
-                 overlap_weight: float = 1.0, local_prefill_threshold: int = 0) -> None:
+                 overlap_weight: float = 1.0, local_prefill_threshold: int = 0,
+                 kv_load_failure_policy: str = "fail") -> None:
+        if kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(f"--kv-load-failure-policy must be fail or recompute, got {kv_load_failure_policy!r}")
         self._registry = registry
         self.index = index
         self.overlap_weight = overlap_weight
         self.local_prefill_threshold = local_prefill_threshold
+        self.kv_load_failure_policy = kv_load_failure_policy  # a failed KV hand-off: "fail" | "recompute"
         self._num_routed: dict[str, int] = {}
 
     async def route(self, prompt_token_ids: Sequence[int], exclude: Collection[str] = (),
@@ -95,6 +103,10 @@ class Router:
                                                         i.num_requests, i.kv_usage))
         route.reason = "prefix" if matched.get(route.prefill.address) else "load"
         return route, hashes
+
+    @property
+    def prefill_instances(self) -> list[Instance]:
+        return list(self._registry.prefill)
 
     @staticmethod
     def _healthy(instances: list[Instance], exclude: Collection[str]) -> list[Instance]:

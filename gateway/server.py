@@ -97,7 +97,8 @@ def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixI
 async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     registry = InstanceRegistry(cfg.prefill, cfg.decode)
     index = make_prefix_index(cfg, registry)
-    router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold)
+    router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
+                    cfg.kv_load_failure_policy)
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router)
     rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE])

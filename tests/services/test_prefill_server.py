@@ -139,6 +139,35 @@ def test_layout_mismatch_gives_the_client_a_clean_error_and_frees_both_tiers(tie
         assert gw.stop() == 0, gw.logs()
 
 
+def test_failed_kv_hand_off_is_recomputed_on_decode_by_policy(tiers, tiny_llama_dir):
+    """--kv-load-failure-policy recompute: the refused hand-off becomes a
+    local prefill on the decode server; the client gets the exact tokens."""
+    prefill, _, other = tiers
+    gw = GatewayProcess("gw-recompute", ["--prefill", prefill.address, "--decode", other.address,
+                                          "--kv-load-failure-policy", "recompute"])
+    prompt = [5 + (i * 11) % 370 for i in range(40)]
+    try:
+        gw.wait_ready()
+        deadline = time.monotonic() + 30
+        while httpx.get(gw.http_url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        deltas = list(stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),
+                                                                sampling=sampling), timeout=60))
+    finally:
+        assert gw.stop() == 0, gw.logs()
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="8MiB"))
+    ref = engine.add_request("ref", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [t for d in deltas for t in d.token_ids] == ref.output_token_ids
+    assert deltas[-1].finish_reason == "length"
+    prefill.wait_idle()
+    other.wait_idle()
+
+
 def test_logprobs_through_prefill_and_decode_equal_the_offline_engine(tiers, tiny_llama_dir):
     prefill, decode, _ = tiers
     prompt = [7 + (i * 13) % 350 for i in range(45)]
