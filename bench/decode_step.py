@@ -3,6 +3,9 @@ sizes (all sequences at the same context length), the number to hold
 against the roofline (weights + KV bytes per step / memory bandwidth).
 
     pdserve bench decode-step --model-shape llama-3.1-8b --batch-sizes 1,32,128 --context-len 1024
+
+On CUDA, decode steps replay CUDA graphs; ``--enforce-eager`` times the
+same steps launched eagerly (run the command once with it to compare).
 """
 from __future__ import annotations
 
@@ -44,7 +47,11 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     device, vocab = engine.config.device, engine.config.model.vocab_size
     rng = random.Random(0)
-    result: dict = {"config": engine.config.describe(), "context_len": args.context_len, "steps": {}}
+    graphs = engine.runner.graphs
+    result: dict = {"config": engine.config.describe(), "context_len": args.context_len,
+                    "cuda_graphs": graphs is not None, "steps": {}}
+    print(f"decode steps: {'CUDA graphs, batch sizes ' + ','.join(map(str, graphs.sizes)) if graphs else 'eager'}",
+          flush=True)
     for b in sizes:
         sp = SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True)
         for i in range(b):
@@ -53,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
             engine.step()  # prefill
         engine.step()  # warm-up decode
         times = []
+        replays = graphs.num_replays if graphs else 0
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
@@ -61,8 +69,10 @@ def main(args: argparse.Namespace) -> int:
             times.append(time.perf_counter() - t0)
         while engine.has_unfinished_requests():
             engine.step()
-        result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+        result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                              "graph_replays": (graphs.num_replays - replays) if graphs else 0}
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
-              f"(min {result['steps'][b]['min_ms']:.2f})", flush=True)
+              f"(min {result['steps'][b]['min_ms']:.2f}; {result['steps'][b]['graph_replays']} of "
+              f"{args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0
