@@ -12,6 +12,13 @@ event loop.
         if the engine has requests: out = engine.step(); on_step(out) unless empty
 
 The wait bounds how late a deadline is noticed while nothing else happens.
+
+The command queue is bounded for new work: ``submit(fn, bounded=True)`` (what
+servers use for admission and other awaited calls) fails with OverflowError
+once ``max_pending`` commands wait; fire-and-forget commands (aborts,
+releases, transfer outcomes) are always taken, so a request is never
+stranded by a full queue. The queue only grows while a step is slow and
+every command queued meanwhile runs before the next step.
 """
 from __future__ import annotations
 
@@ -26,12 +33,15 @@ from engine.llm_engine import LLMEngine, StepOutput
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.1
+MAX_PENDING_COMMANDS = 4096
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None]) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
+                 max_pending: int = MAX_PENDING_COMMANDS) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.max_pending = max_pending
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -49,11 +59,16 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
-        """Run ``fn(engine)`` in the engine thread; the future holds its result."""
+    def submit(self, fn: Callable[[LLMEngine], T], bounded: bool = False) -> "Future[T]":
+        """Run ``fn(engine)`` in the engine thread; the future holds its result.
+        ``bounded``: fail with OverflowError instead when the queue is full."""
         fut: Future = Future()
         if self.error is not None:
             fut.set_exception(RuntimeError(f"engine loop died: {self.error!r}"))
+            return fut
+        if bounded and self._commands.qsize() >= self.max_pending:
+            fut.set_exception(OverflowError(f"the engine's command queue is full ({self.max_pending} "
+                                            "commands waiting); retry later"))
             return fut
         self._commands.put((fn, fut))
         return fut

@@ -87,6 +87,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # HELD_FOR_SEND
         self.pending_free: dict[str, Request] = {}  # finished; a transfer still uses their blocks
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
+        self.max_waiting: int | None = None  # bound of ``waiting`` for add_request (servers set it)
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
@@ -106,7 +107,10 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
-        """Queue a request to be computed here (WAITING)."""
+        """Queue a request to be computed here (WAITING). Raises
+        OverflowError when ``max_waiting`` requests already wait."""
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise OverflowError(f"the waiting queue is full ({self.max_waiting} requests waiting to run)")
         self._admit(request)
         self.waiting.append(request)
 

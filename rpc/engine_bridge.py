@@ -7,6 +7,12 @@ bridge turns the step's output, in the engine thread, into one delta per
 event (tokens since the last delta, "reserved", "started") and posts them to
 the event loop. The engine owns every request's state; the bridge keeps only
 the streams (who listens) and how many tokens each was already sent.
+
+Bounds: a stream holds at most one pending "tokens" delta (a new one is
+merged into it while the server has not taken it: a slow reader costs its
+own tokens, never one queue entry per step), plus the one-off "reserved" and
+"started" events. Awaited engine calls (``run``) share the engine loop's
+bounded command queue and fail with OverflowError when it is full.
 """
 from __future__ import annotations
 
@@ -47,6 +53,21 @@ class Delta:
     times: RequestTimes | None = None  # the request's milestones (written by the engine thread only)
 
 
+class _DeltaQueue(asyncio.Queue):
+    """An asyncio queue of one request's deltas that merges a "tokens" delta
+    into a pending one (the reader gets the same tokens, fewer messages)."""
+
+    def _put(self, item: Delta) -> None:
+        tail = self._queue[-1] if self._queue else None  # type: ignore[attr-defined]
+        if (tail is not None and tail.event == item.event == "tokens" and tail.finish_reason is None
+                and tail.error is None and not tail.is_held):
+            item.token_ids = tail.token_ids + item.token_ids
+            item.logprobs = tail.logprobs + item.logprobs
+            self._queue[-1] = item  # type: ignore[attr-defined]
+            return
+        self._queue.append(item)  # type: ignore[attr-defined]
+
+
 class EngineBridge:
     def __init__(self, engine: LLMEngine, role: str, address: str, metrics: EngineMetrics | None = None,
                  post_started: bool = False) -> None:
@@ -60,6 +81,8 @@ class EngineBridge:
         self.after_step: Callable[[LLMEngine], None] | None = None  # engine thread, after each reported step
         self.instance_id = self.cache_namespace = ""
         self.loop = EngineLoop(engine, self._on_step)
+        # A server's waiting queue is bounded like the decode tier's reservations (offline: unbounded).
+        engine.scheduler.max_waiting = engine.config.scheduler.max_queued_requests
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -70,7 +93,7 @@ class EngineBridge:
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` in the engine thread and await its result."""
-        return await asyncio.wrap_future(self.loop.submit(fn))
+        return await asyncio.wrap_future(self.loop.submit(fn, bounded=True))
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Fire and forget (safe from a cancelled coroutine's finally)."""
@@ -80,7 +103,7 @@ class EngineBridge:
     def open_stream(self, request_id: str) -> "asyncio.Queue[Delta]":
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        q: asyncio.Queue[Delta] = asyncio.Queue()
+        q: asyncio.Queue[Delta] = _DeltaQueue()
         self._streams[request_id] = q
         return q
 
