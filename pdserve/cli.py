@@ -37,6 +37,7 @@ BENCH = {
     "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
     "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
+    "soak": ("bench.soak", "bounded soak: many requests, some cancelled, a decode server killed; no leaks"),
 }
 
 
