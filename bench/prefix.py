@@ -2,11 +2,14 @@
 prefix-heavy workload, each on a fresh `pdserve up` cluster (2 prefill
 servers, 1 decode server, a local Redis for the index).
 
-Workload: ``--conversations`` multi-turn chats that all start with the same
-``--system-len``-token system prompt; turn t's prompt is turn t-1's prompt,
-a reply and a new user message (synthetic token ids: what is measured is the
-cache, not the text). One warm-up request carries the system prompt alone;
-then each round sends the next turn of every chat at once, in a random order.
+Workload: ``--system-prompts`` applications, each with its own
+``--system-len``-token system prompt (together more than one prefill
+server's KV cache holds, as in a real fleet), and ``--conversations``
+multi-turn chats spread over them; turn t's prompt is turn t-1's prompt, a
+reply and a new user message (synthetic token ids: what is measured is the
+cache, not the text). A warm-up sends each system prompt once; then each
+round sends the next turn of every chat, in a random order, at most
+``--max-concurrency`` at a time.
 
 Reported per mode:
 - shareable tokens: for each request, the leading full blocks of its prompt
@@ -38,9 +41,12 @@ from engine.block_hash import hash_request_blocks
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system-len", type=int, default=1024, help="shared system prompt tokens")
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=1024, help="tokens of each shared system prompt")
+    p.add_argument("--system-prompts", type=int, default=16,
+                   help="distinct system prompts (applications); together more than one server's cache holds")
+    p.add_argument("--conversations", type=int, default=16, help="chats, spread over the system prompts")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--user-len", type=int, default=96, help="new tokens per user message")
     p.add_argument("--reply-len", type=int, default=96, help="tokens of each earlier reply in the history")
     p.add_argument("--output-len", type=int, default=8)
@@ -54,15 +60,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
-def workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
-    """(system prompt, prompts[turn][conversation])."""
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(system prompts, prompts[turn][conversation]); conversation c uses
+    system prompt c % len(system prompts)."""
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
-    system = tokens(args.system_len)
-    history = [list(system) for _ in range(args.conversations)]
+    systems = [tokens(args.system_len) for _ in range(args.system_prompts)]
+    history = [list(systems[c % len(systems)]) for c in range(args.conversations)]
     turns = []
     for t in range(args.turns):
         prompts = []
@@ -72,7 +79,7 @@ def workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]
             history[c] += tokens(args.user_len)
             prompts.append(list(history[c]))
         turns.append(prompts)
-    return system, turns
+    return systems, turns
 
 
 def shareable(rounds: list[list[list[int]]], block_size: int) -> list[int]:
@@ -125,7 +132,7 @@ class Cluster:
         return total
 
 
-async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int],
+async def _run_mode(args: argparse.Namespace, cluster: Cluster, systems: list[list[int]],
                     turns: list[list[list[int]]]) -> dict:
     import httpx
 
@@ -136,8 +143,14 @@ async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int
             return {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
-        warm = await one_request(client, "/v1/completions", body(system + [7]), {})
-        assert warm.ok, warm.error
+        sem = asyncio.Semaphore(args.max_concurrency)
+
+        async def limited(prompt: list[int]) -> Sample:
+            async with sem:
+                return await one_request(client, "/v1/completions", body(prompt), {})
+
+        warm = await asyncio.gather(*(limited(s + [7]) for s in systems))  # each system prompt once
+        assert all(w.ok for w in warm), [w.error for w in warm]
         time.sleep(1.0)  # the index hears of the warm-up's blocks
         hits0 = cluster.prefill_hits()
         samples: list[Sample] = []
@@ -147,7 +160,7 @@ async def _run_mode(args: argparse.Namespace, cluster: Cluster, system: list[int
             # Clients of one round arrive in a random order: a fixed order would pin each chat to one
             # server under load-only routing by accident (round robin over the same sequence).
             prompts = order.sample(prompts, len(prompts))
-            samples += await asyncio.gather(*(one_request(client, "/v1/completions", body(p), {}) for p in prompts))
+            samples += await asyncio.gather(*(limited(p) for p in prompts))
         wall = time.perf_counter() - t0
         hits = cluster.prefill_hits() - hits0
         # Routing cost on an otherwise idle cluster: one request at a time, so no
@@ -182,16 +195,16 @@ def route_times(traces: Path, num_probes: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    system, turns = workload(args)
+    systems, turns = workload(args)
     flat = [p for prompts in turns for p in prompts]
-    share = shareable([[system + [7]], *turns], args.block_size)[1:]
+    share = shareable([[s + [7] for s in systems], *turns], args.block_size)[len(systems):]
     result: dict = {"shareable_tokens": sum(share), "prompt_tokens": sum(len(p) for p in flat), "modes": {}}
     for mode in args.modes.split(","):
         weight = {"kv-aware": 1.0, "load-only": 0.0}[mode]
         with tempfile.TemporaryDirectory() as tmp:
             traces = Path(tmp) / "traces.jsonl"
             with Cluster(args, weight, traces) as cluster:
-                r = asyncio.run(_run_mode(args, cluster, system, turns))
+                r = asyncio.run(_run_mode(args, cluster, systems, turns))
             time.sleep(1.0)  # the last spans are flushed
             r["route"] = route_times(traces, args.route_probes)
         r["cached_share_of_shareable"] = r["prefill_cache_hit_tokens"] / max(1, result["shareable_tokens"])
