@@ -10,9 +10,11 @@ byte lands in them, and hears how every begun receive ended
 ours.
 
 We keep only the pairs: at most one per prefill peer (a peer that opens a
-new channel replaces its old one) and at most ``max_pairs`` in all. A pair
-whose setup fails, or that breaks, is closed and forgotten, and its thread
-exits.
+new channel replaces its old one once the new pair is set up, so a caller
+that fails the pair's authentication, see engine/kv_transfer/pair.py, cannot
+tear down a working pair by naming its peer) and at most ``max_pairs`` in all,
+pairs still in setup included. A pair whose setup fails, or that breaks, is
+closed and forgotten, and its thread exits.
 """
 from __future__ import annotations
 
@@ -45,11 +47,13 @@ class KVReceivers:
         self.on_transfer = on_transfer
         self.max_pairs = max_pairs
         self._receivers: dict[str, KVReceiver] = {}  # prefill peer -> its live pair
+        self._setting_up: set[KVReceiver] = set()  # listening, not yet connected
         self._lock = threading.Lock()
 
     @property
     def num_pairs(self) -> int:
-        return len(self._receivers)
+        """Pairs set up, and pairs in setup."""
+        return len(self._receivers) + len(self._setting_up)
 
     # ---- pair setup (gRPC executor thread) ------------------------------
     def open(self, request: engine_pb2.OpenKVChannelRequest) -> engine_pb2.OpenKVChannelResponse:
@@ -68,18 +72,14 @@ class KVReceivers:
             backend, reason = choose_backend("gpu" if theirs_on_gpu else None, "gpu" if mine_on_gpu else None)
         logger.info("KV channel from %s: %s", request.peer, reason)
         with self._lock:
-            old = self._receivers.pop(request.peer, None)
-            if old is None and len(self._receivers) >= self.max_pairs:
+            if self.num_pairs >= self.max_pairs:
                 raise OverflowError(f"this decode server already has {self.max_pairs} KV pairs")
-        if old is not None:  # the peer lost its side of the old pair; ours must go too
-            old.close()
-        try:
-            receiver, port = KVReceiver.listen(self.host, self.layout, backend=backend, device=mine,
-                                               timeout=self.timeout)
-        except KVTransferError as exc:
-            raise ValueError(str(exc)) from exc
-        with self._lock:
-            self._receivers[request.peer] = receiver
+            try:
+                receiver, port = KVReceiver.listen(self.host, self.layout, backend=backend, device=mine,
+                                                   timeout=self.timeout)
+            except KVTransferError as exc:
+                raise ValueError(str(exc)) from exc
+            self._setting_up.add(receiver)
         threading.Thread(target=self._recv_loop, args=(receiver, request.peer), daemon=True,
                          name=f"kv-recv-{request.peer}").start()
         return engine_pb2.OpenKVChannelResponse(host=self.host, port=port, layout=layout_to_proto(self.layout),
@@ -87,7 +87,8 @@ class KVReceivers:
 
     def close(self) -> None:
         with self._lock:
-            receivers, self._receivers = list(self._receivers.values()), {}
+            receivers = list(self._receivers.values()) + list(self._setting_up)
+            self._receivers, self._setting_up = {}, set()
         for r in receivers:
             r.close()
 
@@ -103,8 +104,15 @@ class KVReceivers:
             receiver.wait_connected()
         except KVTransferError as exc:
             logger.warning("KV channel from %s was not set up: %s", peer, exc)
+            with self._lock:
+                self._setting_up.discard(receiver)
             self._forget(receiver, peer)
             return
+        with self._lock:
+            self._setting_up.discard(receiver)
+            old, self._receivers[peer] = self._receivers.get(peer), receiver
+        if old is not None:  # the peer lost its side of the old pair; ours must go too
+            old.close()
         try:
             while self._recv_one(receiver, peer):
                 pass

@@ -1,10 +1,22 @@
 """What both ends of a KV pair share: deadlines, the hello handshake, the process
-group, the pair's CUDA stream and staging buffers, posting, waiting and aborting."""
+group, the pair's CUDA stream and staging buffers, posting, waiting and aborting.
+
+Authentication. Before any process group exists, both ends prove they know the
+shared secret in ``PDSERVE_KV_SECRET`` (read when a pair is made; unset means
+the empty secret, so servers without it pair only with each other): each side
+puts a fresh nonce in the store, then an HMAC-SHA256 of both nonces and its
+rank under the secret, and checks the peer's. The secret never travels and a
+proof is worth nothing in another pair. A peer that fails it gets no group,
+so it can neither read nor write a block. This keeps strangers out; it does
+not encrypt the KV data, which crosses the network in the clear."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import socket
 import time
 from datetime import timedelta
@@ -32,6 +44,15 @@ if os.environ.setdefault(_BLOCKING_WAIT, "1") != "1":
 _SPIN_S = 0.05
 _POLL_S = 0.0005
 _NCCL_PING_BYTES = 32 << 20  # >= p2p channels (32 on H200 pairs) x NCCL's 512 KiB p2p chunk
+KV_SECRET_ENV = "PDSERVE_KV_SECRET"
+_AUTH_POLL_S = 0.005
+
+
+def _auth_proof(secret: bytes, rank: int, challenge: str, own_nonce: str) -> bytes:
+    """What ``rank`` answers to the peer's ``challenge`` nonce (its own nonce included, so a
+    proof from one pair or one direction never fits another)."""
+    text = f"pdserve-kv-auth|{rank}|{challenge}|{own_nonce}".encode()
+    return hmac.new(secret, text, hashlib.sha256).hexdigest().encode()
 
 
 def _remaining(deadline: float, what: str) -> timedelta:
@@ -146,6 +167,7 @@ class _Pair:
         self._aborted = False
         self._stream: torch.cuda.Stream | None = None
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # staging, by (kind, slot)
+        self._secret = os.environ.get(KV_SECRET_ENV, "").encode()
 
     @property
     def wire_device(self) -> torch.device:
@@ -265,6 +287,7 @@ class _Pair:
         know the data path works before the first transfer."""
         assert self._store is not None
         try:
+            self._authenticate(rank, deadline, where)
             with self._on_stream():
                 self._group = _make_group(self._store.clone(), rank, self.backend, _remaining(deadline, where),
                                           bind_host, self.device)
@@ -281,6 +304,30 @@ class _Pair:
         except Exception as e:
             self._teardown()
             raise KVTransferError(f"{where}: {e}") from e
+
+    def _authenticate(self, rank: int, deadline: float, where: str) -> None:
+        """Mutual challenge-response on the store (see the module docstring); raises
+        KVTransferError when the peer's proof is wrong, KVChannelClosed when closed meanwhile."""
+        store, peer = self._store, 1 - rank
+        assert store is not None
+        mine = secrets.token_hex(16)
+        store.set(f"auth/nonce/{rank}", mine)
+        theirs = self._poll_key(f"auth/nonce/{peer}", deadline, where).decode()
+        store.set(f"auth/proof/{rank}", _auth_proof(self._secret, rank, theirs, mine))
+        proof = self._poll_key(f"auth/proof/{peer}", deadline, where)
+        if not hmac.compare_digest(proof, _auth_proof(self._secret, peer, mine, theirs)):
+            raise KVTransferError(f"{where}: the peer failed KV pair authentication (the two servers' "
+                                  f"{KV_SECRET_ENV} differ, or one has none)")
+
+    def _poll_key(self, key: str, deadline: float, where: str) -> bytes:
+        """The store's value of ``key`` once set; polled so that close() is noticed at once."""
+        assert self._store is not None
+        while not self._store.check([key]):
+            if self._closed:
+                raise KVChannelClosed("KV pair closed during setup")
+            _remaining(deadline, where)  # raises once the deadline has passed
+            time.sleep(_AUTH_POLL_S)
+        return self._store.get(key)
 
     def _teardown(self) -> None:
         """Drop the group. NCCL is aborted, never shut down: shutdown() destroys the communicator,
