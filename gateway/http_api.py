@@ -311,6 +311,8 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        body = {"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
+        # 400 here: a body FastAPI could not parse (not JSON, not UTF-8, nested too deep).
+        message = f"invalid request: {e.detail}" if e.status_code == 400 else str(e.detail)
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                           "code": None}}
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))

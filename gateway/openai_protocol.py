@@ -62,6 +62,13 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Accepted only to be refused by name (see _check_unsupported).
+    functions: Any = None
+    function_call: Any = None
+    tool_choice: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -72,15 +79,13 @@ class _SamplingRequest(BaseModel):
             raise invalid(f"best_of must be 1, got {self.best_of}", param="best_of")
         if self.logit_bias:
             raise invalid("logit_bias is not supported", param="logit_bias")
-        extra = self.model_extra or {}
         for name in ("functions", "function_call", "audio", "prediction"):
-            if extra.get(name) is not None:
+            if getattr(self, name) is not None:
                 raise invalid(f"{name} is not supported", param=name)
-        if extra.get("tool_choice") not in (None, "none"):
+        if self.tool_choice not in (None, "none"):
             raise invalid("tool_choice is not supported (tools are not supported)", param="tool_choice")
-        modalities = extra.get("modalities")
-        if modalities is not None and modalities != ["text"]:
-            raise invalid(f"modalities {modalities!r:.80} is not supported; only ['text']", param="modalities")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise invalid(f"modalities {self.modalities!r:.80} is not supported; only ['text']", param="modalities")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 

@@ -1,0 +1,247 @@
+"""Bad input through both front ends of a real cluster (gateway, prefill and
+decode server processes on a tiny random model that uses the default model's
+tokenizer): every case gets its documented answer (HTTP 400/401/404/413 with
+the OpenAI error object, gRPC INVALID_ARGUMENT / UNAUTHENTICATED /
+RESOURCE_EXHAUSTED with a message), and after each case the cluster still
+serves a good request. At the end no KV block is held anywhere."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.conftest import make_tiny_model
+from tests.processes import GatewayProcess, ServiceProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "table-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_AUTH = [("authorization", f"Bearer {KEY}")]
+VOCAB = 49152  # the default model's tokenizer
+MAX_MODEL_LEN = 256
+MAX_BODY = 1 << 20
+
+
+class _Engine(ServiceProcess):
+    def __init__(self, role: str, model: Path) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        super().__init__(role, f"{role}_service.server",
+                         ["--port", self.address.rsplit(":", 1)[1], "--metrics-port", "0", "--model", str(model),
+                          "--num-gpu-blocks-override", "128", "--max-model-len", str(MAX_MODEL_LEN)],
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama over the default model's vocabulary, tokenizer and chat template."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-tok"), vocab_size=VOCAB,
+                           max_position_embeddings=MAX_MODEL_LEN)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_with_tokenizer):
+    prefill, decode = _Engine("prefill", tiny_with_tokenizer), _Engine("decode", tiny_with_tokenizer)
+    gw = GatewayProcess("bad-input", ["--model", str(tiny_with_tokenizer), "--served-model-name", "tiny",
+                                      "--prefill", prefill.address, "--decode", decode.address,
+                                      "--max-request-body", str(MAX_BODY)], env={"PDSERVE_API_KEY": KEY})
+    procs = [gw, prefill, decode]
+    try:
+        for p in (prefill, decode, gw):
+            p.wait_ready()
+        deadline = time.monotonic() + 30
+        while httpx.get(gw.http_url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, gw.logs()
+            time.sleep(0.2)
+        yield gw
+    finally:
+        codes = [p.stop() for p in procs]
+    assert codes == [0, 0, 0], [p.logs() for p in procs]
+
+
+def _json(**body) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _raw(text: str) -> bytes:
+    return text.encode()
+
+
+GOOD = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+# (name, path, body bytes, status, fragment of error.message); NaN and Infinity are what Python's
+# JSON parser accepts and clients send by mistake.
+HTTP_CASES = [
+    ("temperature NaN", "/v1/completions", _raw('{"prompt": "hi", "temperature": NaN}'), 400,
+     "temperature must be a finite number"),
+    ("temperature Infinity", "/v1/completions", _raw('{"prompt": "hi", "temperature": Infinity}'), 400,
+     "temperature must be a finite number"),
+    ("repetition_penalty NaN", "/v1/completions", _raw('{"prompt": "hi", "repetition_penalty": NaN}'), 400,
+     "repetition_penalty must be a finite number"),
+    ("top_p -Infinity", "/v1/completions", _raw('{"prompt": "hi", "top_p": -Infinity}'), 400, "top_p"),
+    ("temperature 1e39", "/v1/completions", _json(prompt="hi", temperature=1e39), 400, "temperature must be in"),
+    ("seed 2^64", "/v1/completions", _json(prompt="hi", seed=2**64), 400, "seed must be in"),
+    ("seed 2^63", "/v1/completions", _json(prompt="hi", seed=2**63), 400, "seed must be in"),
+    ("seed negative", "/v1/completions", _json(prompt="hi", seed=-1), 400, "seed must be in"),
+    ("top_k 2^40", "/v1/completions", _json(prompt="hi", top_k=2**40), 400, "top_k must be"),
+    ("top_k -2", "/v1/completions", _json(prompt="hi", top_k=-2), 400, "top_k must be"),
+    ("max_tokens 2^40", "/v1/completions", _json(prompt="hi", max_tokens=2**40), 400, "max_tokens must be in"),
+    ("max_tokens 0", "/v1/completions", _json(prompt="hi", max_tokens=0), 400, "max_tokens must be in"),
+    ("max_tokens past the context", "/v1/completions", _json(prompt="hi", max_tokens=MAX_MODEL_LEN), 400,
+     "maximum context length"),
+    ("min_tokens 2^40", "/v1/completions", _json(prompt="hi", min_tokens=2**40), 400, "min_tokens"),
+    ("logprobs 21", "/v1/completions", _json(prompt="hi", logprobs=21), 400, "logprobs must be in [0, 20]"),
+    ("top_logprobs 99", "/v1/chat/completions",
+     _json(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=99), 400, "logprobs"),
+    ("lone surrogate in prompt", "/v1/completions", _raw('{"prompt": "a\\ud800b"}'), 400, "not valid Unicode"),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     _raw('{"messages": [{"role": "user", "content": "\\udfff"}]}'), 400, "not valid Unicode"),
+    ("lone surrogate in stop", "/v1/completions", _raw('{"prompt": "hi", "stop": ["\\ud800"]}'), 400,
+     "not valid Unicode"),
+    ("lone surrogate in model", "/v1/completions", _raw('{"prompt": "hi", "model": "\\ud800"}'), 404,
+     "does not exist"),
+    ("token id past the vocabulary", "/v1/completions", _json(prompt=[5, VOCAB]), 400, "out of range"),
+    ("negative token id", "/v1/completions", _json(prompt=[-1]), 400, "out of range"),
+    ("huge token id", "/v1/completions", _json(prompt=[2**70]), 400, "out of range"),
+    ("empty prompt", "/v1/completions", _json(prompt=[]), 400, "empty"),
+    ("stop_token_ids past the vocabulary", "/v1/completions", _json(prompt="hi", stop_token_ids=[10**6]), 400,
+     "stop_token_ids"),
+    ("too many stop strings", "/v1/completions", _json(prompt="hi", stop=[f"s{i}" for i in range(17)]), 400,
+     "at most 16 stop strings"),
+    ("stop string too long", "/v1/completions", _json(prompt="hi", stop=["x" * 5000]), 400, "at most 1024"),
+    ("n 2", "/v1/completions", _json(prompt="hi", n=2), 400, "n must be 1"),
+    ("best_of 3", "/v1/completions", _json(prompt="hi", best_of=3), 400, "best_of"),
+    ("logit_bias", "/v1/completions", _json(prompt="hi", logit_bias={"5": 10}), 400, "logit_bias"),
+    ("echo", "/v1/completions", _json(prompt="hi", echo=True), 400, "echo"),
+    ("tools", "/v1/chat/completions", _json(messages=[{"role": "user", "content": "hi"}],
+                                            tools=[{"type": "function"}]), 400, "tools"),
+    ("functions", "/v1/chat/completions", _json(messages=[{"role": "user", "content": "hi"}],
+                                                functions=[{"name": "f"}]), 400, "functions"),
+    ("unknown role", "/v1/chat/completions", _json(messages=[{"role": "wizard", "content": "hi"}]), 400,
+     "role 'wizard' is not supported"),
+    ("content of the wrong type", "/v1/chat/completions", _json(messages=[{"role": "user", "content": 5}]),
+     400, "content"),
+    ("image content part", "/v1/chat/completions",
+     _json(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "image_url"),
+    ("no messages", "/v1/chat/completions", _json(messages=[]), 400, "messages must not be empty"),
+    ("too many messages", "/v1/chat/completions", _json(messages=[{"role": "user", "content": "x"}] * 1025),
+     400, "at most 1024 messages"),
+    ("string for an integer", "/v1/completions", _json(prompt="hi", max_tokens="5"), 400, "max_tokens"),
+    ("number for a boolean", "/v1/completions", _json(prompt="hi", stream=1), 400, "stream"),
+    ("malformed JSON", "/v1/completions", _raw('{"prompt": "hi",'), 400, "invalid request"),
+    ("a list, not an object", "/v1/completions", _raw("[1, 2]"), 400, "invalid request"),
+    ("not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "invalid request"),
+    ("deeply nested", "/v1/completions", _raw('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"), 400,
+     "invalid request"),
+    ("body over --max-request-body", "/v1/completions", _json(prompt="x" * (MAX_BODY + 10)), 413,
+     "--max-request-body"),
+    ("prompt longer than the context can hold", "/v1/completions", _json(prompt="ab " * 200_000), 400,
+     "maximum context length"),
+]
+
+
+def _serves(gw: GatewayProcess) -> None:
+    r = httpx.post(gw.http_url + "/v1/completions", json=GOOD, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+    out = list(stub.Generate(gateway_pb2.GenerateRequest(
+        text="Hello there", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)), timeout=60,
+        metadata=GRPC_AUTH))
+    assert out[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("name, path, body, status, fragment", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input(gateway, name, path, body, status, fragment):
+    r = httpx.post(gateway.http_url + path, content=body, timeout=60,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, (name, r.status_code, r.text[:500])
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and fragment in error["message"], (name, error)
+    assert error["type"] == "invalid_request_error"
+    _serves(gateway)
+
+
+def _sp(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**kw)
+
+
+def _req(**kw) -> bytes:
+    return gateway_pb2.GenerateRequest(**kw).SerializeToString()
+
+
+NAN, INF = float("nan"), float("inf")
+OK = grpc.StatusCode
+# (name, serialized request, metadata, status code, fragment of details)
+GRPC_CASES = [
+    ("temperature NaN", _req(text="hi", sampling=_sp(temperature=NAN)), GRPC_AUTH, OK.INVALID_ARGUMENT,
+     "temperature must be a finite number"),
+    ("repetition_penalty NaN", _req(text="hi", sampling=_sp(repetition_penalty=NAN, temperature=1.0)), GRPC_AUTH,
+     OK.INVALID_ARGUMENT, "repetition_penalty"),
+    ("min_p inf", _req(text="hi", sampling=_sp(min_p=INF)), GRPC_AUTH, OK.INVALID_ARGUMENT, "min_p"),
+    ("seed negative", _req(text="hi", sampling=_sp(seed=-5)), GRPC_AUTH, OK.INVALID_ARGUMENT, "seed"),
+    ("top_k -7", _req(text="hi", sampling=_sp(top_k=-7)), GRPC_AUTH, OK.INVALID_ARGUMENT, "top_k"),
+    ("max_tokens -1", _req(text="hi", sampling=_sp(max_tokens=-1)), GRPC_AUTH, OK.INVALID_ARGUMENT,
+     "max_tokens"),
+    ("logprobs 100", _req(text="hi", sampling=_sp(logprobs=100)), GRPC_AUTH, OK.INVALID_ARGUMENT, "logprobs"),
+    ("stop_token_ids past the vocabulary", _req(text="hi", sampling=_sp(stop_token_ids=[VOCAB])), GRPC_AUTH,
+     OK.INVALID_ARGUMENT, "stop_token_ids"),
+    ("too many stop strings", _req(text="hi", sampling=_sp(stop=["s"] * 17)), GRPC_AUTH, OK.INVALID_ARGUMENT,
+     "stop strings"),
+    ("negative token id", _req(token_ids=gateway_pb2.TokenIds(ids=[-1])), GRPC_AUTH, OK.INVALID_ARGUMENT,
+     "out of range"),
+    ("token id past the vocabulary", _req(token_ids=gateway_pb2.TokenIds(ids=[VOCAB])), GRPC_AUTH,
+     OK.INVALID_ARGUMENT, "out of range"),
+    ("unknown role", _req(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="x", content="y")])),
+     GRPC_AUTH, OK.INVALID_ARGUMENT, "role"),
+    ("no prompt", _req(), GRPC_AUTH, OK.INVALID_ARGUMENT, "needs a prompt"),
+    ("garbage bytes", b"\xff\xff\xff\xff", GRPC_AUTH, OK.INVALID_ARGUMENT, "not a valid pdserve.v1.GenerateRequest"),
+    ("truncated message", _req(text="hello", sampling=_sp(max_tokens=3))[:-1], GRPC_AUTH, OK.INVALID_ARGUMENT,
+     "not a valid"),
+    ("invalid UTF-8 in text", b"\x12\x02\xff\xfe", GRPC_AUTH, OK.INVALID_ARGUMENT, "not a valid"),
+    ("message over --max-request-body", _req(text="x" * (MAX_BODY + 10)), GRPC_AUTH, OK.RESOURCE_EXHAUSTED,
+     "--max-request-body"),
+    ("no API key", _req(text="hi"), [], OK.UNAUTHENTICATED, "API key"),
+    ("wrong API key", _req(text="hi"), [("authorization", "Bearer nope")], OK.UNAUTHENTICATED, "API key"),
+]
+
+
+@pytest.mark.parametrize("name, data, metadata, code, fragment", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_bad_input(gateway, name, data, metadata, code, fragment):
+    with grpc.insecure_channel(gateway.grpc_address) as channel:
+        call = channel.unary_stream("/pdserve.v1.Gateway/Generate", request_serializer=None,
+                                    response_deserializer=gateway_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(data, timeout=60, metadata=metadata))
+    assert e.value.code() == code and fragment in e.value.details(), (name, e.value.code(), e.value.details())
+    _serves(gateway)
+
+
+def test_keys_guard_v1_and_cluster_but_not_health_and_metrics(gateway):
+    for path in ("/v1/models", "/cluster"):
+        r = httpx.get(gateway.http_url + path, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(gateway.http_url + path, headers=AUTH, timeout=10).status_code == 200
+    for path in ("/health", "/metrics"):
+        assert httpx.get(gateway.http_url + path, timeout=10).status_code == 200
+
+
+def test_no_block_is_held_after_the_table(gateway):
+    deadline = time.monotonic() + 20
+    while True:
+        instances = httpx.get(gateway.http_url + "/cluster", headers=AUTH, timeout=10).json()["instances"]
+        used = {i["address"]: i["kv_blocks_used"] for i in instances}
+        if not any(used.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(used.values()) and all(i["healthy"] for i in instances), instances
