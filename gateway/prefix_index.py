@@ -109,6 +109,30 @@ class MemoryPrefixIndex:
         return leading_matches(((a for a in candidates if h in self._blocks[a]) for h in hashes), candidates)
 
 
+# One round trip, one command: Redis walks the prompt's blocks in order and
+# stops at the first block no live instance holds (the leading run is all that
+# counts), so a long prompt costs the server a few set reads, not a pipeline of
+# hundreds of replies to parse here.
+# KEYS[1] = the live-instance ZSET, KEYS[2..] = block keys in prompt order;
+# ARGV[1] = the oldest heartbeat that still counts. Returns id, n, id, n, ...
+_MATCH_LUA = """
+local live = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')) do live[id] = true end
+local counts = {}
+for i = 2, #KEYS do
+  local next_live, any = {}, false
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+    if live[id] then next_live[id] = true; counts[id] = i - 1; any = true end
+  end
+  if not any then break end
+  live = next_live
+end
+local out = {}
+for id, n in pairs(counts) do out[#out + 1] = id; out[#out + 1] = n end
+return out
+"""
+
+
 class RedisPrefixIndex:
     def __init__(self, url: str, timeout_s: float = 0.01) -> None:
         import redis.asyncio as aredis
@@ -116,6 +140,7 @@ class RedisPrefixIndex:
 
         self.url = url
         self._redis = aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._match = self._redis.register_script(_MATCH_LUA)
         self._errors = (sync_redis.RedisError, OSError, asyncio.TimeoutError)
         self._timeout_s = timeout_s
         self._retry_at = 0.0
@@ -130,13 +155,11 @@ class RedisPrefixIndex:
     async def match(self, namespace: str, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes or time.monotonic() < self._retry_at:
             return {}
+        keys = [alive_key(namespace), *(block_key(namespace, h) for h in hashes)]
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for h in hashes:
-                pipe.smembers(block_key(namespace, h))
-            pipe.zrangebyscore(alive_key(namespace), time.time() - ALIVE_TTL_S, "+inf")
-            # The client's socket timeout bounds each read; this bounds the whole round trip.
-            *holders, alive = await asyncio.wait_for(pipe.execute(), max(4 * self._timeout_s, 0.05))
+            # The client's socket timeout bounds each read; this bounds the whole call.
+            flat = await asyncio.wait_for(self._match(keys=keys, args=[time.time() - ALIVE_TTL_S]),
+                                          max(4 * self._timeout_s, 0.05))
         except self._errors as exc:
             if not self._down:
                 logger.warning("prefix index: Redis at %s did not answer (%s); routing by load alone until "
@@ -147,10 +170,8 @@ class RedisPrefixIndex:
         if self._down:
             logger.info("prefix index: Redis at %s answers again", self.url)
             self._down = False
-        ids = [i.decode() for i in alive]
-        counts = leading_matches(({m.decode() for m in members} for members in holders), ids)
         by_address: dict[str, int] = {}
-        for iid, n in counts.items():  # a restarted server may briefly have two live ids
-            addr = address_of(iid)
-            by_address[addr] = max(by_address.get(addr, 0), n)
+        for iid, n in zip(flat[::2], flat[1::2]):  # a restarted server may briefly have two live ids
+            addr = address_of(iid.decode())
+            by_address[addr] = max(by_address.get(addr, 0), int(n))
         return by_address
