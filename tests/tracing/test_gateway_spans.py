@@ -209,3 +209,30 @@ def test_untraced_gateway_forwards_trace_headers_and_logs_nothing(setup):
     time.sleep(0.7)
     assert "untraced-test" not in plain.logs()
     assert not any("untraced-test" in str(s["attributes"]) for s in list(read_spans(traces))[before:])
+
+
+def test_cancellation_with_tracing_on_frees_the_engine_and_ends_the_spans(setup):
+    fake, gw, _, traces = setup
+    fake.reset()
+    fake.state.knobs.token_delay = 0.3
+    try:
+        with grpc.insecure_channel(gw.grpc_address) as ch:  # gRPC client cancels mid-stream
+            stream = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                gateway_pb2.GenerateRequest(text="x", request_id="cancel-grpc"), timeout=20)
+            next(stream)
+            stream.cancel()
+            fake.wait_idle(timeout=3)
+        with httpx.Client(base_url=gw.http_url, timeout=20) as c:  # HTTP client disconnects mid-stream
+            with c.stream("POST", "/v1/completions", headers={"x-request-id": "cancel-http"},
+                          json={"prompt": "x", "max_tokens": 50, "stream": True}) as r:
+                assert next(r.iter_lines()).startswith("data: ")
+        fake.wait_idle(timeout=3)
+    finally:
+        fake.state.knobs.token_delay = 0.0
+    assert len(fake.state.cancelled) == 2
+    for rid in ("cancel-grpc", "cancel-http"):
+        spans = _trace(traces, lambda s, rid=rid: s["attributes"].get("pdserve.request_id") == rid)
+        req = _request_span(spans)
+        assert req["status"] == "ERROR" and req["end_ns"] > req["start_ns"], req
+        [dcall] = [s for s in spans if s["name"] == "pdserve.v1.Decode/Generate"]
+        assert dcall["status"] == "ERROR"
