@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+_EXPIRY_CHECK_S = 0.02  # deadlines are noticed at most this late (plus the step in progress)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class LLMEngine:
                            sc.max_model_len)
         self.eos_token_ids = mc.eos_token_ids
         self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
+        self._next_expiry_check = 0.0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -221,7 +223,12 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------
     def step(self) -> StepOutput:
         """One engine step."""
-        result = StepOutput(updated=self._outside_step + self.scheduler.expire(time.monotonic()))
+        now = time.monotonic()
+        expired = []
+        if now >= self._next_expiry_check:  # a walk over every request: not on every decode step
+            expired = self.scheduler.expire(now)
+            self._next_expiry_check = now + _EXPIRY_CHECK_S
+        result = StepOutput(updated=self._outside_step + expired)
         self._outside_step = []
         out = self.scheduler.schedule()
         result.reserved, result.started = out.reserved, out.started
