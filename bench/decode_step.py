@@ -52,27 +52,38 @@ def main(args: argparse.Namespace) -> int:
                     "cuda_graphs": graphs is not None, "steps": {}}
     print(f"decode steps: {'CUDA graphs, batch sizes ' + ','.join(map(str, graphs.sizes)) if graphs else 'eager'}",
           flush=True)
+    budget = engine.config.scheduler.max_num_batched_tokens
     for b in sizes:
-        sp = SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True)
+        # Requests prefilled first decode while the rest prefill (decode first): give them enough
+        # tokens that none finishes before the timed steps, then abort them all.
+        prefill_steps = -(-b * args.context_len // budget) + b
+        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + 2, ignore_eos=True)
         for i in range(b):
             engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(args.context_len)], sp)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
             engine.step()  # prefill
         engine.step()  # warm-up decode
-        times = []
+        contexts = [r.num_tokens for r in engine.scheduler.requests.values()]
+        times, rows = [], []
         replays = graphs.num_replays if graphs else 0
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
-            engine.step()
+            rows.append(engine.step().num_batched_tokens)
             _sync(device)
             times.append(time.perf_counter() - t0)
+        replayed = (graphs.num_replays - replays) if graphs else 0
+        for rid in list(engine.scheduler.requests):
+            engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
+        if set(rows) != {b}:
+            print(f"warning: batch {b}: the timed steps ran {sorted(set(rows))} rows", flush=True)
         result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-                              "graph_replays": (graphs.num_replays - replays) if graphs else 0}
+                              "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
+                              "graph_replays": replayed}
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
-              f"(min {result['steps'][b]['min_ms']:.2f}; {result['steps'][b]['graph_replays']} of "
-              f"{args.steps} steps replayed a graph)", flush=True)
+              f"(min {result['steps'][b]['min_ms']:.2f}; context {min(contexts)}-{max(contexts)} tokens; "
+              f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0

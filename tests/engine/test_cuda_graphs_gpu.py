@@ -46,15 +46,23 @@ def _compare_steps(engine: LLMEngine, num_steps: int) -> list[dict]:
         out = engine.scheduler.schedule()
         assert is_pure_decode(out.scheduled)
         replays = runner.graphs.num_replays
+        n = len(out.scheduled)
         with torch.inference_mode():  # as in ModelRunner.execute
             graph = runner.graphs.run(out.scheduled).clone()
+            # The captured code run eagerly on the same padded buffers: the replay must equal it.
+            size = min(s for s in runner.graphs.sizes if s >= n)
+            same_inputs = runner.graphs._forward(size)[:n]
             ids, pos, meta, idx = runner._prepare(out)
             eager = runner._forward_logits(ids, pos, runner.kv_cache, meta)[idx]
         assert runner.graphs.num_replays == replays + 1
+        replay_diff = ((graph - same_inputs).norm() / same_inputs.norm()).item()
+        assert replay_diff < 1e-3, replay_diff
         tok_g, tok_e = graph.argmax(-1), eager.argmax(-1)
         differ = (tok_g != tok_e).nonzero().flatten().tolist()
         top2 = eager.topk(2, dim=-1).values
-        report.append({"rows": len(out.scheduled), "max_abs_diff": (graph - eager).abs().max().item(),
+        report.append({"rows": n, "replay_bitwise": torch.equal(graph, same_inputs), "replay_diff": replay_diff,
+                       "max_abs_diff": (graph - eager).abs().max().item(),
+                       "rel_diff": ((graph - eager).norm() / eager.norm()).item(),
                        "logit_scale": eager.abs().max().item(),
                        "differ_gaps": [(top2[i, 0] - top2[i, 1]).item() for i in differ],
                        "graph_token_deficit": [(eager[i].max() - eager[i, tok_g[i]]).item() for i in differ]})
@@ -78,8 +86,14 @@ def test_graph_logits_equal_eager_float32(tiny_llama_dir):
         assert step["rows"] == 19 and step["max_abs_diff"] < 1e-4 and not step["differ_gaps"], step
 
 
-# bf16 rounding moves these random-weight logits (scale ~5) by a few
-# hundredths; a defect (a wrong row, position, block or split) moves them by units.
+# A replay equals the captured code run eagerly on the same padded buffers
+# (bit for bit on an H200). Against the unpadded eager step the bf16 logits
+# differ by rounding only where padding changes the matmul shapes cuBLAS
+# sees: seen on an H200 (2026-11-30), 20 rows padded to 24: identical; 3 rows
+# padded to 4: relative difference 0.037-0.039, largest 0.31 on logits of ~6,
+# no token changed (rounding in 128 matmuls of 32 random-weight layers). The
+# float32 test above bounds the same comparison at 1e-4.
+BF16_REL_DIFF = 0.08
 BF16_NEAR_TIE = 0.25
 
 
@@ -90,12 +104,12 @@ def test_graph_logits_match_eager_on_the_8b_shape_bf16():
                                                    kv_cache_memory="4GiB", max_num_seqs=32, max_model_len=4096))
     assert engine.config.model.dtype == "bfloat16" and engine.runner.graphs is not None
     for n, lengths in ((20, [64 + 47 * i for i in range(20)]), (3, [900, 17, 2000])):
-        _prefill(engine, _prompts(128256, lengths), 6)
+        _prefill(engine, _prompts(128256, lengths), 40)  # none finishes before the compared steps
         report = _compare_steps(engine, 4)
         print(n, report)
         for step in report:
             assert step["rows"] == n
-            assert step["max_abs_diff"] < 0.05 * step["logit_scale"], step
+            assert step["rel_diff"] < BF16_REL_DIFF, step
             assert all(g <= BF16_NEAR_TIE for g in step["differ_gaps"]), step
             assert all(d <= BF16_NEAR_TIE for d in step["graph_token_deficit"]), step
         for r in list(engine.scheduler.requests.values()):
