@@ -34,8 +34,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)")
     g.add_argument("--grpc-port", type=int, default=50051, help="pdserve.v1.Gateway gRPC port (0 = any free)")
     g.add_argument("--prefill", default="",
-                   help="comma-separated host:port list of prefill servers (empty: decode servers prefill)")
-    g.add_argument("--decode", default="", help="comma-separated host:port list of decode servers (at least one)")
+                   help="prefill servers, comma-separated: HOST:PORT (a fixed server), dns:NAME:PORT (every "
+                        "address NAME resolves to, e.g. a Kubernetes headless Service, looked up again every "
+                        "--discovery-interval) or redis (every live prefill server registered in --redis-url); "
+                        "empty: decode servers prefill")
+    g.add_argument("--decode", default="",
+                   help="decode servers, same forms as --prefill (at least one entry)")
+    g.add_argument("--discovery-interval", type=float, default=5.0,
+                   help="seconds between look-ups of dns: and redis entries; servers that appear are added, "
+                        "servers that disappear leave routing while their requests finish")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /cluster, and as gRPC metadata on "
                         f"pdserve.v1.Gateway (default: ${API_KEY_ENV}, which keeps the key out of ps)")
@@ -90,6 +97,7 @@ class GatewayConfig:
     traces_file: str | None = None
     redis_url: str | None = None
     redis_timeout: float = 0.01
+    discovery_interval: float = 5.0
     kv_overlap_score_weight: float = 1.0
     local_prefill_threshold: int = 0
     kv_load_failure_policy: str = "fail"
@@ -115,6 +123,11 @@ class GatewayConfig:
             raise ValueError(f"--shutdown-timeout must be non-negative, got {self.shutdown_timeout}")
         if self.redis_timeout <= 0:
             raise ValueError(f"--redis-timeout must be positive, got {self.redis_timeout}")
+        if self.discovery_interval <= 0:
+            raise ValueError(f"--discovery-interval must be positive, got {self.discovery_interval}")
+        for flag, entries in (("--prefill", self.prefill), ("--decode", self.decode)):
+            if REDIS_ENTRY in entries and not self.redis_url:
+                raise ValueError(f"{flag} {REDIS_ENTRY} reads the servers registered in Redis: give --redis-url")
         if self.kv_overlap_score_weight < 0:
             raise ValueError(f"--kv-overlap-score-weight must be non-negative, got {self.kv_overlap_score_weight}")
         if self.local_prefill_threshold < 0:
@@ -132,22 +145,30 @@ class GatewayConfig:
                    max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
                    otlp_traces_endpoint=args.otlp_traces_endpoint, traces_file=args.traces_file,
                    redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+                   discovery_interval=args.discovery_interval,
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
                    local_prefill_threshold=args.local_prefill_threshold,
                    kv_load_failure_policy=args.kv_load_failure_policy,
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)))
 
 
+DNS_PREFIX = "dns:"  # dns:NAME:PORT, every address NAME resolves to
+REDIS_ENTRY = "redis"  # every live server of the role registered in --redis-url
+
+
 def parse_addresses(text: str | None, flag: str) -> tuple[str, ...]:
-    """'a:1, b:2' -> ('a:1', 'b:2'); rejects entries without a valid port and duplicates."""
+    """'a:1, dns:b:2, redis' -> ('a:1', 'dns:b:2', 'redis') (the discovery
+    entries of gateway/discovery.py); rejects entries without a valid port
+    and duplicates."""
     out: list[str] = []
     for item in (text or "").split(","):
         item = item.strip()
         if not item:
             continue
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ValueError(f"{flag}: {item!r} is not a host:port address")
+        body = item[len(DNS_PREFIX):] if item.startswith(DNS_PREFIX) else item
+        host, sep, port = body.rpartition(":")
+        if item != REDIS_ENTRY and (not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535):
+            raise ValueError(f"{flag}: {item!r} is not a host:port address, dns:NAME:PORT or {REDIS_ENTRY}")
         if item in out:
             raise ValueError(f"{flag}: {item!r} is listed twice")
         out.append(item)

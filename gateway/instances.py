@@ -7,12 +7,23 @@ Each ``Instance`` owns one gRPC channel to one prefill or decode server. The
 an instance is healthy when both answer and health says SERVING. A request
 that finds an instance unreachable marks it unhealthy at once; the next
 successful poll brings it back.
+
+Membership changes at run time (``set_addresses``, called by discovery,
+gateway/discovery.py): a new address becomes an Instance, polled at once;
+an address no longer listed is taken out of routing and *drains*: it stays
+in ``draining`` (shown in /cluster) while this gateway still has requests on
+it, then is dropped. It is not closed explicitly: a request that picked it
+just before the removal (and has not reached it yet, e.g. a prefill waiting
+for its decode reservation) can still use it; its channel closes when the
+last reference goes. An address listed again while draining comes back as
+the same Instance. Listeners (the in-memory prefix index) hear of both.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import Any, Iterator
 
 import grpc
@@ -53,6 +64,7 @@ class Instance:
         self.error: str | None = "not polled yet"
         self.num_in_flight = 0
         self.num_queued_tokens = 0
+        self.is_draining = False  # taken out of routing; kept while requests are in flight on it
 
     @property
     def num_requests(self) -> int:
@@ -99,22 +111,71 @@ class Instance:
         return {"role": self.role, "address": self.address, "metrics_url": load.metrics_url,
                 "healthy": self.is_healthy, "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
-                "error": self.error}
+                "error": self.error, "draining": self.is_draining, "num_in_flight": self.num_in_flight}
 
     async def close(self) -> None:
         await self.channel.close()
 
 
-class InstanceRegistry:
-    """Owns every Instance and the background poll task."""
+Listener = Callable[[Instance], None]
 
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], poll_interval: float = 0.5,
+
+class InstanceRegistry:
+    """Owns every Instance (routable ones in ``prefill``/``decode``, removed
+    ones in ``draining``) and the background poll task."""
+
+    def __init__(self, prefill: Iterable[str] = (), decode: Iterable[str] = (), poll_interval: float = 0.5,
                  poll_timeout: float = 1.0) -> None:
         self.prefill = [Instance(PREFILL, a) for a in prefill]
         self.decode = [Instance(DECODE, a) for a in decode]
+        self.draining: list[Instance] = []
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
         self._task: asyncio.Task[None] | None = None
+        self._listeners: list[tuple[Listener, Listener]] = []
+
+    def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
+        """Call ``on_added(instance)`` / ``on_removed(instance)`` as routing gains or loses one."""
+        self._listeners.append((on_added, on_removed))
+
+    async def set_addresses(self, role: str, addresses: Iterable[str]) -> None:
+        """Make ``addresses`` the routable ``role`` servers: new ones are
+        added (and polled before this returns, once polling has started),
+        missing ones drain."""
+        active = self.prefill if role == PREFILL else self.decode
+        wanted = list(dict.fromkeys(addresses))
+        for inst in [i for i in active if i.address not in wanted]:
+            active.remove(inst)
+            inst.is_draining = True
+            self.draining.append(inst)
+            logger.info("%s server %s removed from routing; draining %d in-flight request(s)", role,
+                        inst.address, inst.num_in_flight)
+            for _, on_removed in self._listeners:
+                on_removed(inst)
+        known = {i.address for i in active}
+        added = []
+        for address in wanted:
+            if address in known:
+                continue
+            inst = next((i for i in self.draining if i.role == role and i.address == address), None)
+            if inst is not None:
+                self.draining.remove(inst)
+                inst.is_draining = False
+            else:
+                inst = Instance(role, address)
+            active.append(inst)
+            added.append(inst)
+            logger.info("%s server %s added", role, address)
+            for on_added, _ in self._listeners:
+                on_added(inst)
+        if added and self._task is not None:
+            await asyncio.gather(*(i.poll(self.poll_timeout) for i in added))
+
+    def drop_drained(self) -> None:
+        """Forget removed instances this gateway has no requests on any more."""
+        for inst in [i for i in self.draining if i.num_in_flight == 0]:
+            self.draining.remove(inst)
+            logger.info("%s server %s drained", inst.role, inst.address)
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(self.prefill + self.decode)
@@ -136,13 +197,14 @@ class InstanceRegistry:
             started = time.monotonic()
             try:
                 await self.poll_once()
+                self.drop_drained()
             except Exception:  # a bug in polling must not stop polling
                 logger.exception("instance poll failed")
             await asyncio.sleep(max(0.0, self.poll_interval - (time.monotonic() - started)))
 
     def to_json(self) -> dict[str, Any]:
         """The /cluster body."""
-        return {"instances": [i.to_json() for i in self]}
+        return {"instances": [i.to_json() for i in [*self, *self.draining]]}
 
     async def close(self) -> None:
         if self._task is not None:
@@ -151,4 +213,4 @@ class InstanceRegistry:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        await asyncio.gather(*(i.close() for i in self), return_exceptions=True)
+        await asyncio.gather(*(i.close() for i in [*self, *self.draining]), return_exceptions=True)

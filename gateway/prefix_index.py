@@ -11,7 +11,8 @@ One interface, two backends:
 - ``MemoryPrefixIndex`` follows each engine server's ``CacheEvents.Watch``
   stream and keeps the same sets in this process (``pdserve up`` without
   ``--redis-url``). A server whose stream breaks counts as holding nothing
-  until it is followed again (from a fresh snapshot).
+  until it is followed again (from a fresh snapshot). Given the registry, it
+  follows servers added at run time and forgets removed ones at once.
 
 A match is the number of leading full blocks of the prompt an instance
 holds, by the engine's own rule: at most ``(n - 1) // block_size`` blocks
@@ -66,20 +67,36 @@ class PrefixIndex(Protocol):
 
 class MemoryPrefixIndex:
     def __init__(self, instances: Iterable[Instance], retry_s: float = 1.0) -> None:
-        self._instances = list(instances)
+        self._instances = instances  # an InstanceRegistry (followed as it changes) or a fixed list
         self._blocks: dict[str, set[int]] = {}  # address -> hashes it holds now
         self._namespace: dict[str, str] = {}
         self._retry_s = retry_s
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # address -> its follower
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(i), name=f"prefix-follow-{i.address}")
-                       for i in self._instances]
+        for inst in self._instances:
+            self.follow(inst)
+        add_listener = getattr(self._instances, "add_listener", None)
+        if add_listener is not None:
+            add_listener(self.follow, self.unfollow)
+
+    def follow(self, inst: Instance) -> None:
+        if inst.address not in self._tasks:
+            self._tasks[inst.address] = asyncio.create_task(self._follow(inst), name=f"prefix-follow-{inst.address}")
+
+    def unfollow(self, inst: Instance) -> None:
+        """Stop following ``inst`` and credit it with nothing."""
+        task = self._tasks.pop(inst.address, None)
+        if task is not None:
+            task.cancel()
+        self._blocks.pop(inst.address, None)
+        self._namespace.pop(inst.address, None)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _follow(self, inst: Instance) -> None:
         stub = engine_pb2_grpc.CacheEventsStub(inst.channel)

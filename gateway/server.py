@@ -1,7 +1,7 @@
 """The gateway process: the OpenAI HTTP API (uvicorn) and ``pdserve.v1.Gateway``
 (grpc.aio) on one event loop, in front of the prefill and decode servers.
 
-    main(args): load the tokenizer -> poll the engine servers once -> start gRPC
+    main(args): load the tokenizer -> find the engine servers (discovery) -> poll them once -> start gRPC
                 -> start HTTP -> health SERVING -> "gateway ready: ..." -> wait
     SIGTERM/SIGINT: health NOT_SERVING, refuse new requests, stop listening,
                 let in-flight requests finish (--shutdown-timeout), abort the
@@ -25,6 +25,7 @@ import uvicorn
 
 from gateway import config as gateway_config
 from gateway.config import GatewayConfig, join_host_port
+from gateway.discovery import Discovery
 from gateway.grpc_servicer import GatewayServicer, add_gateway_servicer
 from gateway.http_api import create_app
 from gateway.instances import InstanceRegistry
@@ -95,7 +96,9 @@ def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixI
 
 
 async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
-    registry = InstanceRegistry(cfg.prefill, cfg.decode)
+    registry = InstanceRegistry()
+    discovery = Discovery(registry, cfg.prefill, cfg.decode, cfg.discovery_interval, cfg.redis_url,
+                          inputs.served_model_name)
     index = make_prefix_index(cfg, registry)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
                     cfg.kv_load_failure_policy)
@@ -110,6 +113,7 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
                                       timeout_graceful_shutdown=int(cfg.shutdown_timeout + _ABORT_GRACE_S) + 1))
     http_task: asyncio.Task[None] | None = None
     try:
+        await discovery.start()
         await registry.start()
         await index.start()
         await rpc.start()
@@ -135,6 +139,7 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
         if http_task is not None:
             with contextlib.suppress(Exception):
                 await http_task
+        await discovery.close()
         await index.close()
         await registry.close()
         sock.close()

@@ -8,6 +8,9 @@ Keys (``ns`` = the engines' cache namespace: model, block size, KV dtype)::
     pdserve:{ns}:alive            ZSET instance id -> time of its last heartbeat
     pdserve:{ns}:i:{instance_id}  a key with a short TTL, re-set by every heartbeat; finding it gone
                                   means Redis lost our entries (restarted, flushed): publish again
+    pdserve:namespaces            ZSET ns -> time of the last heartbeat of any server in it: how a
+                                  gateway that discovers its servers here (``--decode redis``)
+                                  finds the namespaces of its model without scanning every key
 
 An instance id is ``address#nonce`` and a new nonce starts every
 publication epoch (each start, and each re-publication after Redis came
@@ -47,6 +50,14 @@ def epoch_key(ns: str, instance_id: str) -> str:
 
 def address_of(instance_id: str) -> str:
     return instance_id.rsplit("#", 1)[0]
+
+
+NAMESPACES_KEY = "pdserve:namespaces"
+
+
+def namespace_model(ns: str) -> str:
+    """The served model name of a cache namespace (``model:block_size:kv_dtype``)."""
+    return ns.rsplit(":", 2)[0]
 
 
 class RedisIndexPublisher:
@@ -100,6 +111,8 @@ class RedisIndexPublisher:
                     pipe.set(epoch_key(ns, iid), 1, ex=int(ALIVE_TTL_S), get=True)
                     pipe.zadd(alive_key(ns), {iid: time.time()})
                     pipe.zremrangebyscore(alive_key(ns), "-inf", time.time() - 60 * ALIVE_TTL_S)
+                    pipe.zadd(NAMESPACES_KEY, {ns: time.time()})
+                    pipe.zremrangebyscore(NAMESPACES_KEY, "-inf", time.time() - 60 * ALIVE_TTL_S)
                     previous = pipe.execute()[0]
                     next_beat = time.monotonic() + HEARTBEAT_S
                     if previous is None and not fresh:  # Redis lost our entries: publish them again

@@ -1,0 +1,204 @@
+"""Where the gateway finds its engine servers, kept current while it runs.
+
+``--prefill`` and ``--decode`` each take a comma-separated list of entries
+(validated in gateway/config.py)::
+
+    HOST:PORT        a fixed server
+    dns:NAME:PORT    every address NAME resolves to (A/AAAA records: a Kubernetes headless
+                     Service, a docker compose service scaled to several containers), each at PORT
+    redis            every live server of that role registered in the Redis at --redis-url (engine
+                     servers started with the same --redis-url register themselves)
+
+Entries mix freely (``--decode dns:pdserve-decode:50071,10.0.0.7:50071``).
+Every ``--discovery-interval`` seconds each dynamic entry is looked up again
+and the registry is given the union per role (``InstanceRegistry.set_addresses``):
+new servers join routing at once, servers gone from the answer leave routing
+and drain (their in-flight requests finish; see gateway/instances.py). A
+look-up that fails (DNS timeout, Redis down) keeps that entry's last answer,
+so a resolver hiccup never empties the cluster; a name that does not exist
+(NXDOMAIN: a headless Service with no ready pods) is an empty answer.
+
+Redis registrations: engine servers keep their instance ids
+(``address#nonce``) in ``pdserve:{ns}:alive`` with a heartbeat, and the
+namespaces in ``pdserve:namespaces`` (rpc/prefix_index.py). The gateway takes
+the fresh ids of the namespaces of its own served model name, and asks each
+new id's server which tier it is: its health service knows
+``pdserve.v1.Prefill`` or ``pdserve.v1.Decode`` and not the other. A server
+that stops heartbeating (or leaves on SIGTERM) drops out within
+``ALIVE_TTL_S``.
+
+``resolve_host`` is the only place names are resolved; tests replace it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import DNS_PREFIX, REDIS_ENTRY, join_host_port
+from gateway.instances import DECODE, PREFILL, InstanceRegistry
+from pdserve.v1 import engine_pb2
+from rpc.prefix_index import ALIVE_TTL_S, NAMESPACES_KEY, address_of, alive_key, namespace_model
+
+logger = logging.getLogger(__name__)
+
+SERVICE_OF_ROLE = {PREFILL: engine_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
+                   DECODE: engine_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def resolve_host(name: str, port: int) -> list[str]:
+    """Every address ``name`` resolves to, as HOST:PORT (the system resolver:
+    /etc/hosts, then DNS). A name that does not exist resolves to nothing;
+    other failures raise OSError."""
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in _NO_SUCH_NAME:
+            return []
+        raise
+    return sorted({join_host_port(info[4][0], port) for info in infos})
+
+
+class Discovery:
+    """Owns the look-ups and the refresh task; the registry owns the instances."""
+
+    def __init__(self, registry: InstanceRegistry, prefill: Iterable[str], decode: Iterable[str],
+                 interval: float = 5.0, redis_url: str | None = None, model_name: str = "",
+                 probe_timeout: float = 1.0) -> None:
+        self.registry = registry
+        self.entries = {PREFILL: tuple(prefill), DECODE: tuple(decode)}
+        self.interval = interval
+        self.probe_timeout = probe_timeout
+        self._last: dict[str, list[str]] = {}  # entry -> its last successful answer
+        self._warned: set[str] = set()  # entries whose failure was logged (once, until they answer)
+        self._redis = RedisRegistrations(redis_url, model_name) if any(
+            REDIS_ENTRY in e for e in self.entries.values()) else None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def is_dynamic(self) -> bool:
+        return any(e.startswith(DNS_PREFIX) or e == REDIS_ENTRY for es in self.entries.values() for e in es)
+
+    async def start(self) -> None:
+        """Look everything up once (the registry then knows every server),
+        then again every ``interval`` seconds if any entry is dynamic."""
+        await self.refresh()
+        if self.is_dynamic:
+            self._task = asyncio.create_task(self._refresh_forever(), name="discovery")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.close()
+
+    async def refresh(self) -> None:
+        """One round: every entry's answer, handed to the registry per role."""
+        registered = await self._lookup(REDIS_ENTRY, self._redis.lookup) if self._redis else None
+        for role, entries in self.entries.items():
+            addresses: list[str] = []
+            for entry in entries:
+                if entry == REDIS_ENTRY:
+                    addresses += (registered or {}).get(role, [])
+                elif entry.startswith(DNS_PREFIX):
+                    name, _, port = entry[len(DNS_PREFIX):].rpartition(":")
+                    addresses += await self._lookup(entry, lambda: _resolve(name, int(port))) or []
+                else:
+                    addresses.append(entry)
+            await self.registry.set_addresses(role, addresses)
+
+    async def _lookup(self, entry: str, lookup):
+        try:
+            answer = await lookup()
+        except Exception as exc:  # the resolver's or Redis's failure: keep the last answer
+            if entry not in self._warned:
+                logger.warning("discovery: looking up %s failed (%s); keeping its last answer %s", entry,
+                               exc or type(exc).__name__, self._last.get(entry, "(none)"))
+                self._warned.add(entry)
+            return self._last.get(entry)
+        if entry in self._warned:
+            logger.info("discovery: %s answers again", entry)
+            self._warned.discard(entry)
+        self._last[entry] = answer
+        return answer
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not stop discovery
+                logger.exception("discovery round failed")
+
+
+async def _resolve(name: str, port: int) -> list[str]:
+    return await asyncio.get_running_loop().run_in_executor(None, resolve_host, name, port)
+
+
+class RedisRegistrations:
+    """The live engine servers of one served model in the Redis the engine
+    servers publish to, by role."""
+
+    def __init__(self, url: str | None, model_name: str, timeout_s: float = 1.0) -> None:
+        import redis.asyncio as aredis
+
+        if not url:
+            raise ValueError("discovery from Redis needs --redis-url")
+        self.model_name = model_name
+        self._redis = aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._roles: dict[str, str] = {}  # instance id -> role (asked once per id)
+        self._timeout_s = timeout_s
+        self._skipped: set[str] = set()  # namespaces of other models (logged once)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def lookup(self) -> dict[str, list[str]]:
+        fresh = time.time() - ALIVE_TTL_S
+        namespaces = [ns.decode() for ns in await self._redis.zrangebyscore(NAMESPACES_KEY, fresh, "+inf")]
+        mine = [ns for ns in namespaces if namespace_model(ns) == self.model_name]
+        for ns in set(namespaces) - set(mine) - self._skipped:
+            logger.info("discovery: Redis namespace %s is another model's (this gateway serves %s)", ns,
+                        self.model_name)
+            self._skipped.add(ns)
+        pipe = self._redis.pipeline(transaction=False)
+        for ns in mine:
+            pipe.zrangebyscore(alive_key(ns), fresh, "+inf")
+        ids = sorted({i.decode() for members in await pipe.execute() for i in members})
+        unknown = [i for i in ids if i not in self._roles]
+        for iid, role in zip(unknown, await asyncio.gather(*(probe_role(address_of(i), self._timeout_s)
+                                                              for i in unknown))):
+            if role is not None:
+                self._roles[iid] = role
+        self._roles = {i: r for i, r in self._roles.items() if i in ids}  # forget ids gone from Redis
+        out: dict[str, list[str]] = {PREFILL: [], DECODE: []}
+        for iid in ids:
+            if iid in self._roles and address_of(iid) not in out[self._roles[iid]]:
+                out[self._roles[iid]].append(address_of(iid))  # a restarted server may briefly have two ids
+        return out
+
+
+async def probe_role(address: str, timeout: float) -> str | None:
+    """Which tier the server at ``address`` is (None: it did not answer)."""
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for role, service in SERVICE_OF_ROLE.items():
+            try:
+                await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                return role
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    logger.debug("discovery: %s did not say its role: %s", address, e.code().name)
+                    return None
+        logger.warning("discovery: %s is registered in Redis but serves neither tier", address)
+        return None
+    finally:
+        await channel.close()
