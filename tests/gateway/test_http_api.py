@@ -167,6 +167,7 @@ def test_decode_queue_full_is_429(cluster, client, oai):
     cluster.fake.state.knobs.queue_full = True
     r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+    assert r.headers["retry-after"] == "1"
     with pytest.raises(openai.RateLimitError):
         oai.completions.create(model=MODEL, prompt="x")
 
