@@ -1,21 +1,56 @@
-"""docker-compose.yml and the CLI agree: every service's command parses
-with pdserve's own argument parser, ports match the servers' defaults and
-the published ports, health checks name modules that exist. (No Docker
-engine runs here, so the file is checked rather than run.)"""
+"""The deployment files and the CLI agree, checked offline (no Docker engine
+or cluster runs here):
+
+- docker-compose.yml: every service's command (with the config files it
+  names) parses with pdserve's own parser; ports, discovery names and
+  health checks fit the servers.
+- deploy/kubernetes: every manifest, and what the base and the example
+  overlay build to, validates strictly against the Kubernetes API schemas
+  (kubernetes-validate); every pdserve container's arguments, with the
+  ConfigMap's files, parse with the CLI's parser; probes, ports, GPUs,
+  drain times and discovery names fit together.
+
+The overlays are built here by a small stand-in for kustomize that covers
+the features our kustomizations use (resources, configMapGenerator, images,
+replicas, strategic-merge patches, namespace, labels); where kubectl is
+installed, its own build is compared with it."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
 from pdserve.cli import build_parser
+from pdserve.config_file import with_config_files
 
 ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "kubernetes"
+BASE, OVERLAY = K8S / "base", K8S / "overlays" / "example"
+CONFIG_DIR = BASE / "config"
 _VAR = re.compile(r"\$\{([A-Z_]+)(?::-([^}]*))?\}")
+ENGINES = ("prefill", "decode")
 
+
+def _parse(argv: list[str], files: dict[str, str]):
+    """Parse ``pdserve`` arguments with the CLI's parser, reading ``--config``
+    files from ``files`` (mount path -> YAML text)."""
+    assert argv[0] in ("gateway", "prefill", "decode"), argv
+    parser = build_parser(argv[0])
+
+    def read(path: str):
+        assert path in files, f"{path} is not a mounted config file"
+        return yaml.safe_load(files[path])
+    return parser.parse_args(with_config_files(parser, argv, read))
+
+
+# ---- docker-compose.yml ---------------------------------------------------
 
 def substitute(value: str) -> str:
     """Compose interpolation with each variable's default."""
@@ -27,78 +62,330 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def command(service: dict) -> list[str]:
-    return [substitute(str(a)) for a in service["command"]]
+def _mounted_config(service: dict) -> dict[str, str]:
+    """/etc/pdserve/<file> -> contents, for a compose service mounting the config directory."""
+    mounts = [v for v in service["volumes"] if v.endswith(":/etc/pdserve:ro")]
+    assert mounts, "the config directory is not mounted"
+    assert (ROOT / mounts[0].split(":")[0]).resolve() == CONFIG_DIR
+    return {f"/etc/pdserve/{p.name}": p.read_text() for p in CONFIG_DIR.glob("*.yaml")}
 
 
-def test_topology_has_every_service(compose):
+def compose_argv(compose: dict, name: str) -> list[str]:
+    """The pdserve arguments a compose service runs with (after its entrypoint)."""
+    service = compose["services"][name]
+    argv = [substitute(str(a)) for a in service["command"]]
+    if name in ENGINES:  # sh -c 'exec pdserve "$@" --advertise-host <its IP>' pdserve <command>
+        entrypoint = service["entrypoint"]
+        assert entrypoint[:2] == ["sh", "-c"] and entrypoint[3] == "pdserve"
+        assert entrypoint[2].startswith('exec pdserve "$$@" --advertise-host "$$(hostname -i')
+        return argv + ["--advertise-host", "172.18.0.5"]
+    assert argv[0] == "pdserve"
+    return argv[1:]
+
+
+def test_compose_topology_has_every_service(compose):
     assert {"gateway", "prefill", "decode", "redis", "jaeger"} <= set(compose["services"])
 
 
 @pytest.mark.parametrize("name", ["gateway", "prefill", "decode"])
-def test_commands_parse_with_the_cli(compose, name):
-    argv = command(compose["services"][name])
-    assert argv[0] == "pdserve" and argv[1] == name
-    args = build_parser(name).parse_args(argv[1:])
+def test_compose_commands_parse_with_the_cli(compose, name):
+    argv = compose_argv(compose, name)
+    assert argv[0] == name
+    args = _parse(argv, _mounted_config(compose["services"][name]))
     assert args.host == "0.0.0.0"  # containers bind every interface
+    assert args.config == ["/etc/pdserve/shared.yaml", f"/etc/pdserve/{name}.yaml"]
 
 
-def test_ports_match_defaults_and_published(compose):
+def test_compose_ports_discovery_and_health_checks_fit(compose):
     from decode_service.server import DEFAULT_PORT as DECODE_PORT
     from prefill_service.server import DEFAULT_PORT as PREFILL_PORT
 
     s = compose["services"]
-    pre = build_parser("prefill").parse_args(command(s["prefill"])[1:])
-    dec = build_parser("decode").parse_args(command(s["decode"])[1:])
-    gw = build_parser("gateway").parse_args(command(s["gateway"])[1:])
+    files = _mounted_config(s["gateway"])
+    pre, dec, gw = (_parse(compose_argv(compose, n), files) for n in ("prefill", "decode", "gateway"))
     assert (pre.port, dec.port) == (PREFILL_PORT, DECODE_PORT) == (50061, 50071)
     assert (gw.http_port, gw.grpc_port) == (8000, 50051)
-    defaults = build_parser("gateway").parse_args(["gateway", "--decode", "x:1"])
-    assert (defaults.http_port, defaults.grpc_port) == (8000, 50051)
-    assert f"{PREFILL_PORT}:{PREFILL_PORT}" in s["prefill"]["ports"]
-    assert f"{DECODE_PORT}:{DECODE_PORT}" in s["decode"]["ports"]
     assert {"8000:8000", "50051:50051"} <= set(s["gateway"]["ports"])
-    # the gateway reaches the engines by service name on their ports
-    argv = command(s["gateway"])
-    assert argv[argv.index("--prefill") + 1] == f"prefill:{PREFILL_PORT}"
-    assert argv[argv.index("--decode") + 1] == f"decode:{DECODE_PORT}"
-
-
-def test_engine_services_reserve_a_gpu_and_check_grpc_health(compose):
-    for name in ("prefill", "decode"):
-        svc = compose["services"][name]
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["capabilities"] == ["gpu"]
-        test = svc["healthcheck"]["test"]
+    for name in ENGINES:  # engines publish nothing: scaled services cannot share a host port
+        assert "ports" not in s[name]
+    # The gateway finds the engines by their service aliases, on their ports.
+    assert gw.prefill == f"dns:pdserve-prefill:{PREFILL_PORT}" and gw.decode == f"dns:pdserve-decode:{DECODE_PORT}"
+    assert "pdserve-prefill" in s["prefill"]["networks"]["default"]["aliases"]
+    assert "pdserve-decode" in s["decode"]["networks"]["default"]["aliases"]
+    # Redis and Jaeger answer to the same names as on Kubernetes.
+    assert gw.redis_url == pre.redis_url == dec.redis_url == "redis://pdserve-redis:6379/0"
+    assert "pdserve-redis" in s["redis"]["networks"]["default"]["aliases"]
+    assert "pdserve-jaeger" in s["jaeger"]["networks"]["default"]["aliases"]
+    for name, args in (("prefill", pre), ("decode", dec)):
+        test = s[name]["healthcheck"]["test"]
         module = test[test.index("-m") + 1]
         assert importlib.util.find_spec(module) is not None, module
-        port = build_parser(name).parse_args(command(svc)[1:]).port
-        assert test[-1].endswith(f":{port}")
+        assert test[-1] == f"127.0.0.1:{args.port}"
+        assert s[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        assert _seconds(s[name]["stop_grace_period"]) > args.drain_timeout
+    assert f"127.0.0.1:{gw.http_port}/health" in " ".join(s["gateway"]["healthcheck"]["test"])
+    assert _seconds(s["gateway"]["stop_grace_period"]) > gw.shutdown_timeout
 
 
-def test_jaeger_takes_otlp_and_services_export_to_it(compose):
+def _seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+def test_compose_exports_traces_to_jaeger(compose):
     s = compose["services"]
     assert s["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     assert "16686:16686" in s["jaeger"]["ports"] and "4317:4317" in s["jaeger"]["ports"]
     for name in ("gateway", "prefill", "decode"):
-        assert s[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert s[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://pdserve-jaeger:4317"
 
 
-def _variables(service: dict) -> list[tuple[str, str]]:
-    """(flag, variable) for every ``${VAR}`` in the service's command; the
-    flag is the argument before it."""
-    raw = [str(a) for a in service["command"]]
-    return [(raw[i - 1] if i else "", m.group(1)) for i, a in enumerate(raw) if (m := _VAR.search(a))]
-
-
-def test_environment_variables_are_named_after_flags(compose):
+def test_compose_environment_variables_are_named_after_flags(compose):
     s = compose["services"]
     for name in ("gateway", "prefill", "decode"):
-        for flag, var in _variables(s[name]):
-            assert flag.startswith("--") and var.endswith(flag[2:].upper().replace("-", "_")), (name, flag, var)
-    # The knobs the file's header promises, for both engine tiers.
-    for tier in ("prefill", "decode"):
-        names = {var for _, var in _variables(s[tier])}
-        assert {"MODEL", "DTYPE", "DEVICE", "MAX_MODEL_LEN", "BLOCK_SIZE", "GPU_MEMORY_UTILIZATION",
-                f"{tier.upper()}_MAX_NUM_BATCHED_TOKENS", f"{tier.upper()}_MAX_NUM_SEQS"} <= names, (tier, names)
-    assert {"MODEL", "MAX_MODEL_LEN"} <= {var for _, var in _variables(s["gateway"])}
+        raw = [str(a) for a in s[name]["command"]]
+        found = [(raw[i - 1], m.group(1)) for i, a in enumerate(raw) if (m := _VAR.search(a))]
+        for flag, var in found:
+            assert flag.startswith("--") and var == flag[2:].upper().replace("-", "_"), (name, flag, var)
+        wanted = {"MODEL"} | ({"DTYPE", "DEVICE"} if name in ENGINES else set())
+        assert wanted <= {var for _, var in found}, (name, found)
+
+
+# ---- Kubernetes: a kustomize stand-in ---------------------------------------
+
+def _load_all(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _merge(target, patch):
+    """Strategic merge as our patches need it: maps merge key by key, lists
+    of named maps (containers, ports, volumes, env) merge by name, other
+    lists are replaced."""
+    if isinstance(target, dict) and isinstance(patch, dict):
+        out = dict(target)
+        for k, v in patch.items():
+            out[k] = _merge(target[k], v) if k in target else copy.deepcopy(v)
+        return out
+    if (isinstance(target, list) and isinstance(patch, list) and
+            all(isinstance(x, dict) and "name" in x for x in target + patch)):
+        out = [copy.deepcopy(x) for x in target]
+        for item in patch:
+            i = next((j for j, x in enumerate(out) if x["name"] == item["name"]), None)
+            if i is None:
+                out.append(copy.deepcopy(item))
+            else:
+                out[i] = _merge(out[i], item)
+        return out
+    return copy.deepcopy(patch)
+
+
+_KNOWN = {"apiVersion", "kind", "resources", "configMapGenerator", "images", "replicas", "patches", "namespace",
+          "labels"}
+
+
+def build(directory: Path) -> list[dict]:
+    """What ``kubectl kustomize directory`` makes (ConfigMap names without the hash suffix)."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert set(k) <= _KNOWN, f"{directory}: the stand-in does not know {set(k) - _KNOWN}"
+    objects: list[dict] = []
+    for entry in k.get("resources", []):
+        path = (directory / entry).resolve()
+        objects += build(path) if path.is_dir() else _load_all(path)
+    for gen in k.get("configMapGenerator", []):
+        data = {Path(f).name: (directory / f).read_text() for f in gen["files"]}
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for image in k.get("images", []):
+        for c in _containers(objects):
+            if c["image"].split(":")[0] == image["name"]:
+                c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    for r in k.get("replicas", []):
+        _find(objects, "Deployment", r["name"])["spec"]["replicas"] = r["count"]
+    for patch in k.get("patches", []):
+        p = yaml.safe_load((directory / patch["path"]).read_text())
+        target = _find(objects, p["kind"], p["metadata"]["name"])
+        objects[objects.index(target)] = _merge(target, p)
+    for label in k.get("labels", []):
+        for o in objects:
+            o["metadata"].setdefault("labels", {}).update(label["pairs"])
+    if "namespace" in k:
+        for o in objects:
+            if o["kind"] != "Namespace":
+                o["metadata"]["namespace"] = k["namespace"]
+    return objects
+
+
+def _find(objects: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _containers(objects: list[dict]) -> list[dict]:
+    return [c for o in objects if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]]
+
+
+# The oldest Kubernetes whose defaults run these manifests (the preStop
+# sleep action is on by default from 1.30), and the newest schemas at hand.
+KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
+
+
+def _validate(obj: dict, where: str) -> None:
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{where}: {obj['kind']}/{obj['metadata'].get('name')} (Kubernetes {version}): "
+                                 f"{'.'.join(map(str, e.path))}: {e.message}") from None
+
+
+@pytest.fixture(scope="module", params=["base", "overlay"])
+def built(request) -> list[dict]:
+    return build(BASE if request.param == "base" else OVERLAY)
+
+
+def _manifest_files() -> list[Path]:
+    """Every Kubernetes object file (not kustomizations, patches or pdserve config)."""
+    files = [p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"
+             and CONFIG_DIR not in p.parents and "patches" not in p.parts]
+    assert len(files) >= 6, files
+    return files
+
+
+@pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_every_manifest_validates_strictly(path):
+    for obj in _load_all(path):
+        _validate(obj, str(path.relative_to(ROOT)))
+
+
+def test_what_the_kustomizations_build_validates_strictly(built):
+    assert {o["kind"] for o in built} >= {"Deployment", "Service", "ConfigMap"}
+    for obj in built:
+        _validate(obj, "built")
+
+
+def test_the_schema_check_is_strict():
+    obj = _load_all(BASE / "gateway.yaml")[0]
+    obj["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/health"}}
+    with pytest.raises(AssertionError, match="readinesProbe"):
+        _validate(obj, "typo")
+
+
+# ---- Kubernetes: the pdserve containers ---------------------------------------
+
+def _pdserve_containers(objects: list[dict]) -> dict[str, tuple[dict, dict, object]]:
+    """role -> (pod spec, container, parsed arguments) for each pdserve container."""
+    config = _find(objects, "ConfigMap", "pdserve-config")["data"]
+    out = {}
+    for o in objects:
+        if o["kind"] != "Deployment":
+            continue
+        spec = o["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            if c.get("command") != ["pdserve"]:
+                continue
+            mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
+            volume = next(v for v in spec["volumes"] if v["name"] == "config")
+            assert volume["configMap"]["name"] == "pdserve-config"
+            files = {f"{mount}/{name}": text for name, text in config.items()}
+            env = {e["name"] for e in c.get("env", [])}
+            argv = [re.sub(r"\$\((\w+)\)", lambda m: "10.1.2.3" if m.group(1) in env else m.group(0), a)
+                    for a in c["args"]]
+            out[argv[0]] = (spec, c, _parse(argv, files))
+    assert set(out) == {"gateway", "prefill", "decode"}, set(out)
+    return out
+
+
+def _port(container: dict, name_or_number) -> int:
+    if isinstance(name_or_number, int):
+        return name_or_number
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == name_or_number)
+
+
+def _service(objects: list[dict], name: str) -> dict:
+    return _find(objects, "Service", name)
+
+
+def test_engine_servers_have_gpus_grpc_probes_drain_and_headless_services(built):
+    for role, (spec, c, args) in _pdserve_containers(built).items():
+        if role not in ENGINES:
+            continue
+        assert args.host == "0.0.0.0" and args.advertise_host == "10.1.2.3"  # $(POD_IP)
+        assert next(e for e in c["env"] if e["name"] == "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "status.podIP"
+        assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+        assert _port(c, "grpc") == args.port and _port(c, "metrics") == args.metrics_port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == args.port, probe  # grpc.health.v1 on the server's own port
+        # SIGTERM comes after preStop; the drain must fit in what is left of the grace period.
+        pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert spec["terminationGracePeriodSeconds"] >= pre_stop + args.drain_timeout + 10
+        # The liveness probe tolerates NOT_SERVING for a whole drain.
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] > args.drain_timeout
+        svc = _service(built, f"pdserve-{role}")
+        assert svc["spec"]["clusterIP"] == "None"  # headless: DNS answers with every ready pod
+        assert svc["spec"]["selector"].items() <= spec_labels(built, f"pdserve-{role}").items()
+        assert {p["port"] for p in svc["spec"]["ports"]} == {args.port, args.metrics_port}
+
+
+def spec_labels(objects: list[dict], deployment: str) -> dict:
+    return _find(objects, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_gateway_probes_over_http_and_finds_the_engines(built):
+    containers = _pdserve_containers(built)
+    spec, c, gw = containers["gateway"]
+    assert gw.host == "0.0.0.0"
+    assert _port(c, "http") == gw.http_port and _port(c, "grpc") == gw.grpc_port
+    ready = c["readinessProbe"]["httpGet"]
+    assert ready["path"] == "/health" and _port(c, ready["port"]) == gw.http_port
+    live = c["livenessProbe"]["httpGet"]
+    assert live["path"] in ("/health", "/metrics") and _port(c, live["port"]) == gw.http_port
+    assert spec["terminationGracePeriodSeconds"] >= c["lifecycle"]["preStop"]["sleep"]["seconds"] + \
+        gw.shutdown_timeout + 10
+    svc = _service(built, "pdserve-gateway")
+    assert {p["port"] for p in svc["spec"]["ports"]} == {gw.http_port, gw.grpc_port}
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    # Discovery: each tier's headless Service by name, on that tier's port.
+    for role, entry in (("prefill", gw.prefill), ("decode", gw.decode)):
+        port = containers[role][2].port
+        assert entry == f"dns:pdserve-{role}:{port}", entry
+    # Every pdserve service shares the Redis Service and exports traces to Jaeger's OTLP port.
+    redis_port = _service(built, "pdserve-redis")["spec"]["ports"][0]["port"]
+    otlp = next(p["port"] for p in _service(built, "pdserve-jaeger")["spec"]["ports"] if p["name"] == "otlp-grpc")
+    for role, (_, container, args) in containers.items():
+        assert args.redis_url == f"redis://pdserve-redis:{redis_port}/0", role
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://pdserve-jaeger:{otlp}", role
+
+
+def test_the_example_overlay_sets_images_replicas_and_resources():
+    base, overlay = build(BASE), build(OVERLAY)
+    images = {c["name"]: c["image"] for c in _containers(overlay)}
+    assert images["gateway"] == images["prefill"] == images["decode"] == "registry.example.com/ml/pdserve:0.1.0"
+    assert {c["image"] for c in _containers(base) if c["name"] in ("gateway", "prefill", "decode")} == \
+        {"pdserve:latest"}
+    replicas = {o["metadata"]["name"]: o["spec"]["replicas"] for o in overlay if o["kind"] == "Deployment"}
+    assert replicas == {"pdserve-gateway": 2, "pdserve-prefill": 2, "pdserve-decode": 4, "pdserve-redis": 1,
+                        "pdserve-jaeger": 1}
+    for role in ENGINES:
+        c = next(c for c in _containers(overlay) if c["name"] == role)
+        b = next(c for c in _containers(base) if c["name"] == role)
+        assert c["resources"] != b["resources"] and c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["args"] == b["args"] and c["readinessProbe"] == b["readinessProbe"]  # the patch touched only sizes
+    assert {o["metadata"].get("namespace") for o in overlay if o["kind"] != "Namespace"} == {"pdserve"}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("directory", [BASE, OVERLAY], ids=["base", "overlay"])
+def test_the_stand_in_builds_what_kustomize_builds(directory):
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True)
+    real = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for obj in real:  # names carry a content hash; references to them too
+        if obj["kind"] == "ConfigMap":
+            obj["metadata"]["name"] = re.sub(r"-[a-z0-9]{10}$", "", obj["metadata"]["name"])
+        for volume in obj.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+            if "configMap" in volume:
+                volume["configMap"]["name"] = re.sub(r"-[a-z0-9]{10}$", "", volume["configMap"]["name"])
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(real, key=key) == sorted(build(directory), key=key)
