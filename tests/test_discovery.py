@@ -153,9 +153,9 @@ def test_redis_registrations_by_role(redis):
 
     async def go():
         servers, rpcs = {}, []
-        for role in ("pdserve.v1.Prefill", "pdserve.v1.Decode", "pdserve.v1.Gateway"):
-            rpcs.append(RpcServer("127.0.0.1:0", [role]))  # health NOT_SERVING: the tier is known all the same
-            await rpcs[-1].start()
+        for role in ("pdserve.v1.Prefill", "pdserve.v1.Decode", "pdserve.v1.Gateway", "other model"):
+            rpcs.append(RpcServer("127.0.0.1:0", ["pdserve.v1.Decode" if role == "other model" else role]))
+            await rpcs[-1].start()  # health NOT_SERVING: the tier is known all the same
             servers[role] = f"127.0.0.1:{rpcs[-1].port}"
         r = sync_redis.Redis.from_url(redis.url)
         now = time.time()
@@ -166,14 +166,16 @@ def test_redis_registrations_by_role(redis):
             f"{servers['pdserve.v1.Gateway']}#d": now,  # neither tier
             "127.0.0.1:1#e": now,  # does not answer
             "127.0.0.1:2#f": now - 60})  # stale heartbeat
-        r.zadd(alive_key("other:16:float32"), {"127.0.0.1:3#g": now})
+        r.zadd(alive_key("other:16:float32"), {f"{servers['other model']}#g": now})
         r.zadd(alive_key("tiny:32:float32"), {"127.0.0.1:4#h": now})
         reg = RedisRegistrations(redis.url, "tiny", timeout_s=0.5)
-        found = await reg.lookup()
-        assert found == {"prefill": [servers["pdserve.v1.Prefill"]], "decode": [servers["pdserve.v1.Decode"]]}
-        r.zrem(alive_key("tiny:16:float32"), f"{servers['pdserve.v1.Prefill']}#a")
-        assert (await reg.lookup())["prefill"] == []
-        await reg.close()
-        for rpc in rpcs:
-            await rpc.server.stop(None)
+        try:
+            found = await reg.lookup()
+            assert found == {"prefill": [servers["pdserve.v1.Prefill"]], "decode": [servers["pdserve.v1.Decode"]]}
+            r.zrem(alive_key("tiny:16:float32"), f"{servers['pdserve.v1.Prefill']}#a")
+            assert (await reg.lookup())["prefill"] == []
+        finally:
+            await reg.close()
+            for rpc in rpcs:
+                await rpc.server.stop(None)
     asyncio.run(go())
