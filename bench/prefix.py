@@ -194,12 +194,50 @@ def route_times(traces: Path, num_probes: int) -> dict:
             "idle_p50_ms": _pct(idle, 0.5), "idle_p99_ms": _pct(idle, 0.99)}
 
 
+async def _route_cost(args: argparse.Namespace, prompts: list[list[int]], n: int = 1000) -> dict:
+    """What routing adds per request, alone: hashing the prompt's blocks off the
+    event loop, one lookup in a real local Redis holding this workload's blocks
+    for two prefill servers, and the choice; ``n`` sequential routes."""
+    from gateway.instances import InstanceRegistry
+    from gateway.prefix_index import RedisPrefixIndex
+    from gateway.router import Router
+    from pdserve.v1 import common_pb2
+    from rpc.local_redis import LocalRedis
+    from rpc.prefix_index import alive_key, block_key
+
+    import redis as sync_redis
+
+    ns = f"bench:{args.block_size}:float32"
+    with LocalRedis() as server:
+        r = sync_redis.Redis.from_url(server.url)
+        pipe = r.pipeline(transaction=False)
+        for i, p in enumerate(prompts):  # the workload's blocks, split over two servers
+            for h in hash_request_blocks(p, args.block_size):
+                pipe.sadd(block_key(ns, h), f"127.0.0.1:{1 + i % 2}#bench")
+        pipe.zadd(alive_key(ns), {"127.0.0.1:1#bench": time.time() + 3600, "127.0.0.1:2#bench": time.time() + 3600})
+        pipe.execute()
+        registry = InstanceRegistry(("127.0.0.1:1", "127.0.0.1:2"), ("127.0.0.1:3",))
+        for inst in registry:
+            inst.is_healthy = True
+            inst.load = common_pb2.LoadInfo(block_size=args.block_size, cache_namespace=ns, kv_blocks_total=1)
+        index = RedisPrefixIndex(server.url, timeout_s=0.05)
+        router = Router(registry, index)
+        ms = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            await router.route(prompts[i % len(prompts)])
+            ms.append((time.perf_counter() - t0) * 1e3)
+        await index.close()
+        await registry.close()
+    return {"routes": n, "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms)}
+
+
 def main(args: argparse.Namespace) -> int:
     systems, turns = workload(args)
     flat = [p for prompts in turns for p in prompts]
     share = shareable([[s + [7] for s in systems], *turns], args.block_size)[len(systems):]
     result: dict = {"shareable_tokens": sum(share), "prompt_tokens": sum(len(p) for p in flat), "modes": {}}
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):
         weight = {"kv-aware": 1.0, "load-only": 0.0}[mode]
         with tempfile.TemporaryDirectory() as tmp:
             traces = Path(tmp) / "traces.jsonl"
@@ -213,6 +251,9 @@ def main(args: argparse.Namespace) -> int:
               f"{r['ttft']['p50'] * 1e3:.0f} ms p90 {r['ttft']['p90'] * 1e3:.0f} ms, route p99 "
               f"{r['route']['p99_ms']:.2f} ms under load, {r['route']['idle_p99_ms']:.2f} ms idle, "
               f"{r['completed']} ok / {r['failed']} failed", flush=True)
+    result["route_cost"] = asyncio.run(_route_cost(args, flat))
+    print(f"routing alone (hash + Redis lookup + choice), {result['route_cost']['routes']} routes: p50 "
+          f"{result['route_cost']['p50_ms']:.3f} ms, p99 {result['route_cost']['p99_ms']:.3f} ms", flush=True)
     modes = result["modes"]
     if {"kv-aware", "load-only"} <= modes.keys():
         result["ttft_p50_speedup"] = modes["load-only"]["ttft"]["p50"] / max(1e-9, modes["kv-aware"]["ttft"]["p50"])
