@@ -1,0 +1,100 @@
+"""A client that goes away frees its request's KV blocks on every tier within
+two seconds, whatever stage the request was in: waiting for a decode slot,
+prefilling, or decoding (real gateway, prefill and decode processes on the
+tiny model; receiving KV is covered by the engine's state tests)."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.processes import GatewayProcess, ServiceProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+
+class Engine(ServiceProcess):
+    def __init__(self, role: str, model, *flags: str) -> None:
+        self.role = role
+        self.address = f"127.0.0.1:{free_port()}"
+        super().__init__(role, f"{role}_service.server",
+                         ["--port", self.address.rsplit(":", 1)[1], "--metrics-port", "0", "--model", str(model),
+                          "--kv-cache-memory", "16MiB", *flags], f"{role} server ready",
+                         env={"OMP_NUM_THREADS": "1"})
+
+    def load(self) -> common_pb2.LoadInfo:
+        stub = engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub
+        with grpc.insecure_channel(self.address) as ch:
+            return stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    # Prefill: one token per step, so a 400-token prompt prefills for hundreds of steps.
+    # Decode: one sequence at a time, so a second request waits for a slot.
+    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1")
+    decode = Engine("decode", tiny_llama_dir, "--max-num-seqs", "1")
+    gw = GatewayProcess("gw-cancel", ["--prefill", prefill.address, "--decode", decode.address,
+                                      "--max-model-len", "512"])
+    procs = [gw, prefill, decode]
+    try:
+        for p in procs:
+            p.wait_ready()
+        deadline = time.monotonic() + 30
+        while not all(i["healthy"] for i in httpx.get(gw.http_url + "/cluster").json()["instances"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        yield gw, prefill, decode, gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+    finally:
+        codes = [p.stop() for p in procs]
+    assert codes == [0, 0, 0], [p.logs() for p in procs]
+
+
+def _start(stub, n_prompt: int, max_tokens: int, seed: int):
+    prompt = [7 + (seed * 17 + j * 13) % 370 for j in range(n_prompt)]
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=sampling),
+                         timeout=120)
+
+
+def _until(cond, what: str, timeout: float = 20.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def _all_free(gw) -> bool:
+    return not any(i["kv_blocks_used"] for i in httpx.get(gw.http_url + "/cluster").json()["instances"])
+
+
+def _engines_free(*engines) -> bool:
+    return all(e.load().kv_blocks_used == 0 for e in engines)
+
+
+def test_cancel_while_prefilling(cluster):
+    gw, prefill, decode, stub = cluster
+    call = _start(stub, 400, 4, seed=1)
+    _until(lambda: prefill.load().num_running == 1, "the prefill never started")
+    assert decode.load().kv_blocks_used > 0  # reserved for the KV to come
+    call.cancel()
+    assert _until(lambda: _engines_free(prefill, decode), "blocks still held", timeout=2.0) < 2.0
+    _until(lambda: _all_free(gw), "/cluster still shows blocks held")
+
+
+def test_cancel_while_waiting_for_a_decode_slot_and_while_decoding(cluster):
+    gw, prefill, decode, stub = cluster
+    running = _start(stub, 40, 400, seed=2)
+    next(running)  # decoding: the decode server's only slot is taken
+    waiting = _start(stub, 40, 4, seed=3)
+    _until(lambda: decode.load().num_waiting == 1, "the second request is not waiting")
+    waiting.cancel()
+    assert _until(lambda: decode.load().num_waiting == 0, "still waiting", timeout=2.0) < 2.0
+    assert decode.load().num_running == 1
+    running.cancel()
+    assert _until(lambda: _engines_free(prefill, decode), "blocks still held", timeout=2.0) < 2.0
+    _until(lambda: _all_free(gw), "/cluster still shows blocks held")
