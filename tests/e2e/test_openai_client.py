@@ -107,7 +107,8 @@ def test_grpc_generate_matches_token_for_token(servers, llm):
                   common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
         for sp, proto in cases:
             for prompt, ref in zip(PROMPTS, llm.generate(PROMPTS, sp)):
-                msgs = list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120))
+                msgs = list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120,
+                                          metadata=[("authorization", f"Bearer {API_KEY}")]))
                 assert list(msgs[0].prompt_token_ids) == ref.prompt_token_ids
                 assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids, (prompt, sp)
                 assert "".join(m.text for m in msgs) == ref.outputs[0].text
