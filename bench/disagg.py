@@ -14,13 +14,12 @@ import argparse
 import asyncio
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import grpc
 
 from bench import serve
+from bench.cluster import UpCluster
 from bench.results import write_result
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -39,27 +38,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
-class Up:
-    """A `pdserve up` cluster for the duration of a with-block."""
+class Up(UpCluster):
+    """A `pdserve up` cluster in ``mode`` for the duration of a with-block."""
 
     def __init__(self, args: argparse.Namespace, mode: str) -> None:
         b = args.port_base
         self.http, self.grpc, self.prefill, self.decode = b, b + 1, b + 2, b + 4
-        self.argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill-mode", mode,
-                     "--http-port", str(b), "--grpc-port", str(b + 1), "--prefill-port", str(b + 2),
-                     "--decode-port", str(b + 4), "--disable-log-requests", *args.engine_args.split()]
-
-    def __enter__(self) -> "Up":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("pdserve ready"):
-                return self
-        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(120)
+        super().__init__(["--prefill-mode", mode, "--http-port", str(b), "--grpc-port", str(b + 1),
+                          "--prefill-port", str(b + 2), "--decode-port", str(b + 4), "--disable-log-requests",
+                          *args.engine_args.split()])
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:

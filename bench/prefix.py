@@ -29,12 +29,11 @@ import json
 import random
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.cluster import UpCluster
 from bench.results import write_result
 from bench.serve import Sample, _pct, one_request
 from engine.block_hash import hash_request_blocks
@@ -99,27 +98,14 @@ def shareable(rounds: list[list[list[int]]], block_size: int) -> list[int]:
     return out
 
 
-class Cluster:
+class Cluster(UpCluster):
     def __init__(self, args: argparse.Namespace, weight: float, traces: Path) -> None:
         b = args.port_base
         self.http, self.prefill_ports = b, (b + 2, b + 3)
-        self.argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "1", "--start-redis",
-                     "--http-port", str(b), "--grpc-port", str(b + 1), "--prefill-port", str(b + 2),
-                     "--decode-port", str(b + 5), "--kv-overlap-score-weight", str(weight),
-                     "--traces-file", str(traces), "--disable-log-requests", "--block-size", str(args.block_size),
-                     *args.engine_args.split()]
-
-    def __enter__(self) -> "Cluster":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("pdserve ready"):
-                return self
-        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}")
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(120)
+        super().__init__(["--prefill", "2", "--decode", "1", "--start-redis", "--http-port", str(b),
+                          "--grpc-port", str(b + 1), "--prefill-port", str(b + 2), "--decode-port", str(b + 5),
+                          "--kv-overlap-score-weight", str(weight), "--traces-file", str(traces),
+                          "--disable-log-requests", "--block-size", str(args.block_size), *args.engine_args.split()])
 
     def prefill_hits(self) -> float:
         import httpx

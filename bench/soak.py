@@ -17,12 +17,11 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from bench.cluster import UpCluster
 from bench.results import write_result
 
 _DEFINED = {429, 503, 504}
@@ -129,21 +128,10 @@ async def _drive(args: argparse.Namespace, base: int, up_pid: int) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     b = args.port_base
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "2", "--decode", "2", "--http-port", str(b),
-            "--grpc-port", str(b + 1), "--prefill-port", str(b + 2), "--decode-port", str(b + 5),
-            "--disable-log-requests", *args.engine_args.split()]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("pdserve ready"):
-                break
-        else:
-            raise RuntimeError(f"pdserve up exited with {proc.wait()}")
-        result = asyncio.run(_drive(args, b, proc.pid))
-    finally:
-        proc.terminate()
-        proc.wait(120)
+    with UpCluster(["--prefill", "2", "--decode", "2", "--http-port", str(b), "--grpc-port", str(b + 1),
+                    "--prefill-port", str(b + 2), "--decode-port", str(b + 5), "--disable-log-requests",
+                    *args.engine_args.split()]) as up:
+        result = asyncio.run(_drive(args, b, up.pid))
     undefined = {k: v for k, v in result["outcomes"].items() if k.startswith("undefined")}
     leaked = {i["address"]: i["kv_blocks_used"] for i in result["instances_after"] if i["kv_blocks_used"]}
     result.update(undefined=undefined, leaked_blocks=leaked,

@@ -97,3 +97,15 @@ class GatewayProcess(ServiceProcess):
         parts = line.split()  # gateway ready: http://HOST:PORT grpc HOST:PORT
         self.http_url, self.grpc_address = parts[2], parts[4]
         return line
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until /health says the cluster can serve (the gateway has polled a healthy decode server)."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.http_url + "/health", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not healthy after {timeout}s:\n{self.logs()}")
+            time.sleep(0.1)

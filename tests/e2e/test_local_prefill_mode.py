@@ -3,10 +3,8 @@ itself even when the gateway has a prefill server to offer: outputs stay
 exact and the prefill server does no work."""
 from __future__ import annotations
 
-import time
 
 import grpc
-import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -38,10 +36,7 @@ def test_local_mode_decode_server_ignores_the_prefill_tier():
     try:
         for p in (prefill, decode, gw):
             p.wait_ready()
-        deadline = time.monotonic() + 30  # the gateway has seen both servers healthy
-        while httpx.get(gw.http_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, gw.logs()
-            time.sleep(0.1)
+        gw.wait_healthy()
         with grpc.insecure_channel(gw.grpc_address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             got = []

@@ -10,7 +10,6 @@ import asyncio
 import time
 
 import grpc
-import httpx
 import pytest
 
 from engine.block_hash import hash_request_blocks
@@ -76,10 +75,7 @@ def _start(tiny_llama_dir, redis_url):
     gw = GatewayProcess("gw-prefix", flags)
     for p in (*prefills, decode, gw):
         p.wait_ready()
-    deadline = time.monotonic() + 30
-    while httpx.get(gw.http_url + "/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    gw.wait_healthy()
     return prefills, decode, gw
 
 

@@ -121,10 +121,7 @@ def test_layout_mismatch_gives_the_client_a_clean_error_and_frees_both_tiers(tie
     gw = GatewayProcess("gw-mismatch", ["--prefill", prefill.address, "--decode", other.address])
     try:
         gw.wait_ready()
-        deadline = time.monotonic() + 30
-        while httpx.get(gw.http_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        gw.wait_healthy()
         r = httpx.post(gw.http_url + "/v1/completions", timeout=60,
                        json={"model": "SmolLM2-135M-Instruct", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 3})
         body = r.json()
@@ -148,10 +145,7 @@ def test_failed_kv_hand_off_is_recomputed_on_decode_by_policy(tiers, tiny_llama_
     prompt = [5 + (i * 11) % 370 for i in range(40)]
     try:
         gw.wait_ready()
-        deadline = time.monotonic() + 30
-        while httpx.get(gw.http_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        gw.wait_healthy()
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
         sampling = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         deltas = list(stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt),

@@ -1,0 +1,29 @@
+"""A fresh `pdserve up` cluster for the length of a with-block, shared by the
+benchmarks that compare configurations on clusters of their own."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+class UpCluster:
+    """``pdserve up`` with ``flags`` (ports included); ``pid`` is its process."""
+
+    def __init__(self, flags: list[str]) -> None:
+        self.argv = [sys.executable, "-m", "pdserve.cli", "up", *flags]
+
+    def __enter__(self) -> "UpCluster":
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("pdserve ready"):
+                return self
+        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}: {' '.join(self.argv)}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
