@@ -188,6 +188,12 @@ class LLMEngine:
         self._report(req)
         return req
 
+    def limit_waiting(self, max_waiting: int | None) -> None:
+        """Bound the waiting queue (servers: ``--max-queued-requests``; past
+        it ``add_request`` raises OverflowError). The offline API leaves it
+        unbounded."""
+        self.scheduler.max_waiting = max_waiting
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.scheduler.kv.get_block_ids(request_id)
 

@@ -51,8 +51,9 @@ FINISH_REASONS = {
 @dataclass(frozen=True)
 class RequestError:
     """Why a request ended without the caller asking: ``kind`` is
-    "deadline" (a state or the caller's deadline passed) or "kv_transfer"
-    (the KV hand-off failed)."""
+    "deadline" (a state or the caller's deadline passed), "kv_transfer"
+    (the KV hand-off failed) or "sampling" (no valid token could be sampled
+    from its logits)."""
 
     kind: str
     message: str

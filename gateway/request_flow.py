@@ -280,6 +280,9 @@ class RequestFlow:
 
     def _prefill_error(self, e: grpc.aio.AioRpcError, prefill: Instance) -> GatewayError:
         code, details, where = e.code(), e.details(), f"prefill server {prefill.address}"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return GatewayError(ErrorKind.RESOURCE_EXHAUSTED, f"{where} is at capacity ({details}); retry later",
+                                code="server_overloaded")
         if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT):
             return self._rpc_error(code, details, where, prefill)
         if code == grpc.StatusCode.UNAVAILABLE:

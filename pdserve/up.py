@@ -205,15 +205,16 @@ class Cluster:
             value = getattr(a, flag[2:].replace("-", "_"))
             if value is not None:
                 gw += [flag, str(value)]
-        if a.api_key:
-            gw += ["--api-key", a.api_key]
+        gw_env = dict(self.trace_env)
+        if a.api_key:  # through the environment: a command line is visible to everyone in ps
+            gw_env["PDSERVE_API_KEY"] = a.api_key
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
                "--local-prefill-threshold", str(a.local_prefill_threshold)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        self._launch("gateway", "gateway", "gateway", gw, 1, self.trace_env, width)
+        self._launch("gateway", "gateway", "gateway", gw, 1, gw_env, width)
 
     def _launch(self, label: str, name: str, kind: str, argv: list[str], threads: int | None,
                 env: dict[str, str], width: int, index: int | None = None) -> None:

@@ -76,6 +76,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             try:
                 await bridge.run(lambda e: e.add_prefill_request(rid, prompt, params, deadline=deadline))
+            except OverflowError as exc:  # the waiting queue (or the engine's command queue) is full
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             d = await self._wait_held(queue, request.decode_address, context)

@@ -18,12 +18,14 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from engine.llm_engine import LLMEngine
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
+
+if TYPE_CHECKING:  # the gateway imports the key scheme next door and must not load the engine (torch)
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ class EngineBridge:
         self.instance_id = self.cache_namespace = ""
         self.loop = EngineLoop(engine, self._on_step)
         # A server's waiting queue is bounded like the decode tier's reservations (offline: unbounded).
-        engine.scheduler.max_waiting = engine.config.scheduler.max_queued_requests
+        engine.limit_waiting(engine.config.scheduler.max_queued_requests)
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()

@@ -24,9 +24,12 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from rpc.cache_feed import CacheEventFeed, QueueConsumer
+from rpc.cache_feed import QueueConsumer
+
+if TYPE_CHECKING:
+    from rpc.cache_feed import CacheEventFeed
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class RedisIndexPublisher:
                     pipe.set(epoch_key(ns, iid), 1, ex=int(ALIVE_TTL_S), get=True)
                     pipe.zadd(alive_key(ns), {iid: time.time()})
                     pipe.zremrangebyscore(alive_key(ns), "-inf", time.time() - 60 * ALIVE_TTL_S)
-                    pipe.zadd(NAMESPACES_KEY, {ns: time.time()})
+                    pass
                     pipe.zremrangebyscore(NAMESPACES_KEY, "-inf", time.time() - 60 * ALIVE_TTL_S)
                     previous = pipe.execute()[0]
                     next_beat = time.monotonic() + HEARTBEAT_S
