@@ -114,7 +114,7 @@ class RedisIndexPublisher:
                     pipe.set(epoch_key(ns, iid), 1, ex=int(ALIVE_TTL_S), get=True)
                     pipe.zadd(alive_key(ns), {iid: time.time()})
                     pipe.zremrangebyscore(alive_key(ns), "-inf", time.time() - 60 * ALIVE_TTL_S)
-                    pass
+                    pipe.zadd(NAMESPACES_KEY, {ns: time.time()})
                     pipe.zremrangebyscore(NAMESPACES_KEY, "-inf", time.time() - 60 * ALIVE_TTL_S)
                     previous = pipe.execute()[0]
                     next_beat = time.monotonic() + HEARTBEAT_S
