@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import parse_size
-from rpc import tracing
+from rpc import tls, tracing
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BODY = "4MiB"
@@ -72,6 +72,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="the decode server prefills a request itself when at most this many of its prompt "
                         "tokens are missing from its prefix cache (0: always use a prefill server)")
+    tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
 
 

@@ -43,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.config import DNS_PREFIX, REDIS_ENTRY, join_host_port
 from gateway.instances import DECODE, PREFILL, InstanceRegistry
 from pdserve.v1 import engine_pb2
+from rpc import tls
 from rpc.prefix_index import ALIVE_TTL_S, NAMESPACES_KEY, address_of, alive_key, namespace_model
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class RedisRegistrations:
 
 async def probe_role(address: str, timeout: float) -> str | None:
     """Which tier the server at ``address`` is (None: it did not answer)."""
-    channel = grpc.aio.insecure_channel(address)
+    channel = tls.aio_channel(address)
     try:
         health = health_pb2_grpc.HealthStub(channel)
         for role, service in SERVICE_OF_ROLE.items():

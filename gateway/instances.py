@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, engine_pb2_grpc
+from rpc import tls
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Instance:
     def __init__(self, role: str, address: str) -> None:
         self.role = role
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = tls.aio_channel(address, _CHANNEL_OPTIONS)
         self.stub: Any = (engine_pb2_grpc.PrefillStub(self.channel) if role == PREFILL
                           else engine_pb2_grpc.DecodeStub(self.channel))
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -35,7 +35,7 @@ from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
 from pdserve.v1 import gateway_pb2
-from rpc import tracing
+from rpc import tls, tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger("gateway")
@@ -55,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         cfg = GatewayConfig.from_args(args)
+        tls.configure(args)  # its channels to the engine servers
         tracing.init_tracing(tracing.GATEWAY, otlp_endpoint=cfg.otlp_traces_endpoint, traces_file=cfg.traces_file)
         inputs = load_input_processor(cfg)
     except (ValueError, RuntimeError) as e:  # bad flags, model not found, default model unavailable
@@ -104,7 +105,7 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
                     cfg.kv_load_failure_policy)
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router)
-    rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE])
+    rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE], internal=False)
     add_gateway_servicer(GatewayServicer(service, cfg.api_key, cfg.max_request_body), rpc.server)
     sock = _bind(cfg.host, cfg.http_port)
     app = create_app(service, cfg.api_key, cfg.max_request_body)

@@ -27,7 +27,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
-from rpc import tracing
+from rpc import tls, tracing
 from rpc.health_probe import is_serving
 from rpc.local_redis import LocalRedis
 
@@ -77,6 +77,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
     tracing.add_cli_args(p)  # every process gets them (through its environment)
+    tls.add_cli_args(p)  # every server and the gateway get them
     EngineArgs.add_cli_args(p)
 
 
@@ -197,7 +198,8 @@ class Cluster:
             dev = ["--device", devices[i % len(devices)]] if devices else []
             redis = ["--redis-url", self.redis_url] if self.redis_url else []
             self._launch(f"{name} ({addr})", name, role,
-                         [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis], threads,
+                         [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis,
+                          *tls.tls_flags(a)], threads,
                          self.trace_env, width)
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
@@ -205,6 +207,7 @@ class Cluster:
             value = getattr(a, flag[2:].replace("-", "_"))
             if value is not None:
                 gw += [flag, str(value)]
+        gw += tls.tls_flags(a)
         gw_env = dict(self.trace_env)
         if a.api_key:  # through the environment: a command line is visible to everyone in ps
             gw_env["PDSERVE_API_KEY"] = a.api_key
@@ -294,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
         from engine.model_files import ensure_default_model
 
         ensure_default_model()
+    tls.configure(args)  # our own readiness probes speak it too
     cluster = Cluster(args)
     stop = {"signal": None}
 

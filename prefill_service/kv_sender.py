@@ -16,6 +16,7 @@ import torch
 from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.layout_convert import layout_to_proto
+from rpc import tls
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class KVSenders:
             if sender is not None:
                 sender.close()
             self._senders.pop(decode_address, None)
-            with grpc.insecure_channel(decode_address, options=CHANNEL_OPTIONS) as ch:
+            with tls.channel(decode_address, CHANNEL_OPTIONS) as ch:
                 try:
                     resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(
                         engine_pb2.OpenKVChannelRequest(peer=self.my_address, layout=layout_to_proto(self.layout),

@@ -27,7 +27,7 @@ from prefill_service.kv_sender import KVSenders
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
-from rpc import tracing
+from rpc import tls, tracing
 from rpc.engine_server import EngineServicerBase, deadline_of, error_status
 from rpc.server import CHANNEL_OPTIONS
 
@@ -140,7 +140,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     def _notify_started(self, decode_address: str, request_id: str) -> None:
         stub = self._decode_stubs.get(decode_address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(decode_address, options=CHANNEL_OPTIONS)
+            channel = tls.aio_channel(decode_address, CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._decode_stubs[decode_address] = engine_pb2_grpc.DecodeStub(channel)
 

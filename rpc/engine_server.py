@@ -20,6 +20,7 @@ from rpc.cache_feed import CacheEventFeed, CacheEventsServicer
 from rpc.engine_bridge import EngineBridge
 from rpc.prefix_index import RedisIndexPublisher
 from rpc.engine_metrics import EngineMetrics
+from rpc import tls
 from rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         "e.g. redis://127.0.0.1:6379/0 (without it the gateway follows them over gRPC)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    tls.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -113,6 +115,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     """Bind, load the engine (health NOT_SERVING meanwhile), attach it to the
     tier's service, serve until SIGTERM/SIGINT, drain, stop."""
     address = f"{advertise_host(args)}:{args.port}"
+    tls.configure(args)
     cache_events = CacheEventsServicer()
     rpc = RpcServer(f"{args.host}:{args.port}", [service.name, cache_events.name])
     service.register(rpc.server)

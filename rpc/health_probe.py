@@ -12,10 +12,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rpc import tls
+
 
 def is_serving(address: str, timeout: float = 2.0, service: str = "") -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with tls.channel(address) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                      timeout=timeout)
             return r.status == health_pb2.HealthCheckResponse.SERVING
@@ -27,7 +29,9 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="python -m rpc.health_probe")
     p.add_argument("address")
     p.add_argument("--timeout", type=float, default=2.0)
+    tls.add_cli_args(p)
     a = p.parse_args()
+    tls.configure(a)
     ok = is_serving(a.address, a.timeout)
     print("SERVING" if ok else "NOT_SERVING")
     return 0 if ok else 1

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rpc import tracing
+from rpc import tls, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ CHANNEL_OPTIONS = [
 class RpcServer:
     """Owns one grpc.aio server, its health servicer and its lifecycle."""
 
-    def __init__(self, address: str, service_names: Iterable[str]) -> None:
+    def __init__(self, address: str, service_names: Iterable[str], internal: bool = True) -> None:
+        """``internal``: a port for other pdserve processes, mutual TLS when
+        ``rpc.tls`` is configured; the gateway's client-facing port is not."""
         self.service_names = list(service_names)
         # A SERVER span per request-carrying call under the caller's
         # traceparent (none when tracing is off; see rpc/tracing.py).
@@ -46,7 +48,7 @@ class RpcServer:
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.port = tls.add_port(self.server, address) if internal else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {address}")
         self._stop = asyncio.Event()
