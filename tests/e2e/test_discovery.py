@@ -5,7 +5,8 @@ the answers read from a file the test rewrites: tests/dns_gateway.py) or in
 Redis (``redis``, the servers' own registrations). Servers are added and
 removed while requests run: each request comes back token-exact, none is
 lost, a removed server gets nothing new while its in-flight request
-finishes. Also: every metric the Grafana dashboard queries is exported."""
+finishes. Also: every metric the Grafana dashboard queries is exported,
+and /v1/models reports max_model_len."""
 from __future__ import annotations
 
 import json
@@ -316,6 +317,9 @@ def test_every_dashboard_metric_is_exported(cluster, references):
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
         deltas = list(stub.Generate(_request(_short_prompt(0), SHORT_TOKENS), timeout=60))
         assert [t for d in deltas for t in d.token_ids] == references[tuple(_short_prompt(0))]
+        # /v1/models reports the context length, as vLLM's does
+        card = httpx.get(gw.http_url + "/v1/models", timeout=10).json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == (MODEL_NAME, 4096)
         # and one that fails (unknown model: 404), so the error counter has a series
         assert httpx.post(gw.http_url + "/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
         exported = _exported(gw.http_url + "/metrics").union(*(_exported(e.metrics_url) for e in live))
