@@ -144,11 +144,13 @@ class KVReceivers:
             return receiver.is_usable and isinstance(exc, Exception)
         if self.on_transfer is not None:
             self.on_transfer(stats)
-        self.bridge.submit(lambda e: _arrived(e, rid, meta))
+        figures = {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
+                   "backend": stats.backend}
+        self.bridge.submit(lambda e: _arrived(e, rid, meta, figures))
         return True
 
 
-def _arrived(engine: LLMEngine, request_id: str, meta: dict) -> None:
+def _arrived(engine: LLMEngine, request_id: str, meta: dict, figures: dict) -> None:
     lp = meta.get("logprob")
     logprob = Logprobs(lp["token_id"], lp["logprob"], lp["rank"], [tuple(t) for t in lp["top"]]) if lp else None
-    engine.kv_received(request_id, int(meta["first_token"]), logprob)
+    engine.kv_received(request_id, int(meta["first_token"]), logprob, figures)

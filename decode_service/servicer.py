@@ -96,10 +96,12 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
             if not finished:  # cancelled, deadline, error: free everything
                 bridge.abort(rid)
             if last is not None and last.times is not None:
+                kv = last.kv_transfer or {}
                 tracing.record_engine_spans("decode", rid, trace_ctx, last.times, {
                     "num_prompt_tokens": last.num_prompt_tokens, "num_cached_tokens": last.num_cached_tokens,
-                    "num_output_tokens": last.num_output_tokens,
-                    "finish_reason": last.finish_reason or "abort"})
+                    "num_output_tokens": last.num_output_tokens, "finish_reason": last.finish_reason or "abort",
+                    "kv_bytes": kv.get("num_bytes"), "kv_blocks": kv.get("num_blocks"),
+                    "kv_seconds": kv.get("seconds"), "kv_backend": kv.get("backend")})
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         rid = request.request_id

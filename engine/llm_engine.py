@@ -160,9 +160,11 @@ class LLMEngine:
         unless they are the request's reserved blocks."""
         self.scheduler.begin_kv_receive(request_id, dst_block_ids)
 
-    def kv_received(self, request_id: str, first_token: int, logprob=None) -> Request | None:
-        """Decode tier: the transfer ended well; the request joins the batch."""
-        req = self.scheduler.kv_received(request_id, first_token, logprob)
+    def kv_received(self, request_id: str, first_token: int, logprob=None,
+                    transfer: dict | None = None) -> Request | None:
+        """Decode tier: the transfer ended well; the request joins the batch.
+        ``transfer``: its figures (bytes, blocks, seconds, backend), kept for the trace."""
+        req = self.scheduler.kv_received(request_id, first_token, logprob, transfer)
         self._report(req)
         return req
 

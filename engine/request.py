@@ -100,6 +100,7 @@ class Request:
         self.deadline: float | None = None  # time.monotonic(); the caller's deadline, if any
         self.state_deadline: float | None = None  # time.monotonic(); the current state's own bound
         self.is_sending = False  # prefill tier: a KV send reads the held blocks now
+        self.kv_transfer: dict | None = None  # decode tier: figures of the transfer that brought its KV
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None

@@ -173,7 +173,8 @@ class Scheduler:
         req.times.kv_recv_start = time.time()
         req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
 
-    def kv_received(self, request_id: str, first_token: int, logprob=None) -> Request | None:
+    def kv_received(self, request_id: str, first_token: int, logprob=None,
+                    transfer: dict | None = None) -> Request | None:
         """The prompt's KV is in the reserved blocks and the prefill tier
         sampled ``first_token``: the request joins the batch. Returns the
         request if it is live, None if it had already finished (its blocks
@@ -185,6 +186,7 @@ class Scheduler:
             raise ValueError(f"request {request_id}: KV arrived but no receive was begun for it")
         del self.reserved[request_id]
         req.times.kv_recv_end = time.time()
+        req.kv_transfer = transfer
         req.num_computed_tokens = req.num_prompt_tokens
         req.times.first_scheduled = req.times.first_scheduled or time.time()
         self.kv.cache_blocks(req, req.num_computed_tokens)

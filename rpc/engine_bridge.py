@@ -51,6 +51,7 @@ class Delta:
     error: RequestError | None = None  # set when the request ended by a failure or a deadline
     is_held: bool = False  # prefill tier: HELD_FOR_SEND, blocks in block_ids
     times: RequestTimes | None = None  # the request's milestones (written by the engine thread only)
+    kv_transfer: dict | None = None  # decode tier: the figures of the KV transfer it came with
 
 
 class _DeltaQueue(asyncio.Queue):
@@ -140,7 +141,7 @@ class EngineBridge:
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
                      req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens,
                      block_ids=self.engine.get_block_ids(req.request_id) if held else [],
-                     error=req.error, is_held=held, times=req.times)
+                     error=req.error, is_held=held, times=req.times, kv_transfer=req.kv_transfer)
 
     def _on_step(self, out: StepOutput) -> None:
         for req in out.reserved:

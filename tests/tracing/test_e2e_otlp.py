@@ -143,8 +143,6 @@ def test_engine_spans_are_there(request_trace):
     assert "first_token" in gen.events
 
 
-@pytest.mark.xfail(strict=True, reason="the decode servicer does not pass the received KV's figures "
-                                       "(kv_bytes, kv_blocks, kv_backend) to record_engine_spans yet")
 def test_kv_receive_span_carries_the_transfer_figures(request_trace):
     _, spans = request_trace
     [recv] = [s for s in spans if s.name == "kv.receive"]
