@@ -74,7 +74,7 @@ class Router:
         also returns the prompt's block hashes (pass them back on a retry)."""
         decodes = self._healthy(self._registry.decode, exclude)
         if not decodes:
-            configured = ", ".join(i.address for i in self._registry.decode)
+            configured = ", ".join(i.address for i in self._registry.decode) or "none found yet"
             tried = f" (tried {', '.join(exclude)})" if exclude else ""
             raise GatewayError(ErrorKind.UNAVAILABLE,
                                f"no healthy decode server is available{tried}; configured: {configured}",
