@@ -1,7 +1,11 @@
 """An OTLP trace receiver for tests, on loopback: the collector's gRPC
 ``TraceService/Export`` and the http/protobuf ``POST /v1/traces``, both
 built on opentelemetry-proto's definitions. Received spans are flattened to
-``ReceivedSpan``s with hex ids and plain attribute values."""
+``ReceivedSpan``s with hex ids and plain attribute values.
+
+``python -m tests.tracing.otlp_receiver [GRPC_PORT]`` runs one until Ctrl-C
+(the tracing-overhead benchmark in docs/benchmarks.md exports to it) and
+then says how many spans it received."""
 from __future__ import annotations
 
 import threading
@@ -44,13 +48,13 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 class OtlpReceiver:
     """Collects every span exported to it; ``grpc_endpoint`` / ``http_endpoint``."""
 
-    def __init__(self) -> None:
+    def __init__(self, grpc_port: int = 0) -> None:
         self.spans: list[ReceivedSpan] = []
         self.num_requests = {"grpc": 0, "http": 0}
         self._lock = threading.Lock()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self._grpc)
-        port = self._grpc.add_insecure_port("127.0.0.1:0")
+        port = self._grpc.add_insecure_port(f"127.0.0.1:{grpc_port}")
         self.grpc_endpoint = f"http://127.0.0.1:{port}"
         receiver = self
 
@@ -120,3 +124,17 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):  # noqa: N802 - the proto's name
         self.receiver.add(request, "grpc")
         return trace_service_pb2.ExportTraceServiceResponse()
+
+
+if __name__ == "__main__":
+    import sys
+
+    receiver = OtlpReceiver(int(sys.argv[1]) if len(sys.argv) > 1 else 4317).start()
+    print(f"OTLP receiver: grpc {receiver.grpc_endpoint}, http/protobuf {receiver.http_endpoint}", flush=True)
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print(f"received {len(receiver.spans)} spans in {receiver.num_requests} export requests")
+    finally:
+        receiver.stop()
