@@ -99,13 +99,19 @@ class GatewayProcess(ServiceProcess):
         return line
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Until /health says the cluster can serve (the gateway has polled a healthy decode server)."""
+        """Until the gateway has seen every engine server it knows healthy
+        (``/health`` alone turns 200 with one decode server, before the
+        prefill servers may have been polled)."""
         import time
 
         import httpx
 
         deadline = time.monotonic() + timeout
-        while httpx.get(self.http_url + "/health", timeout=10).status_code != 200:
+        while True:
+            instances = httpx.get(self.http_url + "/cluster", timeout=10).json().get("instances", [])
+            if instances and all(i["healthy"] for i in instances):
+                return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not healthy after {timeout}s:\n{self.logs()}")
+                raise RuntimeError(f"{self.name}: not every engine server healthy after {timeout}s: "
+                                   f"{instances}\n{self.logs()}")
             time.sleep(0.1)

@@ -84,7 +84,11 @@ def _warm_holder(stub, prefills, reference) -> "Engine":
     before = [p.finished() for p in prefills]
     tokens, _ = _generate(stub, _prompt(0))
     assert tokens == reference(_prompt(0))
-    return next(p for p, b in zip(prefills, before) if p.finished() > b)
+    deadline = time.monotonic() + 5  # a prefill request counts as finished once its blocks are released
+    while not (served := [p for p, b in zip(prefills, before) if p.finished() > b]):
+        assert time.monotonic() < deadline, "no prefill server served the request"
+        time.sleep(0.05)
+    return served[0]
 
 
 def _sticks_to(holders, stub, prefills, reference, first: int, n: int) -> None:

@@ -28,7 +28,12 @@ def services() -> dict:
 def test_each_service_exports_to_jaeger_under_its_name(services, name):
     env = {k: _VAR.sub(lambda m: m.group(2) or "", str(v)) for k, v in services[name]["environment"].items()}
     cfg = TracingConfig.from_env(f"pdserve-{name}", environ=env)
-    assert (cfg.service_name, cfg.otlp_endpoint, cfg.otlp_protocol) == (f"pdserve-{name}", "http://jaeger:4317", "grpc")
+    # Jaeger answers under its service name and its network aliases (the names Kubernetes uses too).
+    jaeger = services["jaeger"]
+    names = {"jaeger", *(a for net in (jaeger.get("networks") or {}).values() for a in (net or {}).get("aliases", []))}
+    host = cfg.otlp_endpoint.removeprefix("http://").rsplit(":", 1)[0]
+    assert (cfg.service_name, cfg.otlp_protocol) == (f"pdserve-{name}", "grpc")
+    assert host in names and cfg.otlp_endpoint.endswith(":4317"), (cfg.otlp_endpoint, names)
     assert env["OTEL_TRACES_SAMPLER"] in SAMPLERS and 0.0 <= float(env["OTEL_TRACES_SAMPLER_ARG"]) <= 1.0
 
 
