@@ -34,6 +34,7 @@ from rpc import tls
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
+_LATE_POLLS_TOLERATED = 3  # consecutive late polls before a busy server counts as unhealthy
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -65,6 +66,7 @@ class Instance:
         self.error: str | None = "not polled yet"
         self.num_in_flight = 0
         self.num_queued_tokens = 0
+        self.num_late_polls = 0  # consecutive polls that ran past their deadline
         self.is_draining = False  # taken out of routing; kept while requests are in flight on it
 
     @property
@@ -90,8 +92,13 @@ class Instance:
                 self.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout),
                 self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout))
         except grpc.aio.AioRpcError as e:
-            self.set_unhealthy(f"{e.code().name}: {e.details()}")
+            # A server busy enough to answer a poll late is still serving: only several late answers
+            # in a row count. A refused connection or any other error counts at once.
+            self.num_late_polls = self.num_late_polls + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
+            if not 0 < self.num_late_polls < _LATE_POLLS_TOLERATED:
+                self.set_unhealthy(f"{e.code().name}: {e.details()}")
             return
+        self.num_late_polls = 0
         self.load = load
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             self.set_unhealthy(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")

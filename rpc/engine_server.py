@@ -20,7 +20,7 @@ from rpc.cache_feed import CacheEventFeed, CacheEventsServicer
 from rpc.engine_bridge import EngineBridge
 from rpc.prefix_index import RedisIndexPublisher
 from rpc.engine_metrics import EngineMetrics
-from rpc import tls
+from rpc import tls, tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM")
     tls.add_cli_args(parser)
+    tracing.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -116,6 +117,8 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     tier's service, serve until SIGTERM/SIGINT, drain, stop."""
     address = f"{advertise_host(args)}:{args.port}"
     tls.configure(args)
+    tracing.init_tracing(f"pdserve-{role}", otlp_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                         traces_file=getattr(args, "traces_file", None))
     cache_events = CacheEventsServicer()
     rpc = RpcServer(f"{args.host}:{args.port}", [service.name, cache_events.name])
     service.register(rpc.server)

@@ -141,3 +141,37 @@ def test_bad_flags(argv, fragment, monkeypatch):
 def test_address_helpers():
     assert parse_addresses("[::1]:5, h:6", "--x") == ("[::1]:5", "h:6")
     assert join_host_port("::1", 5) == "[::1]:5" and join_host_port("h", 6) == "h:6"
+
+
+def test_a_busy_server_is_not_dropped_for_one_late_poll():
+    """Polls that run past their deadline count only several in a row; a
+    refused connection counts at once."""
+    import grpc
+
+    async def go():
+        reg = InstanceRegistry((), ("d1:1",))
+        inst = reg.decode[0]
+        _set(inst, True)
+
+        def failing(code):
+            async def call(*args, **kwargs):
+                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
+            return call
+
+        class Stub:
+            GetLoad = staticmethod(failing(grpc.StatusCode.DEADLINE_EXCEEDED))
+
+        inst.stub, inst._health = Stub(), Stub()
+        Stub.Check = Stub.GetLoad
+        healthy = []
+        for _ in range(3):
+            await inst.poll(0.01)
+            healthy.append(inst.is_healthy)
+        assert healthy == [True, True, False]
+        _set(inst, True)
+        inst.num_late_polls = 0
+        Stub.GetLoad = Stub.Check = staticmethod(failing(grpc.StatusCode.UNAVAILABLE))
+        await inst.poll(0.01)
+        assert not inst.is_healthy
+        await reg.close()
+    asyncio.run(go())
