@@ -2,6 +2,7 @@
 watched for the ready line and its stderr kept in a log file."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +100,7 @@ class GatewayProcess(ServiceProcess):
         self.http_url, self.grpc_address = parts[2], parts[4]
         return line
 
-    def wait_healthy(self, timeout: float = 30.0) -> None:
+    def wait_healthy(self, timeout: float = 30.0, api_key: str | None = None) -> None:
         """Until the gateway has seen every engine server it knows healthy
         (``/health`` alone turns 200 with one decode server, before the
         prefill servers may have been polled)."""
@@ -106,12 +108,29 @@ class GatewayProcess(ServiceProcess):
 
         import httpx
 
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         deadline = time.monotonic() + timeout
         while True:
-            instances = httpx.get(self.http_url + "/cluster", timeout=10).json().get("instances", [])
+            instances = httpx.get(self.http_url + "/cluster", headers=headers, timeout=10).json().get("instances", [])
             if instances and all(i["healthy"] for i in instances):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: not every engine server healthy after {timeout}s: "
                                    f"{instances}\n{self.logs()}")
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running_cluster(engines: list[ServiceProcess], gateway: GatewayProcess,
+                    api_key: str | None = None) -> Iterator[GatewayProcess]:
+    """Engine servers and a gateway, started, seen healthy by the gateway,
+    then stopped (gateway first), each required to exit 0."""
+    procs = [gateway, *engines]
+    try:
+        for p in (*engines, gateway):
+            p.wait_ready()
+        gateway.wait_healthy(api_key=api_key)
+        yield gateway
+    finally:
+        codes = [p.stop() for p in procs]
+    assert codes == [0] * len(procs), [p.logs() for p in procs]

@@ -14,7 +14,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from tests.processes import GatewayProcess, ServiceProcess, free_port, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +43,8 @@ def servers():
     gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
                                 "--max-model-len", str(MAX_MODEL_LEN)])
     gw.decode_address = decode.address  # type: ignore[attr-defined]
-    procs = [gw, prefill, decode]  # stop order: gateway first
-    try:
-        for p in (prefill, decode, gw):
-            p.wait_ready()
-        deadline = time.monotonic() + 30
-        while httpx.get(gw.http_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, gw.logs()
-            time.sleep(0.2)
+    with running_cluster([prefill, decode], gw, api_key=API_KEY):
         yield gw
-    finally:
-        codes = [p.stop() for p in procs]
-    assert codes == [0, 0, 0], [p.logs() for p in procs]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_tiny_model
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from tests.processes import GatewayProcess, ServiceProcess, free_port, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -55,18 +55,8 @@ def gateway(tiny_with_tokenizer):
     gw = GatewayProcess("bad-input", ["--model", str(tiny_with_tokenizer), "--served-model-name", "tiny",
                                       "--prefill", prefill.address, "--decode", decode.address,
                                       "--max-request-body", str(MAX_BODY)], env={"PDSERVE_API_KEY": KEY})
-    procs = [gw, prefill, decode]
-    try:
-        for p in (prefill, decode, gw):
-            p.wait_ready()
-        deadline = time.monotonic() + 30
-        while httpx.get(gw.http_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, gw.logs()
-            time.sleep(0.2)
+    with running_cluster([prefill, decode], gw, api_key=KEY):
         yield gw
-    finally:
-        codes = [p.stop() for p in procs]
-    assert codes == [0, 0, 0], [p.logs() for p in procs]
 
 
 def _json(**body) -> bytes:
