@@ -108,10 +108,11 @@ def probe_gateway_overhead(up: Up, args: argparse.Namespace) -> dict:
 
 
 def serve_run(up: Up, args: argparse.Namespace) -> dict:
-    ns = argparse.Namespace(base_url=f"http://127.0.0.1:{up.http}", model=None, api_key=None,
-                            num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                            request_rate=float("inf"), max_concurrency=args.max_concurrency, ttft_slo=1e9,
-                            tpot_slo=1e9, vocab_low=100, vocab_high=40000, seed=0)
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    ns = parser.parse_args(["--base-url", f"http://127.0.0.1:{up.http}", "--num-prompts", str(args.num_prompts),
+                            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                            "--max-concurrency", str(args.max_concurrency), "--seed", "0"])
     return asyncio.run(serve.run(ns))
 
 
