@@ -3,6 +3,7 @@ watched for the ready line and its stderr kept in a log file."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import signal
@@ -83,6 +84,46 @@ class ServiceProcess:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
         return code
+
+
+class EngineServer(ServiceProcess):
+    """``python -m <role>_service.server`` on 127.0.0.1 at a free port (or
+    ``port``), one torch thread (the suite's servers share two cores), with
+    ``flags``; ``load()`` asks it over gRPC."""
+
+    def __init__(self, role: str, flags: list[str], name: str | None = None, port: int | None = None,
+                 metrics_port: int = 0) -> None:
+        self.role, self.flags = role, list(flags)
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        super().__init__(name or f"{role}-{self.port}", f"{role}_service.server",
+                         ["--port", str(self.port), "--metrics-port", str(metrics_port), *self.flags],
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+
+    def restart(self) -> "EngineServer":
+        """A new server with the same flags on the same port (this one must have exited)."""
+        return EngineServer(self.role, self.flags, self.name, self.port)
+
+    @functools.cached_property
+    def channel(self):  # -> grpc.Channel, one for the server's life
+        import grpc
+
+        return grpc.insecure_channel(self.address)
+
+    def load(self):  # -> common_pb2.LoadInfo
+        from pdserve.v1 import common_pb2, engine_pb2_grpc
+
+        stub = engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub
+        return stub(self.channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Until it holds no KV block and runs and queues nothing."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while (info := self.load()).kv_blocks_used or info.num_running or info.num_waiting:
+            assert time.monotonic() < deadline, (self.name, info)
+            time.sleep(0.05)
 
 
 class GatewayProcess(ServiceProcess):

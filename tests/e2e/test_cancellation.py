@@ -10,25 +10,14 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.processes import EngineServer, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
 
-class Engine(ServiceProcess):
-    def __init__(self, role: str, model, *flags: str) -> None:
-        self.role = role
-        self.address = f"127.0.0.1:{free_port()}"
-        super().__init__(role, f"{role}_service.server",
-                         ["--port", self.address.rsplit(":", 1)[1], "--metrics-port", "0", "--model", str(model),
-                          "--kv-cache-memory", "16MiB", *flags], f"{role} server ready",
-                         env={"OMP_NUM_THREADS": "1"})
-
-    def load(self) -> common_pb2.LoadInfo:
-        stub = engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub
-        with grpc.insecure_channel(self.address) as ch:
-            return stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
+def Engine(role: str, model, *flags: str) -> EngineServer:
+    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", *flags])
 
 
 @pytest.fixture(scope="module")

@@ -14,29 +14,14 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.processes import EngineServer, GatewayProcess, ServiceProcess
 
 pytestmark = pytest.mark.slow
 
 
-class Engine(ServiceProcess):
-    def __init__(self, role: str, model, port: int | None = None) -> None:
-        self.role, self.model = role, model
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        super().__init__(f"{role}-{self.port}", f"{role}_service.server",
-                         ["--port", str(self.port), "--metrics-port", "0", "--model", str(model),
-                          "--kv-cache-memory", "16MiB", "--kv-transfer-timeout", "10"],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
-
-    def restart(self) -> "Engine":
-        return Engine(self.role, self.model, self.port)
-
-    def used_blocks(self) -> int:
-        stub = (engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub)
-        with grpc.insecure_channel(self.address) as ch:
-            return stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10).kv_blocks_used
+def Engine(role: str, model) -> EngineServer:
+    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transfer-timeout", "10"])
 
 
 def _generate(stub, i: int, max_tokens: int = 4):
@@ -94,7 +79,7 @@ def test_restarted_decode_server_is_served_at_once(cluster):
     assert _tokens(stub, 0) == expected  # the first request after the restart, over a new KV pair
     cluster_json = httpx.get(gw.http_url + "/cluster", timeout=10).json()["instances"]
     assert all(i["healthy"] for i in cluster_json), cluster_json  # the prefill server was never blamed
-    assert prefill.used_blocks() == 0 and fresh.used_blocks() == 0
+    assert prefill.load().kv_blocks_used == 0 and fresh.load().kv_blocks_used == 0
 
 
 def test_dead_prefill_server_costs_no_request(cluster):
@@ -103,14 +88,14 @@ def test_dead_prefill_server_costs_no_request(cluster):
     prefills[0].proc.send_signal(signal.SIGKILL)  # the gateway has not noticed yet when the next requests come
     prefills[0].proc.wait()
     assert [_tokens(stub, i) for i in range(4)] == expected
-    assert prefills[1].used_blocks() == 0 and decode.used_blocks() == 0
+    assert prefills[1].load().kv_blocks_used == 0 and decode.load().kv_blocks_used == 0
 
 
 def test_decode_server_killed_mid_stream(cluster):
     gw, _, decodes, stub = cluster(1, 2)
     stream = _generate(stub, 1, max_tokens=400)
     next(stream)
-    victim = next(d for d in decodes if d.used_blocks() > 0)
+    victim = next(d for d in decodes if d.load().kv_blocks_used > 0)
     outcome: dict = {}
 
     def drain() -> None:
@@ -131,4 +116,4 @@ def test_decode_server_killed_mid_stream(cluster):
     survivor = next(d for d in decodes if d is not victim)
     for i in range(3):  # new requests go to the survivor
         assert len(_tokens(stub, 10 + i)) == 4
-    assert survivor.used_blocks() == 0
+    assert survivor.load().kv_blocks_used == 0

@@ -14,7 +14,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess, free_port, running_cluster
+from tests.processes import EngineServer, GatewayProcess, free_port, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
 MAX_TOKENS = 16
 
 
-class EngineProcess(ServiceProcess):
-    """A prefill or decode server on a free port."""
-
-    def __init__(self, role: str) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        # One torch thread each: two engine servers and the reference engine share the CPU cores.
-        super().__init__(role, f"{role}_service.server", ["--port", self.address.rsplit(":", 1)[1],
-                                                          "--metrics-port", str(free_port()), *ENGINE_FLAGS],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+def EngineProcess(role: str) -> EngineServer:
+    """A prefill or decode server on a free port, metrics served."""
+    return EngineServer(role, ENGINE_FLAGS, name=role, metrics_port=free_port())
 
 
 @pytest.fixture(scope="module")

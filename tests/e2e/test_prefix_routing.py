@@ -17,9 +17,9 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from gateway.prefix_index import RedisPrefixIndex
-from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.local_redis import LocalRedis
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from tests.processes import EngineServer, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +27,13 @@ PREFIX = [5 + (i * 7) % 370 for i in range(160)]  # 10 blocks of 16
 MAX_TOKENS = 4
 
 
-class Engine(ServiceProcess):
-    def __init__(self, role: str, model, redis_url: str | None, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        flags = ["--redis-url", redis_url] if redis_url else []
-        super().__init__(f"{role}-{self.port}", f"{role}_service.server",
-                         ["--port", str(self.port), "--metrics-port", "0", "--model", str(model),
-                          "--kv-cache-memory", "16MiB", *flags],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
-        stub = engine_pb2_grpc.PrefillStub if role == "prefill" else engine_pb2_grpc.DecodeStub
-        self.stub = stub(grpc.insecure_channel(self.address))
+def Engine(role: str, model, redis_url: str | None, port: int | None = None) -> EngineServer:
+    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB",
+                               *(["--redis-url", redis_url] if redis_url else [])], port=port)
 
-    def finished(self) -> int:
-        return self.stub.GetLoad(common_pb2.LoadRequest(), timeout=10).num_requests_finished
+
+def _finished(server: EngineServer) -> int:
+    return server.load().num_requests_finished
 
 
 def _prompt(i: int) -> list[int]:
@@ -81,11 +74,11 @@ def _start(tiny_llama_dir, redis_url):
 
 def _warm_holder(stub, prefills, reference) -> "Engine":
     """Send the prefix once; the prefill server that served it holds it."""
-    before = [p.finished() for p in prefills]
+    before = [_finished(p) for p in prefills]
     tokens, _ = _generate(stub, _prompt(0))
     assert tokens == reference(_prompt(0))
     deadline = time.monotonic() + 5  # a prefill request counts as finished once its blocks are released
-    while not (served := [p for p, b in zip(prefills, before) if p.finished() > b]):
+    while not (served := [p for p, b in zip(prefills, before) if _finished(p) > b]):
         assert time.monotonic() < deadline, "no prefill server served the request"
         time.sleep(0.05)
     return served[0]
@@ -94,12 +87,12 @@ def _warm_holder(stub, prefills, reference) -> "Engine":
 def _sticks_to(holders, stub, prefills, reference, first: int, n: int) -> None:
     """The next ``n`` prompts sharing the prefix all go to ``holders``, cached."""
     time.sleep(0.5)  # the holder's cache events reach the index (published every step, batched)
-    before = [p.finished() for p in prefills]
+    before = [_finished(p) for p in prefills]
     for i in range(first, first + n):
         tokens, cached = _generate(stub, _prompt(i))
         assert tokens == reference(_prompt(i))
         assert cached >= len(PREFIX) - 16, cached  # the prefix's full blocks, at least
-    gained = [p.finished() - b for p, b in zip(prefills, before)]
+    gained = [_finished(p) - b for p, b in zip(prefills, before)]
     assert sum(gained) == n and all(g == 0 for p, g in zip(prefills, gained) if p not in holders), gained
 
 
@@ -126,15 +119,15 @@ def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backen
         _sticks_to({holder}, stub, prefills, reference, 1, 4)
         if redis is None:
             return
-        ns = holder.stub.GetLoad(common_pb2.LoadRequest(), timeout=10).cache_namespace
+        ns = holder.load().cache_namespace
         _indexed(redis.url, ns, {holder.address: 10})
         # Redis goes away: requests keep succeeding (routed by load alone)...
         redis.stop()
-        before = [p.finished() for p in prefills]
+        before = [_finished(p) for p in prefills]
         for i in range(10, 13):
             tokens, _ = _generate(stub, _prompt(i))
             assert tokens == reference(_prompt(i))
-        holders = {holder} | {p for p, b in zip(prefills, before) if p.finished() > b}
+        holders = {holder} | {p for p, b in zip(prefills, before) if _finished(p) > b}
         # ... and comes back empty: the servers publish again, with no restart, and prefix routing resumes.
         redis.start()
         _indexed(redis.url, ns, {p.address: 10 for p in holders})

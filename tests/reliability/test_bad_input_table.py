@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_tiny_model
-from tests.processes import GatewayProcess, ServiceProcess, free_port, running_cluster
+from tests.processes import EngineServer, GatewayProcess, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,9 @@ MAX_MODEL_LEN = 256
 MAX_BODY = 1 << 20
 
 
-class _Engine(ServiceProcess):
-    def __init__(self, role: str, model: Path) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        super().__init__(role, f"{role}_service.server",
-                         ["--port", self.address.rsplit(":", 1)[1], "--metrics-port", "0", "--model", str(model),
-                          "--num-gpu-blocks-override", "128", "--max-model-len", str(MAX_MODEL_LEN)],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+def _Engine(role: str, model: Path) -> EngineServer:
+    return EngineServer(role, ["--model", str(model), "--num-gpu-blocks-override", "128",
+                               "--max-model-len", str(MAX_MODEL_LEN)], name=role)
 
 
 @pytest.fixture(scope="module")

@@ -16,31 +16,14 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import GatewayProcess, ServiceProcess, free_port
+from tests.processes import EngineServer, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
 
-class Engine(ServiceProcess):
-    def __init__(self, name: str, model, *flags: str) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        role = name.split("-")[0]
-        super().__init__(name, f"{role}_service.server",
-                         ["--port", self.address.rsplit(":", 1)[1], "--metrics-port", "0", "--model", str(model),
-                          "--num-gpu-blocks-override", "64", "--kv-transfer-timeout", "20", *flags],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
-        self.role = role
-        self.channel = grpc.insecure_channel(self.address)
-
-    def load(self) -> common_pb2.LoadInfo:
-        stub = (engine_pb2_grpc.PrefillStub if self.role == "prefill" else engine_pb2_grpc.DecodeStub)
-        return stub(self.channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
-
-    def wait_idle(self) -> None:
-        deadline = time.monotonic() + 20
-        while (info := self.load()).kv_blocks_used or info.num_running or info.num_waiting:
-            assert time.monotonic() < deadline, (self.name, info)
-            time.sleep(0.05)
+def Engine(name: str, model, *flags: str) -> EngineServer:
+    return EngineServer(name.split("-")[0], ["--model", str(model), "--num-gpu-blocks-override", "64",
+                                             "--kv-transfer-timeout", "20", *flags], name=name)
 
 
 @pytest.fixture(scope="module")
