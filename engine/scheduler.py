@@ -136,9 +136,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hits) is None:
                 return
             self.block_waiting.popleft()
-            req.num_cached_tokens = num_hit
-            self.prefix_queries_total += req.num_prompt_tokens
-            self.prefix_hits_total += num_hit
+            self._count_prefix_hit(req, num_hit)
             req.status = S.WAITING_FOR_KV
             req.times.reserved = time.time()
             req.state_deadline = time.monotonic() + _UNSTARTED_KV_WAIT_FACTOR * self.config.kv_transfer_timeout
@@ -292,15 +290,19 @@ class Scheduler:
             self.waiting.popleft()
             if req.times.first_scheduled is None:  # first admission, not a resume
                 req.times.first_scheduled = time.time()
-                req.num_cached_tokens = num_hit
-                self.prefix_queries_total += req.num_prompt_tokens
-                self.prefix_hits_total += num_hit
+                self._count_prefix_hit(req, num_hit)
                 out.started.append(req)
             req.num_computed_tokens = num_hit
             req.status = S.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
+
+    def _count_prefix_hit(self, req: Request, num_hit: int) -> None:
+        """A request's first admission: its prompt tokens found in the prefix cache."""
+        req.num_cached_tokens = num_hit
+        self.prefix_queries_total += req.num_prompt_tokens
+        self.prefix_hits_total += num_hit
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
