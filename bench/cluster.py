@@ -2,8 +2,10 @@
 benchmarks that compare configurations on clusters of their own."""
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
+import threading
 
 
 class UpCluster:
@@ -15,10 +17,15 @@ class UpCluster:
     def __enter__(self) -> "UpCluster":
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
         for line in self.proc.stdout:
+            self.tail.append(line)
             if line.startswith("pdserve ready"):
+                # keep reading: a full pipe would stall the servers' logging
+                threading.Thread(target=self.tail.extend, args=(self.proc.stdout,), daemon=True).start()
                 return self
-        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}: {' '.join(self.argv)}")
+        raise RuntimeError(f"pdserve up exited with {self.proc.wait()}: {' '.join(self.argv)}\n"
+                           + "".join(self.tail))
 
     @property
     def pid(self) -> int:

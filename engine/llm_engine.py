@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
 from engine.model_runner import ModelRunner
@@ -50,6 +50,24 @@ class StepOutput:
     @property
     def did_work(self) -> bool:
         return self.num_batched_tokens > 0 or not self.is_empty
+
+
+class LayerSignal(Protocol):
+    """One step's per-layer progress, for the requests a ``LayerwiseSink`` took."""
+
+    def layer_done(self, layer: int) -> None:
+        """Layer ``layer``'s KV writes are queued on the current stream."""
+
+    def step_ended(self) -> None:
+        """The forward pass is over (every layer done), or it failed part-way."""
+
+
+class LayerwiseSink(Protocol):
+    """Told, as a step begins, which held-for-send requests finish their prompt in it
+    (request id, block ids), so their KV can leave layer by layer while the rest of the
+    forward pass runs. Returns None to take none of them."""
+
+    def step_begins(self, finishing: list[tuple[str, list[int]]]) -> LayerSignal | None: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,7 @@ class LLMEngine:
         self.eos_token_ids = mc.eos_token_ids
         self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
         self._next_expiry_check = 0.0
+        self.layerwise_sink: LayerwiseSink | None = None  # prefill tier: KV sent as layers finish
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -243,10 +262,24 @@ class LLMEngine:
         result.updated += out.finished
         if not out.is_empty:
             result.num_batched_tokens = out.num_batched_tokens
-            sampled, logprobs = self.runner.execute(out)
+            sampled, logprobs = self._execute(out)
             result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
         result.updated = list(dict.fromkeys(result.updated))  # once each, first report first
         return result
+
+    def _execute(self, out) -> tuple[list[int | None], list | None]:
+        signal = None
+        if self.layerwise_sink is not None:
+            finishing = [(s.request.request_id, list(s.block_ids)) for s in out.scheduled
+                         if s.samples and s.request.hold_kv_on_finish]
+            if finishing:
+                signal = self.layerwise_sink.step_begins(finishing)
+        if signal is None:
+            return self.runner.execute(out)
+        try:
+            return self.runner.execute(out, on_layer=signal.layer_done)
+        finally:
+            signal.step_ended()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._outside_step)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -243,10 +244,12 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), meta, sample_idx)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int | None], list | None]:
+    def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+                ) -> tuple[list[int | None], list | None]:
         """Run one step. Returns, aligned with ``out.scheduled``, the sampled
         token (None for a chunk that does not reach the end of its tokens)
-        and, when any request asked for them, logprobs."""
+        and, when any request asked for them, logprobs. ``on_layer(i)``:
+        called as each layer's work is queued (eager steps only)."""
         if self._forwards_before_fault is not None:
             if self._forwards_before_fault == 0:
                 raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
@@ -254,10 +257,12 @@ class ModelRunner:
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.eos_token_ids)
                 for s in out.scheduled if s.samples]
-        logits = self.graphs.run(out.scheduled) if self.graphs is not None else None  # [n, V] or None
+        logits = None  # [n, V]
+        if self.graphs is not None and on_layer is None:
+            logits = self.graphs.run(out.scheduled)  # None: not a graph step
         if logits is None:
             input_ids, positions, meta, sample_idx = self._prepare(out)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
             if rows:
                 logits = self.model.compute_logits(hidden[sample_idx])
         sampled: list[int | None] = [None] * len(out.scheduled)

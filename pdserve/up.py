@@ -73,6 +73,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
+    g.add_argument("--kv-send", choices=("layerwise", "after-prefill"), default="layerwise",
+                   help="prefill servers' --kv-send: layerwise overlaps the KV transfer with prefill")
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
@@ -197,6 +199,8 @@ class Cluster:
             name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
             dev = ["--device", devices[i % len(devices)]] if devices else []
             redis = ["--redis-url", self.redis_url] if self.redis_url else []
+            if role == "prefill" and a.kv_send != "layerwise":
+                redis += ["--kv-send", a.kv_send]
             self._launch(f"{name} ({addr})", name, role,
                          [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis,
                           *tls.tls_flags(a)], threads,

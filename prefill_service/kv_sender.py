@@ -32,7 +32,8 @@ class KVSenders:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def _sender(self, decode_address: str, reuse: bool = True) -> KVSender:
+    def pair(self, decode_address: str, reuse: bool = True) -> KVSender:
+        """The open pair to that decode server, set up now if there is none (or it broke)."""
         with self._guard:
             lock = self._locks.setdefault(decode_address, threading.Lock())
         with lock:  # one pair setup per decode server at a time
@@ -58,34 +59,37 @@ class KVSenders:
             self._senders[decode_address] = sender
             return sender
 
+    def has_pair(self, decode_address: str) -> bool:
+        return decode_address in self._senders
+
     def send(self, decode_address: str, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
              meta: dict) -> TransferStats:
         """Blocking: returns once the blocks' data has left this process."""
         if len(src_block_ids) != len(dst_block_ids):
             raise KVTransferError(f"request {request_id}: {len(src_block_ids)} blocks computed but "
                                   f"{len(dst_block_ids)} reserved on the decode server")
-        reused = decode_address in self._senders
-        sender = self._sender(decode_address)
+        reused = self.has_pair(decode_address)
+        sender = self.pair(decode_address)
         try:
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         except KVTransferError as exc:
             if sender.is_usable:
                 raise
-            self._drop(decode_address, sender)
+            self.drop(decode_address, sender)
             if not reused:
                 raise
             # A pair that worked before and broke now most often means the decode server restarted
             # (its end of the pair is gone): open a new pair once and send again.
             logger.info("KV pair to %s broke (%s); opening a new one", decode_address, exc)
-        sender = self._sender(decode_address, reuse=False)
+        sender = self.pair(decode_address, reuse=False)
         try:
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         except KVTransferError:
             if not sender.is_usable:
-                self._drop(decode_address, sender)
+                self.drop(decode_address, sender)
             raise
 
-    def _drop(self, decode_address: str, sender: KVSender) -> None:
+    def drop(self, decode_address: str, sender: KVSender) -> None:
         with self._guard:
             if self._senders.get(decode_address) is sender:
                 del self._senders[decode_address]

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import sys
 
-from prefill_service.servicer import PrefillServicer
+from prefill_service.servicer import KV_SEND_MODES, PrefillServicer
 from rpc.engine_server import add_server_args, configure_logging, serve_engine
 
 DEFAULT_PORT = 50061
@@ -13,11 +13,15 @@ DEFAULT_PORT = 50061
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument("--kv-send", choices=KV_SEND_MODES, default="layerwise",
+                        help="when a prompt's KV leaves for the decode server: layerwise (each layer as the "
+                             "last prefill chunk computes it, overlapping the transfer with prefill) or "
+                             "after-prefill (all layers once the first token is sampled)")
 
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("prefill")
-    return asyncio.run(serve_engine(args, "prefill", PrefillServicer()))
+    return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_send)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ server it started) -> the first token is sampled and the blocks are held
 ``release_after_send``: the blocks go back to the pool (they stay in the
 prefix cache, unreferenced, until evicted). The engine never frees blocks
 while a send reads them, whatever happens to the RPC.
+
+With ``--kv-send layerwise`` (the default) the send starts earlier, when the
+engine schedules the prompt's last chunk, and each layer leaves as the
+forward pass finishes it (``prefill_service/layerwise.py``); held, the
+request only adds its first token to that send and waits for it to end.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from engine.kv_transfer import KVLayout, KVTransferError
 from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
+from prefill_service.layerwise import LayerwiseSends
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
@@ -33,15 +39,20 @@ from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 _NOTIFY_TIMEOUT_S = 5.0
+KV_SEND_MODES = ("layerwise", "after-prefill")
 
 
 class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     name = "pdserve.v1.Prefill"
     role = "prefill"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_send: str = "layerwise") -> None:
         super().__init__()
+        if kv_send not in KV_SEND_MODES:
+            raise ValueError(f"--kv-send must be one of {', '.join(KV_SEND_MODES)}, got {kv_send!r}")
+        self.kv_send = kv_send
         self.senders: KVSenders | None = None
+        self.layerwise: LayerwiseSends | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         self._decode_stubs: dict[str, engine_pb2_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -54,9 +65,13 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
         layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout)
+        if self.kv_send == "layerwise":
+            self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers)
         self.bridge.start()
 
     def close(self) -> None:
+        if self.layerwise is not None:
+            self.layerwise.close()
         if self.senders is not None:
             self.senders.close()
         super().close()
@@ -74,6 +89,9 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         send = d = stats = None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
+            skip = request.num_skip_blocks  # the decode side has these leading blocks cached
+            if self.layerwise is not None and skip >= 0:
+                self.layerwise.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip)
             try:
                 await bridge.run(lambda e: e.add_prefill_request(rid, prompt, params, deadline=deadline))
             except OverflowError as exc:  # the waiting queue (or the engine's command queue) is full
@@ -82,7 +100,6 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             d = await self._wait_held(queue, request.decode_address, context)
             t_first = time.time()
-            skip = request.num_skip_blocks  # the decode side has these leading blocks cached
             if not 0 <= skip < len(d.block_ids):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
@@ -92,11 +109,24 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             meta = {"first_token": d.token_ids[0],
                     "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
-            send = asyncio.get_running_loop().run_in_executor(
-                self._pool, self.senders.send, request.decode_address, rid, block_ids[skip:],  # type: ignore[union-attr]
-                list(request.dst_block_ids)[skip:], meta)
+            streamed = self.layerwise.take(rid) if self.layerwise is not None else None
             try:
-                stats = await asyncio.shield(send)
+                if streamed is not None:
+                    streamed.meta.put(meta)
+                    send = asyncio.wrap_future(streamed.future)  # type: ignore[arg-type]
+                    try:
+                        stats = await asyncio.shield(send)
+                    except KVTransferError as exc:
+                        if not streamed.may_redo:
+                            raise
+                        logger.info("request %s: layer-wise KV send did not start (%s); sending after "
+                                    "prefill", rid, exc)
+                        send = None
+                if send is None:
+                    send = asyncio.get_running_loop().run_in_executor(
+                        self._pool, self.senders.send, request.decode_address, rid, block_ids[skip:],  # type: ignore[union-attr]
+                        list(request.dst_block_ids)[skip:], meta)
+                    stats = await asyncio.shield(send)
             except KVTransferError as exc:
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.decode_address} "
@@ -113,6 +143,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 resp.logprob.CopyFrom(logprob_to_proto(d.logprobs[0]))
             return resp
         finally:
+            if self.layerwise is not None:
+                self.layerwise.forget(rid)
             bridge.close_stream(rid)
             if d is not None and d.times is not None:
                 _record_spans(rid, trace_ctx, d, stats, len(request.prompt_token_ids))

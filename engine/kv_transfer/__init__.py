@@ -20,11 +20,13 @@ Setup (addresses travel over gRPC; that is the services' job, not this module's)
 
 One transfer (the receiver needs to know nothing in advance)::
 
-    control  store queue "hdr"  {"request_id", "src", "dst", "meta", "pack", "chunk_layers"}  (JSON)
+    control  store queue "hdr"  {"request_id", "runs", "pack", "chunk_layers"}  (JSON)
     data     layers cut into chunks of chunk_layers; chunk by chunk, one batch (NCCL group) each:
                pack=False   kv_cache[l, s:s+n] -> kv_cache[l, d:d+n]  for l in chunk, (s, d, n) in runs
                pack=True    gather kv_cache[chunk][:, src] -> one staging message -> scatter into [:, dst]
-             the int64 trailer (_OK | _ABORTED) rides in the last chunk's batch
+             the trailer rides in the last chunk's batch: status (_OK | _ABORTED) and the
+             sender's meta (JSON: the first sampled token), known only once prefill is done,
+             so a sender can post each layer as prefill computes it (``send_layer``)
 
 The sender picks the plan (``plan_transfer``): long runs go in place, every layer in one
 NCCL group; short runs are gathered into chunks (two staging slots a side, so gathering

@@ -3,6 +3,7 @@ the backend choice, the message plan of a transfer, errors and per-transfer resu
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
@@ -16,14 +17,15 @@ logger = logging.getLogger(__name__)
 
 _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directly (no init_process_group)
 
-PROTOCOL_VERSION = 2  # 2: backend negotiated from GPU UUIDs in the hello; chunked message plan
+PROTOCOL_VERSION = 3  # 2: backend from GPU UUIDs, chunked message plan; 3: meta in the trailer
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
 RECEIVER_RANK = 1
 _HEADER_QUEUE = "hdr"
 _TAG = 0
-_OK, _ABORTED = 0, 1  # trailer values
+_OK, _ABORTED = 0, 1  # trailer status values
+TRAILER_BYTES = 8192  # int64 status, uint32 length, then the sender's meta as JSON
 _IDLE_WAIT = timedelta(days=1)  # header wait chunk when recv(timeout=None); close() wakes it
 BACKENDS = ("auto", "gloo", "nccl")  # what a side may ask for; "auto" = decide from the GPU UUIDs
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -249,6 +251,32 @@ class TransferStats:
     @property
     def bytes_per_second(self) -> float:
         return self.num_bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+def encode_trailer(status: int, meta: dict[str, Any] | None) -> torch.Tensor:
+    """The transfer's last message: its status and the sender's ``meta``, known only once
+    prefill is done (e.g. the first sampled token). Raises ValueError if meta does not fit."""
+    body = json.dumps(meta or {}).encode()
+    if len(body) > TRAILER_BYTES - 12:
+        raise ValueError(f"transfer meta of {len(body)} bytes does not fit the {TRAILER_BYTES}-byte trailer")
+    out = np.zeros(TRAILER_BYTES, dtype=np.uint8)
+    out[:8] = np.frombuffer(np.int64(status).tobytes(), dtype=np.uint8)
+    out[8:12] = np.frombuffer(np.uint32(len(body)).tobytes(), dtype=np.uint8)
+    out[12:12 + len(body)] = np.frombuffer(body, dtype=np.uint8)
+    return torch.from_numpy(out)
+
+
+def decode_trailer(data: torch.Tensor) -> tuple[int, dict[str, Any]]:
+    """(status, meta) from a received trailer; ValueError if it is malformed."""
+    raw = data.cpu().numpy().tobytes()
+    status = int(np.frombuffer(raw[:8], dtype=np.int64)[0])
+    length = int(np.frombuffer(raw[8:12], dtype=np.uint32)[0])
+    if length > TRAILER_BYTES - 12:
+        raise ValueError(f"trailer meta length {length} out of range")
+    meta = json.loads(raw[12:12 + length]) if length else {}
+    if not isinstance(meta, dict):
+        raise ValueError("trailer meta is not a JSON object")
+    return status, meta
 
 
 class ReceivedKV(NamedTuple):

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
                                          KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
-                                         WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS, chunk_ranges,
-                                         decode_runs, expand_runs)
+                                         TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
+                                         chunk_ranges, decode_runs, decode_trailer, expand_runs)
 from engine.kv_transfer.pair import _Pair, _as_rows, _hello, _remaining, _settle
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class KVReceiver(_Pair):
                 self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=True)
                 raise
             try:
-                status, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=False)
+                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan,
+                                                               drain=False)
             except KVTransferError as e:
                 e.request_id = request_id
                 raise
@@ -146,7 +147,7 @@ class KVReceiver(_Pair):
         return ReceivedKV(request_id, list(dst), TransferStats(
             num_blocks=len(dst), num_bytes=len(dst) * block_bytes * self.layout.num_layers,
             seconds=time.perf_counter() - start, backend=self.backend,
-            num_messages=num_messages), header.get("meta") or {})
+            num_messages=num_messages), meta)
 
     def _next_header(self, timeout: float | None) -> dict[str, Any]:
         """One blocking pop from the store's header queue. An idle pair waits here, not in the
@@ -175,10 +176,10 @@ class KVReceiver(_Pair):
         return header
 
     def _recv_chunks(self, request_id: str, runs: list[tuple[int, int, int]], dst_ids: np.ndarray,
-                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool) -> tuple[int, int]:
+                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool) -> tuple[int, dict[str, Any], int]:
         """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
         previous one lands. Drained: everything goes to scratch and kv_cache is not touched.
-        Returns (trailer value, data messages)."""
+        Returns (trailer status, the sender's meta, data messages)."""
         deadline = time.monotonic() + self.timeout
         what = f"request {request_id}: receiving KV" + (" (draining a rejected transfer)" if drain else "")
         chunks = chunk_ranges(self.layout.num_layers, plan.chunk_layers)
@@ -187,7 +188,7 @@ class KVReceiver(_Pair):
             dst_index = None
             if plan.pack and not drain:
                 dst_index = torch.from_numpy(dst_ids).to(kv_cache.device, non_blocking=True)
-            trailer = torch.empty(1, dtype=torch.int64, device=self.wire_device)
+            trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire_device)
             works: list[list[Any]] = []
             staged: list[list[torch.Tensor]] = []  # per chunk: its messages' staging views ([] if in place)
             num_messages = 0
@@ -208,7 +209,12 @@ class KVReceiver(_Pair):
                 self._wait([w for ws in works for w in ws], deadline, what, done=done)
             elif kv_cache.is_cuda:
                 torch.cuda.current_stream().synchronize()
-            return int(trailer.item()), num_messages
+            try:
+                status, meta = decode_trailer(trailer)
+            except ValueError as e:
+                self._fail("reading a KV trailer", e)
+                raise KVTransferError(f"{what}: malformed trailer: {e}") from e
+            return status, meta, num_messages
 
     def _targets(self, k: int, chunk: tuple[int, int], runs: list[tuple[int, int, int]], kv_cache: torch.Tensor,
                  plan: WirePlan, drain: bool) -> tuple[list[torch.Tensor], bool]:

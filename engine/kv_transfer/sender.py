@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
                                          RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
-                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, expand_runs, merge_runs,
-                                         plan_transfer)
+                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, encode_trailer, expand_runs,
+                                         merge_runs, plan_transfer)
 from engine.kv_transfer.pair import (_Pair, _as_rows, _hello, _local_addr_toward, _remaining, _settle,
                                      _wait_for_listener)
 
@@ -63,8 +63,10 @@ class KVSender(_Pair):
               plan: WirePlan | None = None) -> KVSendTransfer:
         """Start one transfer: takes the pair's lock and sends the header. Then call
         ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer) and
-        ``finish()``; use it as a context manager. Data leaves a chunk at a time, once its last
-        layer was given. ``plan`` overrides the message plan (benchmarks, tests).
+        ``finish(meta)``; use it as a context manager. Data leaves a chunk at a time, once its
+        last layer was given. ``meta`` (small JSON, e.g. the first sampled token) travels in the
+        trailer, so it may be given only at ``finish``. ``plan`` overrides the message plan
+        (benchmarks, tests).
 
         The header always goes first: posting an NCCL batch may block this thread until the
         peer posts its side (NCCL connects channels on first use), and the peer posts only
@@ -85,14 +87,14 @@ class KVSender(_Pair):
             plan = WirePlan(pack=False, chunk_layers=self.layout.num_layers)
         elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
             raise ValueError("gloo from a GPU cache stages through host memory: the plan must pack")
-        header = json.dumps({"request_id": request_id, "runs": encode_runs(runs), "meta": meta or {},
+        header = json.dumps({"request_id": request_id, "runs": encode_runs(runs),
                              "pack": plan.pack, "chunk_layers": plan.chunk_layers})
         if not self._lock.acquire(timeout=self.timeout):
             raise KVTransferError(f"request {request_id}: KV pair busy for {self.timeout}s")
         try:
             self._check_usable()
             self._push_header(request_id, header)
-            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan)
+            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan, meta)
         except Exception:
             self._lock.release()
             raise
@@ -143,8 +145,9 @@ class KVSendTransfer:
     after chunk k has left (a stream-side wait for NCCL, a host-side one for gloo)."""
 
     def __init__(self, sender: KVSender, request_id: str, runs: list[tuple[int, int, int]], src: np.ndarray,
-                 kv_cache: torch.Tensor, plan: WirePlan) -> None:
+                 kv_cache: torch.Tensor, plan: WirePlan, meta: dict[str, Any] | None = None) -> None:
         self.request_id = request_id
+        self.meta = meta
         self._sender = sender
         self._runs = runs
         self._kv_cache = kv_cache
@@ -159,20 +162,25 @@ class KVSendTransfer:
         self._stats: TransferStats | None = None
         self._done = False
         self._src_index: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
         sender._after_callers_work()
         if plan.pack:
             with sender._on_stream():
                 self._src_index = torch.from_numpy(src).to(kv_cache.device, non_blocking=True)
 
-    def send_layer(self, layer: int) -> None:
+    def send_layer(self, layer: int, ready: torch.cuda.Event | None = None) -> None:
         """Layer ``layer`` of the cache is ready (in order); posts every chunk it completes,
-        except the last one."""
+        except the last one. ``ready``: a CUDA event after which the layer's data is written
+        (the work of another thread's stream); the pair's stream waits for it on the device,
+        this thread does not."""
         if self._done:
             raise KVTransferError(f"request {self.request_id}: send_layer after finish()")
         if layer != self._next_layer:
             raise ValueError(f"send_layer({layer}) out of order: expected layer {self._next_layer}")
         self._sender._check_usable()
         self._next_layer += 1
+        if ready is not None:
+            self._ready = ready  # the newest: later layers were written after earlier ones
         k = len(self._works)
         if k < len(self._chunks) - 1 and self._chunks[k][1] == self._next_layer:
             self._post_chunk(k, trailer=None)
@@ -182,6 +190,9 @@ class KVSendTransfer:
         what = f"request {self.request_id}: sending KV layers {l0}..{l1 - 1}"
         nccl = sender.backend == "nccl"
         with sender._on_stream():
+            if self._ready is not None:
+                torch.cuda.current_stream().wait_event(self._ready)
+                self._ready = None
             if k >= 2:  # chunk k may reuse what chunk k - 2 sent from
                 if nccl:
                     for work in self._works[k - 2]:
@@ -217,26 +228,32 @@ class KVSendTransfer:
         torch.cuda.current_stream().synchronize()  # gloo reads host memory now
         return host
 
-    def finish(self) -> TransferStats:
-        """Post the last chunk and the trailer, wait until everything has left, release the
-        pair, return the stats.
+    def finish(self, meta: dict[str, Any] | None = None, abort: bool = False) -> TransferStats:
+        """Post the last chunk and the trailer (with ``meta``, else the one given to ``begin``),
+        wait until everything has left, release the pair, return the stats.
 
-        Called before every layer was given (the caller failed mid-prefill), it sends the
-        remaining layers anyway so the receiver stays in sync, marks the trailer "aborted"
-        (the receiver's recv raises) and raises KVTransferError. Idempotent once it succeeded.
+        With ``abort``, or called before every layer was given (the caller failed mid-prefill),
+        it sends the remaining layers anyway so the receiver stays in sync, marks the trailer
+        "aborted" (the receiver's recv raises) and raises KVTransferError. Leaving the context
+        manager by an exception aborts. Idempotent once it succeeded.
         """
         if self._done:
             if self._stats is None:
                 raise KVTransferError(f"request {self.request_id}: transfer already finished (failed)")
             return self._stats
         sender, num_layers = self._sender, self._sender.layout.num_layers
-        aborted = self._next_layer < num_layers
+        aborted = abort or self._next_layer < num_layers
         what = f"request {self.request_id}: sending KV"
+        problem = "aborted by the sender" if abort else "finished before every layer was sent"
         try:
+            try:
+                trailer = encode_trailer(_ABORTED if aborted else _OK, meta if meta is not None else self.meta)
+            except ValueError as e:  # still send an (aborted) trailer: the receiver waits for one
+                trailer, aborted, problem = encode_trailer(_ABORTED, None), True, str(e)
             for layer in range(self._next_layer, num_layers):
                 self.send_layer(layer)
             with sender._on_stream():
-                trailer = torch.tensor([_ABORTED if aborted else _OK], dtype=torch.int64).to(sender.wire_device)
+                trailer = trailer.to(sender.wire_device, non_blocking=False)
             self._post_chunk(len(self._chunks) - 1, trailer)
             sender._wait([w for works in self._works[self._num_waited:] for w in works], self._deadline, what)
         finally:
@@ -245,8 +262,7 @@ class KVSendTransfer:
             self._done = True
             sender._lock.release()
         if aborted:
-            raise KVTransferError(f"{what}: finished before every layer was sent; "
-                                  "the receiver was told the transfer is aborted")
+            raise KVTransferError(f"{what}: {problem}; the receiver was told the transfer is aborted")
         num_blocks = sum(n for _, _, n in self._runs)
         block_bytes = self._kv_cache[0, 0].numel() * self._kv_cache.element_size()
         self._stats = TransferStats(
@@ -262,7 +278,7 @@ class KVSendTransfer:
         if self._done:
             return
         try:
-            self.finish()
+            self.finish(abort=exc_type is not None)
         except KVTransferError:
             if exc_type is None:
                 raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -146,12 +146,15 @@ class LlamaForCausalLM(nn.Module):
                              persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, num_blocks, 2, bs, H_kv, D].
-        Returns the final hidden states [T, hidden] (logits via compute_logits)."""
+        Returns the final hidden states [T, hidden] (logits via compute_logits).
+        ``on_layer(i)`` is called once layer i's work (its KV writes included) is queued."""
         h, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(positions, h, residual, kv_cache[i], meta, self.cos_sin)
+            if on_layer is not None:
+                on_layer(i)
         h, _ = self.model.norm(h, residual)
         return h
 

@@ -1,0 +1,169 @@
+"""Layer-wise KV send: a request's KV leaves for its decode server layer by
+layer while prefill computes the next layers, so that little of the transfer
+is left when the first token is sampled.
+
+The engine (``LLMEngine.layerwise_sink``) tells us, as a step begins, which
+held-for-send requests finish their prompt in it; then, from the engine
+thread, after each layer's work is queued. Here that costs one CUDA event per
+layer: a worker thread per request opens the transfer (the header goes while
+layer 0 runs) and posts each layer once its event is passed, on the pair's own
+stream, so neither thread waits for the GPU. The first token, known after
+sampling, rides in the transfer's trailer.
+
+    Prefill RPC:  expect(rid, decode, dst blocks)   before the engine sees the request
+    engine:       step_begins -> layer_done(0..L-1) -> step_ended
+    Prefill RPC:  held -> take(rid) -> finish(meta) -> await the result
+                  (a send that failed before its header left is redone after prefill)
+
+Only the first request per decode server in a step overlaps fully: a pair
+carries one transfer at a time, and each transfer ends with its first token.
+A request that ends before its token (aborted, expired) is told to its
+decode server as an aborted transfer; its blocks are only ever read here.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kv_transfer import KVTransferError, TransferStats
+from prefill_service.kv_sender import KVSenders
+
+logger = logging.getLogger(__name__)
+_END = "end"  # the step is over: no more layers
+_MAX_WORKERS = 32
+
+
+@dataclass
+class StreamedSend:
+    """One request's layer-wise send."""
+
+    request_id: str
+    decode_address: str
+    dst_block_ids: list[int]
+    skip: int  # leading blocks the decode server has cached: not sent
+    layers: "queue.SimpleQueue[torch.cuda.Event | None | str]" = field(default_factory=queue.SimpleQueue)
+    meta: "queue.SimpleQueue[dict[str, Any] | None]" = field(default_factory=queue.SimpleQueue)
+    future: Future | None = None  # set once the engine scheduled its last prompt chunk
+    may_redo: bool = False  # it failed where sending again after prefill can work
+
+    def cancel(self) -> None:
+        """The request ended before its first token: the transfer ends aborted."""
+        self.layers.put(_END)
+        self.meta.put(None)
+
+
+class LayerwiseSends:
+    """The prefill server's ``LayerwiseSink``: one ``StreamedSend`` per expected request."""
+
+    def __init__(self, senders: KVSenders, num_layers: int) -> None:
+        self.senders = senders
+        self.num_layers = num_layers
+        self.device = senders.kv_cache.device
+        self._pool = ThreadPoolExecutor(max_workers=_MAX_WORKERS, thread_name_prefix="kv-layerwise")
+        self._sends: dict[str, StreamedSend] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, request_id: str, decode_address: str, dst_block_ids: list[int], skip: int) -> None:
+        with self._lock:
+            self._sends[request_id] = StreamedSend(request_id, decode_address, dst_block_ids, skip)
+
+    def take(self, request_id: str) -> StreamedSend | None:
+        """The request's send if the engine started it (then the caller owns it), else None."""
+        with self._lock:
+            s = self._sends.pop(request_id, None)
+        return s if s is not None and s.future is not None else None
+
+    def forget(self, request_id: str) -> None:
+        """The RPC is over: a send still waiting for layers or the token ends aborted."""
+        with self._lock:
+            s = self._sends.pop(request_id, None)
+        if s is not None and s.future is not None:
+            s.cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            sends, self._sends = list(self._sends.values()), {}
+        for s in sends:
+            s.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- engine thread ----------------------------------------------------
+    def step_begins(self, finishing: list[tuple[str, list[int]]]) -> _StepLayers | None:
+        started = []
+        with self._lock:
+            for request_id, block_ids in finishing:
+                s = self._sends.get(request_id)
+                if s is None or s.future is not None:
+                    continue
+                s.future = self._pool.submit(self._run, s, block_ids)
+                started.append(s)
+        return _StepLayers(started, self.device) if started else None
+
+    # ---- worker thread ----------------------------------------------------
+    def _run(self, s: StreamedSend, block_ids: list[int]) -> TransferStats:
+        deadline = time.monotonic() + self.senders.timeout
+        src = block_ids[s.skip:]
+        if len(src) != len(s.dst_block_ids):
+            raise KVTransferError(f"request {s.request_id}: {len(src)} blocks computed but "
+                                  f"{len(s.dst_block_ids)} reserved on the decode server")
+        reused = self.senders.has_pair(s.decode_address)
+        sender = self.senders.pair(s.decode_address)
+        header_sent = False
+        try:
+            transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache)
+            header_sent = True
+            return self._stream(s, transfer, deadline)
+        except KVTransferError:
+            # Redo after prefill if the decode server never heard of this transfer, or if a pair
+            # that worked before broke (the decode server restarted: the new one never did).
+            broken = not sender.is_usable
+            s.may_redo = not header_sent or (reused and broken)
+            if broken:
+                self.senders.drop(s.decode_address, sender)
+            raise
+
+    def _stream(self, s: StreamedSend, transfer, deadline: float) -> TransferStats:
+        with transfer:  # leaving early (an exception) sends the rest marked aborted
+            for layer in range(self.num_layers):
+                ready = _get(s.layers, deadline, f"request {s.request_id}: layer {layer} never came")
+                if ready == _END:
+                    raise KVTransferError(f"request {s.request_id}: prefill ended before layer {layer}")
+                transfer.send_layer(layer, ready)
+            meta = _get(s.meta, deadline, f"request {s.request_id}: no first token")
+            if meta is None:
+                raise KVTransferError(f"request {s.request_id}: ended before its first token")
+            return transfer.finish(meta)
+
+
+class _StepLayers:
+    """One step's signal to the sends it started."""
+
+    def __init__(self, sends: list[StreamedSend], device: torch.device) -> None:
+        self.sends = sends
+        self.cuda = device.type == "cuda"
+
+    def layer_done(self, layer: int) -> None:
+        ready = None
+        if self.cuda:  # on CPU the layer's writes are done when the call returns
+            ready = torch.cuda.Event()
+            ready.record()
+        for s in self.sends:
+            s.layers.put(ready)
+
+    def step_ended(self) -> None:
+        for s in self.sends:
+            s.layers.put(_END)  # read only by a send that is still short of layers
+
+
+def _get(q: queue.SimpleQueue, deadline: float, what: str) -> Any:
+    try:
+        return q.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise KVTransferError(f"{what} within the KV transfer timeout") from None
