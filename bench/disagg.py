@@ -60,11 +60,11 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def probe_kv_share(up: Up, args: argparse.Namespace, prompt_len: int) -> dict:
+def probe_kv_share(up: Up, args: argparse.Namespace, prompt_len: int, seed: int = 0) -> dict:
     """Medians over ``--probe-requests`` prompts of ``prompt_len`` tokens, one at a time.
     ``exposed_s``: the Prefill call's time after its first token was sampled (its own
     ``prefill_seconds``), i.e. what the KV send adds to TTFT, RPC return included."""
-    rng = random.Random(prompt_len)
+    rng = random.Random(f"{prompt_len}-{seed}")  # a length probed twice gets new prompts
     d_addr, p_addr = f"127.0.0.1:{up.decode}", f"127.0.0.1:{up.prefill}"
     sp = common_pb2.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     rows = []
@@ -72,12 +72,13 @@ def probe_kv_share(up: Up, args: argparse.Namespace, prompt_len: int) -> dict:
         d, p = engine_pb2_grpc.DecodeStub(dch), engine_pb2_grpc.PrefillStub(pch)
         for i in range(args.probe_requests + 1):  # the first opens the KV pair: not counted
             ids = _prompt(rng, prompt_len)
+            rid = f"probe-{prompt_len}-{seed}-{i}"
             t0 = time.perf_counter()
-            stream = d.Generate(engine_pb2.DecodeRequest(request_id=f"probe-{prompt_len}-{i}", prompt_token_ids=ids,
+            stream = d.Generate(engine_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
                                                          sampling=sp, remote_prefill=True), timeout=120)
             reserved = next(stream).reserved
             t1 = time.perf_counter()
-            r = p.Prefill(engine_pb2.PrefillRequest(request_id=f"probe-{prompt_len}-{i}", prompt_token_ids=ids,
+            r = p.Prefill(engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                     sampling=sp, decode_address=d_addr,
                                                     dst_block_ids=reserved.block_ids), timeout=120)
             t2 = time.perf_counter()
@@ -86,10 +87,14 @@ def probe_kv_share(up: Up, args: argparse.Namespace, prompt_len: int) -> dict:
             if i:
                 rows.append({"ttft_s": t2 - t0, "prefill_s": r.prefill_seconds,
                              "exposed_s": t2 - t1 - r.prefill_seconds, "transfer_s": r.transfer.seconds,
+                             "after_token_s": r.transfer.seconds_after_first_token,
                              "bytes": r.transfer.num_bytes, "backend": r.transfer.backend})
-    med = {k: statistics.median(row[k] for row in rows) for k in ("ttft_s", "prefill_s", "exposed_s", "transfer_s")}
+    med = {k: statistics.median(row[k] for row in rows)
+           for k in ("ttft_s", "prefill_s", "exposed_s", "transfer_s", "after_token_s")}
     return {"prompt_tokens": prompt_len, **med, "transfer_bytes": rows[0]["bytes"], "backend": rows[0]["backend"],
+            "prefill_s_all": [row["prefill_s"] for row in rows], "exposed_s_all": [row["exposed_s"] for row in rows],
             "exposed_share_of_ttft": med["exposed_s"] / med["ttft_s"],
+            "after_token_share_of_ttft": med["after_token_s"] / med["ttft_s"],
             "transfer_share_of_ttft": med["transfer_s"] / med["ttft_s"]}
 
 
@@ -97,7 +102,7 @@ def probe_all(args: argparse.Namespace) -> dict:
     out = {}
     for mode in args.kv_send.split(","):
         with Up(args, "disaggregated", mode) as up:
-            out[mode] = [probe_kv_share(up, args, int(n)) for n in args.probe_len.split(",")]
+            out[mode] = [probe_kv_share(up, args, int(n), i) for i, n in enumerate(args.probe_len.split(","))]
     return out
 
 
@@ -140,7 +145,9 @@ def _print_probes(probes: dict) -> None:
         for k in rows:
             print(f"KV transfer ({mode}, {k['backend']}), {k['prompt_tokens']}-token prompt: TTFT "
                   f"{k['ttft_s'] * 1e3:.1f} ms, prefill {k['prefill_s'] * 1e3:.1f} ms, after the first token "
-                  f"{k['exposed_s'] * 1e3:.2f} ms ({100 * k['exposed_share_of_ttft']:.1f}% of TTFT); the transfer "
+                  f"{k['exposed_s'] * 1e3:.2f} ms ({100 * k['exposed_share_of_ttft']:.1f}% of TTFT, of which the "
+                  f"prefill server waited {k['after_token_s'] * 1e3:.2f} ms = "
+                  f"{100 * k['after_token_share_of_ttft']:.1f}% for the transfer); the transfer "
                   f"was open {k['transfer_s'] * 1e3:.2f} ms for {k['transfer_bytes'] / 2**20:.1f} MiB")
 
 

@@ -55,6 +55,8 @@ class StepOutput:
 class LayerSignal(Protocol):
     """One step's per-layer progress, for the requests a ``LayerwiseSink`` took."""
 
+    request_ids: list[str]  # the requests whose send starts now (they must end with release_after_send)
+
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s KV writes are queued on the current stream."""
 
@@ -194,11 +196,13 @@ class LLMEngine:
         return req
 
     def begin_send(self, request_id: str) -> list[int]:
-        """Prefill tier: a send of the held blocks starts; returns their ids."""
+        """Prefill tier: a send of the held blocks starts; returns their ids.
+        (A request a ``layerwise_sink`` took is sending already: no call.)"""
         return self.scheduler.begin_send(request_id)
 
     def release_after_send(self, request_id: str) -> Request | None:
-        """Prefill tier: the send ended (or never began): free the blocks."""
+        """Prefill tier: the send ended (or never began): free the blocks.
+        Also ends a layer-wise send of a request finished (aborted) meanwhile."""
         req = self.scheduler.release_held(request_id)
         self._report(req)
         return req
@@ -276,6 +280,8 @@ class LLMEngine:
                 signal = self.layerwise_sink.step_begins(finishing)
         if signal is None:
             return self.runner.execute(out)
+        for request_id in signal.request_ids:  # their blocks are read from now on: never freed under it
+            self.scheduler.begin_streamed_send(request_id)
         try:
             return self.runner.execute(out, on_layer=signal.layer_done)
         finally:

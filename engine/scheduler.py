@@ -16,11 +16,13 @@ The two tiers add states around that batch (see ``RequestStatus``)::
                                                 ──kv_failed────▶ FINISHED_ABORTED
     prefill: add_request(hold) ──▶ WAITING ──▶ RUNNING ──first token──▶ HELD_FOR_SEND
              ──begin_send … release_held──▶ FINISHED_*
+             (layer-wise: ``begin_streamed_send`` as the last prompt chunk is scheduled,
+             RUNNING, then held already sending ──release_held──▶ FINISHED_*)
 
 Every non-final state has a deadline (``expire``): the caller's, and for the
 hand-off states their own bound, so nothing waits for ever. ``finish_request``
 is the one exit. A request finished while a transfer still reads or writes
-its blocks (RECEIVING_KV, or HELD_FOR_SEND with a send running) is reported
+its blocks (RECEIVING_KV, or a prefill request with a send running) is reported
 finished at once but keeps its blocks in ``pending_free`` until that transfer
 ends (``kv_received`` / ``kv_failed`` / ``release_held``): never freed under
 a transfer.
@@ -220,6 +222,15 @@ class Scheduler:
         req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
         return self.kv.get_block_ids(request_id)
 
+    def begin_streamed_send(self, request_id: str) -> None:
+        """A send reads the running request's blocks from now on, layer by layer as its last
+        prompt chunk computes them; it is held, still sending, once its first token is sampled."""
+        req = self.requests[request_id]
+        if req.status != S.RUNNING or not req.hold_kv_on_finish or req.is_sending:
+            raise ValueError(f"request {request_id} cannot start a layer-wise send ({req.status.name})")
+        req.is_sending = True
+        req.times.kv_send_start = time.time()
+
     def release_held(self, request_id: str) -> Request | None:
         """The send ended (or will never start): the held blocks go back to
         the pool (they stay in the prefix cache until evicted)."""
@@ -351,7 +362,8 @@ class Scheduler:
             self.running.remove(req)
             req.status, req.held_status = S.HELD_FOR_SEND, status
             req.times.held = time.time()
-            req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout
+            req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + (
+                _TRANSFER_GRACE_S if req.is_sending else 0.0)
             self.held[req.request_id] = req
             return
         self._finish(req, status)
@@ -372,8 +384,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, error: RequestError | None = None,
                 transfer_over: bool = False) -> None:
         rid = req.request_id
-        busy = not transfer_over and (req.status == S.RECEIVING_KV or
-                                      (req.status == S.HELD_FOR_SEND and req.is_sending))
+        busy = not transfer_over and (req.status == S.RECEIVING_KV or req.is_sending)
         if req.status in (S.WAITING, S.PREEMPTED):
             self.waiting.remove(req)
         elif req.status == S.WAITING_FOR_BLOCKS:

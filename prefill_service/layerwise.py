@@ -48,9 +48,11 @@ class StreamedSend:
     decode_address: str
     dst_block_ids: list[int]
     skip: int  # leading blocks the decode server has cached: not sent
-    layers: "queue.SimpleQueue[torch.cuda.Event | None | str]" = field(default_factory=queue.SimpleQueue)
+    layers: "queue.SimpleQueue[tuple[int, torch.cuda.Event | None] | str]" = field(default_factory=queue.SimpleQueue)
+    wake_every: int = 1  # its plan's layers per chunk, once begun: wake the worker only that often
     meta: "queue.SimpleQueue[dict[str, Any] | None]" = field(default_factory=queue.SimpleQueue)
     future: Future | None = None  # set once the engine scheduled its last prompt chunk
+    src_block_ids: list[int] = field(default_factory=list)  # what it sends (the request's blocks after skip)
     may_redo: bool = False  # it failed where sending again after prefill can work
 
     def cancel(self) -> None:
@@ -80,12 +82,15 @@ class LayerwiseSends:
             s = self._sends.pop(request_id, None)
         return s if s is not None and s.future is not None else None
 
-    def forget(self, request_id: str) -> None:
-        """The RPC is over: a send still waiting for layers or the token ends aborted."""
+    def forget(self, request_id: str) -> StreamedSend | None:
+        """The RPC is over: a started send it never took ends aborted; returns it (its
+        blocks are free to go once its future is done)."""
         with self._lock:
             s = self._sends.pop(request_id, None)
-        if s is not None and s.future is not None:
-            s.cancel()
+        if s is None or s.future is None:
+            return None
+        s.cancel()
+        return s
 
     def close(self) -> None:
         with self._lock:
@@ -104,12 +109,12 @@ class LayerwiseSends:
                     continue
                 s.future = self._pool.submit(self._run, s, block_ids)
                 started.append(s)
-        return _StepLayers(started, self.device) if started else None
+        return _StepLayers(started, self.device, self.num_layers) if started else None
 
     # ---- worker thread ----------------------------------------------------
     def _run(self, s: StreamedSend, block_ids: list[int]) -> TransferStats:
         deadline = time.monotonic() + self.senders.timeout
-        src = block_ids[s.skip:]
+        src = s.src_block_ids = block_ids[s.skip:]
         if len(src) != len(s.dst_block_ids):
             raise KVTransferError(f"request {s.request_id}: {len(src)} blocks computed but "
                                   f"{len(s.dst_block_ids)} reserved on the decode server")
@@ -117,8 +122,9 @@ class LayerwiseSends:
         sender = self.senders.pair(s.decode_address)
         header_sent = False
         try:
-            transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache)
+            transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache, overlap=True)
             header_sent = True
+            s.wake_every = transfer.chunk_layers
             return self._stream(s, transfer, deadline)
         except KVTransferError:
             # Redo after prefill if the decode server never heard of this transfer, or if a pair
@@ -131,11 +137,15 @@ class LayerwiseSends:
 
     def _stream(self, s: StreamedSend, transfer, deadline: float) -> TransferStats:
         with transfer:  # leaving early (an exception) sends the rest marked aborted
-            for layer in range(self.num_layers):
-                ready = _get(s.layers, deadline, f"request {s.request_id}: layer {layer} never came")
-                if ready == _END:
-                    raise KVTransferError(f"request {s.request_id}: prefill ended before layer {layer}")
-                transfer.send_layer(layer, ready)
+            next_layer = 0
+            while next_layer < self.num_layers:
+                item = _get(s.layers, deadline, f"request {s.request_id}: layer {next_layer} never came")
+                if item == _END:
+                    raise KVTransferError(f"request {s.request_id}: prefill ended before layer {next_layer}")
+                done, ready = item  # layers up to ``done`` are written once ``ready`` has passed
+                for layer in range(next_layer, done + 1):
+                    transfer.send_layer(layer, ready if layer == done else None)
+                next_layer = done + 1
             meta = _get(s.meta, deadline, f"request {s.request_id}: no first token")
             if meta is None:
                 raise KVTransferError(f"request {s.request_id}: ended before its first token")
@@ -145,17 +155,24 @@ class LayerwiseSends:
 class _StepLayers:
     """One step's signal to the sends it started."""
 
-    def __init__(self, sends: list[StreamedSend], device: torch.device) -> None:
+    def __init__(self, sends: list[StreamedSend], device: torch.device, num_layers: int) -> None:
         self.sends = sends
+        self.request_ids = [s.request_id for s in sends]
         self.cuda = device.type == "cuda"
+        self.last = num_layers - 1
 
     def layer_done(self, layer: int) -> None:
+        """Wakes a send's worker only where its plan ends a chunk: each wake-up takes the GIL
+        from this (the engine's) thread."""
+        wake = [s for s in self.sends if (layer + 1) % s.wake_every == 0 or layer == self.last]
+        if not wake:
+            return
         ready = None
         if self.cuda:  # on CPU the layer's writes are done when the call returns
             ready = torch.cuda.Event()
             ready.record()
-        for s in self.sends:
-            s.layers.put(ready)
+        for s in wake:
+            s.layers.put((layer, ready))
 
     def step_ended(self) -> None:
         for s in self.sends:

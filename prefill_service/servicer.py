@@ -100,20 +100,17 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             d = await self._wait_held(queue, request.decode_address, context)
             t_first = time.time()
+            meta = {"first_token": d.token_ids[0],
+                    "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
+            streamed = self.layerwise.take(rid) if self.layerwise is not None else None
+            if streamed is not None:  # sending since its last chunk began: the token completes it
+                streamed.meta.put(meta)
+                send = asyncio.wrap_future(streamed.future)  # type: ignore[arg-type]
             if not 0 <= skip < len(d.block_ids):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
             try:
-                block_ids = await bridge.run(lambda e: e.begin_send(rid))
-            except ValueError as exc:  # expired or aborted since it was held
-                await context.abort(grpc.StatusCode.ABORTED, str(exc))
-            meta = {"first_token": d.token_ids[0],
-                    "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
-            streamed = self.layerwise.take(rid) if self.layerwise is not None else None
-            try:
                 if streamed is not None:
-                    streamed.meta.put(meta)
-                    send = asyncio.wrap_future(streamed.future)  # type: ignore[arg-type]
                     try:
                         stats = await asyncio.shield(send)
                     except KVTransferError as exc:
@@ -121,8 +118,15 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                             raise
                         logger.info("request %s: layer-wise KV send did not start (%s); sending after "
                                     "prefill", rid, exc)
-                        send = None
-                if send is None:
+                        send = asyncio.get_running_loop().run_in_executor(
+                            self._pool, self.senders.send, request.decode_address, rid, streamed.src_block_ids,  # type: ignore[union-attr]
+                            list(request.dst_block_ids)[skip:], meta)
+                        stats = await asyncio.shield(send)
+                else:
+                    try:
+                        block_ids = await bridge.run(lambda e: e.begin_send(rid))
+                    except ValueError as exc:  # expired or aborted since it was held
+                        await context.abort(grpc.StatusCode.ABORTED, str(exc))
                     send = asyncio.get_running_loop().run_in_executor(
                         self._pool, self.senders.send, request.decode_address, rid, block_ids[skip:],  # type: ignore[union-attr]
                         list(request.dst_block_ids)[skip:], meta)
@@ -131,29 +135,35 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.decode_address} "
                                     f"failed: {exc}")
+            after_token = time.time() - t_first
             if bridge.metrics is not None:
                 bridge.metrics.record_transfer(stats)
             resp = engine_pb2.PrefillResponse(
                 first_token=d.token_ids[0], num_cached_tokens=d.num_cached_tokens,
                 transfer=engine_pb2.KVTransferStats(num_blocks=stats.num_blocks, num_bytes=stats.num_bytes,
-                                                    seconds=stats.seconds, backend=stats.backend),
+                                                    seconds=stats.seconds, backend=stats.backend,
+                                                    seconds_after_first_token=after_token),
                 queue_seconds=max(0.0, (d.times.first_scheduled or t0) - d.times.arrival) if d.times else 0.0,
                 prefill_seconds=t_first - t0)
             if d.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(d.logprobs[0]))
             return resp
         finally:
-            if self.layerwise is not None:
-                self.layerwise.forget(rid)
-            bridge.close_stream(rid)
-            if d is not None and d.times is not None:
-                _record_spans(rid, trace_ctx, d, stats, len(request.prompt_token_ids))
-            if send is None:  # never sent: whatever state it is in, end it
-                bridge.abort(rid)
+            untaken = self.layerwise.forget(rid) if self.layerwise is not None else None
+            if untaken is not None:  # a layer-wise send began, the RPC ended before its token
+                send = asyncio.wrap_future(untaken.future)  # type: ignore[arg-type]
+            if stats is None:  # failed or cancelled: whatever state it is in, end it
+                bridge.abort(rid)  # (blocks a send still reads wait for its release below)
+            if send is None:
+                pass
             elif send.done():
                 bridge.submit(lambda e: e.release_after_send(rid))
             else:  # the send still reads the blocks: release when it ends
                 send.add_done_callback(lambda _: bridge.submit(lambda e: e.release_after_send(rid)))
+            bridge.close_stream(rid)
+            if d is not None and d.times is not None:  # after the response has gone
+                asyncio.get_running_loop().call_soon(_record_spans, rid, trace_ctx, d, stats,
+                                                     len(request.prompt_token_ids), time.time())
 
     async def _wait_held(self, queue: "asyncio.Queue[Delta]", decode_address: str, context) -> Delta:
         """Deltas until the first token is sampled and the blocks are held;
@@ -199,10 +209,9 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         return (await self._ready(context)).load_info()
 
 
-def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int) -> None:
+def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int, now: float) -> None:
     """This tier's spans from the engine's timestamps; the send and the
-    request end now, as far as the client is concerned."""
-    now = time.time()
+    request end at ``now``, as far as the client is concerned."""
     times = SimpleNamespace(**vars(d.times))
     if times.kv_send_start is not None and times.kv_send_end is None:
         times.kv_send_end = now

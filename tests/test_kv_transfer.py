@@ -281,6 +281,11 @@ def test_chunk_ranges_and_plans() -> None:
     packed = plan_transfer(scattered, 32, block, "nccl", True)
     assert packed.pack and 1 <= packed.chunk_layers <= 32
     assert plan_transfer(scattered, 32, 16 * block, "nccl", True).chunk_layers <= packed.chunk_layers
+    # Layers given as prefill computes them: chunks of ~64 MiB, in place or gathered as before.
+    assert plan_transfer(long_run, 32, block, "nccl", True, overlap=True) == WirePlan(pack=False, chunk_layers=1)
+    four_k = merge_runs(range(256), range(256))  # 16 MiB a layer
+    assert plan_transfer(four_k, 32, block, "nccl", True, overlap=True) == WirePlan(pack=False, chunk_layers=4)
+    assert plan_transfer(one_run, 32, block, "nccl", True, overlap=True) == WirePlan(pack=True, chunk_layers=16)
     assert plan_transfer(scattered, 32, block, "gloo", False) == WirePlan(pack=False, chunk_layers=1)
     assert plan_transfer(scattered, 32, block, "gloo", True) == WirePlan(pack=True, chunk_layers=1)
     assert plan_transfer([], 32, block, "nccl", True) == WirePlan(pack=False, chunk_layers=32)

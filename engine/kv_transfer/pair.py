@@ -22,6 +22,7 @@ import time
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -215,6 +216,18 @@ class _Pair:
             buf = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
             self._buffers[(kind, slot)] = buf
         return buf[:numel]
+
+    def _index_on_device(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        """Block ids as an int64 tensor on ``device``, copied on this pair's stream from a pinned
+        buffer: a copy from pageable memory would wait for the GPU with this thread (and may hold
+        up the engine thread's launches meanwhile). Transfers on a pair never overlap, so the
+        buffer is free again when the next one starts."""
+        host = torch.from_numpy(ids)
+        if device.type != "cuda":
+            return host
+        staged = self._buffer("index", 0, ids.size, torch.int64, torch.device("cpu"))
+        staged.copy_(host)
+        return staged.to(device, non_blocking=True)
 
     def _post(self, tensors: Sequence[torch.Tensor], send: bool, what: str) -> list[Any]:
         """Post one batch of messages to the peer, in order. NCCL: one group (a single Work);

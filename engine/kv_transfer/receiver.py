@@ -187,7 +187,7 @@ class KVReceiver(_Pair):
         with self._on_stream():
             dst_index = None
             if plan.pack and not drain:
-                dst_index = torch.from_numpy(dst_ids).to(kv_cache.device, non_blocking=True)
+                dst_index = self._index_on_device(dst_ids, kv_cache.device)
             trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire_device)
             works: list[list[Any]] = []
             staged: list[list[torch.Tensor]] = []  # per chunk: its messages' staging views ([] if in place)

@@ -60,13 +60,14 @@ class KVSender(_Pair):
 
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
               kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
-              plan: WirePlan | None = None) -> KVSendTransfer:
+              plan: WirePlan | None = None, overlap: bool = False) -> KVSendTransfer:
         """Start one transfer: takes the pair's lock and sends the header. Then call
         ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer) and
         ``finish(meta)``; use it as a context manager. Data leaves a chunk at a time, once its
         last layer was given. ``meta`` (small JSON, e.g. the first sampled token) travels in the
-        trailer, so it may be given only at ``finish``. ``plan`` overrides the message plan
-        (benchmarks, tests).
+        trailer, so it may be given only at ``finish``. ``overlap``: the layers will come one by
+        one while prefill runs (the plan then posts each as it comes). ``plan`` overrides the
+        message plan (benchmarks, tests).
 
         The header always goes first: posting an NCCL batch may block this thread until the
         peer posts its side (NCCL connects channels on first use), and the peer posts only
@@ -82,7 +83,7 @@ class KVSender(_Pair):
             raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
         layer_block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         plan = plan or plan_transfer(runs, self.layout.num_layers, layer_block_bytes, self.backend,
-                                     kv_cache.is_cuda)
+                                     kv_cache.is_cuda, overlap)
         if not runs:
             plan = WirePlan(pack=False, chunk_layers=self.layout.num_layers)
         elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
@@ -166,7 +167,12 @@ class KVSendTransfer:
         sender._after_callers_work()
         if plan.pack:
             with sender._on_stream():
-                self._src_index = torch.from_numpy(src).to(kv_cache.device, non_blocking=True)
+                self._src_index = sender._index_on_device(src, kv_cache.device)
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers per posted chunk: giving layers more often than this does nothing sooner."""
+        return self._plan.chunk_layers
 
     def send_layer(self, layer: int, ready: torch.cuda.Event | None = None) -> None:
         """Layer ``layer`` of the cache is ready (in order); posts every chunk it completes,

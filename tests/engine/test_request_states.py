@@ -262,6 +262,39 @@ def test_prefill_abort_during_send_waits_for_the_send():
     assert_no_leak(s)
 
 
+@pytest.mark.parametrize("end", ["abort_running", "abort_held", "expire_running", "released"])
+def test_layerwise_send_starts_with_the_last_chunk_and_holds_the_blocks(end):
+    s = make(budget=4)
+    r = req("p", 9, hold=True)
+    s.add_request(r)
+    step(s)
+    step(s)
+    out = s.schedule()  # the last chunk: the engine starts the layer-wise send here
+    assert [x.samples for x in out.scheduled] == [True]
+    s.begin_streamed_send("p")
+    assert r.is_sending and r.status == S.RUNNING
+    with pytest.raises(ValueError):
+        s.begin_streamed_send("p")
+    if end == "abort_running":
+        s.finish_request("p")
+    elif end == "expire_running":
+        r.deadline = time.monotonic()
+        assert s.expire(time.monotonic() + 1) == [r]
+    else:
+        s.update_from_output(out, [7])
+        assert r.status == S.HELD_FOR_SEND and r.is_sending
+        with pytest.raises(ValueError):
+            s.begin_send("p")  # it is sending already
+        if end == "abort_held":
+            s.finish_request("p")
+    if end != "released":
+        assert r.is_finished and used(s) == 3  # the send still reads them
+        assert s.release_held("p") is None
+    else:
+        assert s.release_held("p") is r and r.status == S.FINISHED_LENGTH
+    assert_no_leak(s)
+
+
 @pytest.mark.parametrize("state", ["WAITING", "RUNNING", "HELD_FOR_SEND"])
 def test_prefill_abort_before_send_frees_at_once(state):
     s = make(budget=4)

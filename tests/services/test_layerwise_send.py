@@ -43,6 +43,8 @@ class Recording:
         outer = self
 
         class Slow:
+            request_ids = signal.request_ids if signal else []
+
             def layer_done(self, layer: int) -> None:
                 outer.calls.append(("layer", layer))
                 time.sleep(LAYER_S)
@@ -110,9 +112,12 @@ def test_layers_leave_during_prefill_and_land_bit_exact(pair):
     p = prefill.add_prefill_request("r", _prompt(3), sp)
     while p.status != RequestStatus.HELD_FOR_SEND:
         prefill.step()
-    src = prefill.begin_send("r")
+    src = prefill.get_block_ids("r")
     streamed = sends.take("r")
     assert streamed is not None and streamed.future is not None
+    assert p.is_sending  # since its last chunk was scheduled: no begin_send
+    with pytest.raises(ValueError):
+        prefill.begin_send("r")
     streamed.meta.put({"first_token": p.output_token_ids[0]})
     stats = streamed.future.result(timeout=30)
     t.join(30)
@@ -138,7 +143,11 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     sends.forget("r")  # the RPC ended (cancelled) before it handed over the first token
     t.join(30)
     assert "aborted" in str(got["err"]) and got["err"].request_id == "r"
-    assert prefill.abort_request("r") is p and prefill.stats().kv_blocks_used == 0
+    # Aborted while its send may still read the blocks: they stay until the send is released.
+    assert prefill.abort_request("r") is p and p.is_finished
+    assert prefill.stats().kv_blocks_used == 10
+    prefill.release_after_send("r")
+    assert prefill.stats().kv_blocks_used == 0
     # The pair still works: the next request goes through.
     got.clear()
     t = _receive(receiver, decode, got)
@@ -146,7 +155,7 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     q = prefill.add_prefill_request("s", _prompt(5), sp)
     while q.status != RequestStatus.HELD_FOR_SEND:
         prefill.step()
-    src = prefill.begin_send("s")
+    src = prefill.get_block_ids("s")
     streamed = sends.take("s")
     streamed.meta.put({"first_token": q.output_token_ids[0]})
     streamed.future.result(timeout=30)
