@@ -6,6 +6,9 @@ against the roofline (weights + KV bytes per step / memory bandwidth).
 
 On CUDA, decode steps replay CUDA graphs; ``--enforce-eager`` times the
 same steps launched eagerly (run the command once with it to compare).
+``--peer transformers`` times transformers' compiled static-cache decode
+instead, on the same shape, batch sizes and context (``bench/decode_peer.py``;
+run it in its own process, after or before pdserve's, for a same-machine pair).
 """
 from __future__ import annotations
 
@@ -23,6 +26,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model-shape", default=None, help="random weights at a named shape (e.g. llama-3.1-8b)")
+    p.add_argument("--peer", choices=("transformers",), default=None,
+                   help="time this peer instead of pdserve: transformers with a StaticCache and "
+                        "torch.compile(mode='reduce-overhead')")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N more steps per batch size (CUDA): the GPU's busy time "
+                        "per step against the step's wall time, and the kernels that take it")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
@@ -43,6 +52,18 @@ def main(args: argparse.Namespace) -> int:
 
         args.model, args.load_format = str(shape_dir(args.model_shape)), "dummy"
     sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.peer:
+        from bench import decode_peer
+
+        device = args.device if args.device not in (None, "auto") else ("cuda" if _cuda() else "cpu")
+        if args.model_shape:
+            from bench.model_shapes import shape_dir
+
+            args.model = str(shape_dir(args.model_shape))
+        peer = decode_peer.run(args.model or _default_model(), sizes, args.context_len, args.steps, device,
+                               "bfloat16" if device.startswith("cuda") else "float32")
+        write_result(peer, "decode-step-peer", args.output_json)
+        return 0
     args.max_num_seqs = max(max(sizes), args.max_num_seqs)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     device, vocab = engine.config.device, engine.config.model.vocab_size
@@ -57,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         # Requests prefilled first decode while the rest prefill (decode first): give them enough
         # tokens that none finishes before the timed steps, then abort them all.
         prefill_steps = -(-b * args.context_len // budget) + b
-        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + 2, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + args.profile + 2,
+                            ignore_eos=True)
         for i in range(b):
             engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(args.context_len)], sp)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
@@ -73,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
             _sync(device)
             times.append(time.perf_counter() - t0)
         replayed = (graphs.num_replays - replays) if graphs else 0
+        profiled = _profile(engine, args.profile) if args.profile and device.startswith("cuda") else None
         for rid in list(engine.scheduler.requests):
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
@@ -82,8 +105,47 @@ def main(args: argparse.Namespace) -> int:
         result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                               "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
                               "graph_replays": replayed}
+        if profiled:
+            result["steps"][b]["profile"] = profiled
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
               f"(min {result['steps'][b]['min_ms']:.2f}; context {min(contexts)}-{max(contexts)} tokens; "
               f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _default_model() -> str:
+    from engine.model_files import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def _profile(engine, steps: int) -> dict:
+    """Run ``steps`` engine steps under torch.profiler: per step, the wall time, the GPU's
+    summed kernel time, and the kernels that take most of it (graph replays included)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
+    out = {"wall_ms": wall * 1e3, "gpu_busy_ms": busy,
+           "top_kernels_ms": {e.key[:90]: e.self_device_time_total / steps / 1e3 for e in top}}
+    print(f"  profiled {steps} steps: {wall * 1e3:.2f} ms a step under the profiler, GPU busy {busy:.2f} ms; "
+          "top kernels (ms a step):", flush=True)
+    for name, ms in out["top_kernels_ms"].items():
+        print(f"    {ms:7.3f}  {name}", flush=True)
+    return out
