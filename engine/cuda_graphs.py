@@ -13,9 +13,13 @@ freezes every tensor address and shape, so:
   their outputs are thrown away);
 - block tables are ``[max_num_seqs, cdiv(max_model_len, block_size)]``, so
   one graph serves every context length; the attention's split-K count is
-  chosen per size from that width and passed explicitly, and its partial
-  buffers come from the graphs' private memory pool, allocated at capture
-  and reused by every replay;
+  fixed in a graph, so a size may have two graphs (``variants``): one with
+  the split count for short contexts, used while the batch's longest
+  context fits it, and one for contexts up to ``max_model_len`` (on an
+  H200, one 32k sequence reads its keys 1.9x faster with 64 splits than
+  16, while 64 splits slow a 1k-context step); the partial buffers come
+  from the graphs' private memory pool, allocated at capture and reused by
+  every replay;
 - the logits are a static output, read by the sampler after the replay.
 
 Only pure decode steps (every scheduled request computes its one last
@@ -164,27 +168,32 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: ForwardFn, kv_cache: torch.Tensor, inputs: DecodeInputs,
-                 sizes: Sequence[int], num_splits: dict[int, int | None] | None = None,
+                 sizes: Sequence[int], variants: dict[int, list[tuple[int, int | None]]] | None = None,
                  use_graphs: bool = True) -> None:
+        """``variants[size]``: [(longest context, attention splits)], ascending by context; a
+        batch replays the first whose context holds its longest. Default: one graph a size,
+        the kernel's own split choice."""
         if max(sizes) > inputs.max_num_seqs:
             raise ValueError(f"capture size {max(sizes)} exceeds the buffers' {inputs.max_num_seqs} rows")
         self.forward, self.kv_cache, self.inputs = forward, kv_cache, inputs
         self.sizes = sorted(sizes)
-        self.num_splits = num_splits or {}
+        unbounded = inputs.max_blocks_per_seq * inputs.block_size
+        self.variants = {s: sorted((variants or {}).get(s) or [(unbounded, None)]) for s in self.sizes}
         self.use_graphs = use_graphs
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}  # (size, splits)
+        self.last_splits: int | None = None  # the variant the last run used (for tests and logs)
         self.logits: torch.Tensor | None = None  # static output [max size, V] float32, shared by all sizes
         self.num_replays = 0
         self.memory_bytes = 0  # device memory the capture took (pool + graphs), measured
 
-    def _forward(self, size: int) -> torch.Tensor:
-        ids, positions, meta = self.inputs.views(size, self.num_splits.get(size))
+    def _forward(self, size: int, splits: int | None) -> torch.Tensor:
+        ids, positions, meta = self.inputs.views(size, splits)
         return self.forward(ids, positions, self.kv_cache, meta)
 
-    def _forward_into_output(self, size: int) -> None:
+    def _forward_into_output(self, size: int, splits: int | None) -> None:
         # One shared output outside the graphs' pool: per-size outputs would
         # each stay allocated (hundreds of MiB at a 128k vocabulary).
-        logits = self._forward(size)
+        logits = self._forward(size, splits)
         if self.logits is None:
             self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=torch.float32,
                                       device=logits.device)
@@ -203,19 +212,20 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(dev)[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._forward_into_output(size)  # warm-up outside the graph: Triton compiles here
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward_into_output(size)
-            self.graphs[size] = graph
+            for _, splits in self.variants[size]:
+                self._forward_into_output(size, splits)  # warm-up outside the graph: Triton compiles here
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward_into_output(size, splits)
+                self.graphs[(size, splits)] = graph
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the warm-ups' blocks; the graphs' pool stays
         used = free_before - torch.cuda.mem_get_info(dev)[0]
         self.memory_bytes = used
-        logger.info("captured %d decode graphs (batch sizes %s; attention splits %s) in %.1f s, %.0f MiB",
-                    len(self.sizes), ",".join(map(str, self.sizes)),
-                    {s: self.num_splits.get(s) for s in self.sizes}, time.perf_counter() - t0, used / 2**20)
+        logger.info("captured %d decode graphs (batch sizes %s; attention splits by longest context %s) "
+                    "in %.1f s, %.0f MiB", len(self.graphs), ",".join(map(str, self.sizes)),
+                    {s: self.variants[s] for s in self.sizes}, time.perf_counter() - t0, used / 2**20)
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """Logits [n, V] of a pure-decode batch of n requests (a view of the
@@ -227,12 +237,16 @@ class DecodeGraphs:
             return None
         if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
             return None
+        longest = max(s.request.num_computed_tokens + 1 for s in scheduled)
+        variants = self.variants[size]
+        splits = next((sp for ctx, sp in variants if ctx >= longest), variants[-1][1])
         width = self.inputs.fill(scheduled, size)
         self.inputs.upload(size, width)
+        self.last_splits = splits
         if self.use_graphs:
-            self.graphs[size].replay()
+            self.graphs[(size, splits)].replay()
         else:
-            self._forward_into_output(size)
+            self._forward_into_output(size, splits)
         self.num_replays += 1
         assert self.logits is not None
         return self.logits[:len(scheduled)]

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 KERNELS_ENV = "PDSERVE_KERNELS"
+_SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 FAULT_ENV = "PDSERVE_FAULT_FORWARD_FAILS_AFTER"
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
@@ -132,14 +133,20 @@ class ModelRunner:
         sizes = self.graph_sizes or capture_sizes(sc.max_num_seqs)
         max_blocks = cdiv(sc.max_model_len, self.block_size)
         inputs = DecodeInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device)
-        splits: dict[int, int | None] = {}
+        variants: dict[int, list[tuple[int, int | None]]] = {}
         if self.ops.__name__ == "kernels":
             from kernels.paged_attention import paged_attention_num_splits
 
-            splits = {b: paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                                    max_blocks * self.block_size, self.device)
-                      for b in sizes}
-        return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, splits, use_graphs=use_graphs)
+            longest = max_blocks * self.block_size
+            for b in sizes:
+                variants[b] = []
+                for ctx in sorted({min(_SHORT_CONTEXT, longest), longest}):
+                    s = paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim, ctx, self.device)
+                    if not variants[b] or variants[b][-1][1] != s:
+                        variants[b].append((ctx, s))
+                    else:
+                        variants[b][-1] = (ctx, s)
+        return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs)
 
     @property
     def block_bytes(self) -> int:

@@ -285,9 +285,12 @@ def _tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> _
     return _TileConfig(block_q, max(16, next_pow2(block_q * group)), block_n, num_warps=4, num_stages=2)
 
 
-# Measured on an H200 under CUDA graphs (bf16, 32 q / 8 kv heads, D=128):
-# 4 programs per SM beat 2 by up to 30% for decode of 4-16 sequences.
-_MAX_SPLITS = 16
+# Measured on an H200 under CUDA graphs (bf16, 32 q / 8 kv heads, D=128;
+# `pdserve bench kernels --splits ...`, docs/benchmarks.md): the best split
+# count fills about 4 programs per SM in one wave and never overflows it
+# (8 x 32k: 8 splits 267 us, 9 splits 346 us); one sequence of 32k wants 64
+# (41 us; 16 splits: 79 us); 32 x 4k-8k wants 2 (35% faster than none).
+_MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
 
 
@@ -297,14 +300,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def _default_num_splits(device: torch.device, num_programs: int, max_kv_tiles: int) -> int:
-    """Split keys only when the grid leaves most SMs idle and contexts can be long."""
+    """Split keys only when the grid fills less than half of one wave and contexts can be long."""
     if device.type != "cuda" or max_kv_tiles < 8:
         return 1
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if num_programs >= sms:
+    return split_count(num_programs, max_kv_tiles, _PROGRAMS_PER_SM * sms)
+
+
+def split_count(num_programs: int, max_kv_tiles: int, wave: int) -> int:
+    """As many splits as fit ``wave`` programs (never a partial second wave), each keeping
+    at least 4 key tiles, at most _MAX_SPLITS; none when the grid fills half a wave."""
+    if 2 * num_programs > wave:
         return 1
-    # About _PROGRAMS_PER_SM programs per SM, each split keeping at least 4 key tiles.
-    return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, num_programs), max_kv_tiles // 4, _MAX_SPLITS))
+    return max(1, min(wave // num_programs, max_kv_tiles // 4, _MAX_SPLITS))
 
 
 def paged_attention_num_splits(

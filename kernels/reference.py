@@ -43,8 +43,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
+    (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b

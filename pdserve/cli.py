@@ -36,6 +36,7 @@ BENCH = {
     "serve": ("bench.serve", "serving benchmark against a running gateway"),
     "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
+    "kernels": ("bench.kernels", "each Triton kernel on the GPU against the copy bandwidth (needs CUDA)"),
     "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
     "soak": ("bench.soak", "bounded soak: many requests, some cancelled, a decode server killed; no leaks"),
 }

@@ -169,6 +169,29 @@ def test_run_declines_what_it_cannot_replay(tiny_llama_dir):
     assert graphs.num_replays == 0
 
 
+@torch.inference_mode()
+def test_a_batch_replays_the_split_variant_its_longest_context_fits(tiny_llama_dir):
+    """Sizes may have a graph per split count: the first whose context holds the batch's
+    longest context is replayed (here the requests' contexts are 5-15 tokens)."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    llm = _decoding_engine(tiny_llama_dir, 3, max_num_seqs=6)
+    runner = llm.engine.runner
+    base = runner.build_decode_graphs(use_graphs=False)
+    assert base.variants[4] == [(runner.config.scheduler.max_model_len, None)]  # CPU: one, the kernel's choice
+    variants = {s: [(10, 2), (400, 5)] for s in base.sizes}
+    graphs = DecodeGraphs(runner._forward_logits, runner.kv_cache, base.inputs, base.sizes, variants,
+                          use_graphs=False)
+    scheduled = llm.engine.scheduler.schedule().scheduled
+    longest = max(s.request.num_computed_tokens + 1 for s in scheduled)
+    assert longest > 10 and graphs.run(scheduled) is not None and graphs.last_splits == 5
+    short = [s for s in scheduled if s.request.num_computed_tokens + 1 <= 10]
+    assert short and graphs.run(short) is not None and graphs.last_splits == 2
+    beyond = DecodeGraphs(runner._forward_logits, runner.kv_cache, base.inputs, base.sizes,
+                          {s: [(8, 3), (12, 4)] for s in base.sizes}, use_graphs=False)
+    assert beyond.run(scheduled) is not None and beyond.last_splits == 4  # the last holds every context
+
+
 def _parse(argv: list[str]) -> EngineArgs:
     p = EngineArgs.add_cli_args(argparse.ArgumentParser())
     return EngineArgs.from_cli_args(p.parse_args(argv))

@@ -51,7 +51,7 @@ def _compare_steps(engine: LLMEngine, num_steps: int) -> list[dict]:
             graph = runner.graphs.run(out.scheduled).clone()
             # The captured code run eagerly on the same padded buffers: the replay must equal it.
             size = min(s for s in runner.graphs.sizes if s >= n)
-            same_inputs = runner.graphs._forward(size)[:n]
+            same_inputs = runner.graphs._forward(size, runner.graphs.last_splits)[:n]
             ids, pos, meta, idx = runner._prepare(out)
             eager = runner._forward_logits(ids, pos, runner.kv_cache, meta)[idx]
         assert runner.graphs.num_replays == replays + 1

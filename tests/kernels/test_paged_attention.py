@@ -195,3 +195,22 @@ def test_rejects_bad_arguments():
     bad_stride[2] = batch.v_cache.transpose(2, 3).contiguous().transpose(2, 3)
     with pytest.raises(ValueError, match="stride 1 in its last dim"):
         kernels.paged_attention(*bad_stride, batch.scale)
+
+
+def test_split_count_fills_one_wave():
+    """The split choice for the H200's 132 SMs (a wave of 528 programs), on the decode
+    shapes measured with `pdserve bench kernels` (8 KV heads: programs = 8 x sequences)."""
+    from kernels.paged_attention import split_count
+
+    wave = 4 * 132
+    tiles = {1024: 16, 4096: 64, 8192: 128, 32768: 512}  # 64-key tiles of a context
+    assert split_count(8 * 1, tiles[32768], wave) == 64  # capped
+    assert split_count(8 * 1, tiles[1024], wave) == 4  # each split keeps 4 key tiles
+    assert split_count(8 * 4, tiles[8192], wave) == 16
+    assert split_count(8 * 8, tiles[32768], wave) == 8  # 9 would start a second, mostly idle wave
+    assert split_count(8 * 32, tiles[4096], wave) == 2
+    assert split_count(8 * 64, tiles[4096], wave) == 1  # the grid already fills the wave
+    assert split_count(8 * 256, tiles[1024], wave) == 1
+    for programs in range(1, 600):
+        s = split_count(programs, 10_000, wave)
+        assert s == 1 or programs * s <= wave

@@ -1,0 +1,134 @@
+"""`pdserve bench kernels`: each Triton kernel on the GPU against its floor.
+
+The floor is the bytes a kernel must move at the copy bandwidth measured in
+the same run (a device-to-device copy, bytes read plus written). Every case
+is first checked against its PyTorch reference (``kernels.reference``) on
+fresh random inputs. Times come from ``triton.testing.do_bench_cudagraph``
+(the kernel replayed in a CUDA graph: no launch overhead, as in a decode
+step). The 8B shape: 32 query / 8 KV heads of 128, hidden 4096, MLP 14336,
+bf16, KV blocks of 16 tokens scattered over the cache.
+
+    pdserve bench kernels [--splits 16,32,64] [--output-json F]
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.results import write_result
+
+HQ, HKV, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
+DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 4096), (32, 8192), (64, 4096), (256, 1024)]
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--splits", default="",
+                   help="split counts to time for every decode case besides the default choice, e.g. 1,2,4,8,16,32,64")
+    p.add_argument("--output-json", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import triton.testing
+
+    import kernels
+    from kernels import reference
+    from kernels.paged_attention import paged_attention_num_splits
+
+    if not torch.cuda.is_available():
+        raise SystemExit("pdserve bench kernels needs a CUDA GPU")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+
+    def bench(fn) -> float:  # milliseconds
+        return triton.testing.do_bench_cudagraph(fn, rep=100)
+
+    src = torch.empty(1 << 28, dtype=torch.float32, device=dev)  # 1 GiB (a byte-wise copy runs slower)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / (bench(lambda: dst.copy_(src)) * 1e-3)
+    del src, dst
+    result: dict = {"copy_bytes_per_s": copy_bw, "attention_decode": [], "prefill": {}, "elementwise": {}}
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+
+    # ---- paged attention, decode ------------------------------------------------------
+    for b, ctx in DECODE_CASES:
+        nblk = b * (ctx // BS)
+        kc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
+        vc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
+        tables = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, ctx // BS)
+        q = torch.randn(b, HQ, D, device=dev, dtype=dt)
+        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        scale = D ** -0.5
+        default = paged_attention_num_splits(b, b, HQ, HKV, D, ctx, dev)
+        ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, scale)
+        kv_bytes = b * ctx * HKV * D * 2 * 2
+        extra = {int(s) for s in args.splits.split(",") if s and int(s) <= max(1, ctx // 256)}
+        for splits in sorted({default, *extra}):
+            got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits)
+            err = (got.float() - ref.float()).abs().max().item()
+            ms = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits))
+            row = {"batch": b, "context": ctx, "splits": splits, "default": splits == default, "us": ms * 1e3,
+                   "bytes_per_s": kv_bytes / (ms * 1e-3), "of_copy": kv_bytes / (ms * 1e-3) / copy_bw,
+                   "max_abs_err": err}
+            result["attention_decode"].append(row)
+            print(f"decode {b:4d} x {ctx:6d}: splits {splits:3d}{' (default)' if splits == default else '':10s} "
+                  f"{ms * 1e3:8.1f} us  {row['bytes_per_s'] / 1e12:5.2f} TB/s = {100 * row['of_copy']:5.1f}% "
+                  f"of copy  (max |err| {err:.3g})", flush=True)
+        del kc, vc
+
+    # ---- prefill attention against SDPA on dense tensors -------------------------------
+    for n in (4096,):
+        nblk = n // BS
+        k = torch.randn(n, HKV, D, device=dev, dtype=dt)
+        v = torch.randn(n, HKV, D, device=dev, dtype=dt)
+        q = torch.randn(n, HQ, D, device=dev, dtype=dt)
+        kc, vc = k.view(nblk, BS, HKV, D), v.view(nblk, BS, HKV, D)
+        tables = torch.arange(nblk, device=dev, dtype=torch.int32)[None]
+        qsl = torch.tensor([0, n], device=dev, dtype=torch.int32)
+        lens = torch.tensor([n], device=dev, dtype=torch.int32)
+        ours = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5))
+        qd = q.transpose(0, 1)[None]
+        kd = k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
+        vd = v.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
+        sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
+        got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5)
+        want = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)[0].transpose(0, 1)
+        err = (got.float() - want.float()).abs().max().item()
+        flops = 4 * n * n * HQ * D / 2
+        result["prefill"][n] = {"us": ours * 1e3, "sdpa_us": sdpa * 1e3, "tflops": flops / ours / 1e9,
+                                "max_abs_err_vs_sdpa": err}
+        print(f"causal prefill {n}: {ours * 1e3:.0f} us ({flops / ours / 1e9:.0f} TFLOP/s), "
+              f"SDPA {sdpa * 1e3:.0f} us (max |err| vs SDPA {err:.3g})", flush=True)
+
+    # ---- norms, RoPE, activation ------------------------------------------------------
+    t = 4096
+    x = torch.randn(t, HIDDEN, device=dev, dtype=dt)
+    res = torch.randn(t, HIDDEN, device=dev, dtype=dt)
+    w = torch.randn(HIDDEN, device=dev, dtype=dt)
+    pos = torch.randint(0, 8192, (t,), device=dev)
+    cos_sin = torch.randn(8192, D, device=dev, dtype=torch.float32)
+    qr = torch.randn(t, HQ, D, device=dev, dtype=dt)
+    kr = torch.randn(t, HKV, D, device=dev, dtype=dt)
+    gu = torch.randn(t, 2 * INTER, device=dev, dtype=dt)
+    cases = {
+        "rms_norm": (lambda: kernels.rms_norm(x, w, 1e-5), lambda: reference.rms_norm(x, w, 1e-5), 2 * x.numel() * 2),
+        "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(x, res, w, 1e-5),
+                               lambda: reference.fused_add_rms_norm(x, res, w, 1e-5), 4 * x.numel() * 2),
+        "rotary_embedding": (lambda: kernels.rotary_embedding(pos, qr, kr, cos_sin),
+                             lambda: reference.rotary_embedding(pos, qr, kr, cos_sin),
+                             2 * (qr.numel() + kr.numel()) * 2 + t * D * 4),
+        "silu_and_mul": (lambda: kernels.silu_and_mul(gu), lambda: reference.silu_and_mul(gu),
+                         gu.numel() * 2 + gu.numel() // 2 * 2),
+    }
+    for name, (fn, ref_fn, nbytes) in cases.items():
+        got, want = fn(), ref_fn()
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+        ms = bench(fn)
+        bw = nbytes / (ms * 1e-3)
+        result["elementwise"][name] = {"us": ms * 1e3, "bytes_per_s": bw, "of_copy": bw / copy_bw,
+                                       "max_abs_err": err}
+        print(f"{name:20s} [{t} tokens]: {ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s = {100 * bw / copy_bw:5.1f}% "
+              f"of copy  (max |err| {err:.3g})", flush=True)
+    write_result(result, "kernels", args.output_json)
+    return 0
