@@ -26,10 +26,11 @@ def Engine(name: str, model, *flags: str) -> EngineServer:
                                              "--kv-transfer-timeout", "20", *flags], name=name)
 
 
-@pytest.fixture(scope="module")
-def tiers(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["layerwise", "after-prefill"])
+def tiers(tiny_llama_dir, request):
     # Budget 1: a 400-token prompt takes 400 engine steps, long enough to abort it mid-prefill.
-    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1")
+    # Both --kv-send modes: layer by layer during the last chunk (default), or after the first token.
+    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1", "--kv-send", request.param)
     decode = Engine("decode", tiny_llama_dir)
     other = Engine("decode-other", tiny_llama_dir, "--block-size", "32")  # a different KV layout
     procs = [prefill, decode, other]
