@@ -119,7 +119,12 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         return (await self._ready(context)).load_info()
 
     async def OpenKVChannel(self, request: engine_pb2.OpenKVChannelRequest, context):
-        await self._ready(context)
+        bridge = await self._ready(context)
+        tp = bridge.loop.engine.config.tensor_parallel_size
+        if tp > 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this decode server runs --tensor-parallel-size {tp}: KV transfer into a "
+                                "tensor-parallel engine is not supported yet (serve it with --prefill-mode local)")
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.kv_receivers.open, request)
         except ValueError as exc:  # incompatible layout or device

@@ -169,6 +169,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str  # "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
+    tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
 
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
@@ -176,7 +177,8 @@ class EngineConfig:
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
                 f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
-                f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager}")
+                f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
+                f"tensor_parallel_size={self.tensor_parallel_size}")
 
 
 @dataclass
@@ -200,6 +202,7 @@ class EngineArgs:
     kv_transfer_timeout: float = 60.0
     max_queued_requests: int = 1024
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -236,6 +239,9 @@ class EngineArgs:
                             "RESOURCE_EXHAUSTED")
         g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many ranks: this process and N - 1 worker processes "
+                            "(on CUDA one GPU each, from --device's index up; gloo on CPU)")
         return parser
 
     @classmethod
@@ -285,5 +291,15 @@ class EngineArgs:
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
                                 max_queued_requests=self.max_queued_requests)
+        from engine.parallel import check_tp_size
+
+        check_tp_size(self.tensor_parallel_size, model.num_heads, model.num_kv_heads)
+        if self.tensor_parallel_size > 1 and device.startswith("cuda"):
+            import torch
+
+            first = int(device.split(":")[1])
+            if first + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} from {device} needs "
+                                 f"{first + self.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible")
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
-                            enforce_eager=self.enforce_eager)
+                            enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -93,7 +94,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         logger.info("engine config: %s", config.describe())
         self.config = config
-        self.runner = ModelRunner(config)
+        self.tp, self._workers = self._start_tensor_parallel(config)
+        self.runner = ModelRunner(config, self.tp)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         mc, sc = config.model, config.scheduler
         capacity = self.runner.num_blocks * config.cache.block_size
@@ -106,6 +108,43 @@ class LLMEngine:
         self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
         self._next_expiry_check = 0.0
         self.layerwise_sink: LayerwiseSink | None = None  # prefill tier: KV sent as layers finish
+
+    @staticmethod
+    def _start_tensor_parallel(config: EngineConfig):
+        """Rank 0's group and the worker processes of ranks 1..N-1 (none at size 1); the
+        workers die with this process, and ``close`` (or this engine's collection) stops them."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None, []
+        import torch
+
+        from engine.parallel import TPGroup
+        from engine.tp_worker import free_port, start_workers, stop_workers
+
+        port = free_port()
+        workers = start_workers(config, size, "127.0.0.1", port)
+        try:
+            tp = TPGroup(0, size, "127.0.0.1", port, torch.device(config.device))
+        except BaseException:
+            for w in workers:
+                w.kill()
+            raise
+        weakref.finalize(tp, stop_workers, workers)  # also on an engine dropped without close()
+        logger.info("tensor parallel: %d ranks (%s), workers %s", size, tp.backend, [w.pid for w in workers])
+        return tp, workers
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at size 1). Idempotent."""
+        if self._workers:
+            from engine.tp_worker import stop_workers
+
+            self.runner.close()
+            stop_workers(self._workers)
+            self._workers = []
+
+    @property
+    def workers_alive(self) -> bool:
+        return all(w.is_alive() for w in self._workers)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

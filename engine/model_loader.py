@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -22,20 +23,30 @@ _ARCHS = {
 }
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | None] = lambda name: None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; ``part(name)`` = (dim, start, stop) reads only that
+    range of it from the file (a tensor-parallel rank's shard), None the whole tensor."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path} (use --load-format dummy for random weights)")
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                where = part(name)
+                if where is None:
+                    yield name, fh.get_tensor(name)
+                    continue
+                dim, lo, hi = where
+                index = tuple([slice(None)] * dim + [slice(lo, hi)])
+                yield name, fh.get_slice(name)[index]
 
 
-def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType) -> LlamaForCausalLM:
-    torch.manual_seed(cfg.seed)
+def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGroup | None = None
+               ) -> LlamaForCausalLM:
+    torch.manual_seed(cfg.seed + (tp.rank if tp is not None else 0))
     with torch.device(device):
-        model = _ARCHS[cfg.architecture](cfg, ops)
+        model = _ARCHS[cfg.architecture](cfg, ops, tp)
     model = model.to(dtype=cfg.torch_dtype)
     model.cos_sin = model.cos_sin.float()  # RoPE table stays float32 (cast per use, like HF)
     if cfg.load_format == "dummy":
@@ -49,5 +60,5 @@ def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType) -> Llama
                     p.normal_(0.0, 0.02)
         logger.info("loaded random (dummy) weights")
     else:
-        model.load_weights(iter_safetensors(cfg.path))
+        model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice))
     return model.eval()

@@ -42,6 +42,7 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.models.llama import AttentionMetadata
+from engine.parallel import TPGroup
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 
@@ -87,8 +88,11 @@ def _forward_fault_budget() -> int | None:
     return int(value)
 
 
+_STOP, _STEP = 0, 1  # tensor parallel: what rank 0 broadcasts to the other ranks each step
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self._forwards_before_fault = _forward_fault_budget()
         self.config = config
         self.device = torch.device(config.device)
@@ -98,11 +102,15 @@ class ModelRunner:
         logger.info("kernels: %s", self.ops.__name__)
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
-        self.model = load_model(mc, self.device, self.ops)
+        self.tp = tp
+        self.model = load_model(mc, self.device, self.ops, tp)
+        self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
         self.use_cuda_graphs = self._graphs_wanted()
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
         self.num_blocks = self._determine_num_blocks()
-        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, mc.num_kv_heads,
+        if tp is not None:  # every rank holds the same blocks: the smallest cache decides
+            self.num_blocks = tp.all_min(self.num_blocks)
+        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
                                     mc.head_dim, dtype=mc.torch_dtype, device=self.device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
@@ -115,6 +123,9 @@ class ModelRunner:
             return False
         if self.config.enforce_eager:
             logger.info("CUDA graphs off (--enforce-eager)")
+            return False
+        if self.tp is not None:
+            logger.info("CUDA graphs off: not yet captured under tensor parallelism")
             return False
         if self.ops.__name__ != "kernels":
             logger.info("CUDA graphs off: the reference kernels synchronise with the host")
@@ -150,7 +161,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return self.config.model.kv_bytes_per_token * self.block_size
+        """Bytes of one block on this rank (its share of the KV heads)."""
+        mc = self.config.model
+        return mc.kv_bytes_per_token * self.kv_heads // mc.num_kv_heads * self.block_size
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -176,7 +189,7 @@ class ModelRunner:
         mc, sc = self.config.model, self.config.scheduler
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         nb = -(-n // self.block_size)
-        cache = torch.zeros(mc.num_layers, nb, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+        cache = torch.zeros(mc.num_layers, nb, 2, self.block_size, self.kv_heads, mc.head_dim,
                             dtype=mc.torch_dtype, device=self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -201,7 +214,7 @@ class ModelRunner:
         logits output, the persistent input buffers, and a margin."""
         mc, sc = self.config.model, self.config.scheduler
         m = sc.max_num_seqs
-        cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+        cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
                             dtype=mc.torch_dtype, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((m,), -1, dtype=torch.long, device=self.device),
@@ -250,6 +263,45 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
                 torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), meta, sample_idx)
 
+    # ---- tensor parallelism: rank 0 drives, the other ranks follow ------------
+    def _broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        sample_idx: list[int]) -> None:
+        """Rank 0: the step's inputs to every other rank (a header, then one int64 payload)."""
+        assert self.tp is not None
+        b, w = meta.block_tables.shape
+        header = torch.tensor([_STEP, input_ids.shape[0], b, w, len(sample_idx)], dtype=torch.int64,
+                              device=self.device)
+        self.tp.broadcast(header)
+        parts = [input_ids, positions, meta.slot_mapping, meta.block_tables.flatten(), meta.query_start_loc,
+                 meta.seq_lens, torch.tensor(sample_idx, dtype=torch.int64, device=self.device)]
+        self.tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
+
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """Ranks > 0: run every step rank 0 broadcasts, until it says stop."""
+        assert self.tp is not None and self.tp.rank > 0
+        dev = self.device
+        while True:
+            header = self.tp.broadcast(torch.empty(5, dtype=torch.int64, device=dev))
+            cmd, t, b, w, s = header.tolist()
+            if cmd == _STOP:
+                return
+            payload = self.tp.broadcast(torch.empty(3 * t + b * w + 2 * b + 1 + s, dtype=torch.int64, device=dev))
+            ids, pos, slots, tables, qsl, lens, idx = payload.split([t, t, t, b * w, b + 1, b, s])
+            meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32),
+                                     query_start_loc=qsl.to(torch.int32), seq_lens=lens.to(torch.int32))
+            hidden = self.model(ids, pos, self.kv_cache, meta)
+            if s:
+                self.model.compute_logits(hidden[idx])  # takes part in the gather
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop."""
+        if self.tp is not None and self.tp.rank == 0:
+            try:
+                self.tp.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
+            except Exception as e:  # a rank already gone
+                logger.info("tensor-parallel stop: %s", e)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
                 ) -> tuple[list[int | None], list | None]:
@@ -269,6 +321,8 @@ class ModelRunner:
             logits = self.graphs.run(out.scheduled)  # None: not a graph step
         if logits is None:
             input_ids, positions, meta, sample_idx = self._prepare(out)
+            if self.tp is not None:
+                self._broadcast_step(input_ids, positions, meta, sample_idx)
             hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
             if rows:
                 logits = self.model.compute_logits(hidden[sample_idx])

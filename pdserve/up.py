@@ -297,6 +297,10 @@ class Cluster:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size > 1 and args.prefill_mode != "local" and args.prefill > 0:
+        say("pdserve up: --tensor-parallel-size > 1 needs --prefill-mode local for now (KV transfer between "
+            "tensor-parallel engines is not supported yet)", file=sys.stderr)
+        return 2
     if args.model is None:  # convert the embedded model once, before three processes want it
         from engine.model_files import ensure_default_model
 

@@ -62,6 +62,10 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         engine_pb2_grpc.add_PrefillServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
+        tp = engine.config.tensor_parallel_size
+        if tp > 1:
+            raise ValueError(f"--tensor-parallel-size {tp} on a prefill server: KV transfer from a "
+                             "tensor-parallel engine is not supported yet")
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
         layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout)

@@ -155,6 +155,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
         if publisher is not None:
             publisher.stop()
         service.close()
+        engine.close()  # tensor-parallel workers
 
 
 def _start_cache_feed(service: EngineService, cache_events: CacheEventsServicer, engine: LLMEngine,
@@ -175,9 +176,12 @@ def _start_cache_feed(service: EngineService, cache_events: CacheEventsServicer,
 
 
 async def _engine_died(service: EngineService, period: float = 0.5) -> BaseException | None:
-    """Resolves with the engine loop's error once it has died."""
+    """Resolves with the engine loop's error once it has died, or once a tensor-parallel
+    worker has (the next step would fail in a collective; an idle server would not notice)."""
     while True:
         bridge = getattr(service, "bridge", None)
         if bridge is not None and not bridge.loop.is_alive:
             return bridge.loop.error
+        if bridge is not None and not bridge.loop.engine.workers_alive:
+            return RuntimeError("a tensor-parallel worker process died")
         await asyncio.sleep(period)

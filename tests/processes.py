@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
 class ServiceProcess:
     """A pdserve service subprocess; ``wait_ready`` returns its ready line."""
 

@@ -6,6 +6,12 @@ projections: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate, up);
 ``load_weights`` maps checkpoint names onto them. The kernels come from
 ``ops``: ``kernels`` (Triton) on CUDA or ``kernels.reference`` on CPU, both
 with the same function names.
+
+Tensor parallelism (``engine/parallel.py``): with a ``TPGroup`` every module
+holds its rank's shard (``Shard``): column-parallel qkv and gate/up, row-
+parallel o and down (one all-reduce each), a vocabulary-parallel embedding
+(all-reduce) and LM head (logits gathered). Without one, the same code with
+a single shard of everything.
 """
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.parallel import Shard, TPGroup
+
+
+def full_shard(cfg: ModelConfig) -> Shard:
+    return Shard(0, 1, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
 
 
 @dataclass
@@ -73,9 +84,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = shard.num_local_heads, shard.num_local_kv_heads
+        self.head_dim, self.tp = cfg.head_dim, tp
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -97,27 +109,30 @@ class LlamaAttention(nn.Module):
         extra = {} if meta.num_splits is None else {"num_splits": meta.num_splits}  # references take none
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, self.scale, **extra)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops = ops
+        lo, hi = shard.intermediate
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * (hi - lo), bias=False)
+        self.down_proj = nn.Linear(hi - lo, cfg.hidden_size, bias=False)
+        self.ops, self.tp = ops, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, ops, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.mlp = LlamaMLP(cfg, ops, shard, tp)
 
     def forward(self, positions, h, residual, kv, meta, cos_sin):
         h, residual = self.input_layernorm(h, residual)
@@ -126,20 +141,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+class VocabEmbedding(nn.Module):
+    """The embedding's rows of this rank's share of the vocabulary; other ids give zeros
+    here and their rows come from the all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, tp: TPGroup | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.lo, self.hi = shard.vocab
+        self.weight = nn.Parameter(torch.empty(self.hi - self.lo, cfg.hidden_size))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return nn.functional.embedding(ids, self.weight)
+        mine = (ids >= self.lo) & (ids < self.hi)
+        h = nn.functional.embedding((ids - self.lo).clamp(0, self.hi - self.lo - 1), self.weight)
+        return self.tp.all_reduce(h * mine[:, None].to(h.dtype))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg, shard, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops, shard, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.shard = full_shard(cfg) if tp is None else Shard(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads,
+                                                               cfg.intermediate_size, cfg.vocab_size)
+        self.model = LlamaModel(cfg, ops, self.shard, tp)
+        lo, hi = self.shard.vocab
+        self.lm_head = nn.Linear(cfg.hidden_size, hi - lo, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, cfg.max_position_embeddings),
@@ -159,7 +195,11 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[n, vocab] float32 on every rank (the ranks' column blocks gathered)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
 
     # ---- weights ---------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (fused param part, shard index)
@@ -168,12 +208,48 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def _shard_slice(self, fused: str, shard: int) -> slice:
-        c = self.config
+        """Where checkpoint part ``shard`` of a fused parameter goes in this rank's parameter."""
+        d, s = self.config.head_dim, self.shard
         if fused == ".qkv_proj.":
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, kv = s.num_local_heads * d, s.num_local_kv_heads * d
             return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][shard]
-        i = c.intermediate_size
-        return [slice(0, i), slice(i, 2 * i)][shard]
+        lo, hi = s.intermediate
+        return [slice(0, hi - lo), slice(hi - lo, 2 * (hi - lo))][shard]
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's part of checkpoint tensor ``name``; None: all of it.
+        The loader reads only that part from the file."""
+        s, d = self.shard, self.config.head_dim
+        if s.size == 1:
+            return None
+        if ".q_proj." in name:
+            lo, hi = s.q_heads
+            return 0, lo * d, hi * d
+        if ".k_proj." in name or ".v_proj." in name:
+            lo, hi = s.kv_heads
+            return 0, lo * d, hi * d
+        if ".o_proj." in name:
+            lo, hi = s.q_heads
+            return 1, lo * d, hi * d
+        if ".gate_proj." in name or ".up_proj." in name:
+            return (0, *s.intermediate)
+        if ".down_proj." in name:
+            return (1, *s.intermediate)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            lo, hi = s.vocab
+            return 0, lo, min(hi, self.config.vocab_size)
+        return None
+
+    def _part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor, unless the loader already read only that.
+        (qkv bias: 1-d, sliced like the weight's rows.)"""
+        where = self.checkpoint_slice(name)
+        if where is None:
+            return tensor
+        dim, lo, hi = where
+        if tensor.shape[dim] == hi - lo:  # the loader read only this part
+            return tensor
+        return tensor.narrow(dim, lo, hi - lo)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -186,13 +262,16 @@ class LlamaForCausalLM(nn.Module):
             for part, (fused, shard) in self._STACKED.items():
                 if part in name:
                     target = name.replace(part, fused)
-                    params[target].data[self._shard_slice(fused, shard)].copy_(tensor)
+                    params[target].data[self._shard_slice(fused, shard)].copy_(self._part(name, tensor))
                     loaded.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                params[name].data.copy_(tensor)
+                part = self._part(name, tensor)
+                if part.shape != params[name].shape:  # the last rank's vocabulary rows run past the end
+                    params[name].data.zero_()
+                params[name].data[:part.shape[0]].copy_(part)
                 loaded.add(name)
         expected = set()
         for pname in params:

@@ -12,11 +12,13 @@ from engine.llm_engine import StepOutput
 
 
 class _StepCounter:
-    """A minimal stand-in with the two methods EngineLoop calls."""
+    """A minimal stand-in with the two methods EngineLoop calls (and what the server's
+    watchdog reads)."""
 
     def __init__(self, steps: int, fail_at: int | None = None) -> None:
         self.left, self.fail_at, self.done = steps, fail_at, 0
         self.threads: set[str] = set()
+        self.workers_alive = True  # tensor-parallel workers
 
     def has_unfinished_requests(self) -> bool:
         return self.left > 0
@@ -74,3 +76,11 @@ def test_server_watchdog_sees_the_dead_loop():
     service = SimpleNamespace(bridge=SimpleNamespace(loop=loop))
     err = asyncio.run(asyncio.wait_for(_engine_died(service, period=0.01), 5))  # type: ignore[arg-type]
     assert isinstance(err, RuntimeError) and "step broke" in str(err)
+
+    idle = EngineLoop(_StepCounter(steps=0), lambda updated: None)  # type: ignore[arg-type]
+    idle.start()
+    idle.engine.workers_alive = False  # a tensor-parallel worker died while nothing ran
+    service = SimpleNamespace(bridge=SimpleNamespace(loop=idle))
+    err = asyncio.run(asyncio.wait_for(_engine_died(service, period=0.01), 5))  # type: ignore[arg-type]
+    assert isinstance(err, RuntimeError) and "worker" in str(err)
+    idle.stop()

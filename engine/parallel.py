@@ -1,0 +1,140 @@
+"""Tensor parallelism: the group of ranks that run one engine's model.
+
+Rank 0 lives in the engine's own process and owns everything but the model
+shards: the scheduler, the block tables, the sampler. Ranks 1..N-1 are
+worker processes (``engine/tp_worker.py``), one per GPU (or CPU process),
+each holding its shard of the weights and of the KV cache. Every step, rank 0
+broadcasts the step's inputs and every rank runs the same forward pass;
+row-parallel layers end in an all-reduce and the vocabulary-parallel LM
+head's logits are gathered on every rank (only rank 0 samples).
+
+    q heads        num_heads / N per rank, contiguous
+    KV heads       num_kv_heads / N per rank; with fewer KV heads than ranks,
+                   each is replicated on N / num_kv_heads consecutive ranks
+    MLP            intermediate_size / N columns of gate and up, rows of down
+    vocabulary     cdiv(vocab, N) rows of the embedding and LM head per rank
+
+One process group (gloo on CPU, NCCL on GPUs: one code path) built directly
+on a TCPStore (never ``init_process_group``: a process may hold other groups,
+such as KV pairs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
+    """Raise ValueError unless a model with these heads can be split ``size`` ways."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
+    if num_heads % size:
+        raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"--tensor-parallel-size {size} and the model's {num_kv_heads} KV heads: one must "
+                         "divide the other")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank ``rank`` of ``size`` holds of a model (all ranges are [start, stop))."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    @property
+    def q_heads(self) -> tuple[int, int]:
+        n = self.num_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """This rank's KV heads; replicated when there are fewer KV heads than ranks."""
+        if self.num_kv_heads >= self.size:
+            n = self.num_kv_heads // self.size
+            return self.rank * n, (self.rank + 1) * n
+        head = self.rank * self.num_kv_heads // self.size
+        return head, head + 1
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        lo, hi = self.kv_heads
+        return hi - lo
+
+    @property
+    def intermediate(self) -> tuple[int, int]:
+        n = self.intermediate_size // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """Rows of the embedding / LM head; the last rank's may run past the vocabulary."""
+        n = self.vocab_per_rank
+        return self.rank * n, (self.rank + 1) * n
+
+
+class TPGroup:
+    """One rank's handle on the tensor-parallel group."""
+
+    def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.TCPStore(host, port, size, rank == 0, timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        self.store = store  # rank 0 serves it: keep it alive with the group
+        prefix = dist.PrefixStore("pdserve-tp", store)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout)
+            self.group = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+        else:
+            self.group = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=timeout))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place; returns ``t``."""
+        self.group.allreduce([t]).wait()
+        return t
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank order, on every rank."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self.group.allgather([parts], [t.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype), in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+        return t
+
+    def all_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def close(self) -> None:
+        try:
+            self.group.abort() if hasattr(self.group, "abort") else None
+        except Exception:  # a peer already gone: nothing to release
+            pass
