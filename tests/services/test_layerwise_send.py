@@ -162,3 +162,36 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     t.join(30)
     assert got["ok"].request_id == "s"
     assert torch.equal(decode.kv_cache[:, list(range(40, 50))], prefill.kv_cache[:, src])
+
+
+def test_two_requests_finishing_in_one_step_share_the_pair(pair):
+    """Both start in the same step; the pair carries one transfer at a time, so the second
+    begins once the first has its token: no deadlock, both land exactly."""
+    prefill, decode, receiver, sends = pair
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    got: list = []
+
+    def receive_two():
+        for _ in range(2):
+            got.append(receiver.recv(decode.kv_cache, timeout=20))
+    t = threading.Thread(target=receive_two)
+    t.start()
+    dst = {"a": [30, 31], "b": [40, 41]}  # 6-token prompts: 2 blocks each, both in one 16-token step
+    for rid in dst:
+        sends.expect(rid, DECODE, dst[rid], skip=0)
+    reqs = {rid: prefill.add_prefill_request(rid, _prompt(ord(rid), 6), sp) for rid in dst}
+    begun = []
+    while any(r.status != RequestStatus.HELD_FOR_SEND for r in reqs.values()):
+        before = len(prefill.layerwise_sink.calls)
+        prefill.step()
+        begun += [c for c in prefill.layerwise_sink.calls[before:] if c[0] == "begins"]
+    assert len(begun) == 1 and sorted(rid for rid, _ in begun[0][1]) == ["a", "b"]  # one step
+    for rid, r in reqs.items():
+        streamed = sends.take(rid)
+        streamed.meta.put({"first_token": r.output_token_ids[0]})
+    t.join(30)
+    assert sorted(g.request_id for g in got) == ["a", "b"]
+    for rid in dst:
+        assert torch.equal(decode.kv_cache[:, dst[rid]], prefill.kv_cache[:, prefill.get_block_ids(rid)])
+        assert prefill.release_after_send(rid) is reqs[rid]
+    assert prefill.stats().kv_blocks_used == 0
