@@ -61,6 +61,10 @@ def test_tp2_gives_transformers_greedy_tokens(tiny_llama_dir):
             _assert_matches(tokens, *_hf_greedy(tiny_llama_dir, prompt, 12))
         # chunked prefill and preemption-free continuous batching work the same across ranks
         assert got == _tokens(LLM(str(tiny_llama_dir), **KW), PROMPTS, sp)
+        # The prefix cache is rank 0's bookkeeping over blocks every rank holds: a repeat hits it.
+        hits = llm.engine.stats().prefix_hits_total
+        assert _tokens(llm, [PROMPTS[3]], sp) == [got[3]]
+        assert llm.engine.stats().prefix_hits_total > hits
     finally:
         llm.engine.close()
 
