@@ -154,4 +154,21 @@ def _profile(engine, steps: int) -> dict:
     print("  top host ops (self CPU ms a step):", flush=True)
     for name, ms in out["top_host_ops_ms"].items():
         print(f"    {ms:7.3f}  {name}", flush=True)
+    # The Python side of the same steps (cProfile, a separate pass: its overhead inflates
+    # every figure, the ranking is what it is for).
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    stats = pstats.Stats(pr).stats  # {(file, line, fn): (cc, nc, tottime, cumtime, callers)}
+    py = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    out["top_python_ms"] = {f"{k[2]} ({k[0].rsplit('/', 1)[-1]}:{k[1]})": v[2] / steps * 1e3 for k, v in py}
+    print("  top Python functions (self ms a step, under cProfile):", flush=True)
+    for name, ms in out["top_python_ms"].items():
+        print(f"    {ms:7.3f}  {name}", flush=True)
     return out
