@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         # Requests prefilled first decode while the rest prefill (decode first): give them enough
         # tokens that none finishes before the timed steps, then abort them all.
         prefill_steps = -(-b * args.context_len // budget) + b
-        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + args.profile + 2,
+        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + 2 * args.profile + 2,
                             ignore_eos=True)
         for i in range(b):
             engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(args.context_len)], sp)
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
             _sync(device)
             times.append(time.perf_counter() - t0)
         replayed = (graphs.num_replays - replays) if graphs else 0
-        profiled = _profile(engine, args.profile) if args.profile and device.startswith("cuda") else None
+        profiled = _profile(engine, args.profile, device) if args.profile else None
         for rid in list(engine.scheduler.requests):
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
@@ -126,18 +126,19 @@ def _default_model() -> str:
     return str(ensure_default_model())
 
 
-def _profile(engine, steps: int) -> dict:
+def _profile(engine, steps: int, device: str) -> dict:
     """Run ``steps`` engine steps under torch.profiler: per step, the wall time, the GPU's
-    summed kernel time, and the kernels that take most of it (graph replays included)."""
-    import torch
+    summed kernel time, and the kernels that take most of it (graph replays included);
+    then the host's torch ops and Python functions. (On CPU: no GPU figures.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.startswith("cuda")
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        _sync(device)
         wall = (time.perf_counter() - t0) / steps
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
@@ -163,7 +164,7 @@ def _profile(engine, steps: int) -> dict:
     pr.enable()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync(device)
     pr.disable()
     stats = pstats.Stats(pr).stats  # {(file, line, fn): (cc, nc, tottime, cumtime, callers)}
     py = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
