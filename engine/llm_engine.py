@@ -129,7 +129,7 @@ class LLMEngine:
             for w in workers:
                 w.kill()
             raise
-        weakref.finalize(tp, stop_workers, workers)  # also on an engine dropped without close()
+        weakref.finalize(tp, stop_workers, workers, 0.0)  # an engine dropped without close(): kill them
         logger.info("tensor parallel: %d ranks (%s), workers %s", size, tp.backend, [w.pid for w in workers])
         return tp, workers
 

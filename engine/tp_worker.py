@@ -49,10 +49,10 @@ def start_workers(config: EngineConfig, size: int, host: str, port: int) -> list
     return procs
 
 
-def stop_workers(procs: list[mp.Process]) -> None:
-    """Wait for workers told to stop; end the ones that do not."""
+def stop_workers(procs: list[mp.Process], wait: float = JOIN_TIMEOUT_S) -> None:
+    """Wait up to ``wait`` s for workers told to stop; kill the ones still running."""
     for p in procs:
-        p.join(JOIN_TIMEOUT_S)
+        p.join(wait)
         if p.is_alive():
             p.kill()
             p.join(JOIN_TIMEOUT_S)
