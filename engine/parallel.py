@@ -105,8 +105,14 @@ class TPGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout)
             self.group = dist.ProcessGroupNCCL(prefix, rank, size, opts)
-        else:
-            self.group = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=timeout))
+            # The communicator now, on this rank's GPU, rather than lazily from the first op.
+            self.group.eager_connect_single_device(device)
+        else:  # the ranks share a host: loopback, whatever the hostname resolves to
+            gloo = dist.ProcessGroupGloo
+            opts = gloo._Options()
+            opts._timeout = timedelta(seconds=timeout)
+            opts._devices = [gloo.create_device(hostname=host)]
+            self.group = gloo(prefix, rank, size, opts)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns ``t``."""
