@@ -63,6 +63,10 @@ def _worker_main(config: EngineConfig, rank: int, size: int, host: str, port: in
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+    # Rank 0 decides when the ranks stop (it drains first): a Ctrl-C or SIGTERM sent to the
+    # whole process group must not end a worker under a draining server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level = os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
     import torch
