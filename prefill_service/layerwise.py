@@ -4,21 +4,26 @@ is left when the first token is sampled.
 
 The engine (``LLMEngine.layerwise_sink``) tells us, as a step begins, which
 held-for-send requests finish their prompt in it; then, from the engine
-thread, after each layer's work is queued. Here that costs one CUDA event per
-layer: a worker thread per request opens the transfer (the header goes while
-layer 0 runs) and posts each layer once its event is passed, on the pair's own
-stream, so neither thread waits for the GPU. The first token, known after
-sampling, rides in the transfer's trailer.
+thread, as layers finish. A worker thread per request opens the transfer (the
+header goes while layer 0 runs) and posts chunks of layers (~64 MiB each) as
+their last layer's CUDA event passes, on the pair's own stream, so neither
+thread waits for the GPU; the engine thread records an event and wakes the
+worker only at a chunk's last layer. The first token, known after sampling,
+rides in the transfer's trailer.
 
     Prefill RPC:  expect(rid, decode, dst blocks)   before the engine sees the request
-    engine:       step_begins -> layer_done(0..L-1) -> step_ended
-    Prefill RPC:  held -> take(rid) -> finish(meta) -> await the result
-                  (a send that failed before its header left is redone after prefill)
+    engine:       step_begins (the scheduler marks the request sending)
+                  -> layer_done(0..L-1) -> step_ended
+    Prefill RPC:  held -> take(rid) -> first token to the worker -> await the result
+                  -> release_after_send (no begin_send: it has been sending since step_begins)
+                  (a send that failed before its header left, or on a pair that broke
+                  because the decode server restarted, is redone after prefill)
 
 Only the first request per decode server in a step overlaps fully: a pair
 carries one transfer at a time, and each transfer ends with its first token.
 A request that ends before its token (aborted, expired) is told to its
-decode server as an aborted transfer; its blocks are only ever read here.
+decode server as an aborted transfer; its blocks stay allocated (the engine's
+``pending_free``) until the send is released.
 """
 from __future__ import annotations
 
