@@ -142,6 +142,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             after_token = time.time() - t_first
             if bridge.metrics is not None:
                 bridge.metrics.record_transfer(stats)
+                bridge.metrics.kv_wait.observe(after_token)
             resp = engine_pb2.PrefillResponse(
                 first_token=d.token_ids[0], num_cached_tokens=d.num_cached_tokens,
                 transfer=engine_pb2.KVTransferStats(num_blocks=stats.num_blocks, num_bytes=stats.num_bytes,

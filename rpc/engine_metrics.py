@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -58,6 +58,16 @@ class EngineMetrics:
                                 names + ["backend"], registry=self.registry)
         self.kv_seconds = Histogram("pdserve:kv_transfer_seconds", "Duration of one request's KV transfer.",
                                     names + ["backend"], buckets=_TRANSFER_BUCKETS, registry=self.registry)
+        self.kv_wait = Histogram("pdserve:kv_transfer_wait_after_first_token_seconds",
+                                 "Prefill tier: how long a request's KV send still ran after its first token "
+                                 "was sampled (what the transfer adds to time to first token).",
+                                 names, buckets=_TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
+        c = engine.config
+        info = Gauge("pdserve:engine_config_info", "The engine's configuration (value 1).",
+                     names + ["tensor_parallel_size", "block_size", "dtype", "device", "num_gpu_blocks"],
+                     registry=self.registry)
+        info.labels(**labels, tensor_parallel_size=str(c.tensor_parallel_size), block_size=str(c.cache.block_size),
+                    dtype=c.model.dtype, device=c.device, num_gpu_blocks=str(engine.num_blocks)).set(1)
         self._labels = labels
         self.url = ""
 

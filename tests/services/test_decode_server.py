@@ -74,6 +74,8 @@ def test_health_reflection_and_metrics(server, tiny_llama_dir):
     assert lines["pdserve:generation_tokens_total" + key] >= 5
     assert lines["pdserve:prefix_cache_queries_total" + key] >= 20
     assert "pdserve:kv_cache_usage_perc" + key in lines and "pdserve:num_preemptions_total" + key in lines
+    info = [line for line in text.splitlines() if line.startswith("pdserve:engine_config_info{")]
+    assert len(info) == 1 and 'tensor_parallel_size="1"' in info[0] and 'device="cpu"' in info[0]
     _wait_idle(stub)
 
 

@@ -16,21 +16,23 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import EngineServer, GatewayProcess
+from tests.processes import EngineServer, GatewayProcess, free_port
 
 pytestmark = pytest.mark.slow
 
 
-def Engine(name: str, model, *flags: str) -> EngineServer:
+def Engine(name: str, model, *flags: str, metrics_port: int = 0) -> EngineServer:
     return EngineServer(name.split("-")[0], ["--model", str(model), "--num-gpu-blocks-override", "64",
-                                             "--kv-transfer-timeout", "20", *flags], name=name)
+                                             "--kv-transfer-timeout", "20", *flags], name=name,
+                        metrics_port=metrics_port)
 
 
 @pytest.fixture(scope="module", params=["layerwise", "after-prefill"])
 def tiers(tiny_llama_dir, request):
     # Budget 1: a 400-token prompt takes 400 engine steps, long enough to abort it mid-prefill.
     # Both --kv-send modes: layer by layer during the last chunk (default), or after the first token.
-    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1", "--kv-send", request.param)
+    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1", "--kv-send", request.param,
+                     metrics_port=free_port())
     decode = Engine("decode", tiny_llama_dir)
     other = Engine("decode-other", tiny_llama_dir, "--block-size", "32")  # a different KV layout
     procs = [prefill, decode, other]
@@ -173,7 +175,12 @@ def test_logprobs_through_prefill_and_decode_equal_the_offline_engine(tiers, tin
         engine.step()
     assert ids == ref.output_token_ids
     assert len(got) == 6
-    for g, r in zip(got, ref.logprobs):  # the first one came from the prefill server, in the KV header
+    # The prefill server counted what its KV send added to this request's time to first token.
+    text = httpx.get(prefill.load().metrics_url, timeout=10).text
+    count = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("pdserve:kv_transfer_wait_after_first_token_seconds_count"))
+    assert count >= 1
+    for g, r in zip(got, ref.logprobs):  # the first one came from the prefill server, in the KV trailer
         assert (g.token_id, g.rank) == (r.token_id, r.rank)
         assert g.logprob == pytest.approx(r.logprob, abs=1e-5)
         assert [(t.token_id, pytest.approx(t.logprob, abs=1e-5)) for t in g.top] == r.top
