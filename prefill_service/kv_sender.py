@@ -28,25 +28,29 @@ class KVSenders:
         self.layout = layout
         self.my_address = my_address
         self.timeout = timeout
-        self._senders: dict[str, KVSender] = {}
-        self._locks: dict[str, threading.Lock] = {}
+        self._senders: dict[tuple[str, int], KVSender] = {}  # (decode server, slot) -> its pair
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def pair(self, decode_address: str, reuse: bool = True) -> KVSender:
-        """The open pair to that decode server, set up now if there is none (or it broke)."""
+    def pair(self, decode_address: str, reuse: bool = True, slot: int = 0) -> KVSender:
+        """The open pair to that decode server, set up now if there is none (or it broke).
+        ``slot`` > 0: another pair to the same server, so that several transfers to it can
+        run at once (the decode server knows it as a peer of its own: ``ADDRESS#slot``)."""
+        key = (decode_address, slot)
         with self._guard:
-            lock = self._locks.setdefault(decode_address, threading.Lock())
-        with lock:  # one pair setup per decode server at a time
-            sender = self._senders.get(decode_address)
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # one setup per pair at a time
+            sender = self._senders.get(key)
             if sender is not None and sender.is_usable and reuse:
                 return sender
             if sender is not None:
                 sender.close()
-            self._senders.pop(decode_address, None)
+            self._senders.pop(key, None)
+            peer = self.my_address if slot == 0 else f"{self.my_address}#{slot}"
             with tls.channel(decode_address, CHANNEL_OPTIONS) as ch:
                 try:
                     resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(
-                        engine_pb2.OpenKVChannelRequest(peer=self.my_address, layout=layout_to_proto(self.layout),
+                        engine_pb2.OpenKVChannelRequest(peer=peer, layout=layout_to_proto(self.layout),
                                                         device=str(self.kv_cache.device)),
                         timeout=self.timeout)
                 except grpc.RpcError as exc:
@@ -55,12 +59,13 @@ class KVSenders:
             # resp.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
             sender = KVSender.connect(resp.host, resp.port, self.layout, backend=resp.backend or "auto",
                                       device=self.kv_cache.device, timeout=self.timeout)
-            logger.info("KV channel to %s open at %s:%d: %s", decode_address, resp.host, resp.port, sender.reason)
-            self._senders[decode_address] = sender
+            logger.info("KV channel %d to %s open at %s:%d: %s", slot, decode_address, resp.host, resp.port,
+                        sender.reason)
+            self._senders[key] = sender
             return sender
 
-    def has_pair(self, decode_address: str) -> bool:
-        return decode_address in self._senders
+    def has_pair(self, decode_address: str, slot: int = 0) -> bool:
+        return (decode_address, slot) in self._senders
 
     def send(self, decode_address: str, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
              meta: dict) -> TransferStats:
@@ -89,10 +94,10 @@ class KVSenders:
                 self.drop(decode_address, sender)
             raise
 
-    def drop(self, decode_address: str, sender: KVSender) -> None:
+    def drop(self, decode_address: str, sender: KVSender, slot: int = 0) -> None:
         with self._guard:
-            if self._senders.get(decode_address) is sender:
-                del self._senders[decode_address]
+            if self._senders.get((decode_address, slot)) is sender:
+                del self._senders[(decode_address, slot)]
         sender.close()
 
     def close(self) -> None:

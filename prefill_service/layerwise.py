@@ -19,8 +19,9 @@ rides in the transfer's trailer.
                   (a send that failed before its header left, or on a pair that broke
                   because the decode server restarted, is redone after prefill)
 
-Only the first request per decode server in a step overlaps fully: a pair
-carries one transfer at a time, and each transfer ends with its first token.
+A pair carries one transfer at a time, and each transfer ends with its first
+token, so the requests of one step bound for one decode server are spread
+over up to ``PAIRS_PER_DECODE`` pairs to it; more than that wait their turn.
 A request that ends before its token (aborted, expired) is told to its
 decode server as an aborted transfer; its blocks stay allocated (the engine's
 ``pending_free``) until the send is released.
@@ -43,6 +44,7 @@ from prefill_service.kv_sender import KVSenders
 logger = logging.getLogger(__name__)
 _END = "end"  # the step is over: no more layers
 _MAX_WORKERS = 32
+PAIRS_PER_DECODE = 4  # requests to one decode server that finish in one step and overlap at once
 
 
 @dataclass
@@ -57,6 +59,7 @@ class StreamedSend:
     wake_every: int = 1  # its plan's layers per chunk, once begun: wake the worker only that often
     meta: "queue.SimpleQueue[dict[str, Any] | None]" = field(default_factory=queue.SimpleQueue)
     future: Future | None = None  # set once the engine scheduled its last prompt chunk
+    slot: int = 0  # which of the pairs to its decode server carries it
     src_block_ids: list[int] = field(default_factory=list)  # what it sends (the request's blocks after skip)
     may_redo: bool = False  # it failed where sending again after prefill can work
 
@@ -106,12 +109,18 @@ class LayerwiseSends:
 
     # ---- engine thread ----------------------------------------------------
     def step_begins(self, finishing: list[tuple[str, list[int]]]) -> _StepLayers | None:
-        started = []
+        started: list[StreamedSend] = []
+        per_decode: dict[str, int] = {}
         with self._lock:
             for request_id, block_ids in finishing:
                 s = self._sends.get(request_id)
                 if s is None or s.future is not None:
                     continue
+                # A pair carries one transfer at a time: spread this step's sends to one decode
+                # server over its pairs, so that they overlap the forward pass together.
+                n = per_decode.get(s.decode_address, 0)
+                per_decode[s.decode_address] = n + 1
+                s.slot = n % PAIRS_PER_DECODE
                 s.future = self._pool.submit(self._run, s, block_ids)
                 started.append(s)
         return _StepLayers(started, self.device, self.num_layers) if started else None
@@ -123,8 +132,8 @@ class LayerwiseSends:
         if len(src) != len(s.dst_block_ids):
             raise KVTransferError(f"request {s.request_id}: {len(src)} blocks computed but "
                                   f"{len(s.dst_block_ids)} reserved on the decode server")
-        reused = self.senders.has_pair(s.decode_address)
-        sender = self.senders.pair(s.decode_address)
+        reused = self.senders.has_pair(s.decode_address, s.slot)
+        sender = self.senders.pair(s.decode_address, slot=s.slot)
         header_sent = False
         try:
             transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache, overlap=True)
@@ -137,7 +146,7 @@ class LayerwiseSends:
             broken = not sender.is_usable
             s.may_redo = not header_sent or (reused and broken)
             if broken:
-                self.senders.drop(s.decode_address, sender)
+                self.senders.drop(s.decode_address, sender, s.slot)
             raise
 
     def _stream(self, s: StreamedSend, transfer, deadline: float) -> TransferStats:

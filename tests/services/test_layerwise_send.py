@@ -80,15 +80,19 @@ def test_engine_signals_the_last_prompt_chunk_layer_by_layer(tiny_llama_dir):
 def pair(tiny_llama_dir):
     prefill, decode = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
     layout = KVLayout.of(prefill.kv_cache, "tiny")
-    receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
     senders = KVSenders(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
-    senders._senders[DECODE] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
+    receivers = []
+    for slot in (0, 1):  # two pairs to the decode side, as KVSenders.pair(slot=...) opens them
+        receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
+        senders._senders[(DECODE, slot)] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
+        receivers.append(receiver)
     sends = LayerwiseSends(senders, layout.num_layers)
     prefill.layerwise_sink = Recording(sends)
-    yield prefill, decode, receiver, sends
+    yield prefill, decode, receivers, sends
     sends.close()
     senders.close()
-    receiver.close()
+    for receiver in receivers:
+        receiver.close()
 
 
 def _receive(receiver, decode, got):
@@ -103,7 +107,7 @@ def _receive(receiver, decode, got):
 
 
 def test_layers_leave_during_prefill_and_land_bit_exact(pair):
-    prefill, decode, receiver, sends = pair
+    prefill, decode, (receiver, _), sends = pair
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
     dst = list(range(30, 40))
     got: dict = {}
@@ -132,7 +136,7 @@ def test_layers_leave_during_prefill_and_land_bit_exact(pair):
 
 
 def test_request_ending_before_its_token_aborts_the_transfer(pair):
-    prefill, decode, receiver, sends = pair
+    prefill, decode, (receiver, _), sends = pair
     sp = SamplingParams(temperature=0, max_tokens=1)
     got: dict = {}
     t = _receive(receiver, decode, got)
@@ -164,33 +168,34 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     assert torch.equal(decode.kv_cache[:, list(range(40, 50))], prefill.kv_cache[:, src])
 
 
-def test_two_requests_finishing_in_one_step_share_the_pair(pair):
-    """Both start in the same step; the pair carries one transfer at a time, so the second
-    begins once the first has its token: no deadlock, both land exactly."""
-    prefill, decode, receiver, sends = pair
+def test_requests_finishing_in_one_step_overlap_on_pairs_of_their_own(pair):
+    """Two requests to one decode server finish their prompt in the same step: each gets its
+    own pair, both transfers are open during the (slowed) forward pass, both land exactly."""
+    prefill, decode, receivers, sends = pair
     sp = SamplingParams(temperature=0, max_tokens=1)
-    got: list = []
+    got: dict = {}
 
-    def receive_two():
-        for _ in range(2):
-            got.append(receiver.recv(decode.kv_cache, timeout=20))
-    t = threading.Thread(target=receive_two)
-    t.start()
+    def receive(i):
+        got[i] = receivers[i].recv(decode.kv_cache, timeout=20)
+    threads = [threading.Thread(target=receive, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
     dst = {"a": [30, 31], "b": [40, 41]}  # 6-token prompts: 2 blocks each, both in one 16-token step
     for rid in dst:
         sends.expect(rid, DECODE, dst[rid], skip=0)
     reqs = {rid: prefill.add_prefill_request(rid, _prompt(ord(rid), 6), sp) for rid in dst}
-    begun = []
     while any(r.status != RequestStatus.HELD_FOR_SEND for r in reqs.values()):
-        before = len(prefill.layerwise_sink.calls)
         prefill.step()
-        begun += [c for c in prefill.layerwise_sink.calls[before:] if c[0] == "begins"]
+    begun = [c for c in prefill.layerwise_sink.calls if c[0] == "begins"]
     assert len(begun) == 1 and sorted(rid for rid, _ in begun[0][1]) == ["a", "b"]  # one step
     for rid, r in reqs.items():
-        streamed = sends.take(rid)
-        streamed.meta.put({"first_token": r.output_token_ids[0]})
-    t.join(30)
-    assert sorted(g.request_id for g in got) == ["a", "b"]
+        sends.take(rid).meta.put({"first_token": r.output_token_ids[0]})
+    for t in threads:
+        t.join(30)
+    assert sorted(g.request_id for g in got.values()) == ["a", "b"]
+    num_layers = prefill.config.model.num_layers
+    for g in got.values():  # each receiver had its header before the layers were done
+        assert g.stats.seconds >= (num_layers - 1) * LAYER_S * 0.9, g.stats
     for rid in dst:
         assert torch.equal(decode.kv_cache[:, dst[rid]], prefill.kv_cache[:, prefill.get_block_ids(rid)])
         assert prefill.release_after_send(rid) is reqs[rid]
