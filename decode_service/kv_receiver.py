@@ -13,7 +13,8 @@ We keep only the pairs: at most one per prefill peer (a peer that opens a
 new channel replaces its old one once the new pair is set up, so a caller
 that fails the pair's authentication, see engine/kv_transfer/pair.py, cannot
 tear down a working pair by naming its peer) and at most ``max_pairs`` in all,
-pairs still in setup included. A pair whose setup fails, or that breaks, is
+pairs still in setup included. (A prefill server that wants several transfers
+to us at once opens further pairs as peers ``ADDRESS#1``, ``ADDRESS#2``, ...) A pair whose setup fails, or that breaks, is
 closed and forgotten, and its thread exits.
 """
 from __future__ import annotations
