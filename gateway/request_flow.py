@@ -327,7 +327,8 @@ def prefill_attributes(result: engine_pb2.PrefillResponse, num_skip_blocks: int)
         "pdserve.cached_tokens": result.num_cached_tokens, "pdserve.kv.skipped_blocks": num_skip_blocks}
     if result.HasField("transfer"):
         attrs.update({"pdserve.kv.blocks": t.num_blocks, "pdserve.kv.bytes": t.num_bytes,
-                      "pdserve.kv.seconds": t.seconds, "pdserve.kv.backend": t.backend})
+                      "pdserve.kv.seconds": t.seconds, "pdserve.kv.backend": t.backend,
+                      "pdserve.kv.seconds_after_first_token": t.seconds_after_first_token})
         if t.seconds > 0:
             attrs["pdserve.kv.gbps"] = round(t.num_bytes / t.seconds / 1e9, 3)
     return attrs

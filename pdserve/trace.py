@@ -12,9 +12,11 @@ gateway's ``pdserve.request_id`` attribute (the response ``id``, the
 id the engine servers saw, or by trace id.
 
 The breakdown splits the time to first token (start of the gateway's request
-span to the gateway's first token) by each span's ``pdserve.phase``; where spans overlap the later
-stage of the pipeline wins (KV transfer over prefill compute over queue over
-gateway work), and what no phase covers is "rest" (network, gRPC, waiting).
+span to the gateway's first token) by each span's ``pdserve.phase``; where spans overlap, prefill
+compute wins over the KV transfer it overlaps (a layer-wise send runs beside the
+prompt's last chunk: only what it adds after the compute counts), the transfer
+over the first decode step, queues and gateway work, and what no phase covers
+is "rest" (network, gRPC, waiting).
 Without engine spans, the prefill phases come from the figures the prefill
 server returned to the gateway (attributes of its Prefill client span).
 """
@@ -33,7 +35,7 @@ from typing import Any
 GATEWAY_SERVICE = "pdserve-gateway"
 _REQUEST_KEYS = ("pdserve.request_id", "gen_ai.response.id", "pdserve.internal_request_id")
 # Breakdown categories, later pipeline stages first (they win where spans overlap).
-BREAKDOWN = ("KV transfer", "first decode step", "prefill compute", "prefill queue", "decode reservation",
+BREAKDOWN = ("prefill compute", "KV transfer", "first decode step", "prefill queue", "decode reservation",
              "gateway")
 
 
@@ -187,7 +189,8 @@ def _phase_intervals(t: Trace) -> dict[str, list[tuple[int, int]]]:
             a = s.attributes
             queue = float(a.get("pdserve.prefill.queue_ms", 0)) * 1e6
             compute = float(a.get("pdserve.prefill.compute_ms", 0)) * 1e6
-            kv = float(a.get("pdserve.kv.seconds", 0)) * 1e9
+            # What the transfer added after the first token (a layer-wise send overlaps compute).
+            kv = float(a.get("pdserve.kv.seconds_after_first_token", a.get("pdserve.kv.seconds", 0))) * 1e9
             t0 = s.start_ns
             out["prefill queue"].append((t0, int(t0 + queue)))
             out["prefill compute"].append((int(t0 + queue), int(t0 + queue + compute)))

@@ -75,8 +75,8 @@ def test_ttft_breakdown_with_engine_spans(traces_file):
     t = trace_cli.find_request(trace_cli.load_file(str(traces_file)), "cmpl-a")[0]
     assert t.ttft_ms == 120.0
     assert [(n, round(ms, 6)) for n, ms in trace_cli.ttft_breakdown(t)] == [
-        ("gateway", 5.0), ("decode reservation", 2.0), ("prefill queue", 10.0), ("prefill compute", 59.0),
-        ("KV transfer", 30.0), ("first decode step", 9.0), ("rest", 5.0)]
+        ("gateway", 5.0), ("decode reservation", 2.0), ("prefill queue", 10.0), ("prefill compute", 64.0),
+        ("KV transfer", 25.0), ("first decode step", 9.0), ("rest", 5.0)]
 
 
 def test_ttft_breakdown_from_what_the_prefill_server_reported(capsys, traces_file):
@@ -198,3 +198,13 @@ def test_jaeger_source_gives_the_same_output(capsys, traces_file, jaeger):
     # The internal id is tried when the client-facing one is not found.
     code, out, _ = _run(capsys, "cmpl-c-x", "--jaeger-url", url)
     assert code == 0 and "request cmpl-c" in out
+
+
+def test_breakdown_counts_what_a_layer_wise_send_added_after_the_first_token(traces_file):
+    """The prefill server reports its transfer's whole time (it overlapped the prompt's last
+    chunk) and what it added after the first token: the breakdown counts the latter."""
+    t = trace_cli.find_request(trace_cli.load_file(str(traces_file)), "cmpl-e")[0]
+    prefill_call = next(s for s in t.spans if s.name.endswith("Prefill/Prefill"))
+    prefill_call.attributes.update({"pdserve.kv.seconds": 0.070, "pdserve.kv.seconds_after_first_token": 0.004})
+    rows = dict(trace_cli.ttft_breakdown(t))
+    assert rows["prefill compute"] == 60.0 and round(rows["KV transfer"], 3) == 4.0 and round(rows["rest"], 3) == 41.0

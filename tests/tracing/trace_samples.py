@@ -12,9 +12,9 @@ with whole-millisecond times so that every breakdown figure is exact.
         Prefill/Prefill (client) 10-118
           prefill server 11-117: queue 11-21, compute 21-85, kv.send 86-110
 
-    breakdown (KV transfer wins over the compute it overlaps, 80-85): gateway 5,
-               decode reservation 2, prefill queue 10, prefill compute 59 (21-80),
-               KV transfer 30 (80-110), first decode step 9 (112-121), rest 5
+    breakdown (compute wins over the KV transfer it overlaps, 80-85): gateway 5,
+               decode reservation 2, prefill queue 10, prefill compute 64 (21-85),
+               KV transfer 25 (85-110), first decode step 9 (112-121), rest 5
 
 ``cmpl-e`` (e2e 400) has no engine spans: its Prefill client span (10-118)
 says queue 10 ms, compute 60 ms, KV 30 ms -> gateway 5, queue 10, compute 60,
