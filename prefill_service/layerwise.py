@@ -21,7 +21,8 @@ rides in the transfer's trailer.
 
 A pair carries one transfer at a time, and each transfer ends with its first
 token, so the requests of one step bound for one decode server are spread
-over up to ``PAIRS_PER_DECODE`` pairs to it; more than that wait their turn.
+over up to ``pairs_per_decode`` pairs to it (``--kv-pairs-per-decode``); more
+than that wait their turn.
 A request that ends before its token (aborted, expired) is told to its
 decode server as an aborted transfer; its blocks stay allocated (the engine's
 ``pending_free``) until the send is released.
@@ -44,7 +45,7 @@ from prefill_service.kv_sender import KVSenders
 logger = logging.getLogger(__name__)
 _END = "end"  # the step is over: no more layers
 _MAX_WORKERS = 32
-PAIRS_PER_DECODE = 4  # requests to one decode server that finish in one step and overlap at once
+PAIRS_PER_DECODE = 4  # default: requests to one decode server that finish in one step and overlap at once
 
 
 @dataclass
@@ -72,9 +73,12 @@ class StreamedSend:
 class LayerwiseSends:
     """The prefill server's ``LayerwiseSink``: one ``StreamedSend`` per expected request."""
 
-    def __init__(self, senders: KVSenders, num_layers: int) -> None:
+    def __init__(self, senders: KVSenders, num_layers: int, pairs_per_decode: int = PAIRS_PER_DECODE) -> None:
+        if pairs_per_decode < 1:
+            raise ValueError(f"--kv-pairs-per-decode must be at least 1, got {pairs_per_decode}")
         self.senders = senders
         self.num_layers = num_layers
+        self.pairs_per_decode = pairs_per_decode
         self.device = senders.kv_cache.device
         self._pool = ThreadPoolExecutor(max_workers=_MAX_WORKERS, thread_name_prefix="kv-layerwise")
         self._sends: dict[str, StreamedSend] = {}
@@ -120,7 +124,7 @@ class LayerwiseSends:
                 # server over its pairs, so that they overlap the forward pass together.
                 n = per_decode.get(s.decode_address, 0)
                 per_decode[s.decode_address] = n + 1
-                s.slot = n % PAIRS_PER_DECODE
+                s.slot = n % self.pairs_per_decode
                 s.future = self._pool.submit(self._run, s, block_ids)
                 started.append(s)
         return _StepLayers(started, self.device, self.num_layers) if started else None

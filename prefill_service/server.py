@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import sys
 
+from prefill_service.layerwise import PAIRS_PER_DECODE
 from prefill_service.servicer import KV_SEND_MODES, PrefillServicer
 from rpc.engine_server import add_server_args, configure_logging, serve_engine
 
@@ -17,6 +18,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="when a prompt's KV leaves for the decode server: layerwise (each layer as the "
                              "last prefill chunk computes it, overlapping the transfer with prefill) or "
                              "after-prefill (all layers once the first token is sampled)")
+    parser.add_argument("--kv-pairs-per-decode", type=int, default=PAIRS_PER_DECODE,
+                        help="layerwise: KV pairs to open to one decode server, so that this many requests "
+                             "finishing in the same step overlap their sends (each pair between two GPUs is "
+                             "an NCCL communicator with buffers of its own on both)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -26,7 +31,7 @@ def main(args: argparse.Namespace) -> int:
               "transfer sends one rank's heads); use it on colocated servers (pdserve decode "
               "--prefill-mode local)", file=sys.stderr)
         return 2
-    return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_send)))
+    return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_send, args.kv_pairs_per_decode)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from engine.kv_transfer import KVLayout, KVTransferError
 from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
-from prefill_service.layerwise import LayerwiseSends
+from prefill_service.layerwise import PAIRS_PER_DECODE, LayerwiseSends
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
@@ -46,11 +46,11 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
     name = "pdserve.v1.Prefill"
     role = "prefill"
 
-    def __init__(self, kv_send: str = "layerwise") -> None:
+    def __init__(self, kv_send: str = "layerwise", pairs_per_decode: int = PAIRS_PER_DECODE) -> None:
         super().__init__()
         if kv_send not in KV_SEND_MODES:
             raise ValueError(f"--kv-send must be one of {', '.join(KV_SEND_MODES)}, got {kv_send!r}")
-        self.kv_send = kv_send
+        self.kv_send, self.pairs_per_decode = kv_send, pairs_per_decode
         self.senders: KVSenders | None = None
         self.layerwise: LayerwiseSends | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
@@ -70,7 +70,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout)
         if self.kv_send == "layerwise":
-            self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers)
+            self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers,
+                                                                    self.pairs_per_decode)
         self.bridge.start()
 
     def close(self) -> None:

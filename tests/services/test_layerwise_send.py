@@ -200,3 +200,12 @@ def test_requests_finishing_in_one_step_overlap_on_pairs_of_their_own(pair):
         assert torch.equal(decode.kv_cache[:, dst[rid]], prefill.kv_cache[:, prefill.get_block_ids(rid)])
         assert prefill.release_after_send(rid) is reqs[rid]
     assert prefill.stats().kv_blocks_used == 0
+
+
+def test_pairs_per_decode_is_at_least_one(tiny_llama_dir):
+    prefill = _engine(tiny_llama_dir)
+    layout = KVLayout.of(prefill.kv_cache, "tiny")
+    senders = KVSenders(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
+    with pytest.raises(ValueError, match="kv-pairs-per-decode"):
+        LayerwiseSends(senders, layout.num_layers, pairs_per_decode=0)
+    assert LayerwiseSends(senders, layout.num_layers, pairs_per_decode=2).pairs_per_decode == 2

@@ -31,8 +31,9 @@ def Engine(name: str, model, *flags: str, metrics_port: int = 0) -> EngineServer
 def tiers(tiny_llama_dir, request):
     # Budget 1: a 400-token prompt takes 400 engine steps, long enough to abort it mid-prefill.
     # Both --kv-send modes: layer by layer during the last chunk (default), or after the first token.
+    pairs = ["--kv-pairs-per-decode", "2"] if request.param == "layerwise" else []
     prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1", "--kv-send", request.param,
-                     metrics_port=free_port())
+                     *pairs, metrics_port=free_port())
     decode = Engine("decode", tiny_llama_dir)
     other = Engine("decode-other", tiny_llama_dir, "--block-size", "32")  # a different KV layout
     procs = [prefill, decode, other]
