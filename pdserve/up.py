@@ -75,6 +75,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "prefix cache (0: never)")
     g.add_argument("--kv-send", choices=("layerwise", "after-prefill"), default="layerwise",
                    help="prefill servers' --kv-send: layerwise overlaps the KV transfer with prefill")
+    g.add_argument("--kv-pairs-per-decode", type=int, default=4,
+                   help="prefill servers' --kv-pairs-per-decode: concurrent layer-wise sends to one decode server")
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
@@ -198,11 +200,11 @@ class Cluster:
             role = "prefill" if i < len(self.prefill) else "decode"
             name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
             dev = ["--device", devices[i % len(devices)]] if devices else []
-            redis = ["--redis-url", self.redis_url] if self.redis_url else []
-            if role == "prefill" and a.kv_send != "layerwise":
-                redis += ["--kv-send", a.kv_send]
+            extra = ["--redis-url", self.redis_url] if self.redis_url else []
+            if role == "prefill":
+                extra += ["--kv-send", a.kv_send, "--kv-pairs-per-decode", str(a.kv_pairs_per_decode)]
             self._launch(f"{name} ({addr})", name, role,
-                         [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *redis,
+                         [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *extra,
                           *tls.tls_flags(a)], threads,
                          self.trace_env, width)
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
