@@ -29,7 +29,8 @@ from engine.kv_transfer import KVLayout, KVTransferError
 from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
-from prefill_service.layerwise import PAIRS_PER_DECODE, LayerwiseSends
+from prefill_service.flags import KV_SEND_MODES, PAIRS_PER_DECODE
+from prefill_service.layerwise import LayerwiseSends
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
@@ -39,7 +40,6 @@ from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 _NOTIFY_TIMEOUT_S = 5.0
-KV_SEND_MODES = ("layerwise", "after-prefill")
 
 
 class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
@@ -95,8 +95,9 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             skip = request.num_skip_blocks  # the decode side has these leading blocks cached
+            dst = list(request.dst_block_ids)[skip:]
             if self.layerwise is not None and skip >= 0:
-                self.layerwise.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip)
+                self.layerwise.expect(rid, request.decode_address, dst, skip)
             try:
                 await bridge.run(lambda e: e.add_prefill_request(rid, prompt, params, deadline=deadline))
             except OverflowError as exc:  # the waiting queue (or the engine's command queue) is full
@@ -114,6 +115,10 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             if not 0 <= skip < len(d.block_ids):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
+            def send_after_prefill(src: list[int]) -> asyncio.Future:
+                return asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.senders.send, request.decode_address, rid, src, dst, meta)  # type: ignore[union-attr]
+
             try:
                 if streamed is not None:
                     try:
@@ -123,18 +128,14 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                             raise
                         logger.info("request %s: layer-wise KV send did not start (%s); sending after "
                                     "prefill", rid, exc)
-                        send = asyncio.get_running_loop().run_in_executor(
-                            self._pool, self.senders.send, request.decode_address, rid, streamed.src_block_ids,  # type: ignore[union-attr]
-                            list(request.dst_block_ids)[skip:], meta)
+                        send = send_after_prefill(streamed.src_block_ids)
                         stats = await asyncio.shield(send)
                 else:
                     try:
                         block_ids = await bridge.run(lambda e: e.begin_send(rid))
                     except ValueError as exc:  # expired or aborted since it was held
                         await context.abort(grpc.StatusCode.ABORTED, str(exc))
-                    send = asyncio.get_running_loop().run_in_executor(
-                        self._pool, self.senders.send, request.decode_address, rid, block_ids[skip:],  # type: ignore[union-attr]
-                        list(request.dst_block_ids)[skip:], meta)
+                    send = send_after_prefill(block_ids[skip:])
                     stats = await asyncio.shield(send)
             except KVTransferError as exc:
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
