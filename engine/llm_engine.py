@@ -118,13 +118,13 @@ class LLMEngine:
             return None, []
         import torch
 
-        from engine.parallel import TPGroup
-        from engine.tp_worker import free_port, start_workers, stop_workers
+        from engine.parallel import TPGroup, serve_store
+        from engine.tp_worker import start_workers, stop_workers
 
-        port = free_port()
-        workers = start_workers(config, size, "127.0.0.1", port)
+        store = serve_store("127.0.0.1", size)
+        workers = start_workers(config, size, "127.0.0.1", store.port)
         try:
-            tp = TPGroup(0, size, "127.0.0.1", port, torch.device(config.device))
+            tp = TPGroup(0, size, "127.0.0.1", store.port, torch.device(config.device), store=store)
         except BaseException:
             for w in workers:
                 w.kill()

@@ -90,15 +90,22 @@ class Shard:
         return self.rank * n, (self.rank + 1) * n
 
 
+def serve_store(host: str, size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0's rendezvous store, on a port the OS picks (``.port``): the workers get it
+    when they start, and the group forms once they all have."""
+    return dist.TCPStore(host, 0, size, True, timedelta(seconds=timeout), wait_for_workers=False)
+
+
 class TPGroup:
-    """One rank's handle on the tensor-parallel group."""
+    """One rank's handle on the tensor-parallel group. Rank 0 passes the store it serves
+    (``serve_store``); the other ranks connect to ``host:port``."""
 
     def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, store: dist.TCPStore | None = None) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        store = dist.TCPStore(host, port, size, rank == 0, timedelta(seconds=timeout),
-                              wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(host, port, size, False, timedelta(seconds=timeout))
         self.store = store  # rank 0 serves it: keep it alive with the group
         prefix = dist.PrefixStore("pdserve-tp", store)
         if self.backend == "nccl":
@@ -140,7 +147,9 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
+        if not hasattr(self.group, "abort"):
+            return
         try:
-            self.group.abort() if hasattr(self.group, "abort") else None
+            self.group.abort()
         except Exception:  # a peer already gone: nothing to release
             pass

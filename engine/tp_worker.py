@@ -15,7 +15,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 
 from engine.config import EngineConfig
 
@@ -30,12 +29,6 @@ def rank_device(device: str, rank: int) -> str:
         return device
     base = int(device.split(":")[1]) if ":" in device else 0
     return f"cuda:{base + rank}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_workers(config: EngineConfig, size: int, host: str, port: int) -> list[mp.Process]:
