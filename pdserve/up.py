@@ -27,6 +27,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from prefill_service.flags import add_kv_send_args
 from rpc import tls, tracing
 from rpc.health_probe import is_serving
 from rpc.local_redis import LocalRedis
@@ -73,10 +74,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
-    g.add_argument("--kv-send", choices=("layerwise", "after-prefill"), default="layerwise",
-                   help="prefill servers' --kv-send: layerwise overlaps the KV transfer with prefill")
-    g.add_argument("--kv-pairs-per-decode", type=int, default=4,
-                   help="prefill servers' --kv-pairs-per-decode: concurrent layer-wise sends to one decode server")
+    add_kv_send_args(p.add_argument_group("prefill servers"))
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")

@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 from engine.kv_transfer import KVTransferError, TransferStats
+from prefill_service.flags import PAIRS_PER_DECODE
 from prefill_service.kv_sender import KVSenders
 
 logger = logging.getLogger(__name__)
 _END = "end"  # the step is over: no more layers
 _MAX_WORKERS = 32
-PAIRS_PER_DECODE = 4  # default: requests to one decode server that finish in one step and overlap at once
 
 
 @dataclass

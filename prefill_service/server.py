@@ -5,8 +5,8 @@ import argparse
 import asyncio
 import sys
 
-from prefill_service.layerwise import PAIRS_PER_DECODE
-from prefill_service.servicer import KV_SEND_MODES, PrefillServicer
+from prefill_service.flags import add_kv_send_args
+from prefill_service.servicer import PrefillServicer
 from rpc.engine_server import add_server_args, configure_logging, serve_engine
 
 DEFAULT_PORT = 50061
@@ -14,14 +14,7 @@ DEFAULT_PORT = 50061
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, DEFAULT_PORT)
-    parser.add_argument("--kv-send", choices=KV_SEND_MODES, default="layerwise",
-                        help="when a prompt's KV leaves for the decode server: layerwise (each layer as the "
-                             "last prefill chunk computes it, overlapping the transfer with prefill) or "
-                             "after-prefill (all layers once the first token is sampled)")
-    parser.add_argument("--kv-pairs-per-decode", type=int, default=PAIRS_PER_DECODE,
-                        help="layerwise: KV pairs to open to one decode server, so that this many requests "
-                             "finishing in the same step overlap their sends (each pair between two GPUs is "
-                             "an NCCL communicator with buffers of its own on both)")
+    add_kv_send_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
