@@ -54,13 +54,10 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if args.peer:
         from bench import decode_peer
+        from engine.model_files import resolve_model_path
 
-        device = args.device if args.device not in (None, "auto") else ("cuda" if _cuda() else "cpu")
-        if args.model_shape:
-            from bench.model_shapes import shape_dir
-
-            args.model = str(shape_dir(args.model_shape))
-        peer = decode_peer.run(args.model or _default_model(), sizes, args.context_len, args.steps, device,
+        device = EngineArgs.from_cli_args(args).resolve_device()
+        peer = decode_peer.run(resolve_model_path(args.model), sizes, args.context_len, args.steps, device,
                                "bfloat16" if device.startswith("cuda") else "float32")
         write_result(peer, "decode-step-peer", args.output_json)
         return 0
@@ -112,18 +109,6 @@ def main(args: argparse.Namespace) -> int:
               f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _default_model() -> str:
-    from engine.model_files import ensure_default_model
-
-    return str(ensure_default_model())
 
 
 def _profile(engine, steps: int, device: str) -> dict:
