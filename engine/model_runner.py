@@ -151,14 +151,11 @@ class ModelRunner:
             from kernels.paged_attention import paged_attention_num_splits
 
             longest = max_blocks * self.block_size
+            short = min(_SHORT_CONTEXT, longest)
             for b in sizes:
-                variants[b] = []
-                for ctx in sorted({min(_SHORT_CONTEXT, longest), longest}):
-                    s = paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim, ctx, self.device)
-                    if not variants[b] or variants[b][-1][1] != s:
-                        variants[b].append((ctx, s))
-                    else:
-                        variants[b][-1] = (ctx, s)
+                s_short, s_long = (paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                                              ctx, self.device) for ctx in (short, longest))
+                variants[b] = [(longest, s_long)] if s_short == s_long else [(short, s_short), (longest, s_long)]
         return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs)
 
     @property
