@@ -66,8 +66,8 @@ class KVSender(_Pair):
         ``finish(meta)``; use it as a context manager. Data leaves a chunk at a time, once its
         last layer was given. ``meta`` (small JSON, e.g. the first sampled token) travels in the
         trailer, so it may be given only at ``finish``. ``overlap``: the layers will come one by
-        one while prefill runs (the plan then posts each as it comes). ``plan`` overrides the
-        message plan (benchmarks, tests).
+        one while prefill runs (the plan then posts chunks of ~64 MiB as their last layer comes).
+        ``plan`` overrides the message plan (benchmarks, tests).
 
         The header always goes first: posting an NCCL batch may block this thread until the
         peer posts its side (NCCL connects channels on first use), and the peer posts only
