@@ -99,43 +99,54 @@ def _layout_diffs(a: KVLayout, b: KVLayout) -> list[str]:
             for f in fields(KVLayout) if getattr(a, f.name) != getattr(b, f.name)]
 
 
-def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) for maximal runs where src and dst ids both go up by one.
-
-    merge_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
-
-    Vectorized: a 16k-token prompt has 1024 blocks, and this runs on the critical path."""
+def run_array(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``merge_runs`` as an int64 array [runs, 3]: what the transfer code carries around (a
+    16k-token prompt has up to 1024 runs, and this is on the critical path)."""
     src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
     if src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"{len(src_block_ids)} src block ids but {len(dst_block_ids)} dst block ids")
     if src.size == 0:
-        return []
+        return np.zeros((0, 3), dtype=np.int64)
     starts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], starts))
     lengths = np.diff(np.append(starts, src.size))
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+    return np.stack([src[starts], dst[starts], lengths], axis=1)
 
 
-def expand_runs(runs: Sequence[tuple[int, int, int]], side: int) -> np.ndarray:
+def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for maximal runs where src and dst ids both go up by one.
+
+    merge_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]"""
+    return [tuple(r) for r in run_array(src_block_ids, dst_block_ids).tolist()]
+
+
+def expand_runs(runs: Sequence[tuple[int, int, int]] | np.ndarray, side: int) -> np.ndarray:
     """The block ids of one side of ``runs`` (0: src, 1: dst), in order, as int64."""
-    if not runs:
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    if not r.size:
         return np.zeros(0, dtype=np.int64)
-    r = np.asarray(runs, dtype=np.int64)
     starts, lengths = r[:, side], r[:, 2]
     offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.repeat(starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64) - offsets
 
 
-def encode_runs(runs: Sequence[tuple[int, int, int]]) -> str:
+def has_repeats(ids: np.ndarray) -> bool:
+    """Whether any id occurs twice (a sort: cheaper than np.unique at these sizes)."""
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def encode_runs(runs: Sequence[tuple[int, int, int]] | np.ndarray) -> str:
     """Runs as base64 of int64 triples: a header stays small and quick to parse at any length."""
     return base64.b64encode(np.asarray(runs, dtype=np.int64).reshape(-1).tobytes()).decode()
 
 
-def decode_runs(text: str) -> list[tuple[int, int, int]]:
+def decode_runs(text: str) -> np.ndarray:
+    """The [runs, 3] int64 array ``encode_runs`` encoded."""
     flat = np.frombuffer(base64.b64decode(text), dtype=np.int64)
     if flat.size % 3:
         raise ValueError(f"runs must come in (src, dst, length) triples, got {flat.size} numbers")
-    return [tuple(r) for r in flat.reshape(-1, 3).tolist()]
+    return flat.reshape(-1, 3)
 
 
 def gpu_uuid(device: str | torch.device) -> str | None:
@@ -217,7 +228,7 @@ _DIRECT_MAX_MESSAGES = 256
 _PACK_CHUNK_BYTES = 64 << 20
 
 
-def plan_transfer(runs: Sequence[tuple[int, int, int]], num_layers: int, layer_block_bytes: int,
+def plan_transfer(runs: Sequence[tuple[int, int, int]] | np.ndarray, num_layers: int, layer_block_bytes: int,
                   backend: str, cache_on_gpu: bool, overlap: bool = False) -> WirePlan:
     """The sender's choice of WirePlan. ``layer_block_bytes``: bytes of one block in one layer.
 
@@ -228,8 +239,9 @@ def plan_transfer(runs: Sequence[tuple[int, int, int]], num_layers: int, layer_b
     so that only the last chunk is left to send when prefill ends; not smaller, since posting
     a chunk costs host time that the prefill's own launches need too (posting every layer of a
     1k-token prompt of the 8B shape slowed its prefill from 27 to 62 ms on an H200)."""
-    num_blocks = sum(n for _, _, n in runs)
-    if not runs:
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    num_blocks = int(runs[:, 2].sum())
+    if not len(runs):
         return WirePlan(pack=False, chunk_layers=max(num_layers, 1))
     if backend != "nccl":
         return WirePlan(pack=cache_on_gpu, chunk_layers=1)
@@ -251,6 +263,9 @@ class TransferStats:
     seconds: float
     backend: str
     num_messages: int
+    # (event, time.perf_counter()) through the transfer: CLOCK_MONOTONIC on Linux, so the two
+    # sides' marks compare across processes of one host (bench.kv_transfer's phase table)
+    marks: tuple[tuple[str, float], ...] = ()
 
     @property
     def bytes_per_second(self) -> float:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
                                          KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
                                          TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
-                                         chunk_ranges, decode_runs, decode_trailer, expand_runs)
+                                         chunk_ranges, decode_runs, decode_trailer, expand_runs, has_repeats)
 from engine.kv_transfer.pair import _Pair, _as_rows, _hello, _remaining, _settle
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class KVReceiver(_Pair):
                 raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
             header = self._next_header(timeout)
             start = time.perf_counter()
+            marks = [("header received", start)]
             try:
                 request_id = header["request_id"]
                 runs = decode_runs(header["runs"])
@@ -124,17 +125,18 @@ class KVReceiver(_Pair):
             dst = dst_ids.tolist()
             try:
                 in_range = dst_ids.size == 0 or (dst_ids.min() >= 0 and dst_ids.max() < kv_cache.shape[1])
-                if not in_range or np.unique(dst_ids).size != dst_ids.size:
+                if not in_range or has_repeats(dst_ids):
                     raise KVTransferError(f"request {request_id}: dst block ids out of range "
                                           f"[0, {kv_cache.shape[1]}) or repeated: {dst}")
                 if validate is not None:
                     validate(request_id, list(dst))
             except Exception:
-                self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=True)
+                self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=True, marks=[])
                 raise
+            marks.append(("validated", time.perf_counter()))
             try:
                 status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan,
-                                                               drain=False)
+                                                               drain=False, marks=marks)
             except KVTransferError as e:
                 e.request_id = request_id
                 raise
@@ -147,7 +149,7 @@ class KVReceiver(_Pair):
         return ReceivedKV(request_id, list(dst), TransferStats(
             num_blocks=len(dst), num_bytes=len(dst) * block_bytes * self.layout.num_layers,
             seconds=time.perf_counter() - start, backend=self.backend,
-            num_messages=num_messages), meta)
+            num_messages=num_messages, marks=(*marks, ("landed", time.perf_counter()))), meta)
 
     def _next_header(self, timeout: float | None) -> dict[str, Any]:
         """One blocking pop from the store's header queue. An idle pair waits here, not in the
@@ -175,8 +177,9 @@ class KVReceiver(_Pair):
                                   else "the prefill side closed the KV pair")
         return header
 
-    def _recv_chunks(self, request_id: str, runs: list[tuple[int, int, int]], dst_ids: np.ndarray,
-                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool) -> tuple[int, dict[str, Any], int]:
+    def _recv_chunks(self, request_id: str, runs: np.ndarray, dst_ids: np.ndarray,
+                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool,
+                     marks: list[tuple[str, float]]) -> tuple[int, dict[str, Any], int]:
         """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
         previous one lands. Drained: everything goes to scratch and kv_cache is not touched.
         Returns (trailer status, the sender's meta, data messages)."""
@@ -200,6 +203,7 @@ class KVReceiver(_Pair):
                     if k == len(chunks) - 1:
                         targets.append(trailer)
                     works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][0]}.."))
+                    marks.append((f"chunk {k} posted", time.perf_counter()))
                 if k >= 1:
                     self._land(k - 1, chunks[k - 1], works[k - 1], staged[k - 1], runs, kv_cache, dst_index,
                                deadline, what)
@@ -216,7 +220,7 @@ class KVReceiver(_Pair):
                 raise KVTransferError(f"{what}: malformed trailer: {e}") from e
             return status, meta, num_messages
 
-    def _targets(self, k: int, chunk: tuple[int, int], runs: list[tuple[int, int, int]], kv_cache: torch.Tensor,
+    def _targets(self, k: int, chunk: tuple[int, int], runs: np.ndarray, kv_cache: torch.Tensor,
                  plan: WirePlan, drain: bool) -> tuple[list[torch.Tensor], bool]:
         """Where chunk k's messages land, and whether that is staging slot k % 2 (else straight
         into kv_cache). A slot is free again once chunk k - 2 has landed from it: for NCCL by
@@ -224,10 +228,10 @@ class KVReceiver(_Pair):
         into a GPU cache, once the slot's copy to the device is done."""
         l0, l1 = chunk
         block_shape, block_numel = kv_cache.shape[2:], kv_cache[0, 0].numel()
-        lengths = [n for _, _, n in runs]
+        lengths = runs[:, 2].tolist()
         in_place = self.wire_device == kv_cache.device
         if not plan.pack and not drain and in_place:
-            return [kv_cache[layer, d:d + n] for layer in range(l0, l1) for _, d, n in runs], False
+            return [kv_cache[layer, d:d + n] for layer in range(l0, l1) for _, d, n in runs.tolist()], False
         if not in_place and self._landed[k % 2] is not None:
             self._landed[k % 2].synchronize()
         if drain and not plan.pack:  # every message into the same scratch: the bytes are thrown away
@@ -246,7 +250,7 @@ class KVReceiver(_Pair):
         return views, True
 
     def _land(self, k: int, chunk: tuple[int, int], works: list[Any], staged: list[torch.Tensor],
-              runs: list[tuple[int, int, int]], kv_cache: torch.Tensor, dst_index: torch.Tensor | None,
+              runs: np.ndarray, kv_cache: torch.Tensor, dst_index: torch.Tensor | None,
               deadline: float, what: str) -> None:
         """Chunk k was posted: order this stream after it, then move what it staged into
         kv_cache (scatter the packed [layers, blocks, 2, block_size, heads, head_dim] message by
@@ -268,7 +272,7 @@ class KVReceiver(_Pair):
         else:
             views = iter(staged)
             for layer in range(l0, l1):
-                for _, d, n in runs:
+                for _, d, n in runs.tolist():
                     kv_cache[layer, d:d + n].copy_(next(views), non_blocking=True)
         if staged[0].device != kv_cache.device:
             self._landed[k % 2] = torch.cuda.Event()

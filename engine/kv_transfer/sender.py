@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
                                          RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
-                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, encode_trailer, expand_runs,
-                                         merge_runs, plan_transfer)
+                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, encode_trailer, has_repeats,
+                                         plan_transfer, run_array)
 from engine.kv_transfer.pair import (_Pair, _as_rows, _hello, _local_addr_toward, _remaining, _settle,
                                      _wait_for_listener)
 
@@ -72,19 +72,20 @@ class KVSender(_Pair):
         The header always goes first: posting an NCCL batch may block this thread until the
         peer posts its side (NCCL connects channels on first use), and the peer posts only
         once it has the header."""
+        begun = time.perf_counter()
         self.layout.check_cache(kv_cache)
-        runs = merge_runs(src_block_ids, dst_block_ids)
-        src, dst = expand_runs(runs, 0), expand_runs(runs, 1)
+        src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
+        runs = run_array(src, dst)
         if src.size and (src.min() < 0 or src.max() >= kv_cache.shape[1]):
             raise ValueError(f"src block ids out of range [0, {kv_cache.shape[1]}): {src.tolist()}")
-        if np.unique(dst).size != dst.size:
+        if has_repeats(dst):
             raise ValueError(f"duplicate dst block ids: {dst.tolist()}")
         if self.backend == "nccl" and kv_cache.device != self.device:
             raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
         layer_block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         plan = plan or plan_transfer(runs, self.layout.num_layers, layer_block_bytes, self.backend,
                                      kv_cache.is_cuda, overlap)
-        if not runs:
+        if not len(runs):
             plan = WirePlan(pack=False, chunk_layers=self.layout.num_layers)
         elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
             raise ValueError("gloo from a GPU cache stages through host memory: the plan must pack")
@@ -95,10 +96,22 @@ class KVSender(_Pair):
         try:
             self._check_usable()
             self._push_header(request_id, header)
-            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan, meta)
+            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan, meta, begun)
         except Exception:
             self._lock.release()
             raise
+
+    def _staged_trailer(self, trailer: torch.Tensor) -> torch.Tensor:
+        """The trailer on the wire's device. From a GPU: through a pinned buffer, copied on the
+        pair's stream without waiting (a pageable copy would wait for the chunks already on that
+        stream, so the last chunk could not be gathered while the one before it moves). The
+        buffer is free again at the next finish(): this one waits for everything it posted."""
+        if self.wire_device.type != "cuda":
+            return trailer
+        staged = self._buffer("trailer", 0, trailer.numel(), trailer.dtype, torch.device("cpu"))
+        staged.copy_(trailer)
+        with self._on_stream():
+            return staged.to(self.wire_device, non_blocking=True)
 
     def _push_header(self, request_id: str, header: str) -> None:
         try:
@@ -145,8 +158,9 @@ class KVSendTransfer:
     chunk k is gathered into staging slot k % 2; that slot is reused by chunk k + 2 only
     after chunk k has left (a stream-side wait for NCCL, a host-side one for gloo)."""
 
-    def __init__(self, sender: KVSender, request_id: str, runs: list[tuple[int, int, int]], src: np.ndarray,
-                 kv_cache: torch.Tensor, plan: WirePlan, meta: dict[str, Any] | None = None) -> None:
+    def __init__(self, sender: KVSender, request_id: str, runs: np.ndarray, src: np.ndarray,
+                 kv_cache: torch.Tensor, plan: WirePlan, meta: dict[str, Any] | None = None,
+                 begun: float | None = None) -> None:
         self.request_id = request_id
         self.meta = meta
         self._sender = sender
@@ -159,6 +173,7 @@ class KVSendTransfer:
         self._num_messages = 0
         self._next_layer = 0
         self._start = time.perf_counter()
+        self._marks = [("begin", begun or self._start), ("header sent", self._start)]
         self._deadline = time.monotonic() + sender.timeout
         self._stats: TransferStats | None = None
         self._done = False
@@ -209,11 +224,12 @@ class KVSendTransfer:
             if self._plan.pack:
                 messages = [self._gather(k, l0, l1)]
             else:
-                messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs]
+                messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs.tolist()]
             self._num_messages += len(messages)
             if trailer is not None:
                 messages.append(trailer)
             self._works.append(sender._post(messages, send=True, what=what))
+        self._marks.append((f"chunk {k} posted", time.perf_counter()))
 
     def _gather(self, k: int, l0: int, l1: int) -> torch.Tensor:
         """Chunk k's blocks, [layers, blocks, 2, block_size, heads, head_dim], in staging slot k % 2
@@ -258,9 +274,7 @@ class KVSendTransfer:
                 trailer, aborted, problem = encode_trailer(_ABORTED, None), True, str(e)
             for layer in range(self._next_layer, num_layers):
                 self.send_layer(layer)
-            with sender._on_stream():
-                trailer = trailer.to(sender.wire_device, non_blocking=False)
-            self._post_chunk(len(self._chunks) - 1, trailer)
+            self._post_chunk(len(self._chunks) - 1, sender._staged_trailer(trailer))
             sender._wait([w for works in self._works[self._num_waited:] for w in works], self._deadline, what)
         finally:
             self._works = []
@@ -269,12 +283,12 @@ class KVSendTransfer:
             sender._lock.release()
         if aborted:
             raise KVTransferError(f"{what}: {problem}; the receiver was told the transfer is aborted")
-        num_blocks = sum(n for _, _, n in self._runs)
+        num_blocks = int(self._runs[:, 2].sum())
         block_bytes = self._kv_cache[0, 0].numel() * self._kv_cache.element_size()
         self._stats = TransferStats(
             num_blocks=num_blocks, num_bytes=num_blocks * block_bytes * num_layers,
             seconds=time.perf_counter() - self._start, backend=sender.backend,
-            num_messages=self._num_messages)
+            num_messages=self._num_messages, marks=(*self._marks, ("left", time.perf_counter())))
         return self._stats
 
     def __enter__(self) -> KVSendTransfer:
