@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ from engine.kv_transfer import (
     plan_transfer,
     resolve_backend,
 )
+from engine.kv_transfer.protocol import decode_runs, encode_runs, expand_runs, has_repeats, run_array
 from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
@@ -223,6 +225,23 @@ def test_merge_runs() -> None:
         assert flat == list(zip(src, dst))
 
 
+def test_runs_travel_as_one_array_and_repeats_are_refused() -> None:
+    src, dst = [4, 5, 6, 9, 1], [0, 1, 7, 8, 3]
+    runs = run_array(src, dst)
+    assert runs.dtype == np.int64 and runs.tolist() == [list(r) for r in merge_runs(src, dst)]
+    assert np.array_equal(decode_runs(encode_runs(runs)), runs)
+    assert expand_runs(runs, 0).tolist() == src and expand_runs(runs, 1).tolist() == dst
+    assert not has_repeats(np.array(dst)) and has_repeats(np.array([3, 1, 3]))
+    assert not has_repeats(np.zeros(0, dtype=np.int64))
+    layout = KVLayout(model="m", dtype="float32", block_size=8, num_layers=3, num_kv_heads=2, head_dim=4)
+    sender = KVSender(layout, "gloo", 5.0, "cpu")  # never connected: the check comes first
+    cache = torch.zeros(3, 10, 2, 8, 2, 4)
+    with pytest.raises(ValueError, match="duplicate dst block ids"):
+        sender.begin("r", [0, 1], [4, 4], cache)
+    with pytest.raises(ValueError, match="out of range"):
+        sender.begin("r", [0, 10], [4, 5], cache)
+
+
 def test_layout_of_and_check_compatible() -> None:
     cache = torch.zeros(3, 20, 2, 4, 2, 8, dtype=torch.bfloat16)
     layout = KVLayout.of(cache, "m")
@@ -312,6 +331,9 @@ def test_transfers_land_exactly(pairs: Any, dtype: str) -> None:
         assert rstats.num_blocks == sstats["num_blocks"] == len(dst)
         assert rstats.num_bytes == sstats["num_bytes"] == 3 * len(dst) * block_bytes
         assert rstats.backend == sstats["backend"] == "gloo"
+        names = [name for name, _ in rstats.marks]
+        assert names[0] == "header received" and names[-1] == "landed"
+        assert [t for _, t in rstats.marks] == sorted(t for _, t in rstats.marks)
     assert [r[1]["num_messages"] for r in pair.transfer(requests[:1])] == [3]  # one merged run
 
 
