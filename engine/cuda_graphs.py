@@ -38,6 +38,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -147,11 +148,27 @@ class DecodeInputs:
 
     def upload(self, size: int, width: int) -> None:
         """Queue the host -> device copies of a filled batch (non-blocking)."""
-        m = self.max_num_seqs
         self.i64.copy_(self.host_i64, non_blocking=True)
-        end = m + size * width
-        self.i32[:end].copy_(self.host_i32[:end], non_blocking=True)
-        self.tables[:size, :width].copy_(self.i32[m:end].view(size, width))
+        end = self.staged_i32(size, width)
+        end.copy_(self.host_i32[:end.numel()], non_blocking=True)
+        self.place_tables(size, width)
+
+    def staged_i32(self, size: int, width: int) -> torch.Tensor:
+        """The device i32 buffer's used part for a batch: seq_lens, then the staged tables."""
+        return self.i32[:self.max_num_seqs + size * width]
+
+    def place_tables(self, size: int, width: int) -> None:
+        """Staged block tables -> the [M, W] tables the graphs read (on the device)."""
+        m = self.max_num_seqs
+        self.tables[:size, :width].copy_(self.i32[m:m + size * width].view(size, width))
+
+
+class GraphStep(NamedTuple):
+    """Which graph a prepared decode step replays, and its block-table width."""
+
+    size: int
+    splits: int | None
+    width: int
 
 
 # (input_ids [B], positions [B], kv_cache, metadata) -> logits [B, V] float32
@@ -169,7 +186,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: ForwardFn, kv_cache: torch.Tensor, inputs: DecodeInputs,
                  sizes: Sequence[int], variants: dict[int, list[tuple[int, int | None]]] | None = None,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, other_threads_may_use_cuda: bool = False) -> None:
         """``variants[size]``: [(longest context, attention splits)], ascending by context; a
         batch replays the first whose context holds its longest. Default: one graph a size,
         the kernel's own split choice."""
@@ -180,6 +197,9 @@ class DecodeGraphs:
         unbounded = inputs.max_blocks_per_seq * inputs.block_size
         self.variants = {s: sorted((variants or {}).get(s) or [(unbounded, None)]) for s in self.sizes}
         self.use_graphs = use_graphs
+        # A capture fails when any thread makes an unsafe CUDA call meanwhile ("global" mode);
+        # with collectives inside the graphs, NCCL's own threads may: only this thread counts.
+        self._capture_mode = "thread_local" if other_threads_may_use_cuda else "global"
         self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}  # (size, splits)
         self.last_splits: int | None = None  # the variant the last run used (for tests and logs)
         self.logits: torch.Tensor | None = None  # static output [max size, V] float32, shared by all sizes
@@ -216,7 +236,7 @@ class DecodeGraphs:
                 self._forward_into_output(size, splits)  # warm-up outside the graph: Triton compiles here
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self._capture_mode):
                     self._forward_into_output(size, splits)
                 self.graphs[(size, splits)] = graph
         torch.cuda.synchronize(dev)
@@ -232,6 +252,14 @@ class DecodeGraphs:
         static output: valid until the next replay), or None when this step
         must run eagerly (not pure decode, too many requests, or a table
         wider than the buffers)."""
+        step = self.prepare(scheduled)
+        if step is None:
+            return None
+        return self.replay(*step)[:len(scheduled)]
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> GraphStep | None:
+        """Fill and upload the inputs of a pure-decode batch; the graph to replay, or None
+        when this step must run eagerly."""
         size = padded_size(self.sizes, len(scheduled))
         if size is None or not is_pure_decode(scheduled):
             return None
@@ -242,6 +270,11 @@ class DecodeGraphs:
         splits = next((sp for ctx, sp in variants if ctx >= longest), variants[-1][1])
         width = self.inputs.fill(scheduled, size)
         self.inputs.upload(size, width)
+        return GraphStep(size, splits, width)
+
+    def replay(self, size: int, splits: int | None, width: int = 0) -> torch.Tensor:
+        """Run the graph of (size, splits) on the inputs already in the device buffers;
+        the static logits [max size, V]."""
         self.last_splits = splits
         if self.use_graphs:
             self.graphs[(size, splits)].replay()
@@ -249,4 +282,4 @@ class DecodeGraphs:
             self._forward_into_output(size, splits)
         self.num_replays += 1
         assert self.logits is not None
-        return self.logits[:len(scheduled)]
+        return self.logits

@@ -90,12 +90,22 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total
 
 
+def _close_tensor_parallel(runner: ModelRunner, workers: list) -> None:
+    if workers:
+        from engine.tp_worker import stop_workers
+
+        runner.close()
+        stop_workers(workers)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         logger.info("engine config: %s", config.describe())
         self.config = config
         self.tp, self._workers = self._start_tensor_parallel(config)
         self.runner = ModelRunner(config, self.tp)
+        # Closed by close(), or when the engine is dropped or the process ends.
+        self._close_tp = weakref.finalize(self, _close_tensor_parallel, self.runner, self._workers)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         mc, sc = config.model, config.scheduler
         capacity = self.runner.num_blocks * config.cache.block_size
@@ -119,7 +129,7 @@ class LLMEngine:
         import torch
 
         from engine.parallel import TPGroup, serve_store
-        from engine.tp_worker import start_workers, stop_workers
+        from engine.tp_worker import release, start_workers
 
         store = serve_store("127.0.0.1", size)
         workers = start_workers(config, size, "127.0.0.1", store.port)
@@ -129,18 +139,14 @@ class LLMEngine:
             for w in workers:
                 w.kill()
             raise
-        weakref.finalize(tp, stop_workers, workers, 0.0)  # an engine dropped without close(): kill them
+        weakref.finalize(tp, release, tp.group, workers)  # dropped without close(), or at exit
         logger.info("tensor parallel: %d ranks (%s), workers %s", size, tp.backend, [w.pid for w in workers])
         return tp, workers
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1). Idempotent."""
-        if self._workers:
-            from engine.tp_worker import stop_workers
-
-            self.runner.close()
-            stop_workers(self._workers)
-            self._workers = []
+        self._close_tp()
+        self._workers = []
 
     @property
     def workers_alive(self) -> bool:

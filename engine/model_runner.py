@@ -23,6 +23,16 @@ prefill and mixed steps, CPU, the references and ``--enforce-eager`` run
 eagerly. The graphs' memory is taken from the KV cache's budget: a decode
 pass of ``max_num_seqs`` rows is profiled with the prefill pass.
 
+``PDSERVE_DECODE_GRAPHS=eager`` (read here only; tests) builds the decode-graph
+runner without capturing: pure decode steps take the graph path (persistent
+buffers, padding, and under tensor parallelism the inputs rank 0 shares
+with the other ranks) and run it eagerly, on any device.
+
+Under tensor parallelism every rank captures the same graphs, in the same
+order (their all-reduces and the logits' all-gather are inside them). For a
+graph step rank 0 broadcasts which graph and its input buffers; every rank
+then places the block tables and replays.
+
 Fault injection, for tests only: with ``PDSERVE_FAULT_FORWARD_FAILS_AFTER=N``
 (read here only, when a runner is built; unset = off) the forward pass runs
 N times, then every later ``execute`` raises ``InjectedFault``, as a device
@@ -40,7 +50,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs, GraphStep, capture_sizes
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.models.llama import AttentionMetadata
@@ -52,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 KERNELS_ENV = "PDSERVE_KERNELS"
+GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 FAULT_ENV = "PDSERVE_FAULT_FORWARD_FAILS_AFTER"
 KERNEL_CHOICES = ("auto", "triton", "reference")
@@ -90,7 +101,7 @@ def _forward_fault_budget() -> int | None:
     return int(value)
 
 
-_STOP, _STEP = 0, 1  # tensor parallel: what rank 0 broadcasts to the other ranks each step
+_STOP, _STEP, _GRAPH = 0, 1, 2  # tensor parallel: what rank 0 broadcasts to the other ranks each step
 
 
 class ModelRunner:
@@ -107,7 +118,8 @@ class ModelRunner:
         self.tp = tp
         self.model = load_model(mc, self.device, self.ops, tp)
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
-        self.use_cuda_graphs = self._graphs_wanted()
+        graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
+        self.use_cuda_graphs = not graphs_eager and self._graphs_wanted()
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
         self.num_blocks = self._determine_num_blocks()
         if tp is not None:  # every rank holds the same blocks: the smallest cache decides
@@ -116,8 +128,10 @@ class ModelRunner:
                                     mc.head_dim, dtype=mc.torch_dtype, device=self.device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs or graphs_eager:
+            self.graphs = self.build_decode_graphs(use_graphs=self.use_cuda_graphs)
         if self.use_cuda_graphs:
-            self.graphs = self.build_decode_graphs(use_graphs=True)
+            assert self.graphs is not None
             self.graphs.capture()
 
     def _graphs_wanted(self) -> bool:
@@ -125,9 +139,6 @@ class ModelRunner:
             return False
         if self.config.enforce_eager:
             logger.info("CUDA graphs off (--enforce-eager)")
-            return False
-        if self.tp is not None:
-            logger.info("CUDA graphs off: not yet captured under tensor parallelism")
             return False
         if self.ops.__name__ != "kernels":
             logger.info("CUDA graphs off: the reference kernels synchronise with the host")
@@ -152,11 +163,13 @@ class ModelRunner:
 
             longest = max_blocks * self.block_size
             short = min(_SHORT_CONTEXT, longest)
+            heads = self.model.shard.num_local_heads  # what this rank's attention runs
             for b in sizes:
-                s_short, s_long = (paged_attention_num_splits(b, b, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                s_short, s_long = (paged_attention_num_splits(b, b, heads, self.kv_heads, mc.head_dim,
                                                               ctx, self.device) for ctx in (short, longest))
                 variants[b] = [(longest, s_long)] if s_short == s_long else [(short, s_short), (longest, s_long)]
-        return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs)
+        return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs,
+                            other_threads_may_use_cuda=self.tp is not None)
 
     @property
     def block_bytes(self) -> int:
@@ -277,6 +290,26 @@ class ModelRunner:
                  meta.seq_lens, torch.tensor(sample_idx, dtype=torch.int64, device=self.device)]
         self.tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
+    def _share_graph_step(self, step: GraphStep) -> None:
+        """Rank 0: which graph this step replays, then the inputs it uploaded (the other ranks
+        place the block tables themselves)."""
+        assert self.tp is not None and self.graphs is not None
+        size, splits, width = step
+        self.tp.broadcast(torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0],
+                                       dtype=torch.int64, device=self.device))
+        inputs = self.graphs.inputs
+        self.tp.broadcast(inputs.i64)
+        self.tp.broadcast(inputs.staged_i32(size, width))
+
+    def _replay_shared_graph_step(self, size: int, splits: int, width: int) -> None:
+        """Ranks > 0: the inputs rank 0 shares into this rank's buffers, then the same graph."""
+        assert self.tp is not None and self.graphs is not None
+        inputs = self.graphs.inputs
+        self.tp.broadcast(inputs.i64)
+        self.tp.broadcast(inputs.staged_i32(size, width))
+        inputs.place_tables(size, width)
+        self.graphs.replay(size, None if splits < 0 else splits)
+
     @torch.inference_mode()
     def serve_steps(self) -> None:
         """Ranks > 0: run every step rank 0 broadcasts, until it says stop."""
@@ -287,6 +320,9 @@ class ModelRunner:
             cmd, t, b, w, s = header.tolist()
             if cmd == _STOP:
                 return
+            if cmd == _GRAPH:
+                self._replay_shared_graph_step(t, b, w)
+                continue
             payload = self.tp.broadcast(torch.empty(3 * t + b * w + 2 * b + 1 + s, dtype=torch.int64, device=dev))
             ids, pos, slots, tables, qsl, lens, idx = payload.split([t, t, t, b * w, b + 1, b, s])
             meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32),
@@ -296,12 +332,20 @@ class ModelRunner:
                 self.model.compute_logits(hidden[idx])  # takes part in the gather
 
     def close(self) -> None:
-        """Rank 0: tell the other ranks to stop."""
-        if self.tp is not None and self.tp.rank == 0:
+        """Rank 0: tell the other ranks to stop; then, on every rank, drop the graphs and
+        release the group (in that order: graphs hold work captured on the group's
+        communicator, and a process whose communicator went first hung at exit)."""
+        if self.tp is None:
+            return
+        if self.tp.rank == 0:
             try:
                 self.tp.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
             except Exception as e:  # a rank already gone
                 logger.info("tensor-parallel stop: %s", e)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stop has left; no replay still runs
+        self.graphs = None
+        self.tp.close()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
@@ -318,9 +362,13 @@ class ModelRunner:
                             s.request.output_token_ids, s.request.eos_token_ids)
                 for s in out.scheduled if s.samples]
         logits = None  # [n, V]
-        if self.graphs is not None and on_layer is None:
-            logits = self.graphs.run(out.scheduled)  # None: not a graph step
-        if logits is None:
+        step = self.graphs.prepare(out.scheduled) if self.graphs is not None and on_layer is None else None
+        if step is not None:  # a pure decode step: replay its graph
+            assert self.graphs is not None
+            if self.tp is not None:
+                self._share_graph_step(step)
+            logits = self.graphs.replay(*step)[:len(out.scheduled)]
+        else:
             input_ids, positions, meta, sample_idx = self._prepare(out)
             if self.tp is not None:
                 self._broadcast_step(input_ids, positions, meta, sample_idx)

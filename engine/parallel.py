@@ -20,13 +20,34 @@ such as KV pairs).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+# Read by ProcessGroupNCCL when a group is built. The KV pairs of this process turn it on
+# (engine/kv_transfer/pair.py); the TP group keeps it off: a wait then orders the caller's
+# stream after the collective without blocking the host, which is what lets a step queue
+# its 2 x num_layers all-reduces back to back, and lets CUDA graphs capture them.
+_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -111,7 +132,8 @@ class TPGroup:
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout)
-            self.group = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+            with _env(_BLOCKING_WAIT, "0"):
+                self.group = dist.ProcessGroupNCCL(prefix, rank, size, opts)
             # The communicator now, on this rank's GPU, rather than lazily from the first op.
             self.group.eager_connect_single_device(device)
         else:  # the ranks share a host: loopback, whatever the hostname resolves to
@@ -147,9 +169,16 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
-        if not hasattr(self.group, "abort"):
-            return
-        try:
-            self.group.abort()
-        except Exception:  # a peer already gone: nothing to release
-            pass
+        abort_group(self.group)
+
+
+def abort_group(group: object) -> None:
+    """Release a group's communicators without waiting for the peers. Never a shutdown:
+    destroying an NCCL communicator waits for every peer to destroy its end, which hangs a
+    process whose peers were killed or are gone (as at the end of a rank 0 process)."""
+    if not hasattr(group, "abort"):
+        return
+    try:
+        group.abort()
+    except Exception:  # a peer already gone: nothing to release
+        pass

@@ -42,6 +42,15 @@ def start_workers(config: EngineConfig, size: int, host: str, port: int) -> list
     return procs
 
 
+def release(group: object, procs: list[mp.Process]) -> None:
+    """Rank 0's group and workers, for an engine dropped without close() (or still open when
+    the process ends): abort the group, then kill the workers."""
+    from engine.parallel import abort_group
+
+    abort_group(group)
+    stop_workers(procs, 0.0)
+
+
 def stop_workers(procs: list[mp.Process], wait: float = JOIN_TIMEOUT_S) -> None:
     """Wait up to ``wait`` s for workers told to stop; kill the ones still running."""
     for p in procs:
@@ -78,4 +87,4 @@ def _worker_main(config: EngineConfig, rank: int, size: int, host: str, port: in
     except Exception as e:  # rank 0 gone or the group broken: nothing left to serve
         logger.info("tensor-parallel rank %d stops: %s", rank, e)
     finally:
-        tp.close()
+        runner.close()

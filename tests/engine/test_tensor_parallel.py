@@ -84,6 +84,29 @@ def test_tp4_replicates_kv_heads_and_pads_the_vocabulary(tmp_path):
     assert not llm.engine.workers_alive or not llm.engine._workers
 
 
+def test_tp2_decode_graph_steps_share_rank0s_inputs(tiny_llama_dir, monkeypatch):
+    """The graph path under TP (run eagerly on CPU: what every rank's graph replays): rank 0
+    sends which graph and its input buffers, every rank places the block tables and runs it;
+    the tokens are one rank's. Sampled rows of different lengths exercise padding and the
+    block tables' width."""
+    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")  # read by every rank's runner
+    sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 2
+    kw = dict(KW, block_size=4, max_num_seqs=6)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
+    try:
+        runner = llm.engine.runner
+        assert runner.graphs is not None and not runner.graphs.use_graphs
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+        assert runner.graphs.num_replays > 0
+    finally:
+        llm.engine.close()
+    monkeypatch.delenv("PDSERVE_DECODE_GRAPHS")
+    one = LLM(str(tiny_llama_dir), **kw)
+    assert one.engine.runner.graphs is None
+    assert got == [o.outputs[0].token_ids for o in one.generate(PROMPTS, sp)]
+
+
 def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
     s = Shard(rank=1, size=2, num_heads=6, num_kv_heads=2, intermediate_size=192, vocab_size=384)
     assert (s.q_heads, s.kv_heads, s.intermediate, s.vocab) == ((3, 6), (1, 2), (96, 192), (192, 384))
