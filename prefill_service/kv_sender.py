@@ -78,21 +78,24 @@ class KVSenders:
         try:
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         except KVTransferError as exc:
-            if sender.is_usable:
+            if not self.settle_failure(decode_address, sender, reused):
                 raise
-            self.drop(decode_address, sender)
-            if not reused:
-                raise
-            # A pair that worked before and broke now most often means the decode server restarted
-            # (its end of the pair is gone): open a new pair once and send again.
             logger.info("KV pair to %s broke (%s); opening a new one", decode_address, exc)
         sender = self.pair(decode_address, reuse=False)
         try:
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         except KVTransferError:
-            if not sender.is_usable:
-                self.drop(decode_address, sender)
+            self.settle_failure(decode_address, sender, reused=False)
             raise
+
+    def settle_failure(self, decode_address: str, sender: KVSender, reused: bool, slot: int = 0) -> bool:
+        """After a transfer on ``sender`` failed: drop the pair if it broke. True when sending once
+        more, on a new pair, can work: a pair that had worked before broke now, which most often
+        means the decode server restarted (its end of the pair is gone)."""
+        if sender.is_usable:  # the transfer failed, not the pair (e.g. the decode side refused it)
+            return False
+        self.drop(decode_address, sender, slot)
+        return reused
 
     def drop(self, decode_address: str, sender: KVSender, slot: int = 0) -> None:
         with self._guard:

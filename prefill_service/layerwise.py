@@ -145,12 +145,10 @@ class LayerwiseSends:
             s.wake_every = transfer.chunk_layers
             return self._stream(s, transfer, deadline)
         except KVTransferError:
-            # Redo after prefill if the decode server never heard of this transfer, or if a pair
-            # that worked before broke (the decode server restarted: the new one never did).
-            broken = not sender.is_usable
-            s.may_redo = not header_sent or (reused and broken)
-            if broken:
-                self.senders.drop(s.decode_address, sender, s.slot)
+            # Redo after prefill if the decode server never heard of this transfer, or if the
+            # pair broke in a way a new pair can mend (see KVSenders.settle_failure).
+            mendable = self.senders.settle_failure(s.decode_address, sender, reused, s.slot)
+            s.may_redo = mendable or not header_sent
             raise
 
     def _stream(self, s: StreamedSend, transfer, deadline: float) -> TransferStats:
