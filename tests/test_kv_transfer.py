@@ -34,7 +34,8 @@ from engine.kv_transfer import (
     plan_transfer,
     resolve_backend,
 )
-from engine.kv_transfer.protocol import decode_runs, encode_runs, expand_runs, has_repeats, run_array
+from engine.kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, is_head_slice,
+                                         run_array)
 from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
@@ -66,9 +67,11 @@ def _peer_main(conn: Any) -> None:
             result: Any = None
             if cmd == "stop":
                 break
-            if cmd == "connect":
-                pair, port, layout, spec, dtype, device, backend, timeout = args
+            if cmd == "connect":  # heads: send only these KV heads of the cache (a view), or None
+                pair, port, layout, spec, dtype, device, backend, timeout, heads = args
                 caches[pair] = make_cache(SENDER_SEED, dtype, **spec).to(device)
+                if heads is not None:
+                    caches[pair] = caches[pair][..., heads[0]:heads[1], :]
                 senders[pair] = KVSender.connect("127.0.0.1", port, KVLayout.from_dict(layout),
                                                  backend=backend, device=device, timeout=timeout)
                 result = senders[pair].backend
@@ -163,17 +166,23 @@ class Pair:
 
     def __init__(self, peer: Peer, name: str, spec: dict[str, Any], dtype: str,
                  sender_device: str = "cpu", receiver_device: str = "cpu", backend: str = "auto",
-                 timeout: float = 20.0) -> None:
+                 timeout: float = 20.0, heads: tuple[tuple[int, int], tuple[int, int]] | None = None,
+                 receiver_spec: dict[str, Any] | None = None) -> None:
+        """``heads``: (the sender's heads, the receiver's heads) of the two caches that the pair
+        moves (as between tensor-parallel ranks holding different shares of the KV heads); the
+        receiver's cache is ``receiver_spec`` (default ``spec``)."""
         self.peer, self.name, self.spec = peer, name, spec
-        layout = layout_for(spec, dtype)
+        (s0, s1), (r0, r1) = heads or ((0, spec["num_kv_heads"]), (0, spec["num_kv_heads"]))
+        layout = layout_for(dict(spec, num_kv_heads=s1 - s0), dtype)
         self.receiver, port = KVReceiver.listen("127.0.0.1", layout, backend=backend,
                                                 device=receiver_device, timeout=timeout)
         self.backend = peer.call("connect", name, port, layout.to_dict(), spec, dtype, sender_device, backend,
-                                 timeout)
+                                 timeout, heads and heads[0])
         self.receiver.wait_connected()
         assert self.receiver.backend == self.backend  # both sides settled the same backend
-        self.sent = make_cache(SENDER_SEED, dtype, **spec).to(receiver_device)
-        self.cache = make_cache(RECEIVER_SEED, dtype, **spec).to(receiver_device)
+        self.sent = make_cache(SENDER_SEED, dtype, **spec).to(receiver_device)[..., s0:s1, :]
+        self.whole = make_cache(RECEIVER_SEED, dtype, **(receiver_spec or spec)).to(receiver_device)
+        self.cache = self.whole[..., r0:r1, :]  # the whole cache when heads is None
 
     def transfer(self, requests: list[tuple[str, list[int], list[int]]],
                  plan: tuple[bool, int] | None = None) -> list[tuple[Any, ...]]:
@@ -181,14 +190,20 @@ class Pair:
         self.peer.post("send", self.name, requests, plan)
         results = []
         for rid, src, dst in requests:
-            expected = self.cache.clone()
-            expected[:, dst] = self.sent[:, src]
+            expected = self.whole.clone()
+            expected[:, dst, ..., self._heads(), :] = self.sent[:, src]
             got_rid, got_dst, stats, meta = self.receiver.recv(self.cache, timeout=20.0)
             assert (got_rid, got_dst) == (rid, dst)
             assert meta == {"first_token": len(src)}  # the header's meta travels with the blocks
-            assert torch.equal(self.cache, expected)  # the dst blocks exactly, nothing else touched
+            assert torch.equal(self.whole, expected)  # the dst blocks' heads exactly, nothing else touched
             results.append(stats)
         return list(zip(results, self.peer.reply()))
+
+
+    def _heads(self) -> slice:
+        """The receiver's heads within its whole cache."""
+        offset = (self.cache.data_ptr() - self.whole.data_ptr()) // self.cache.element_size()
+        return slice(offset // self.spec["head_dim"], offset // self.spec["head_dim"] + self.cache.shape[4])
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +255,16 @@ def test_runs_travel_as_one_array_and_repeats_are_refused() -> None:
         sender.begin("r", [0, 1], [4, 4], cache)
     with pytest.raises(ValueError, match="out of range"):
         sender.begin("r", [0, 10], [4, 5], cache)
+
+
+def test_a_cache_may_be_a_slice_of_its_kv_heads_only() -> None:
+    cache = torch.zeros(3, 10, 2, 4, 6, 8)
+    layout = KVLayout(model="m", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    assert is_head_slice(cache[..., 1:3, :]) and is_head_slice(cache)
+    layout.check_cache(cache[..., 4:6, :])
+    for not_a_head_slice in (cache[:, 1:5, ..., 0:2, :], cache[..., 0:4:2, :], cache[..., 0:2, 0:8].transpose(0, 1)):
+        with pytest.raises(ValueError):
+            layout.check_cache(not_a_head_slice)
 
 
 def test_layout_of_and_check_compatible() -> None:
@@ -389,6 +414,34 @@ def test_concurrent_sends_do_not_interleave(pairs: Any) -> None:
     pair.peer.reply()
 
 
+@pytest.mark.parametrize("heads, sender_heads, receiver_heads, plan", [
+    (((2, 4), (1, 3)), 4, 6, None), (((2, 4), (1, 3)), 4, 6, (True, 1)), (((2, 4), (1, 3)), 4, 6, (True, 2)),
+    (((0, 2), (2, 4)), 2, 4, None), (((0, 2), (2, 4)), 2, 4, (False, 3)), (((0, 2), (2, 4)), 2, 4, (True, 3))])
+def test_head_slices_land_in_the_receivers_heads(peer: Peer, heads: Any, sender_heads: int, receiver_heads: int,
+                                                 plan: tuple[bool, int] | None) -> None:
+    """Tensor-parallel ranks hold different shares of the KV heads: a pair moves one rank's
+    share of the sender's heads into the receiver's share of its own, a head slice of each
+    cache. Only those heads of the destination blocks change; a sliced sender always packs."""
+    pair = Pair(peer, f"heads-{heads}-{plan}", dict(SMALL, num_kv_heads=sender_heads), "float32", heads=heads,
+                receiver_spec=dict(SMALL, num_kv_heads=receiver_heads))
+    try:
+        requests = [("runs", [5, 6, 7, 8], [2, 3, 9, 10]), ("shuffled", [11, 0, 4], [7, 19, 1]), ("empty", [], [])]
+        for (_, src, _), (rstats, sstats) in zip(requests, pair.transfer(requests, plan)):
+            assert rstats.num_bytes == sstats["num_bytes"] == 3 * len(src) * 2 * 4 * 2 * 8 * 4  # 2 heads, fp32
+    finally:
+        pair.receiver.close()
+
+
+def test_a_sliced_sender_refuses_an_in_place_plan(peer: Peer) -> None:
+    pair = Pair(peer, "sliced-in-place", dict(SMALL, num_kv_heads=4), "float32", heads=((1, 3), (0, 2)))
+    try:
+        with pytest.raises(PeerError, match="must pack"):
+            pair.peer.call("send", pair.name, [("r", [0, 1], [2, 3])], (False, 3))
+        pair.transfer([("after", [0, 1], [2, 3])])  # nothing was sent: the pair is still in step
+    finally:
+        pair.receiver.close()
+
+
 def test_sender_failing_midway_is_reported_and_pair_stays_usable(pairs: Any) -> None:
     pair = pairs("float32")
     pair.peer.post("abort_midway", pair.name, ("doomed", [0, 1], [2, 3]))
@@ -404,7 +457,7 @@ def test_layout_mismatch_raises_on_both_sides(peer: Peer) -> None:
     receiver, port = KVReceiver.listen("127.0.0.1", decode, timeout=20.0)
     prefill = KVLayout("tiny", "bfloat16", block_size=8, num_layers=3, num_kv_heads=2, head_dim=8)
     with pytest.raises(PeerError) as sender_side:
-        peer.call("connect", "mismatch", port, prefill.to_dict(), SMALL, "bfloat16", "cpu", "auto", 20.0)
+        peer.call("connect", "mismatch", port, prefill.to_dict(), SMALL, "bfloat16", "cpu", "auto", 20.0, None)
     assert sender_side.value.kind == "KVTransferError"
     with pytest.raises(KVTransferError) as receiver_side:
         receiver.wait_connected()

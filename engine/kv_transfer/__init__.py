@@ -40,7 +40,10 @@ queue wait has no such side effect, and ``close()`` can wake it.
 
 Tensors: ``kv_cache: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (K at 0, V at 1), contiguous, so ``kv_cache[l, s:s+n]`` is one contiguous chunk and
-goes on the wire without a copy. Every side's data work runs on the pair's own CUDA
+goes on the wire without a copy. Either side's cache may instead be a head slice of a
+contiguous cache (``cache[..., h0:h1, :]``), as when tensor-parallel ranks on the two sides
+hold different shares of the KV heads: a sliced sender always gathers (packs), and a sliced
+receiver stages what comes in place and copies it into its heads. Every side's data work runs on the pair's own CUDA
 stream, ordered after the calling thread's stream; ``send`` and ``recv`` return once
 the data has left / landed.
 

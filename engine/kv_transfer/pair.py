@@ -63,6 +63,23 @@ def _remaining(deadline: float, what: str) -> timedelta:
     return timedelta(seconds=left)
 
 
+def _gather_blocks(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:, i] = blocks[:, index[i]] for [layers, blocks, ...] tensors; ``out`` contiguous,
+    ``blocks`` contiguous or a head slice of a cache."""
+    if blocks.is_contiguous():
+        torch.index_select(_as_rows(blocks), 1, index, out=_as_rows(out))
+    else:
+        torch.index_select(blocks, 1, index, out=out)
+
+
+def _scatter_blocks(blocks: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    """blocks[:, index[i]] = data[:, i]: the inverse of ``_gather_blocks``."""
+    if blocks.is_contiguous():
+        _as_rows(blocks).index_copy_(1, index, _as_rows(data))
+    else:
+        blocks.index_copy_(1, index, data)
+
+
 def _as_rows(blocks: torch.Tensor) -> torch.Tensor:
     """[layers, blocks, ...] contiguous -> [layers, blocks, row] viewed as int64 when the row's
     bytes allow: gather and scatter kernels then move 8 bytes per element, not 2."""

@@ -75,14 +75,25 @@ class KVLayout:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
-        """Raise ValueError unless ``kv_cache`` has this layout and is contiguous."""
+        """Raise ValueError unless ``kv_cache`` has this layout and is contiguous, or is a head
+        slice of a contiguous cache (``cache[..., h0:h1, :]``: one rank's share of the KV heads
+        when the two sides are split differently by tensor parallelism)."""
         want = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         got = (kv_cache.shape[0], *kv_cache.shape[2:]) if kv_cache.dim() == 6 else tuple(kv_cache.shape)
         if got != want or _dtype_name(kv_cache.dtype) != self.dtype:
             raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
                              f"the pair's layout {self}")
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous")
+        if not (kv_cache.is_contiguous() or is_head_slice(kv_cache)):
+            raise ValueError("kv_cache must be contiguous, or a slice of a contiguous cache's KV heads")
+
+
+def is_head_slice(kv_cache: torch.Tensor) -> bool:
+    """Whether a 6-d cache view is ``parent[..., h0:h1, :]`` of a contiguous parent."""
+    layers, blocks, two, block_size, heads, head_dim = kv_cache.shape
+    s = kv_cache.stride()
+    row = s[3]  # the parent's heads x head_dim
+    return (s[5] == 1 and s[4] == head_dim and row >= heads * head_dim and row % head_dim == 0
+            and s[2] == block_size * row and s[1] == two * s[2] and s[0] == blocks * s[1])
 
 
 def check_compatible(local: KVLayout, remote: KVLayout, local_role: str = "local",

@@ -16,7 +16,7 @@ from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, K
                                          KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
                                          TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
                                          chunk_ranges, decode_runs, decode_trailer, expand_runs, has_repeats)
-from engine.kv_transfer.pair import _Pair, _as_rows, _hello, _remaining, _settle
+from engine.kv_transfer.pair import _Pair, _hello, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,8 @@ class KVReceiver(_Pair):
         l0, l1 = chunk
         block_shape, block_numel = kv_cache.shape[2:], kv_cache[0, 0].numel()
         lengths = runs[:, 2].tolist()
-        in_place = self.wire_device == kv_cache.device
+        # a head slice of the cache is no message's memory: its runs are staged, then copied in
+        in_place = self.wire_device == kv_cache.device and kv_cache.is_contiguous()
         if not plan.pack and not drain and in_place:
             return [kv_cache[layer, d:d + n] for layer in range(l0, l1) for _, d, n in runs.tolist()], False
         if not in_place and self._landed[k % 2] is not None:
@@ -268,7 +269,7 @@ class KVReceiver(_Pair):
             if data.device != kv_cache.device:  # gloo into a GPU cache: through the device
                 on_gpu = self._buffer("scatter", k % 2, data.numel(), kv_cache.dtype, kv_cache.device)
                 data = on_gpu.view(data.shape).copy_(data, non_blocking=True)
-            _as_rows(kv_cache[l0:l1]).index_copy_(1, dst_index, _as_rows(data))
+            _scatter_blocks(kv_cache[l0:l1], dst_index, data)
         else:
             views = iter(staged)
             for layer in range(l0, l1):

@@ -15,7 +15,7 @@ from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, K
                                          RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
                                          _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, encode_trailer, has_repeats,
                                          plan_transfer, run_array)
-from engine.kv_transfer.pair import (_Pair, _as_rows, _hello, _local_addr_toward, _remaining, _settle,
+from engine.kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _remaining, _settle,
                                      _wait_for_listener)
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,15 @@ class KVSender(_Pair):
         if self.backend == "nccl" and kv_cache.device != self.device:
             raise ValueError(f"backend nccl needs the kv_cache on {self.device}, got {kv_cache.device}")
         layer_block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
+        given_plan = plan is not None
         plan = plan or plan_transfer(runs, self.layout.num_layers, layer_block_bytes, self.backend,
                                      kv_cache.is_cuda, overlap)
         if not len(runs):
             plan = WirePlan(pack=False, chunk_layers=self.layout.num_layers)
+        elif not kv_cache.is_contiguous() and not plan.pack:
+            if given_plan:
+                raise ValueError("a head slice of the cache is gathered to be sent: the plan must pack")
+            plan = WirePlan(pack=True, chunk_layers=plan.chunk_layers)
         elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
             raise ValueError("gloo from a GPU cache stages through host memory: the plan must pack")
         header = json.dumps({"request_id": request_id, "runs": encode_runs(runs),
@@ -241,10 +246,10 @@ class KVSendTransfer:
         wire = sender.wire_device
         if wire.type == kv.device.type:
             out = sender._buffer("wire", k % 2, numel, kv.dtype, wire).view(shape)
-            torch.index_select(_as_rows(kv[l0:l1]), 1, self._src_index, out=_as_rows(out))
+            _gather_blocks(kv[l0:l1], self._src_index, out)
             return out
         gathered = sender._buffer("gather", k % 2, numel, kv.dtype, kv.device).view(shape)
-        torch.index_select(_as_rows(kv[l0:l1]), 1, self._src_index, out=_as_rows(gathered))
+        _gather_blocks(kv[l0:l1], self._src_index, gathered)
         host = sender._buffer("wire", k % 2, numel, kv.dtype, wire).view(shape)
         host.copy_(gathered, non_blocking=True)
         torch.cuda.current_stream().synchronize()  # gloo reads host memory now
