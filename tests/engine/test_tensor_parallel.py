@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.model_loader import iter_safetensors
-from engine.parallel import Shard, check_tp_size
+from engine.parallel import KVPart, Shard, check_tp_size, kv_head_range, kv_transfer_parts
 from tests.conftest import make_tiny_model
 from tests.processes import pid_alive as _alive
 
@@ -105,6 +105,28 @@ def test_tp2_decode_graph_steps_share_rank0s_inputs(tiny_llama_dir, monkeypatch)
     one = LLM(str(tiny_llama_dir), **kw)
     assert one.engine.runner.graphs is None
     assert got == [o.outputs[0].token_ids for o in one.generate(PROMPTS, sp)]
+
+
+def test_kv_transfer_parts_cover_every_receiver_head_once_rank_to_rank():
+    assert kv_transfer_parts(2, 1, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(1, 0, (0, 4), (4, 8))]
+    assert kv_transfer_parts(1, 2, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(0, 1, (4, 8), (0, 4))]
+    assert kv_transfer_parts(4, 2, 2) == [KVPart(0, 0, (0, 1), (0, 1)), KVPart(2, 1, (0, 1), (0, 1))]
+    for heads in (1, 2, 4, 8):
+        sizes = [n for n in (1, 2, 4, 8) if heads % n == 0 or n % heads == 0]
+        for p in sizes:
+            for d in sizes:
+                got = {}
+                for part in kv_transfer_parts(p, d, heads):
+                    s_lo, _ = kv_head_range(part.src_rank, p, heads)
+                    d_lo, d_hi = kv_head_range(part.dst_rank, d, heads)
+                    src = range(s_lo + part.src_heads[0], s_lo + part.src_heads[1])  # global heads sent
+                    dst = range(d_lo + part.dst_heads[0], d_lo + part.dst_heads[1])
+                    assert list(src) == list(dst) and d_lo <= dst.start and dst.stop <= d_hi
+                    for h in dst:
+                        assert (part.dst_rank, h) not in got  # each receiver head once
+                        got[(part.dst_rank, h)] = part.src_rank
+                want = {(r, h) for r in range(d) for h in range(*kv_head_range(r, d, heads))}
+                assert set(got) == want, (p, d, heads)
 
 
 def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
