@@ -129,6 +129,59 @@ def test_kv_transfer_parts_cover_every_receiver_head_once_rank_to_rank():
                 assert set(got) == want, (p, d, heads)
 
 
+def test_each_rank_sends_its_own_kv_heads(tiny_llama_dir):
+    """A TP = 2 engine's KV leaves rank by rank (rank 0 in-process, rank 1 through a call to
+    its worker), each rank's heads over a pair of their own, into one TP = 1 cache: what lands
+    is what one rank computes (up to the all-reduce's summation order), rank 0's heads bit for bit."""
+    import threading
+
+    from engine.kv_transfer import KVLayout, KVReceiver, KVSender
+    from engine.rank_calls import RankCallError, call
+
+    kw = dict(KW, block_size=4, num_gpu_blocks_override=12)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    one = LLM(str(tiny_llama_dir), **kw)
+    one.generate([PROMPTS[3]], sp)
+    full = one.engine.kv_cache
+    tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
+    try:
+        tp.generate([PROMPTS[3]], sp)
+        landed = torch.zeros_like(full)
+        blocks = list(range(full.shape[1]))
+        ends = []
+        for part in kv_transfer_parts(2, 1, 2):
+            dst = landed[..., part.dst_heads[0]:part.dst_heads[1], :]
+            receiver, port = KVReceiver.listen("127.0.0.1", KVLayout.of(dst, "tiny"), timeout=20.0)
+            ends.append(receiver)
+            got = threading.Thread(target=receiver.recv, args=(dst,), kwargs={"timeout": 20.0})
+            got.start()
+            lo, hi = part.src_heads
+            if part.src_rank == 0:
+                sender = KVSender.connect("127.0.0.1", port, KVLayout.of(dst, "tiny"), timeout=20.0)
+                ends.append(sender)
+                sender.send("r", blocks, blocks, tp.engine.kv_cache[..., lo:hi, :])
+            else:
+                store = tp.engine.tp.store
+                call(store, part.src_rank, "kv_connect", dict(
+                    key="p", host="127.0.0.1", port=port, layout=KVLayout.of(dst, "tiny").to_dict(),
+                    heads=[lo, hi], backend="auto", timeout=20.0), 30.0)
+                stats = call(store, part.src_rank, "kv_send",
+                             dict(key="p", request_id="r", src=blocks, dst=blocks, meta={}), 30.0)
+                assert stats["num_blocks"] == len(blocks)
+                with pytest.raises(RankCallError, match="no KV pair"):
+                    call(store, part.src_rank, "kv_send",
+                         dict(key="nope", request_id="r", src=[], dst=[], meta={}), 30.0)
+                call(store, part.src_rank, "kv_close", dict(key="p"), 30.0)
+            got.join(20.0)
+        assert landed.abs().sum() > 0
+        assert torch.equal(landed[..., 0:1, :], tp.engine.kv_cache)
+        torch.testing.assert_close(landed, full, rtol=1e-5, atol=1e-5)
+        for end in ends:
+            end.close()
+    finally:
+        tp.engine.close()
+
+
 def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
     s = Shard(rank=1, size=2, num_heads=6, num_kv_heads=2, intermediate_size=192, vocab_size=384)
     assert (s.q_heads, s.kv_heads, s.intermediate, s.vocab) == ((3, 6), (1, 2), (96, 192), (192, 384))
