@@ -16,11 +16,20 @@ tear down a working pair by naming its peer) and at most ``max_pairs`` in all,
 pairs still in setup included. (A prefill server that wants several transfers
 to us at once opens further pairs as peers ``ADDRESS#1``, ``ADDRESS#2``, ...) A pair whose setup fails, or that breaks, is
 closed and forgotten, and its thread exits.
+
+A prefill engine with several tensor-parallel ranks sends every request in
+parts, one per rank, each over a pair of its own into this cache's share of
+the KV heads (``engine.parallel.kv_transfer_parts``). The parts of one
+request come together here: the first to arrive asks the engine to begin
+the receive, the others wait for its answer, and the engine hears once, when
+every part has ended (so no part still lands in blocks the engine freed), or
+when some part has not come within the transfer timeout and none is landing.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -29,6 +38,7 @@ from engine.kv_transfer import (KVChannelClosed, KVLayout, KVReceiver, KVTransfe
                                 check_compatible, choose_backend)
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
+from engine.parallel import kv_transfer_parts
 from rpc.engine_bridge import EngineBridge
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import engine_pb2
@@ -47,6 +57,7 @@ class KVReceivers:
         self.timeout = timeout
         self.on_transfer = on_transfer
         self.max_pairs = max_pairs
+        self._parts = _Parts(bridge, timeout)
         self._receivers: dict[str, KVReceiver] = {}  # prefill peer -> its live pair
         self._setting_up: set[KVReceiver] = set()  # listening, not yet connected
         self._lock = threading.Lock()
@@ -71,20 +82,35 @@ class KVReceivers:
             backend, reason = "auto", "GPUs on both sides: backend settled by GPU UUID in the handshake"
         else:  # a cache in host memory: gloo whatever the GPUs (no UUID needed to know that)
             backend, reason = choose_backend("gpu" if theirs_on_gpu else None, "gpu" if mine_on_gpu else None)
-        logger.info("KV channel from %s: %s", request.peer, reason)
+        ranks = max(1, request.tensor_parallel_size)
+        parts = kv_transfer_parts(ranks, 1, self.layout.num_kv_heads)
+        logger.info("KV channel from %s (%d prefill rank(s), %d pair(s)): %s", request.peer, ranks, len(parts),
+                    reason)
+        endpoints = []
         with self._lock:
-            if self.num_pairs >= self.max_pairs:
-                raise OverflowError(f"this decode server already has {self.max_pairs} KV pairs")
-            try:
-                receiver, port = KVReceiver.listen(self.host, self.layout, backend=backend, device=mine,
-                                                   timeout=self.timeout)
-            except KVTransferError as exc:
-                raise ValueError(str(exc)) from exc
-            self._setting_up.add(receiver)
-        threading.Thread(target=self._recv_loop, args=(receiver, request.peer), daemon=True,
-                         name=f"kv-recv-{request.peer}").start()
-        return engine_pb2.OpenKVChannelResponse(host=self.host, port=port, layout=layout_to_proto(self.layout),
-                                                backend=backend)
+            if self.num_pairs + len(parts) > self.max_pairs:
+                raise OverflowError(f"this decode server already has {self.num_pairs} of {self.max_pairs} KV pairs")
+            for part in parts:
+                heads = self.kv_cache[..., part.dst_heads[0]:part.dst_heads[1], :]
+                try:
+                    receiver, port = KVReceiver.listen(self.host, KVLayout.of(heads, self.layout.model),
+                                                       backend=backend, device=mine, timeout=self.timeout)
+                except KVTransferError as exc:
+                    for opened in endpoints:
+                        self._setting_up.discard(opened[0])
+                        opened[0].close()
+                    raise ValueError(str(exc)) from exc
+                self._setting_up.add(receiver)
+                peer = request.peer if ranks == 1 else f"{request.peer}@rank{part.src_rank}"
+                endpoints.append((receiver, peer, heads, engine_pb2.KVRankEndpoint(
+                    src_rank=part.src_rank, src_head_start=part.src_heads[0], src_head_end=part.src_heads[1],
+                    port=port)))
+        for receiver, peer, heads, _ in endpoints:
+            threading.Thread(target=self._recv_loop, args=(receiver, peer, heads, len(parts)), daemon=True,
+                             name=f"kv-recv-{peer}").start()
+        return engine_pb2.OpenKVChannelResponse(
+            host=self.host, port=endpoints[0][3].port, layout=layout_to_proto(self.layout), backend=backend,
+            parts=[e for *_, e in endpoints] if ranks > 1 else [])
 
     def close(self) -> None:
         with self._lock:
@@ -100,7 +126,7 @@ class KVReceivers:
         receiver.close()
 
     # ---- receive loop (one thread per pair) ------------------------------
-    def _recv_loop(self, receiver: KVReceiver, peer: str) -> None:
+    def _recv_loop(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int) -> None:
         try:
             receiver.wait_connected()
         except KVTransferError as exc:
@@ -115,40 +141,152 @@ class KVReceivers:
         if old is not None:  # the peer lost its side of the old pair; ours must go too
             old.close()
         try:
-            while self._recv_one(receiver, peer):
+            while self._recv_one(receiver, peer, heads, num_parts):
                 pass
         finally:
             self._forget(receiver, peer)
 
-    def _recv_one(self, receiver: KVReceiver, peer: str) -> bool:
-        """Receive one transfer and tell the engine how it ended. False when
-        the pair is done (closed or broken)."""
-        begun: list[str] = []  # the request whose receive the engine was asked to begin
+    def _recv_one(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int) -> bool:
+        """Receive one transfer (one part of a request's KV) into ``heads`` (this cache, or its
+        share of the KV heads) and account for how it ended. False when the pair is done
+        (closed or broken)."""
+        begun: list[str] = []  # the request this part was admitted for
 
         def validate(request_id: str, dst_block_ids: list[int]) -> None:
             begun.append(request_id)
-            self.bridge.loop.submit(lambda e: e.begin_kv_receive(request_id, dst_block_ids)).result(self.timeout)
+            self._parts.admit(request_id, dst_block_ids, num_parts)
 
         try:
-            rid, _, stats, meta = receiver.recv(self.kv_cache, validate=validate)
+            rid, _, stats, meta = receiver.recv(heads, validate=validate)
         except KVChannelClosed:
             logger.info("KV channel from %s closed", peer)
             return False
         except BaseException as exc:  # anything: the engine must hear the receive is over
-            rid = getattr(exc, "request_id", None) or (begun[0] if begun else None)
+            rid = begun[0] if begun else getattr(exc, "request_id", None)
             why = str(exc) or f"{type(exc).__name__} (the engine did not answer in {self.timeout:g}s)"
             logger.warning("KV transfer %sfrom %s failed: %s", f"of {rid} " if rid else "", peer, why)
-            if rid is not None:
-                # Runs after begin_kv_receive (commands run in order), even if that timed out here.
+            if begun:
+                self._parts.ended(rid, f"KV transfer from {peer} failed: {why}")
+            elif rid is not None:  # failed before it was admitted: nothing landed, nothing to wait for
                 message = f"KV transfer from {peer} failed: {why}"  # exc is unbound after this block
                 self.bridge.submit(lambda e: e.kv_failed(rid, message))
             return receiver.is_usable and isinstance(exc, Exception)
         if self.on_transfer is not None:
             self.on_transfer(stats)
-        figures = {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
-                   "backend": stats.backend}
-        self.bridge.submit(lambda e: _arrived(e, rid, meta, figures))
+        self._parts.ended(rid, None, meta, {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks,
+                                            "seconds": stats.seconds, "backend": stats.backend})
         return True
+
+
+class _Assembly:
+    """The parts of one request's KV: how many there are, which have ended, how it went."""
+
+    def __init__(self, num_parts: int, dst_block_ids: list[int]) -> None:
+        self.num_parts, self.dst_block_ids = num_parts, dst_block_ids
+        self.begun: Future = Future()  # the engine's answer to begin_kv_receive
+        self.in_flight = 0  # admitted, not ended: may still write into the blocks
+        self.num_ended = 0
+        self.failed: str | None = None
+        self.reported = False
+        self.meta: dict = {}
+        self.figures: dict | None = None
+        self.timer: threading.Timer | None = None
+
+
+class _Parts:
+    """Parts of requests in flight to this engine (one part a request unless the prefill
+    engine is tensor-parallel), and what the engine hears about each request, once."""
+
+    def __init__(self, bridge: EngineBridge, timeout: float) -> None:
+        self.bridge, self.timeout = bridge, timeout
+        self._assemblies: dict[str, _Assembly] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, request_id: str, dst_block_ids: list[int], num_parts: int) -> None:
+        """A part's header came: may it land in ``dst_block_ids``? The request's first part asks
+        the engine (begin_kv_receive); the others wait for that answer. Raises if not."""
+        with self._lock:
+            a = self._assemblies.get(request_id)
+            first = a is None
+            if first:
+                a = self._assemblies[request_id] = _Assembly(num_parts, dst_block_ids)
+                a.timer = threading.Timer(self.timeout, self._expire, (request_id,))
+                a.timer.daemon = True
+                a.timer.start()
+            a.in_flight += 1  # ended() is called for every admitted part, whatever happens
+            if a.failed is not None:
+                raise KVTransferError(f"request {request_id}: {a.failed}")
+            if (a.num_parts, a.dst_block_ids) != (num_parts, dst_block_ids):
+                raise KVTransferError(f"request {request_id}: parts disagree on the destination blocks")
+        if first:
+            try:
+                self.bridge.loop.submit(lambda e: e.begin_kv_receive(request_id, dst_block_ids)).result(self.timeout)
+            except BaseException as exc:
+                a.begun.set_exception(exc)
+                raise
+            a.begun.set_result(None)
+        else:
+            a.begun.result(self.timeout)  # the first part's answer (raises its error)
+
+    def ended(self, request_id: str, error: str | None, meta: dict | None = None,
+              figures: dict | None = None) -> None:
+        """An admitted part ended: landed (error None) or not."""
+        with self._lock:
+            a = self._assemblies.get(request_id)
+            if a is None:
+                return
+            a.in_flight -= 1
+            a.num_ended += 1
+            if error is None:
+                a.meta.update(meta or {})
+                a.figures = _merged(a.figures, figures or {})
+            elif a.failed is None:
+                a.failed = error
+            complete = a.num_ended == a.num_parts
+            if complete:
+                del self._assemblies[request_id]
+                if a.timer is not None:
+                    a.timer.cancel()
+            tell = self._take_report(a, complete)
+        self._report(request_id, a, tell)
+
+    def _expire(self, request_id: str) -> None:
+        """The transfer timeout passed since the first part: the parts not here yet fail it."""
+        with self._lock:
+            a = self._assemblies.get(request_id)
+            if a is None or a.reported:
+                return
+            if a.failed is None:
+                a.failed = (f"only {a.num_ended + a.in_flight} of {a.num_parts} KV parts came within "
+                            f"{self.timeout:g}s")
+            tell = self._take_report(a, complete=False)
+        self._report(request_id, a, tell)
+
+    @staticmethod
+    def _take_report(a: _Assembly, complete: bool) -> bool:
+        """Whether the engine is to hear now (lock held): once, when no part can still land."""
+        if a.reported or a.in_flight or not (complete or a.failed is not None):
+            return False
+        a.reported = True
+        return True
+
+    def _report(self, request_id: str, a: _Assembly, tell: bool) -> None:
+        if not tell:
+            return
+        if a.failed is not None:
+            message = a.failed
+            self.bridge.submit(lambda e: e.kv_failed(request_id, message))
+        else:
+            meta, figures = a.meta, a.figures or {}
+            self.bridge.submit(lambda e: _arrived(e, request_id, meta, figures))
+
+
+def _merged(total: dict | None, part: dict) -> dict:
+    """Figures of a request's transfer from its parts': bytes add up, the slowest part's time."""
+    if total is None:
+        return dict(part)
+    return dict(total, num_bytes=total["num_bytes"] + part["num_bytes"],
+                seconds=max(total["seconds"], part["seconds"]))
 
 
 def _arrived(engine: LLMEngine, request_id: str, meta: dict, figures: dict) -> None:

@@ -74,7 +74,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
-    add_kv_send_args(p.add_argument_group("prefill servers"))
+    pg = p.add_argument_group("prefill servers")
+    add_kv_send_args(pg)
+    pg.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                    help="the prefill servers' tensor-parallel size (default: --tensor-parallel-size); each "
+                         "rank sends its own KV heads to one-rank decode servers")
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
@@ -201,6 +205,8 @@ class Cluster:
             extra = ["--redis-url", self.redis_url] if self.redis_url else []
             if role == "prefill":
                 extra += ["--kv-send", a.kv_send, "--kv-pairs-per-decode", str(a.kv_pairs_per_decode)]
+                if a.prefill_tensor_parallel_size is not None:
+                    extra += ["--tensor-parallel-size", str(a.prefill_tensor_parallel_size)]
             self._launch(f"{name} ({addr})", name, role,
                          [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *extra,
                           *tls.tls_flags(a)], threads,
@@ -298,8 +304,9 @@ class Cluster:
 
 def main(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1 and args.prefill_mode != "local" and args.prefill > 0:
-        say("pdserve up: --tensor-parallel-size > 1 needs --prefill-mode local for now (KV transfer between "
-            "tensor-parallel engines is not supported yet)", file=sys.stderr)
+        say("pdserve up: decode servers with --tensor-parallel-size > 1 cannot receive KV yet: give them "
+            "--prefill-mode local, or keep them at one rank and set --prefill-tensor-parallel-size",
+            file=sys.stderr)
         return 2
     if args.model is None:  # convert the embedded model once, before three processes want it
         from engine.model_files import ensure_default_model

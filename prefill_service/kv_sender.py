@@ -4,16 +4,25 @@ The first transfer to a decode server asks it (gRPC ``OpenKVChannel``) for a
 rendezvous, then joins a 2-rank torch.distributed group there; later
 transfers reuse the pair. A failed pair is dropped and reopened next time.
 Runs in worker threads (blocking sends), never in the engine thread.
+
+A tensor-parallel engine opens a pair per rank instead (``RankPairs``): the
+decode server answers with one endpoint per rank, rank 0 joins its own and
+has each worker rank join its own (``engine.rank_calls``), and every send
+goes out rank by rank, each rank's KV heads from its own cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
 
 from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
+from engine.parallel import TPGroup
+from engine.rank_calls import RankCallError, call
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.layout_convert import layout_to_proto
 from rpc import tls
@@ -22,17 +31,72 @@ from rpc.server import CHANNEL_OPTIONS
 logger = logging.getLogger(__name__)
 
 
+class RankPairs:
+    """One channel from a tensor-parallel engine to a decode server: rank 0's own pair (its
+    heads of this process's cache) and the worker ranks' pairs (``RankSenders`` on each),
+    used like one KVSender by KVSenders."""
+
+    def __init__(self, local: KVSender, local_heads: tuple[int, int], store, remote: list[tuple[int, str]],
+                 timeout: float) -> None:
+        self.local, self.local_heads, self.store, self.remote, self.timeout = local, local_heads, store, remote, timeout
+        self.reason = local.reason
+        self._broken = False
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(remote)), thread_name_prefix="kv-rank-send")
+
+    @property
+    def is_usable(self) -> bool:
+        return not self._broken and self.local.is_usable
+
+    def send(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int], kv_cache: torch.Tensor,
+             meta: dict | None = None) -> TransferStats:
+        """Every rank's part at once; the request's figures (bytes of all parts, the slowest)."""
+        args = dict(request_id=request_id, src=list(src_block_ids), dst=list(dst_block_ids), meta=meta or {})
+        parts = [self._pool.submit(call, self.store, rank, "kv_send", dict(args, key=key), 2 * self.timeout)
+                 for rank, key in self.remote]
+        errors: list[BaseException] = []
+        stats: list[TransferStats] = []
+        lo, hi = self.local_heads
+        try:
+            stats.append(self.local.send(request_id, src_block_ids, dst_block_ids, kv_cache[..., lo:hi, :], meta=meta))
+        except KVTransferError as exc:
+            errors.append(exc)
+        for (rank, _), part in zip(self.remote, parts):
+            try:
+                stats.append(TransferStats(**part.result()))
+            except (RankCallError, TimeoutError) as exc:
+                errors.append(KVTransferError(f"rank {rank}'s part: {exc}"))
+        if errors:
+            self._broken = True  # the decode side fails the request; the next send opens new pairs
+            raise KVTransferError(f"request {request_id}: " + "; ".join(map(str, errors)))
+        return TransferStats(num_blocks=len(src_block_ids), num_bytes=sum(s.num_bytes for s in stats),
+                             seconds=max(s.seconds for s in stats), backend=stats[0].backend,
+                             num_messages=sum(s.num_messages for s in stats))
+
+    def close(self) -> None:
+        self.local.close()
+        for rank, key in self.remote:
+            try:
+                call(self.store, rank, "kv_close", {"key": key}, self.timeout)
+            except (RankCallError, TimeoutError) as exc:  # a rank already gone
+                logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+        self._pool.shutdown(wait=False)
+
+
 class KVSenders:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float,
+                 tp: TPGroup | None = None) -> None:
+        """``layout``: the model's (every KV head); ``tp``: the engine's tensor-parallel group,
+        whose ranks each send their own heads (None: this process holds them all)."""
         self.kv_cache = kv_cache
         self.layout = layout
         self.my_address = my_address
         self.timeout = timeout
-        self._senders: dict[tuple[str, int], KVSender] = {}  # (decode server, slot) -> its pair
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self._senders: dict[tuple[str, int], KVSender | RankPairs] = {}  # (decode server, slot) -> its pair
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def pair(self, decode_address: str, reuse: bool = True, slot: int = 0) -> KVSender:
+    def pair(self, decode_address: str, reuse: bool = True, slot: int = 0) -> KVSender | RankPairs:
         """The open pair to that decode server, set up now if there is none (or it broke).
         ``slot`` > 0: another pair to the same server, so that several transfers to it can
         run at once (the decode server knows it as a peer of its own: ``ADDRESS#slot``)."""
@@ -51,18 +115,47 @@ class KVSenders:
                 try:
                     resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(
                         engine_pb2.OpenKVChannelRequest(peer=peer, layout=layout_to_proto(self.layout),
-                                                        device=str(self.kv_cache.device)),
+                                                        device=str(self.kv_cache.device),
+                                                        tensor_parallel_size=self.tp.size if self.tp else 1),
                         timeout=self.timeout)
                 except grpc.RpcError as exc:
                     raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
                                           f"{exc.details() or exc.code()}") from exc
             # resp.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
-            sender = KVSender.connect(resp.host, resp.port, self.layout, backend=resp.backend or "auto",
-                                      device=self.kv_cache.device, timeout=self.timeout)
+            sender = self._connect_ranks(resp, peer) if self.tp else KVSender.connect(
+                resp.host, resp.port, self.layout, backend=resp.backend or "auto", device=self.kv_cache.device,
+                timeout=self.timeout)
             logger.info("KV channel %d to %s open at %s:%d: %s", slot, decode_address, resp.host, resp.port,
                         sender.reason)
             self._senders[key] = sender
             return sender
+
+    def _connect_ranks(self, resp: engine_pb2.OpenKVChannelResponse, key: str) -> RankPairs:
+        """Each rank joins the pair the decode server opened for its heads."""
+        assert self.tp is not None
+        backend = resp.backend or "auto"
+        local: KVSender | None = None
+        local_heads, remote = (0, 0), []
+        try:
+            for part in resp.parts:
+                heads = (part.src_head_start, part.src_head_end)
+                layout = dataclasses.replace(self.layout, num_kv_heads=heads[1] - heads[0])
+                if part.src_rank == 0:
+                    local = KVSender.connect(resp.host, part.port, layout, backend=backend,
+                                             device=self.kv_cache.device, timeout=self.timeout)
+                    local_heads = heads
+                else:
+                    call(self.tp.store, part.src_rank, "kv_connect", dict(
+                        key=key, host=resp.host, port=part.port, layout=layout.to_dict(), heads=list(heads),
+                        backend=backend, timeout=self.timeout), 2 * self.timeout)
+                    remote.append((part.src_rank, key))
+        except (RankCallError, TimeoutError) as exc:
+            if local is not None:
+                local.close()
+            raise KVTransferError(f"a rank could not join its KV pair: {exc}") from exc
+        if local is None:
+            raise KVTransferError("the decode server opened no pair for rank 0's KV heads")
+        return RankPairs(local, local_heads, self.tp.store, remote, self.timeout)
 
     def has_pair(self, decode_address: str, slot: int = 0) -> bool:
         return (decode_address, slot) in self._senders
@@ -88,7 +181,8 @@ class KVSenders:
             self.settle_failure(decode_address, sender, reused=False)
             raise
 
-    def settle_failure(self, decode_address: str, sender: KVSender, reused: bool, slot: int = 0) -> bool:
+    def settle_failure(self, decode_address: str, sender: KVSender | RankPairs, reused: bool,
+                       slot: int = 0) -> bool:
         """After a transfer on ``sender`` failed: drop the pair if it broke. True when sending once
         more, on a new pair, can work: a pair that had worked before broke now, which most often
         means the decode server restarted (its end of the pair is gone)."""
@@ -97,7 +191,7 @@ class KVSenders:
         self.drop(decode_address, sender, slot)
         return reused
 
-    def drop(self, decode_address: str, sender: KVSender, slot: int = 0) -> None:
+    def drop(self, decode_address: str, sender: KVSender | RankPairs, slot: int = 0) -> None:
         with self._guard:
             if self._senders.get((decode_address, slot)) is sender:
                 del self._senders[(decode_address, slot)]

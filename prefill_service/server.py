@@ -19,11 +19,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("prefill")
-    if args.tensor_parallel_size > 1:
-        print("pdserve prefill: --tensor-parallel-size > 1 is not supported on prefill servers yet (the KV "
-              "transfer sends one rank's heads); use it on colocated servers (pdserve decode "
-              "--prefill-mode local)", file=sys.stderr)
-        return 2
     return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_send, args.kv_pairs_per_decode)))
 
 

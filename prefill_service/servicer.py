@@ -63,12 +63,16 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
         tp = engine.config.tensor_parallel_size
-        if tp > 1:
-            raise ValueError(f"--tensor-parallel-size {tp} on a prefill server: KV transfer from a "
-                             "tensor-parallel engine is not supported yet")
+        if tp > 1 and self.kv_send == "layerwise":
+            logger.info("--tensor-parallel-size %d: the KV is sent after prefill (each rank its own heads); "
+                        "layer-wise sending needs one rank", tp)
+            self.kv_send = "after-prefill"
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
-        layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
-        self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout)
+        # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
+        layout = dataclasses.replace(KVLayout.of(engine.kv_cache, engine.config.model.served_model_name),
+                                     num_kv_heads=engine.config.model.num_kv_heads)
+        self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
+                                 engine.tp)
         if self.kv_send == "layerwise":
             self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers,
                                                                     self.pairs_per_decode)

@@ -110,28 +110,44 @@ class DecodeResponse(_message.Message):
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ...) -> None: ...
 
 class OpenKVChannelRequest(_message.Message):
-    __slots__ = ("peer", "layout", "device")
+    __slots__ = ("peer", "layout", "device", "tensor_parallel_size")
     PEER_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     peer: str
     layout: KVLayout
     device: str
-    def __init__(self, peer: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, peer: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class KVRankEndpoint(_message.Message):
+    __slots__ = ("src_rank", "src_head_start", "src_head_end", "port")
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    SRC_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    src_rank: int
+    src_head_start: int
+    src_head_end: int
+    port: int
+    def __init__(self, src_rank: _Optional[int] = ..., src_head_start: _Optional[int] = ..., src_head_end: _Optional[int] = ..., port: _Optional[int] = ...) -> None: ...
 
 class OpenKVChannelResponse(_message.Message):
-    __slots__ = ("host", "port", "layout", "backend", "pair_name")
+    __slots__ = ("host", "port", "layout", "backend", "pair_name", "parts")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PAIR_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     layout: KVLayout
     backend: str
     pair_name: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., pair_name: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[KVRankEndpoint]
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., pair_name: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[KVRankEndpoint, _Mapping]]] = ...) -> None: ...
 
 class PrefillStartedRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -92,3 +92,68 @@ async def _scenario(engine: LLMEngine) -> None:
     finally:
         receivers.close()
         bridge.stop()
+
+
+def test_parts_from_tensor_parallel_ranks_come_together(tiny_llama_dir):
+    """A two-rank prefill engine's channel: a pair per rank, each into its share of the KV
+    heads. A request runs once both parts landed; one whose second part never comes fails
+    after the transfer timeout, and its blocks go back."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
+                                                   kv_transfer_timeout=TIMEOUT))
+    asyncio.run(_parts_scenario(engine))
+
+
+async def _parts_scenario(engine: LLMEngine) -> None:
+    loop = asyncio.get_running_loop()
+    bridge = EngineBridge(engine, "decode", "test")
+    bridge.start()
+    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)  # 2 KV heads
+    source = torch.randn_like(engine.kv_cache)
+    senders = []
+    try:
+        resp = await loop.run_in_executor(None, receivers.open, engine_pb2.OpenKVChannelRequest(
+            peer="p:1", layout=layout_to_proto(layout), device="cpu", tensor_parallel_size=2))
+        assert [(p.src_rank, p.src_head_start, p.src_head_end) for p in resp.parts] == [(0, 0, 1), (1, 0, 1)]
+        one_head = KVLayout.of(engine.kv_cache[..., 0:1, :], layout.model)
+        for part in resp.parts:
+            senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(
+                "127.0.0.1", part.port, one_head, timeout=10)))
+
+        async def reserve(rid: str):
+            q = bridge.open_stream(rid)
+            await bridge.run(lambda e: e.reserve(rid, list(range(3, 40)), SP))
+            d = await asyncio.wait_for(q.get(), 10)
+            return q, d.block_ids
+
+        async def send(rank: int, rid: str, dst: list[int]) -> None:
+            await loop.run_in_executor(None, lambda: senders[rank].send(
+                rid, [10, 11, 12], dst, source[..., rank:rank + 1, :], meta={"first_token": 5}))
+
+        q, dst = await reserve("both")
+        await asyncio.gather(send(1, "both", dst), send(0, "both", dst))
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.error is None and d.token_ids[:1] == [5]
+        assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11]])  # both heads, each from its rank
+
+        q, dst = await reserve("half")
+        t0 = time.monotonic()
+        await send(0, "half", dst)
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and "1 of 2 KV parts" in d.error.message
+        assert TIMEOUT - 0.5 < time.monotonic() - t0 < TIMEOUT + 5
+        deadline = time.monotonic() + 10
+        while engine.stats().kv_blocks_used and time.monotonic() < deadline:  # "both" finishes decoding
+            await asyncio.sleep(0.05)
+        assert engine.stats().kv_blocks_used == 0
+        # The late part is refused (drained): the pair stays in step for the next request.
+        await send(1, "half", dst)
+        q, dst = await reserve("again")
+        await asyncio.gather(send(0, "again", dst), send(1, "again", dst))
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.error is None and d.token_ids[:1] == [5]
+    finally:
+        for s in senders:
+            await loop.run_in_executor(None, s.close)
+        receivers.close()
+        bridge.stop()
