@@ -27,6 +27,7 @@ when some part has not come within the transfer timeout and none is landing.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -39,6 +40,7 @@ from engine.kv_transfer import (KVChannelClosed, KVLayout, KVReceiver, KVTransfe
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
 from engine.parallel import kv_transfer_parts
+from engine.rank_calls import RankCallError, call, serve_calls
 from rpc.engine_bridge import EngineBridge
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import engine_pb2
@@ -51,8 +53,10 @@ class KVReceivers:
                  on_transfer: Callable[[TransferStats], None] | None = None, max_pairs: int = 64) -> None:
         self.bridge = bridge
         engine = bridge.engine
-        self.kv_cache: torch.Tensor = engine.kv_cache
-        self.layout = KVLayout.of(self.kv_cache, engine.config.model.served_model_name)
+        self.kv_cache: torch.Tensor = engine.kv_cache  # rank 0's share of the heads under TP
+        # The model's layout (every KV head), whatever share of them this process holds.
+        self.layout = dataclasses.replace(KVLayout.of(self.kv_cache, engine.config.model.served_model_name),
+                                          num_kv_heads=engine.config.model.num_kv_heads)
         self.host = host
         self.timeout = timeout
         self.on_transfer = on_transfer
@@ -60,12 +64,16 @@ class KVReceivers:
         self._parts = _Parts(bridge, timeout)
         self._receivers: dict[str, KVReceiver] = {}  # prefill peer -> its live pair
         self._setting_up: set[KVReceiver] = set()  # listening, not yet connected
+        self._remote: dict[str, list[tuple[int, str]]] = {}  # prefill peer -> (worker rank, pair key)
         self._lock = threading.Lock()
+        self.tp = engine.tp if engine.tp is not None and engine.tp.size > 1 else None
+        if self.tp is not None:  # the workers' parts ask before landing and report how they ended
+            serve_calls(self.tp.store, 0, {"kv_admit": self._parts.admit, "kv_ended": self._parts.ended})
 
     @property
     def num_pairs(self) -> int:
-        """Pairs set up, and pairs in setup."""
-        return len(self._receivers) + len(self._setting_up)
+        """Pairs set up, and pairs in setup (the worker ranks' included)."""
+        return len(self._receivers) + len(self._setting_up) + sum(map(len, self._remote.values()))
 
     # ---- pair setup (gRPC executor thread) ------------------------------
     def open(self, request: engine_pb2.OpenKVChannelRequest) -> engine_pb2.OpenKVChannelResponse:
@@ -83,41 +91,73 @@ class KVReceivers:
         else:  # a cache in host memory: gloo whatever the GPUs (no UUID needed to know that)
             backend, reason = choose_backend("gpu" if theirs_on_gpu else None, "gpu" if mine_on_gpu else None)
         ranks = max(1, request.tensor_parallel_size)
-        parts = kv_transfer_parts(ranks, 1, self.layout.num_kv_heads)
+        parts = kv_transfer_parts(ranks, self.tp.size if self.tp else 1, self.layout.num_kv_heads)
         logger.info("KV channel from %s (%d prefill rank(s), %d pair(s)): %s", request.peer, ranks, len(parts),
                     reason)
+        self._stop_remote(request.peer)  # a peer that opens again has lost its side of the old pairs
+        local: list[tuple[KVReceiver, str, torch.Tensor]] = []
+        remote: list[tuple[int, str]] = []
         endpoints = []
+        try:
+            with self._lock:
+                if self.num_pairs + len(parts) > self.max_pairs:
+                    raise OverflowError(f"this decode server already has {self.num_pairs} of {self.max_pairs} "
+                                        "KV pairs")
+            for i, part in enumerate(parts):
+                name = request.peer if len(parts) == 1 else f"{request.peer}@part{i}"
+                layout = dataclasses.replace(self.layout, num_kv_heads=part.dst_heads[1] - part.dst_heads[0])
+                if part.dst_rank == 0:
+                    heads = self.kv_cache[..., part.dst_heads[0]:part.dst_heads[1], :]
+                    receiver, port = KVReceiver.listen(self.host, layout, backend=backend, device=mine,
+                                                       timeout=self.timeout)
+                    with self._lock:
+                        self._setting_up.add(receiver)
+                    local.append((receiver, name, heads))
+                else:
+                    assert self.tp is not None
+                    port = call(self.tp.store, part.dst_rank, "kv_listen", dict(
+                        key=name, host=self.host, layout=layout.to_dict(), heads=list(part.dst_heads),
+                        backend=backend, timeout=self.timeout, num_parts=len(parts)), 2 * self.timeout)
+                    remote.append((part.dst_rank, name))
+                endpoints.append(engine_pb2.KVRankEndpoint(src_rank=part.src_rank, src_head_start=part.src_heads[0],
+                                                           src_head_end=part.src_heads[1], port=port))
+        except (KVTransferError, RankCallError, TimeoutError) as exc:
+            for receiver, _, _ in local:
+                with self._lock:
+                    self._setting_up.discard(receiver)
+                receiver.close()
+            self._stop(remote)
+            raise ValueError(f"could not listen for the KV channel: {exc}") from exc
         with self._lock:
-            if self.num_pairs + len(parts) > self.max_pairs:
-                raise OverflowError(f"this decode server already has {self.num_pairs} of {self.max_pairs} KV pairs")
-            for part in parts:
-                heads = self.kv_cache[..., part.dst_heads[0]:part.dst_heads[1], :]
-                try:
-                    receiver, port = KVReceiver.listen(self.host, KVLayout.of(heads, self.layout.model),
-                                                       backend=backend, device=mine, timeout=self.timeout)
-                except KVTransferError as exc:
-                    for opened in endpoints:
-                        self._setting_up.discard(opened[0])
-                        opened[0].close()
-                    raise ValueError(str(exc)) from exc
-                self._setting_up.add(receiver)
-                peer = request.peer if ranks == 1 else f"{request.peer}@rank{part.src_rank}"
-                endpoints.append((receiver, peer, heads, engine_pb2.KVRankEndpoint(
-                    src_rank=part.src_rank, src_head_start=part.src_heads[0], src_head_end=part.src_heads[1],
-                    port=port)))
-        for receiver, peer, heads, _ in endpoints:
-            threading.Thread(target=self._recv_loop, args=(receiver, peer, heads, len(parts)), daemon=True,
-                             name=f"kv-recv-{peer}").start()
+            self._remote[request.peer] = remote
+        for receiver, name, heads in local:
+            threading.Thread(target=self._recv_loop, args=(receiver, name, heads, len(parts)), daemon=True,
+                             name=f"kv-recv-{name}").start()
         return engine_pb2.OpenKVChannelResponse(
-            host=self.host, port=endpoints[0][3].port, layout=layout_to_proto(self.layout), backend=backend,
-            parts=[e for *_, e in endpoints] if ranks > 1 else [])
+            host=self.host, port=endpoints[0].port, layout=layout_to_proto(self.layout), backend=backend,
+            parts=endpoints if len(parts) > 1 else [])
+
+    def _stop_remote(self, peer: str) -> None:
+        with self._lock:
+            remote = self._remote.pop(peer, [])
+        self._stop(remote)
+
+    def _stop(self, remote: list[tuple[int, str]]) -> None:
+        for rank, key in remote:
+            try:
+                assert self.tp is not None
+                call(self.tp.store, rank, "kv_stop_listening", {"key": key}, self.timeout)
+            except (RankCallError, TimeoutError) as exc:  # the rank is gone
+                logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
 
     def close(self) -> None:
         with self._lock:
             receivers = list(self._receivers.values()) + list(self._setting_up)
             self._receivers, self._setting_up = {}, set()
+            remote, self._remote = [r for rs in self._remote.values() for r in rs], {}
         for r in receivers:
             r.close()
+        self._stop(remote)
 
     def _forget(self, receiver: KVReceiver, peer: str) -> None:
         with self._lock:

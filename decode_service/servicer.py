@@ -120,13 +120,6 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
 
     async def OpenKVChannel(self, request: engine_pb2.OpenKVChannelRequest, context):
         bridge = await self._ready(context)
-        tp = bridge.loop.engine.config.tensor_parallel_size
-        if tp > 1:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this decode server runs --tensor-parallel-size {tp}: KV transfer into a "
-                                "tensor-parallel engine is not supported yet (serve it with --prefill-mode "
-                                "local; prefill servers of any tensor-parallel size send to one-rank decode "
-                                "servers)")
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.kv_receivers.open, request)
         except ValueError as exc:  # incompatible layout or device

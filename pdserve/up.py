@@ -77,8 +77,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     pg = p.add_argument_group("prefill servers")
     add_kv_send_args(pg)
     pg.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
-                    help="the prefill servers' tensor-parallel size (default: --tensor-parallel-size); each "
-                         "rank sends its own KV heads to one-rank decode servers")
+                    help="the prefill servers' tensor-parallel size (default: --tensor-parallel-size, which "
+                         "the decode servers keep); each rank sends its own KV heads to the decode ranks "
+                         "that hold them")
     g.add_argument("--devices", default=None,
                    help="comma-separated devices assigned round-robin to prefill then decode servers, "
                         "e.g. cuda:0,cuda:1 (default: each server's --device)")
@@ -303,11 +304,6 @@ class Cluster:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size > 1 and args.prefill_mode != "local" and args.prefill > 0:
-        say("pdserve up: decode servers with --tensor-parallel-size > 1 cannot receive KV yet: give them "
-            "--prefill-mode local, or keep them at one rank and set --prefill-tensor-parallel-size",
-            file=sys.stderr)
-        return 2
     if args.model is None:  # convert the embedded model once, before three processes want it
         from engine.model_files import ensure_default_model
 

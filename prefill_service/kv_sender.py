@@ -32,48 +32,53 @@ logger = logging.getLogger(__name__)
 
 
 class RankPairs:
-    """One channel from a tensor-parallel engine to a decode server: rank 0's own pair (its
-    heads of this process's cache) and the worker ranks' pairs (``RankSenders`` on each),
-    used like one KVSender by KVSenders."""
+    """One channel to a decode server in parts, used like one KVSender by KVSenders: each
+    part moves some of the KV heads, between a rank of this engine and a rank of the decode
+    engine (``engine.parallel.kv_transfer_parts``). Rank 0's parts are this process's own
+    pairs (its heads of this cache); a worker rank's are its own (``RankSenders``)."""
 
-    def __init__(self, local: KVSender, local_heads: tuple[int, int], store, remote: list[tuple[int, str]],
+    def __init__(self, local: list[tuple[KVSender, tuple[int, int]]], store, remote: list[tuple[int, str]],
                  timeout: float) -> None:
-        self.local, self.local_heads, self.store, self.remote, self.timeout = local, local_heads, store, remote, timeout
-        self.reason = local.reason
+        self.local, self.store, self.remote, self.timeout = local, store, remote, timeout
+        self.reason = local[0][0].reason if local else "parts sent by worker ranks"
         self._broken = False
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(remote)), thread_name_prefix="kv-rank-send")
+        self._pool = ThreadPoolExecutor(max_workers=len(local) + len(remote), thread_name_prefix="kv-part-send")
 
     @property
     def is_usable(self) -> bool:
-        return not self._broken and self.local.is_usable
+        return not self._broken and all(sender.is_usable for sender, _ in self.local)
 
     def send(self, request_id: str, src_block_ids: list[int], dst_block_ids: list[int], kv_cache: torch.Tensor,
              meta: dict | None = None) -> TransferStats:
-        """Every rank's part at once; the request's figures (bytes of all parts, the slowest)."""
+        """Every part at once; the request's figures (bytes of all parts, the slowest part)."""
         args = dict(request_id=request_id, src=list(src_block_ids), dst=list(dst_block_ids), meta=meta or {})
-        parts = [self._pool.submit(call, self.store, rank, "kv_send", dict(args, key=key), 2 * self.timeout)
+        jobs = [(f"rank 0's part {i}", self._pool.submit(sender.send, request_id, src_block_ids, dst_block_ids,
+                                                         kv_cache[..., lo:hi, :], meta=meta))
+                for i, (sender, (lo, hi)) in enumerate(self.local)]
+        jobs += [(f"rank {rank}'s part", self._pool.submit(call, self.store, rank, "kv_send", dict(args, key=key),
+                                                           2 * self.timeout))
                  for rank, key in self.remote]
-        errors: list[BaseException] = []
-        stats: list[TransferStats] = []
-        lo, hi = self.local_heads
-        try:
-            stats.append(self.local.send(request_id, src_block_ids, dst_block_ids, kv_cache[..., lo:hi, :], meta=meta))
-        except KVTransferError as exc:
-            errors.append(exc)
-        for (rank, _), part in zip(self.remote, parts):
+        errors, stats = [], []
+        for what, job in jobs:
             try:
-                stats.append(TransferStats(**part.result()))
-            except (RankCallError, TimeoutError) as exc:
-                errors.append(KVTransferError(f"rank {rank}'s part: {exc}"))
+                result = job.result()
+                stats.append(result if isinstance(result, TransferStats) else TransferStats(**result))
+            except (KVTransferError, RankCallError, TimeoutError) as exc:
+                errors.append(f"{what}: {exc}")
         if errors:
             self._broken = True  # the decode side fails the request; the next send opens new pairs
-            raise KVTransferError(f"request {request_id}: " + "; ".join(map(str, errors)))
+            raise KVTransferError(f"request {request_id}: " + "; ".join(errors))
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=sum(s.num_bytes for s in stats),
                              seconds=max(s.seconds for s in stats), backend=stats[0].backend,
                              num_messages=sum(s.num_messages for s in stats))
 
+    def begin(self, request_id: str, *args, **kwargs) -> None:
+        raise KVTransferError(f"request {request_id}: a KV channel in parts is sent after prefill, not layer "
+                              "by layer")
+
     def close(self) -> None:
-        self.local.close()
+        for sender, _ in self.local:
+            sender.close()
         for rank, key in self.remote:
             try:
                 call(self.store, rank, "kv_close", {"key": key}, self.timeout)
@@ -122,7 +127,7 @@ class KVSenders:
                     raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
                                           f"{exc.details() or exc.code()}") from exc
             # resp.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
-            sender = self._connect_ranks(resp, peer) if self.tp else KVSender.connect(
+            sender = self._connect_parts(resp, peer) if resp.parts else KVSender.connect(
                 resp.host, resp.port, self.layout, backend=resp.backend or "auto", device=self.kv_cache.device,
                 timeout=self.timeout)
             logger.info("KV channel %d to %s open at %s:%d: %s", slot, decode_address, resp.host, resp.port,
@@ -130,32 +135,35 @@ class KVSenders:
             self._senders[key] = sender
             return sender
 
-    def _connect_ranks(self, resp: engine_pb2.OpenKVChannelResponse, key: str) -> RankPairs:
-        """Each rank joins the pair the decode server opened for its heads."""
-        assert self.tp is not None
+    def _connect_parts(self, resp: engine_pb2.OpenKVChannelResponse, key: str) -> RankPairs:
+        """Each part's sending rank joins the pair the decode server opened for it."""
         backend = resp.backend or "auto"
-        local: KVSender | None = None
-        local_heads, remote = (0, 0), []
+        local: list[tuple[KVSender, tuple[int, int]]] = []
+        remote: list[tuple[int, str]] = []
         try:
-            for part in resp.parts:
+            for i, part in enumerate(resp.parts):
                 heads = (part.src_head_start, part.src_head_end)
                 layout = dataclasses.replace(self.layout, num_kv_heads=heads[1] - heads[0])
                 if part.src_rank == 0:
-                    local = KVSender.connect(resp.host, part.port, layout, backend=backend,
-                                             device=self.kv_cache.device, timeout=self.timeout)
-                    local_heads = heads
+                    local.append((KVSender.connect(resp.host, part.port, layout, backend=backend,
+                                                   device=self.kv_cache.device, timeout=self.timeout), heads))
+                elif self.tp is None or part.src_rank >= self.tp.size:
+                    raise KVTransferError(f"the decode server expects rank {part.src_rank}'s heads; this engine "
+                                          f"has {self.tp.size if self.tp else 1} rank(s)")
                 else:
+                    part_key = f"{key}/part{i}"
                     call(self.tp.store, part.src_rank, "kv_connect", dict(
-                        key=key, host=resp.host, port=part.port, layout=layout.to_dict(), heads=list(heads),
-                        backend=backend, timeout=self.timeout), 2 * self.timeout)
-                    remote.append((part.src_rank, key))
-        except (RankCallError, TimeoutError) as exc:
-            if local is not None:
-                local.close()
-            raise KVTransferError(f"a rank could not join its KV pair: {exc}") from exc
-        if local is None:
-            raise KVTransferError("the decode server opened no pair for rank 0's KV heads")
-        return RankPairs(local, local_heads, self.tp.store, remote, self.timeout)
+                        key=part_key, host=resp.host, port=part.port, layout=layout.to_dict(),
+                        heads=list(heads), backend=backend, timeout=self.timeout), 2 * self.timeout)
+                    remote.append((part.src_rank, part_key))
+        except (KVTransferError, RankCallError, TimeoutError) as exc:
+            RankPairs(local, self.tp.store if self.tp else None, remote, self.timeout).close()
+            raise KVTransferError(f"KV pairs to {resp.host}: {exc}") from exc
+        return RankPairs(local, self.tp.store if self.tp else None, remote, self.timeout)
+
+    def sends_in_parts(self, decode_address: str) -> bool:
+        """Whether the open channel to that decode server goes in parts (RankPairs)."""
+        return isinstance(self._senders.get((decode_address, 0)), RankPairs)
 
     def has_pair(self, decode_address: str, slot: int = 0) -> bool:
         return (decode_address, slot) in self._senders

@@ -85,6 +85,8 @@ class LayerwiseSends:
         self._lock = threading.Lock()
 
     def expect(self, request_id: str, decode_address: str, dst_block_ids: list[int], skip: int) -> None:
+        if self.senders.sends_in_parts(decode_address):  # several pairs: sent after prefill
+            return
         with self._lock:
             self._sends[request_id] = StreamedSend(request_id, decode_address, dst_block_ids, skip)
 

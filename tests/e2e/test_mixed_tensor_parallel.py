@@ -1,7 +1,9 @@
-"""A tensor-parallel prefill server (3 ranks: the default model's 3 KV heads,
-one a rank) hands its KV to a one-rank decode server: each rank sends its own
-heads over a pair of its own, the decode server assembles the three parts,
-and greedy completions equal a colocated one-rank server's."""
+"""Tensor-parallel engines of different sizes hand KV over rank to rank (the
+default model's 3 KV heads, one a rank at size 3): a 3-rank prefill server
+into a one-rank decode server (each prefill rank sends its own heads), and a
+one-rank prefill server into a 3-rank decode server (each decode rank
+receives its own heads). The parts come together on the decode server, and
+greedy completions equal a colocated one-rank server's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,16 +28,21 @@ def _greedy(gw: GatewayProcess) -> list[list[int]]:
                  for t in d.token_ids] for p in PROMPTS]
 
 
-def test_prefill_tp3_to_decode_tp1_matches_one_colocated_rank():
+@pytest.fixture(scope="module")
+def colocated() -> list[list[int]]:
     local = EngineServer("decode", [*FLAGS, "--prefill-mode", "local"], name="local")
     with running_cluster([local], GatewayProcess("gw-local", ["--decode", local.address])) as gw:
-        want = _greedy(gw)
-    prefill = EngineServer("prefill", [*FLAGS, "--tensor-parallel-size", "3"], name="prefill-tp3")
-    decode = EngineServer("decode", FLAGS, name="decode-tp1")
+        return _greedy(gw)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])
+def test_mixed_sizes_match_one_colocated_rank(colocated, prefill_tp, decode_tp):
+    prefill = EngineServer("prefill", [*FLAGS, "--tensor-parallel-size", str(prefill_tp)], name="prefill")
+    decode = EngineServer("decode", [*FLAGS, "--tensor-parallel-size", str(decode_tp)], name="decode")
     gw = GatewayProcess("gw", ["--prefill", prefill.address, "--decode", decode.address])
     with running_cluster([prefill, decode], gw):
         got = _greedy(gw)
         assert decode.load().num_requests_finished == len(PROMPTS)
         decode.log.flush()
-        assert "3 prefill rank(s), 3 pair(s)" in Path(decode.log.name).read_text()
-    assert got == want
+        assert f"{prefill_tp} prefill rank(s), 3 pair(s)" in Path(decode.log.name).read_text()
+    assert got == colocated

@@ -1,0 +1,84 @@
+"""The KV pairs of a tensor-parallel worker on the receiving side, driven by rank 0.
+
+A tensor-parallel decode engine receives each request's KV in parts, every rank its own
+share of the KV heads into its own cache (``engine.parallel.kv_transfer_parts``). Rank 0
+has a worker listen for its parts (``kv_listen``, over ``engine.rank_calls``); the worker
+receives on a thread of its own, and asks rank 0 before any byte lands (``kv_admit``) and
+tells it how each part ended (``kv_ended``): the request's state stays with rank 0.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_transfer.protocol import KVChannelClosed, KVLayout
+from engine.kv_transfer.receiver import KVReceiver
+from engine.rank_calls import call
+
+logger = logging.getLogger(__name__)
+
+
+class RankReceivers:
+    def __init__(self, kv_cache: torch.Tensor, store: dist.Store) -> None:
+        self.kv_cache, self.store = kv_cache, store
+        self._receivers: dict[str, KVReceiver] = {}
+        self._lock = threading.Lock()
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        return {"kv_listen": self.listen, "kv_stop_listening": self.close}
+
+    def listen(self, key: str, host: str, layout: dict, heads: list[int], backend: str, timeout: float,
+               num_parts: int) -> int:
+        """Listen for a pair that fills this rank's heads ``heads``; the port to dial."""
+        self.close(key)
+        receiver, port = KVReceiver.listen(host, KVLayout.from_dict(layout), backend=backend,
+                                           device=self.kv_cache.device, timeout=timeout)
+        with self._lock:
+            self._receivers[key] = receiver
+        view = self.kv_cache[..., heads[0]:heads[1], :]
+        threading.Thread(target=self._loop, args=(key, receiver, view, num_parts, timeout), daemon=True,
+                         name=f"kv-recv-{key}").start()
+        return port
+
+    def close(self, key: str) -> None:
+        with self._lock:
+            receiver = self._receivers.pop(key, None)
+        if receiver is not None:
+            receiver.close()
+
+    def _loop(self, key: str, receiver: KVReceiver, view: torch.Tensor, num_parts: int, timeout: float) -> None:
+        try:
+            receiver.wait_connected()
+            while self._recv_one(key, receiver, view, num_parts, timeout):
+                pass
+        except Exception as e:  # setup failed, or rank 0 is gone
+            logger.warning("KV pair %s: %s", key, e)
+        finally:
+            self.close(key)
+
+    def _recv_one(self, key: str, receiver: KVReceiver, view: torch.Tensor, num_parts: int,
+                  timeout: float) -> bool:
+        admitted: list[str] = []
+
+        def validate(request_id: str, dst_block_ids: list[int]) -> None:
+            admitted.append(request_id)
+            call(self.store, 0, "kv_admit", dict(request_id=request_id, dst_block_ids=dst_block_ids,
+                                                 num_parts=num_parts), 2 * timeout)
+
+        try:
+            rid, _, stats, meta = receiver.recv(view, validate=validate)
+        except KVChannelClosed:
+            return False
+        except BaseException as exc:
+            if admitted:
+                call(self.store, 0, "kv_ended", dict(request_id=admitted[0], error=f"KV part {key} failed: {exc}"),
+                     2 * timeout)
+            return receiver.is_usable and isinstance(exc, Exception)
+        call(self.store, 0, "kv_ended", dict(request_id=rid, error=None, meta=meta, figures={
+            "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
+            "backend": stats.backend}), 2 * timeout)
+        return True
