@@ -35,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from engine.kv_transfer import (KVChannelClosed, KVLayout, KVReceiver, KVTransferError, TransferStats,
-                                check_compatible, choose_backend)
+from engine.kv_transfer import KVLayout, KVReceiver, KVTransferError, TransferStats, check_compatible, choose_backend
+from engine.kv_transfer.rank_receivers import receive_part
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
 from engine.parallel import kv_transfer_parts
@@ -68,7 +68,8 @@ class KVReceivers:
         self._lock = threading.Lock()
         self.tp = engine.tp if engine.tp is not None and engine.tp.size > 1 else None
         if self.tp is not None:  # the workers' parts ask before landing and report how they ended
-            serve_calls(self.tp.store, 0, {"kv_admit": self._parts.admit, "kv_ended": self._parts.ended})
+            serve_calls(self.tp.store, 0, {"kv_admit": self._parts.admit, "kv_ended": self._parts.ended,
+                                           "kv_refused": self._parts.refused})
 
     @property
     def num_pairs(self) -> int:
@@ -188,34 +189,12 @@ class KVReceivers:
 
     def _recv_one(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int) -> bool:
         """Receive one transfer (one part of a request's KV) into ``heads`` (this cache, or its
-        share of the KV heads) and account for how it ended. False when the pair is done
-        (closed or broken)."""
-        begun: list[str] = []  # the request this part was admitted for
-
-        def validate(request_id: str, dst_block_ids: list[int]) -> None:
-            begun.append(request_id)
-            self._parts.admit(request_id, dst_block_ids, num_parts)
-
-        try:
-            rid, _, stats, meta = receiver.recv(heads, validate=validate)
-        except KVChannelClosed:
-            logger.info("KV channel from %s closed", peer)
-            return False
-        except BaseException as exc:  # anything: the engine must hear the receive is over
-            rid = begun[0] if begun else getattr(exc, "request_id", None)
-            why = str(exc) or f"{type(exc).__name__} (the engine did not answer in {self.timeout:g}s)"
-            logger.warning("KV transfer %sfrom %s failed: %s", f"of {rid} " if rid else "", peer, why)
-            if begun:
-                self._parts.ended(rid, f"KV transfer from {peer} failed: {why}")
-            elif rid is not None:  # failed before it was admitted: nothing landed, nothing to wait for
-                message = f"KV transfer from {peer} failed: {why}"  # exc is unbound after this block
-                self.bridge.submit(lambda e: e.kv_failed(rid, message))
-            return receiver.is_usable and isinstance(exc, Exception)
-        if self.on_transfer is not None:
+        share of the KV heads). False when the pair is done (closed or broken)."""
+        go, stats = receive_part(receiver, heads, num_parts, f"KV transfer from {peer}", self._parts.admit,
+                                 self._parts.ended, self._parts.refused)
+        if stats is not None and self.on_transfer is not None:
             self.on_transfer(stats)
-        self._parts.ended(rid, None, meta, {"num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks,
-                                            "seconds": stats.seconds, "backend": stats.backend})
-        return True
+        return go
 
 
 class _Assembly:
@@ -288,6 +267,24 @@ class _Parts:
                 if a.timer is not None:
                     a.timer.cancel()
             tell = self._take_report(a, complete)
+        self._report(request_id, a, tell)
+
+    def refused(self, request_id: str, error: str) -> None:
+        """A part of the request failed before it was admitted (nothing of it landed)."""
+        with self._lock:
+            a = self._assemblies.get(request_id)
+            if a is not None:
+                a.num_ended += 1
+                a.failed = a.failed or error
+                complete = a.num_ended == a.num_parts
+                if complete:
+                    del self._assemblies[request_id]
+                    if a.timer is not None:
+                        a.timer.cancel()
+                tell = self._take_report(a, complete)
+        if a is None:  # no part of it admitted: nothing can land, the engine hears now
+            self.bridge.submit(lambda e: e.kv_failed(request_id, error))
+            return
         self._report(request_id, a, tell)
 
     def _expire(self, request_id: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.protocol import KVChannelClosed, KVLayout
+from engine.kv_transfer.protocol import KVChannelClosed, KVLayout, TransferStats
 from engine.kv_transfer.receiver import KVReceiver
 from engine.rank_calls import call
 
@@ -62,23 +62,42 @@ class RankReceivers:
 
     def _recv_one(self, key: str, receiver: KVReceiver, view: torch.Tensor, num_parts: int,
                   timeout: float) -> bool:
-        admitted: list[str] = []
+        def on_rank0(name: str) -> Callable[..., None]:
+            return lambda **args: call(self.store, 0, name, args, 2 * timeout)
 
-        def validate(request_id: str, dst_block_ids: list[int]) -> None:
-            admitted.append(request_id)
-            call(self.store, 0, "kv_admit", dict(request_id=request_id, dst_block_ids=dst_block_ids,
-                                                 num_parts=num_parts), 2 * timeout)
+        go, _ = receive_part(receiver, view, num_parts, f"KV part {key}", on_rank0("kv_admit"),
+                             on_rank0("kv_ended"), on_rank0("kv_refused"))
+        return go
 
-        try:
-            rid, _, stats, meta = receiver.recv(view, validate=validate)
-        except KVChannelClosed:
-            return False
-        except BaseException as exc:
-            if admitted:
-                call(self.store, 0, "kv_ended", dict(request_id=admitted[0], error=f"KV part {key} failed: {exc}"),
-                     2 * timeout)
-            return receiver.is_usable and isinstance(exc, Exception)
-        call(self.store, 0, "kv_ended", dict(request_id=rid, error=None, meta=meta, figures={
-            "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
-            "backend": stats.backend}), 2 * timeout)
-        return True
+
+def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name: str,
+                 admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None]
+                 ) -> tuple[bool, TransferStats | None]:
+    """Receive one part of a request's KV into ``heads`` and account for it exactly once:
+    ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
+    (landed, or failed after admission) or ``refused`` (failed before it, the request known).
+    Returns (whether the pair goes on, the stats of a part that landed)."""
+    admitted: list[str] = []
+
+    def validate(request_id: str, dst_block_ids: list[int]) -> None:
+        admitted.append(request_id)
+        admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts)
+
+    try:
+        rid, _, stats, meta = receiver.recv(heads, validate=validate)
+    except KVChannelClosed:
+        logger.info("%s: closed", name)
+        return False, None
+    except BaseException as exc:  # anything: the request's state must hear of it
+        rid = admitted[0] if admitted else getattr(exc, "request_id", None)
+        why = f"{name} failed: {str(exc) or type(exc).__name__}"
+        logger.warning("%s%s", f"request {rid}: " if rid else "", why)
+        if admitted:
+            ended(request_id=rid, error=why)
+        elif rid is not None:
+            refused(request_id=rid, error=why)
+        return receiver.is_usable and isinstance(exc, Exception), None
+    ended(request_id=rid, error=None, meta=meta, figures={
+        "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
+        "backend": stats.backend})
+    return True, stats

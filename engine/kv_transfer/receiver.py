@@ -126,8 +126,10 @@ class KVReceiver(_Pair):
             try:
                 in_range = dst_ids.size == 0 or (dst_ids.min() >= 0 and dst_ids.max() < kv_cache.shape[1])
                 if not in_range or has_repeats(dst_ids):
-                    raise KVTransferError(f"request {request_id}: dst block ids out of range "
+                    err = KVTransferError(f"request {request_id}: dst block ids out of range "
                                           f"[0, {kv_cache.shape[1]}) or repeated: {dst}")
+                    err.request_id = request_id
+                    raise err
                 if validate is not None:
                     validate(request_id, list(dst))
             except Exception:

@@ -146,6 +146,17 @@ async def _parts_scenario(engine: LLMEngine) -> None:
         while engine.stats().kv_blocks_used and time.monotonic() < deadline:  # "both" finishes decoding
             await asyncio.sleep(0.05)
         assert engine.stats().kv_blocks_used == 0
+        # One part lands, the other is refused before admission (a block id out of range):
+        # the request fails with the refusal, once both parts are over, and frees its blocks.
+        q, dst = await reserve("mixed")
+        await send(0, "mixed", dst)
+        await send(1, "mixed", [dst[0], dst[1], 10_000])
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and "out of range" in d.error.message
+        deadline = time.monotonic() + 10
+        while engine.stats().kv_blocks_used and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert engine.stats().kv_blocks_used == 0
         # The late part is refused (drained): the pair stays in step for the next request.
         await send(1, "half", dst)
         q, dst = await reserve("again")
