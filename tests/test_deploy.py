@@ -32,7 +32,7 @@ from pdserve.config_file import with_config_files
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
-BASE, OVERLAY = K8S / "base", K8S / "overlays" / "example"
+BASE, OVERLAY, TP_OVERLAY = K8S / "base", K8S / "overlays" / "example", K8S / "overlays" / "tensor-parallel"
 CONFIG_DIR = BASE / "config"
 _VAR = re.compile(r"\$\{([A-Z_]+)(?::-([^}]*))?\}")
 ENGINES = ("prefill", "decode")
@@ -238,9 +238,9 @@ def _validate(obj: dict, where: str) -> None:
                                  f"{'.'.join(map(str, e.path))}: {e.message}") from None
 
 
-@pytest.fixture(scope="module", params=["base", "overlay"])
+@pytest.fixture(scope="module", params=["base", "overlay", "tensor-parallel"])
 def built(request) -> list[dict]:
-    return build(BASE if request.param == "base" else OVERLAY)
+    return build({"base": BASE, "overlay": OVERLAY, "tensor-parallel": TP_OVERLAY}[request.param])
 
 
 def _manifest_files() -> list[Path]:
@@ -328,6 +328,23 @@ def test_engine_servers_have_gpus_grpc_probes_drain_and_headless_services(built)
         assert {p["port"] for p in svc["spec"]["ports"]} == {args.port, args.metrics_port}
 
 
+def test_every_engine_has_a_gpu_per_tensor_parallel_rank(built):
+    for role, (_, c, args) in _pdserve_containers(built).items():
+        if role in ENGINES:
+            assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == args.tensor_parallel_size, role
+            shm = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")  # the ranks' NCCL/gloo
+            volume = next(v for v in _find(built, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
+                          ["volumes"] if v["name"] == shm["name"])
+            assert volume["emptyDir"]["medium"] == "Memory"
+
+
+def test_the_tensor_parallel_overlay_gives_prefill_two_ranks():
+    containers = _pdserve_containers(build(TP_OVERLAY))
+    assert containers["prefill"][2].tensor_parallel_size == 2 and containers["decode"][2].tensor_parallel_size == 1
+    base = _pdserve_containers(build(BASE))
+    assert base["prefill"][1]["args"] == containers["prefill"][1]["args"][:len(base["prefill"][1]["args"])]
+
+
 def spec_labels(objects: list[dict], deployment: str) -> dict:
     return _find(objects, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
 
@@ -377,7 +394,7 @@ def test_the_example_overlay_sets_images_replicas_and_resources():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("directory", [BASE, OVERLAY], ids=["base", "overlay"])
+@pytest.mark.parametrize("directory", [BASE, OVERLAY, TP_OVERLAY], ids=["base", "overlay", "tensor-parallel"])
 def test_the_stand_in_builds_what_kustomize_builds(directory):
     out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True)
     real = [d for d in yaml.safe_load_all(out.stdout) if d]
