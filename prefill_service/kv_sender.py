@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 import torch
@@ -52,25 +54,32 @@ class RankPairs:
              meta: dict | None = None) -> TransferStats:
         """Every part at once; the request's figures (bytes of all parts, the slowest part)."""
         args = dict(request_id=request_id, src=list(src_block_ids), dst=list(dst_block_ids), meta=meta or {})
-        jobs = [(f"rank 0's part {i}", self._pool.submit(sender.send, request_id, src_block_ids, dst_block_ids,
-                                                         kv_cache[..., lo:hi, :], meta=meta))
-                for i, (sender, (lo, hi)) in enumerate(self.local)]
-        jobs += [(f"rank {rank}'s part", self._pool.submit(call, self.store, rank, "kv_send", dict(args, key=key),
-                                                           2 * self.timeout))
+
+        def timed(rank: int, send: Callable[[], TransferStats | dict]) -> tuple[int, float, float, TransferStats]:
+            start = time.time()
+            result = send()
+            return rank, start, time.time(), result if isinstance(result, TransferStats) else TransferStats(**result)
+
+        jobs = [(f"rank 0's part {i}", self._pool.submit(timed, 0, lambda s=sender, h=heads: s.send(
+                    request_id, src_block_ids, dst_block_ids, kv_cache[..., h[0]:h[1], :], meta=meta)))
+                for i, (sender, heads) in enumerate(self.local)]
+        jobs += [(f"rank {rank}'s part", self._pool.submit(timed, rank, lambda r=rank, k=key: call(
+                    self.store, r, "kv_send", dict(args, key=k), 2 * self.timeout)))
                  for rank, key in self.remote]
-        errors, stats = [], []
+        errors, parts = [], []
         for what, job in jobs:
             try:
-                result = job.result()
-                stats.append(result if isinstance(result, TransferStats) else TransferStats(**result))
+                parts.append(job.result())
             except (KVTransferError, RankCallError, TimeoutError) as exc:
                 errors.append(f"{what}: {exc}")
         if errors:
             self._broken = True  # the decode side fails the request; the next send opens new pairs
             raise KVTransferError(f"request {request_id}: " + "; ".join(errors))
+        stats = [p[3] for p in parts]
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=sum(s.num_bytes for s in stats),
                              seconds=max(s.seconds for s in stats), backend=stats[0].backend,
-                             num_messages=sum(s.num_messages for s in stats))
+                             num_messages=sum(s.num_messages for s in stats),
+                             parts=tuple((rank, start, end, s.num_bytes) for rank, start, end, s in parts))
 
     def begin(self, request_id: str, *args, **kwargs) -> None:
         raise KVTransferError(f"request {request_id}: a KV channel in parts is sent after prefill, not layer "

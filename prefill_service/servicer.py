@@ -231,5 +231,5 @@ def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int, 
              "num_output_tokens": len(d.token_ids)}
     if stats is not None:
         attrs.update(kv_blocks=stats.num_blocks, kv_bytes=stats.num_bytes, kv_seconds=stats.seconds,
-                     kv_backend=stats.backend)
+                     kv_backend=stats.backend, kv_parts=stats.parts or None)
     tracing.record_engine_spans("prefill", rid, trace_ctx, times, attrs)

@@ -335,6 +335,8 @@ def _record(role: str, request_id: str, parent_context: Context | None, times: A
         return
     start = t["arrival"] if t["arrival"] is not None else min(known)
     end = t["finished"] if t["finished"] is not None else max(known)
+    attributes = dict(attributes or {})
+    parts = attributes.pop("kv_parts", None) or ()  # a send in parts: (rank, start, end, bytes) each
     req_attrs, kv_attrs = _engine_attributes(attributes)
     base = {"pdserve.internal_request_id": request_id}
     parent_ctx = parent_context if parent_context is not None else otel_context.get_current()
@@ -361,8 +363,16 @@ def _record(role: str, request_id: str, parent_context: Context | None, times: A
                                                "pdserve.chunk.num_tokens": int(n)}, timestamp=_ns(c_end))
             compute[0].add_event("first_token", timestamp=_ns(t["first_token"]))
         spans.append(compute)
-        spans.append(child("kv.send", "kv_transfer", t["kv_send_start"], t["kv_send_end"],
-                           {**kv_attrs, "pdserve.kv.direction": "send"}))
+        send = child("kv.send", "kv_transfer", t["kv_send_start"], t["kv_send_end"],
+                     {**kv_attrs, "pdserve.kv.direction": "send"})
+        spans.append(send)
+        if send is not None:  # each rank's part of a send from a tensor-parallel engine
+            part_ctx = trace.set_span_in_context(send[0], ctx)
+            for rank, p_start, p_end, p_bytes in parts:
+                span = tracer.start_span("kv.send.rank", context=part_ctx, start_time=_ns(p_start), attributes={
+                    **base, "pdserve.phase": "kv_transfer", "pdserve.kv.rank": int(rank),
+                    "pdserve.kv.bytes": int(p_bytes), "pdserve.kv.direction": "send"})
+                spans.append((span, max(p_start, p_end)))
     else:
         remote = t["kv_recv_start"] is not None or t["kv_recv_end"] is not None
         spans.append(child("decode.reservation_wait", "decode_reservation", start, t["reserved"]))

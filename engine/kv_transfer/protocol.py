@@ -277,6 +277,8 @@ class TransferStats:
     # (event, time.perf_counter()) through the transfer: CLOCK_MONOTONIC on Linux, so the two
     # sides' marks compare across processes of one host (bench.kv_transfer's phase table)
     marks: tuple[tuple[str, float], ...] = ()
+    # A transfer in parts (tensor-parallel ranks): (sending rank, start, end (time.time()), bytes) each
+    parts: tuple[tuple[int, float, float, int], ...] = ()
 
     @property
     def bytes_per_second(self) -> float:

@@ -49,7 +49,7 @@ class RankSenders:
         if not sender.is_usable:
             raise KVTransferError(f"KV pair {key} is broken")
         stats = sender.send(request_id, src, dst, self.kv_cache[..., lo:hi, :], meta=meta)
-        return {k: v for k, v in dataclasses.asdict(stats).items() if k != "marks"}
+        return {k: v for k, v in dataclasses.asdict(stats).items() if k not in ("marks", "parts")}
 
     def close(self, key: str) -> None:
         with self._lock:

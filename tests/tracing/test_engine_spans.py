@@ -122,3 +122,18 @@ def test_failures_never_reach_the_caller(recorded, caplog):
 
 def test_no_provider_means_no_spans_and_no_error():
     record_engine_spans("decode", "r", None, SimpleNamespace(arrival=T0, finished=T0 + 1))
+
+
+def test_a_send_in_parts_has_a_span_per_rank(recorded):
+    times = SimpleNamespace(arrival=T0, first_scheduled=T0 + 0.010, first_token=T0 + 0.050,
+                            kv_send_start=T0 + 0.051, kv_send_end=T0 + 0.061, finished=T0 + 0.062)
+    spans, all_spans = recorded("prefill", times, {
+        "kv_bytes": 3000, "kv_seconds": 0.009, "kv_backend": "gloo",
+        "kv_parts": ((0, T0 + 0.052, T0 + 0.058, 1000), (1, T0 + 0.052, T0 + 0.060, 1000),
+                     (2, T0 + 0.053, T0 + 0.060, 1000))})
+    ranks = sorted((s for s in all_spans if s.name == "kv.send.rank"), key=lambda s: s.attributes["pdserve.kv.rank"])
+    assert [s.attributes["pdserve.kv.rank"] for s in ranks] == [0, 1, 2]
+    assert all(s.parent.span_id == spans["kv.send"].context.span_id for s in ranks)
+    assert [_ms(s) for s in ranks] == [(52.0, 58.0), (52.0, 60.0), (53.0, 60.0)]
+    assert ranks[0].attributes["pdserve.kv.bytes"] == 1000 and ranks[0].attributes["pdserve.phase"] == "kv_transfer"
+    assert "pdserve.kv.parts" not in spans["kv.send"].attributes
