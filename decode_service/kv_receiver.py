@@ -287,16 +287,25 @@ class _Parts:
             return
         self._report(request_id, a, tell)
 
-    def _expire(self, request_id: str) -> None:
-        """The transfer timeout passed since the first part: the parts not here yet fail it."""
+    def _expire(self, request_id: str, forget: bool = False) -> None:
+        """The transfer timeout passed since the first part: the parts not here yet fail it.
+        One more timeout later (``forget``), the request's entry goes once no part of it is
+        landing: a part later still is taken for a new transfer, which the engine refuses."""
         with self._lock:
             a = self._assemblies.get(request_id)
-            if a is None or a.reported:
+            if a is None:
                 return
-            if a.failed is None:
-                a.failed = (f"only {a.num_ended + a.in_flight} of {a.num_parts} KV parts came within "
-                            f"{self.timeout:g}s")
-            tell = self._take_report(a, complete=False)
+            tell = False
+            if forget and not a.in_flight:
+                del self._assemblies[request_id]
+                return
+            if not forget:
+                a.failed = a.failed or (f"only {a.num_ended + a.in_flight} of {a.num_parts} KV parts came "
+                                        f"within {self.timeout:g}s")
+                tell = self._take_report(a, complete=False)
+            a.timer = threading.Timer(self.timeout, self._expire, (request_id, True))
+            a.timer.daemon = True
+            a.timer.start()
         self._report(request_id, a, tell)
 
     @staticmethod

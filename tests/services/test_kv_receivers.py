@@ -159,6 +159,16 @@ async def _parts_scenario(engine: LLMEngine) -> None:
         assert engine.stats().kv_blocks_used == 0
         # The late part is refused (drained): the pair stays in step for the next request.
         await send(1, "half", dst)
+        # A part that never comes: one more timeout after the failure nothing of it is left.
+        q, dst = await reserve("lost")
+        await send(0, "lost", dst)
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and "1 of 2 KV parts" in d.error.message
+        assert "lost" in receivers._parts._assemblies
+        deadline = time.monotonic() + 2 * TIMEOUT + 5
+        while receivers._parts._assemblies and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not receivers._parts._assemblies
         q, dst = await reserve("again")
         await asyncio.gather(send(0, "again", dst), send(1, "again", dst))
         d = await asyncio.wait_for(q.get(), 10)
