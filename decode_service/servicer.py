@@ -119,7 +119,7 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         return (await self._ready(context)).load_info()
 
     async def OpenKVChannel(self, request: engine_pb2.OpenKVChannelRequest, context):
-        bridge = await self._ready(context)
+        await self._ready(context)  # UNAVAILABLE until the engine is up
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self.kv_receivers.open, request)
         except ValueError as exc:  # incompatible layout or device
