@@ -222,7 +222,9 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of GPU memory for weights, activations and KV cache")
+                       help="fraction of GPU memory for weights, activations, CUDA graphs and KV cache; "
+                            "it must be free when the engine starts (memory of other processes is not counted "
+                            "on)")
         g.add_argument("--kv-cache-memory", default=None,
                        help="KV cache size in bytes, e.g. 2GiB (default on CPU: 1GiB)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -87,6 +87,18 @@ def select_ops(device: torch.device, choice: str | None = None) -> ModuleType:
     return kernels
 
 
+def check_free_memory(free: int, total: int, utilization: float, device: str) -> None:
+    """The engine's share of a GPU, ``utilization`` of its memory (weights, activations, graphs
+    and KV cache, sized on that share), must be free when it starts, as in vLLM: memory other
+    processes hold is not this engine's to plan with. Raises ValueError naming both figures."""
+    wanted = total * utilization
+    if free < wanted:
+        gib = 2 ** 30
+        raise ValueError(f"{device}: {free / gib:.1f} GiB free of {total / gib:.1f} GiB at start-up, less than the "
+                         f"{wanted / gib:.1f} GiB --gpu-memory-utilization {utilization:g} asks for (other processes "
+                         f"hold {(total - free) / gib:.1f} GiB): lower it, or free the GPU")
+
+
 class InjectedFault(RuntimeError):
     """The failure ``PDSERVE_FAULT_FORWARD_FAILS_AFTER`` asks for."""
 
@@ -111,6 +123,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            cc = config.cache
+            if cc.kv_cache_memory is None and cc.num_gpu_blocks_override is None:
+                free, total = torch.cuda.mem_get_info(self.device)
+                check_free_memory(free, total, cc.gpu_memory_utilization, str(self.device))
         self.ops = select_ops(self.device)
         logger.info("kernels: %s", self.ops.__name__)
         mc, cc = config.model, config.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from engine.config import EngineArgs
@@ -59,3 +60,12 @@ def test_step_inputs_match_a_per_token_construction(tiny_llama_dir):
             else:
                 engine.step()
         assert steps > 5
+
+
+def test_a_gpu_share_must_be_free_at_start_up():
+    from engine.model_runner import check_free_memory
+
+    gib = 2 ** 30
+    check_free_memory(100 * gib, 140 * gib, 0.7, "cuda:0")  # 98 GiB wanted, 100 free
+    with pytest.raises(ValueError, match=r"cuda:1: 60.0 GiB free of 140.0 GiB .* 126.0 GiB .* hold 80.0 GiB"):
+        check_free_memory(60 * gib, 140 * gib, 0.9, "cuda:1")
