@@ -89,8 +89,9 @@ def select_ops(device: torch.device, choice: str | None = None) -> ModuleType:
 
 def check_free_memory(free: int, total: int, utilization: float, device: str) -> None:
     """The engine's share of a GPU, ``utilization`` of its memory (weights, activations, graphs
-    and KV cache, sized on that share), must be free when it starts, as in vLLM: memory other
-    processes hold is not this engine's to plan with. Raises ValueError naming both figures."""
+    and KV cache, sized on that share), must be free when it starts (``free``: free on the
+    device plus what this process's allocator holds), as in vLLM: memory other processes hold
+    is not this engine's to plan with. Raises ValueError naming both figures."""
     wanted = total * utilization
     if free < wanted:
         gib = 2 ** 30
@@ -126,6 +127,8 @@ class ModelRunner:
             cc = config.cache
             if cc.kv_cache_memory is None and cc.num_gpu_blocks_override is None:
                 free, total = torch.cuda.mem_get_info(self.device)
+                # What this process's allocator holds is ours to reuse (an earlier engine here).
+                free += torch.cuda.memory_reserved(self.device)
                 check_free_memory(free, total, cc.gpu_memory_utilization, str(self.device))
         self.ops = select_ops(self.device)
         logger.info("kernels: %s", self.ops.__name__)
