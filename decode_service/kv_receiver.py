@@ -328,11 +328,15 @@ class _Parts:
 
 
 def _merged(total: dict | None, part: dict) -> dict:
-    """Figures of a request's transfer from its parts': bytes add up, the slowest part's time."""
+    """Figures of a request's transfer from its parts': bytes add up, the slowest part's time,
+    and each part as (receiving rank, start, end (time.time()), bytes) for the trace."""
+    end = part.pop("end", None)
+    rank = part.pop("rank", 0)
+    this = [(rank, end - part["seconds"], end, part["num_bytes"])] if end is not None else []
     if total is None:
-        return dict(part)
+        return dict(part, parts=this)
     return dict(total, num_bytes=total["num_bytes"] + part["num_bytes"],
-                seconds=max(total["seconds"], part["seconds"]))
+                seconds=max(total["seconds"], part["seconds"]), parts=total["parts"] + this)
 
 
 def _arrived(engine: LLMEngine, request_id: str, meta: dict, figures: dict) -> None:

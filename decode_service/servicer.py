@@ -101,7 +101,8 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
                     "num_prompt_tokens": last.num_prompt_tokens, "num_cached_tokens": last.num_cached_tokens,
                     "num_output_tokens": last.num_output_tokens, "finish_reason": last.finish_reason or "abort",
                     "kv_bytes": kv.get("num_bytes"), "kv_blocks": kv.get("num_blocks"),
-                    "kv_seconds": kv.get("seconds"), "kv_backend": kv.get("backend")})
+                    "kv_seconds": kv.get("seconds"), "kv_backend": kv.get("backend"),
+                    "kv_parts": kv.get("parts") if len(kv.get("parts") or ()) > 1 else None})
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         rid = request.request_id

@@ -88,7 +88,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, host: str, port: in
 
     # This rank's share of KV transfers: its own heads, from or into its own cache.
     serve_calls(tp.store, rank, {**RankSenders(runner.kv_cache).handlers(),
-                                 **RankReceivers(runner.kv_cache, tp.store).handlers()})
+                                 **RankReceivers(runner.kv_cache, tp.store, rank).handlers()})
     try:
         runner.serve_steps()
     except Exception as e:  # rank 0 gone or the group broken: nothing left to serve

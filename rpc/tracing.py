@@ -336,7 +336,7 @@ def _record(role: str, request_id: str, parent_context: Context | None, times: A
     start = t["arrival"] if t["arrival"] is not None else min(known)
     end = t["finished"] if t["finished"] is not None else max(known)
     attributes = dict(attributes or {})
-    parts = attributes.pop("kv_parts", None) or ()  # a send in parts: (rank, start, end, bytes) each
+    parts = attributes.pop("kv_parts", None) or ()  # a transfer in parts: (rank, start, end, bytes) each
     req_attrs, kv_attrs = _engine_attributes(attributes)
     base = {"pdserve.internal_request_id": request_id}
     parent_ctx = parent_context if parent_context is not None else otel_context.get_current()
@@ -352,6 +352,19 @@ def _record(role: str, request_id: str, parent_context: Context | None, times: A
                                  attributes={**base, "pdserve.phase": phase, **(extra or {})})
         return span, max(begin, finish)
 
+    def rank_parts(kv: Any, direction: str) -> list[Any]:
+        """A span per rank's part of a transfer in parts (tensor-parallel engines), under ``kv``."""
+        if kv is None:
+            return []
+        part_ctx = trace.set_span_in_context(kv[0], ctx)
+        out = []
+        for rank, p_start, p_end, p_bytes in parts:
+            span = tracer.start_span(f"kv.{direction}.rank", context=part_ctx, start_time=_ns(p_start), attributes={
+                **base, "pdserve.phase": "kv_transfer", "pdserve.kv.rank": int(rank),
+                "pdserve.kv.bytes": int(p_bytes), "pdserve.kv.direction": direction})
+            out.append((span, max(p_start, p_end)))
+        return out
+
     spans: list[Any] = []
     if role == "prefill":
         spans.append(child("prefill.queue", "prefill_queue", start, t["first_scheduled"]))
@@ -365,19 +378,13 @@ def _record(role: str, request_id: str, parent_context: Context | None, times: A
         spans.append(compute)
         send = child("kv.send", "kv_transfer", t["kv_send_start"], t["kv_send_end"],
                      {**kv_attrs, "pdserve.kv.direction": "send"})
-        spans.append(send)
-        if send is not None:  # each rank's part of a send from a tensor-parallel engine
-            part_ctx = trace.set_span_in_context(send[0], ctx)
-            for rank, p_start, p_end, p_bytes in parts:
-                span = tracer.start_span("kv.send.rank", context=part_ctx, start_time=_ns(p_start), attributes={
-                    **base, "pdserve.phase": "kv_transfer", "pdserve.kv.rank": int(rank),
-                    "pdserve.kv.bytes": int(p_bytes), "pdserve.kv.direction": "send"})
-                spans.append((span, max(p_start, p_end)))
+        spans += [send, *rank_parts(send, "send")]
     else:
         remote = t["kv_recv_start"] is not None or t["kv_recv_end"] is not None
         spans.append(child("decode.reservation_wait", "decode_reservation", start, t["reserved"]))
-        spans.append(child("kv.receive", "kv_transfer", t["kv_recv_start"], t["kv_recv_end"],
-                           {**kv_attrs, "pdserve.kv.direction": "receive"}))
+        receive = child("kv.receive", "kv_transfer", t["kv_recv_start"], t["kv_recv_end"],
+                        {**kv_attrs, "pdserve.kv.direction": "receive"})
+        spans += [receive, *rank_parts(receive, "receive")]
         ready = max(v for v in (start, t["reserved"], t["kv_recv_end"]) if v is not None)
         spans.append(child("decode.queue", "decode_queue", ready, t["first_scheduled"]))
         gen_start = t["first_scheduled"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -23,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class RankReceivers:
-    def __init__(self, kv_cache: torch.Tensor, store: dist.Store) -> None:
-        self.kv_cache, self.store = kv_cache, store
+    def __init__(self, kv_cache: torch.Tensor, store: dist.Store, rank: int) -> None:
+        self.kv_cache, self.store, self.rank = kv_cache, store, rank
         self._receivers: dict[str, KVReceiver] = {}
         self._lock = threading.Lock()
 
@@ -66,17 +67,18 @@ class RankReceivers:
             return lambda **args: call(self.store, 0, name, args, 2 * timeout)
 
         go, _ = receive_part(receiver, view, num_parts, f"KV part {key}", on_rank0("kv_admit"),
-                             on_rank0("kv_ended"), on_rank0("kv_refused"))
+                             on_rank0("kv_ended"), on_rank0("kv_refused"), self.rank)
         return go
 
 
 def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name: str,
-                 admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None]
-                 ) -> tuple[bool, TransferStats | None]:
+                 admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None],
+                 rank: int = 0) -> tuple[bool, TransferStats | None]:
     """Receive one part of a request's KV into ``heads`` and account for it exactly once:
     ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
     (landed, or failed after admission) or ``refused`` (failed before it, the request known).
-    Returns (whether the pair goes on, the stats of a part that landed)."""
+    Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
+    receiving rank, named in the figures with the part's end (time.time())."""
     admitted: list[str] = []
 
     def validate(request_id: str, dst_block_ids: list[int]) -> None:
@@ -99,5 +101,5 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
         return receiver.is_usable and isinstance(exc, Exception), None
     ended(request_id=rid, error=None, meta=meta, figures={
         "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
-        "backend": stats.backend})
+        "backend": stats.backend, "rank": rank, "end": time.time()})
     return True, stats

@@ -137,3 +137,16 @@ def test_a_send_in_parts_has_a_span_per_rank(recorded):
     assert [_ms(s) for s in ranks] == [(52.0, 58.0), (52.0, 60.0), (53.0, 60.0)]
     assert ranks[0].attributes["pdserve.kv.bytes"] == 1000 and ranks[0].attributes["pdserve.phase"] == "kv_transfer"
     assert "pdserve.kv.parts" not in spans["kv.send"].attributes
+
+
+def test_a_receive_in_parts_has_a_span_per_receiving_rank(recorded):
+    times = SimpleNamespace(arrival=T0, reserved=T0 + 0.002, kv_recv_start=T0 + 0.040, kv_recv_end=T0 + 0.050,
+                            first_scheduled=T0 + 0.055, first_token=T0 + 0.060, finished=T0 + 0.500)
+    spans, all_spans = recorded("decode", times, {
+        "kv_bytes": 2000, "kv_seconds": 0.009, "kv_parts": ((0, T0 + 0.041, T0 + 0.049, 1000),
+                                                            (1, T0 + 0.041, T0 + 0.050, 1000))})
+    ranks = sorted((s for s in all_spans if s.name == "kv.receive.rank"),
+                   key=lambda s: s.attributes["pdserve.kv.rank"])
+    assert [(s.attributes["pdserve.kv.rank"], _ms(s)) for s in ranks] == [(0, (41.0, 49.0)), (1, (41.0, 50.0))]
+    assert all(s.parent.span_id == spans["kv.receive"].context.span_id for s in ranks)
+    assert {s.attributes["pdserve.kv.direction"] for s in ranks} == {"receive"}
