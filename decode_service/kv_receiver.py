@@ -28,6 +28,7 @@ when some part has not come within the transfer timeout and none is landing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from concurrent.futures import Future
@@ -64,7 +65,10 @@ class KVReceivers:
         self._parts = _Parts(bridge, timeout)
         self._receivers: dict[str, KVReceiver] = {}  # prefill peer -> its live pair
         self._setting_up: set[KVReceiver] = set()  # listening, not yet connected
-        self._remote: dict[str, list[tuple[int, str]]] = {}  # prefill peer -> (worker rank, pair key)
+        # prefill peer -> its worker ranks' pairs (rank, key): live, and of a channel still in setup
+        self._remote: dict[str, list[tuple[int, str]]] = {}
+        self._remote_next: dict[str, list[tuple[int, str]]] = {}
+        self._channels = itertools.count()
         self._lock = threading.Lock()
         self.tp = engine.tp if engine.tp is not None and engine.tp.size > 1 else None
         if self.tp is not None:  # the workers' parts ask before landing and report how they ended
@@ -74,7 +78,8 @@ class KVReceivers:
     @property
     def num_pairs(self) -> int:
         """Pairs set up, and pairs in setup (the worker ranks' included)."""
-        return len(self._receivers) + len(self._setting_up) + sum(map(len, self._remote.values()))
+        return (len(self._receivers) + len(self._setting_up) + sum(map(len, self._remote.values()))
+                + sum(map(len, self._remote_next.values())))
 
     # ---- pair setup (gRPC executor thread) ------------------------------
     def open(self, request: engine_pb2.OpenKVChannelRequest) -> engine_pb2.OpenKVChannelResponse:
@@ -95,7 +100,6 @@ class KVReceivers:
         parts = kv_transfer_parts(ranks, self.tp.size if self.tp else 1, self.layout.num_kv_heads)
         logger.info("KV channel from %s (%d prefill rank(s), %d pair(s)): %s", request.peer, ranks, len(parts),
                     reason)
-        self._stop_remote(request.peer)  # a peer that opens again has lost its side of the old pairs
         local: list[tuple[KVReceiver, str, torch.Tensor]] = []
         remote: list[tuple[int, str]] = []
         endpoints = []
@@ -116,10 +120,11 @@ class KVReceivers:
                     local.append((receiver, name, heads))
                 else:
                     assert self.tp is not None
+                    key = f"{name}/{next(self._channels)}"  # a new channel's pair never shares a key
                     port = call(self.tp.store, part.dst_rank, "kv_listen", dict(
-                        key=name, host=self.host, layout=layout.to_dict(), heads=list(part.dst_heads),
+                        key=key, host=self.host, layout=layout.to_dict(), heads=list(part.dst_heads),
                         backend=backend, timeout=self.timeout, num_parts=len(parts)), 2 * self.timeout)
-                    remote.append((part.dst_rank, name))
+                    remote.append((part.dst_rank, key))
                 endpoints.append(engine_pb2.KVRankEndpoint(src_rank=part.src_rank, src_head_start=part.src_heads[0],
                                                            src_head_end=part.src_heads[1], port=port))
         except (KVTransferError, RankCallError, TimeoutError) as exc:
@@ -129,19 +134,15 @@ class KVReceivers:
                 receiver.close()
             self._stop(remote)
             raise ValueError(f"could not listen for the KV channel: {exc}") from exc
-        with self._lock:
-            self._remote[request.peer] = remote
+        with self._lock:  # they replace the peer's old ones once rank 0's pair of the channel is up
+            stale, self._remote_next[request.peer] = self._remote_next.get(request.peer, []), remote
+        self._stop(stale)
         for receiver, name, heads in local:
-            threading.Thread(target=self._recv_loop, args=(receiver, name, heads, len(parts)), daemon=True,
-                             name=f"kv-recv-{name}").start()
+            threading.Thread(target=self._recv_loop, args=(receiver, name, heads, len(parts), request.peer),
+                             daemon=True, name=f"kv-recv-{name}").start()
         return engine_pb2.OpenKVChannelResponse(
             host=self.host, port=endpoints[0].port, layout=layout_to_proto(self.layout), backend=backend,
             parts=endpoints if len(parts) > 1 else [])
-
-    def _stop_remote(self, peer: str) -> None:
-        with self._lock:
-            remote = self._remote.pop(peer, [])
-        self._stop(remote)
 
     def _stop(self, remote: list[tuple[int, str]]) -> None:
         for rank, key in remote:
@@ -155,7 +156,8 @@ class KVReceivers:
         with self._lock:
             receivers = list(self._receivers.values()) + list(self._setting_up)
             self._receivers, self._setting_up = {}, set()
-            remote, self._remote = [r for rs in self._remote.values() for r in rs], {}
+            remote = [r for pairs in (self._remote, self._remote_next) for rs in pairs.values() for r in rs]
+            self._remote, self._remote_next = {}, {}
         for r in receivers:
             r.close()
         self._stop(remote)
@@ -167,20 +169,29 @@ class KVReceivers:
         receiver.close()
 
     # ---- receive loop (one thread per pair) ------------------------------
-    def _recv_loop(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int) -> None:
+    def _recv_loop(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int,
+                   channel: str) -> None:
+        """``peer``: this pair's name; ``channel``: the prefill peer whose channel it belongs to."""
         try:
             receiver.wait_connected()
         except KVTransferError as exc:
             logger.warning("KV channel from %s was not set up: %s", peer, exc)
             with self._lock:
                 self._setting_up.discard(receiver)
+                failed = self._remote_next.pop(channel, [])
+            self._stop(failed)
             self._forget(receiver, peer)
             return
         with self._lock:
             self._setting_up.discard(receiver)
             old, self._receivers[peer] = self._receivers.get(peer), receiver
+            new = self._remote_next.pop(channel, None)
+            stale = self._remote.get(channel, []) if new is not None else []
+            if new is not None:
+                self._remote[channel] = new
         if old is not None:  # the peer lost its side of the old pair; ours must go too
             old.close()
+        self._stop(stale)  # so did the old channel's worker pairs
         try:
             while self._recv_one(receiver, peer, heads, num_parts):
                 pass

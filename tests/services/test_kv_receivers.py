@@ -178,3 +178,58 @@ async def _parts_scenario(engine: LLMEngine) -> None:
             await loop.run_in_executor(None, s.close)
         receivers.close()
         bridge.stop()
+
+
+def test_a_tensor_parallel_decode_engine_receives_on_every_rank(tiny_llama_dir):
+    """A two-rank decode engine: one pair into rank 0's KV head, one into the worker's (which
+    asks rank 0 before anything lands). A prefill peer that opens its channel again gets new
+    pairs on both ranks; the old worker pair goes once the new channel is up."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
+                                                   kv_transfer_timeout=TIMEOUT, tensor_parallel_size=2))
+    try:
+        asyncio.run(_tp_decode_scenario(engine))
+    finally:
+        engine.close()
+
+
+async def _tp_decode_scenario(engine: LLMEngine) -> None:
+    loop = asyncio.get_running_loop()
+    bridge = EngineBridge(engine, "decode", "test")
+    bridge.start()
+    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    model_layout = receivers.layout  # both KV heads; rank 0's cache holds one
+    one_head = KVLayout.of(engine.kv_cache, model_layout.model)
+    source = torch.randn(*engine.kv_cache.shape[:4], 2, engine.kv_cache.shape[5])
+    senders = []
+    try:
+        request = engine_pb2.OpenKVChannelRequest(peer="p:1", layout=layout_to_proto(model_layout), device="cpu")
+        first = await loop.run_in_executor(None, receivers.open, request)
+        assert [(p.src_rank, p.src_head_start, p.src_head_end) for p in first.parts] == [(0, 0, 1), (0, 1, 2)]
+        second = await loop.run_in_executor(None, receivers.open, request)  # the peer opens again
+        for part in second.parts:
+            senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(
+                "127.0.0.1", part.port, one_head, timeout=10)))
+        deadline = time.monotonic() + 3 * TIMEOUT + 5
+        while receivers.num_pairs != 2 and time.monotonic() < deadline:  # the first channel's pairs go
+            await asyncio.sleep(0.05)
+        assert receivers.num_pairs == 2 and [r for r, _ in receivers._remote["p:1"]] == [1]
+
+        q = bridge.open_stream("r")
+        await bridge.run(lambda e: e.reserve("r", list(range(3, 40)), SP))
+        dst = (await asyncio.wait_for(q.get(), 10)).block_ids
+        await asyncio.gather(*(loop.run_in_executor(None, lambda s=s, h=h: s.send(
+            "r", [10, 11, 12], dst, source[..., h:h + 1, :].contiguous(), meta={"first_token": 5}))
+            for h, s in enumerate(senders)))
+        tokens = []
+        while True:
+            d = await asyncio.wait_for(q.get(), 20)
+            tokens += d.token_ids
+            if d.finish_reason:
+                break
+        assert d.error is None and tokens[0] == 5 and len(tokens) == 3
+        assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11], ..., 0:1, :])  # rank 0's head
+    finally:
+        for s in senders:
+            await loop.run_in_executor(None, s.close)
+        receivers.close()
+        bridge.stop()
