@@ -128,6 +128,22 @@ def test_reference_matches_dense_attention(case):
     torch.testing.assert_close(got.double(), dense_causal_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+def test_reference_decode_gathers_rows_or_indexes_alike():
+    """Single-token rows gather whole head vectors by row (caches whose head vectors are
+    contiguous, as the engine's are) or by advanced indexing (any other strides): one answer."""
+    batch = make_batch(CASES[0][1], *CASES[0][2:], torch.float32)
+    spread = [torch.full((*c.shape, 2), float("nan")) for c in (batch.k_cache, batch.v_cache)]
+    for wide, c in zip(spread, (batch.k_cache, batch.v_cache)):
+        wide[..., 0] = c
+    k_strided, v_strided = spread[0][..., 0], spread[1][..., 0]  # head_dim stride 2: no row view
+    assert reference._as_vector_rows(k_strided) is None and reference._as_vector_rows(batch.k_cache) is not None
+    args = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.scale)
+    by_rows = reference.paged_attention(batch.q, batch.k_cache, batch.v_cache, *args)
+    by_index = reference.paged_attention(batch.q, k_strided, v_strided, *args)
+    assert torch.equal(by_rows, by_index)
+    torch.testing.assert_close(by_rows.double(), dense_causal_attention(batch), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_kernel_matches_reference(case, dtype):
