@@ -94,8 +94,9 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
     """Single-query rows of ``paged_attention``, batched.
 
     Rows are sorted by context length and taken in groups; each group's
-    contexts are gathered slot by slot straight into [R, H_kv, L, D] (the
-    layout matmul wants, so no further copy). Padding positions re-read the
+    contexts are gathered straight into [R, H_kv, L, D] (the layout matmul
+    wants, so no further copy), a whole head vector at a time where the
+    cache's strides allow (``_as_vector_rows``). Padding positions re-read the
     row's last valid slot (never a stale or foreign one) and are masked out
     of the softmax.
     """
