@@ -240,9 +240,7 @@ class _Parts:
             first = a is None
             if first:
                 a = self._assemblies[request_id] = _Assembly(num_parts, dst_block_ids)
-                a.timer = threading.Timer(self.timeout, self._expire, (request_id,))
-                a.timer.daemon = True
-                a.timer.start()
+                self._arm(request_id, a, forget=False)
             a.in_flight += 1  # ended() is called for every admitted part, whatever happens
             if a.failed is not None:
                 raise KVTransferError(f"request {request_id}: {a.failed}")
@@ -266,33 +264,17 @@ class _Parts:
             if a is None:
                 return
             a.in_flight -= 1
-            a.num_ended += 1
             if error is None:
                 a.meta.update(meta or {})
                 a.figures = _merged(a.figures, figures or {})
-            elif a.failed is None:
-                a.failed = error
-            complete = a.num_ended == a.num_parts
-            if complete:
-                del self._assemblies[request_id]
-                if a.timer is not None:
-                    a.timer.cancel()
-            tell = self._take_report(a, complete)
+            tell = self._part_over(request_id, a, error)
         self._report(request_id, a, tell)
 
     def refused(self, request_id: str, error: str) -> None:
         """A part of the request failed before it was admitted (nothing of it landed)."""
         with self._lock:
             a = self._assemblies.get(request_id)
-            if a is not None:
-                a.num_ended += 1
-                a.failed = a.failed or error
-                complete = a.num_ended == a.num_parts
-                if complete:
-                    del self._assemblies[request_id]
-                    if a.timer is not None:
-                        a.timer.cancel()
-                tell = self._take_report(a, complete)
+            tell = a is not None and self._part_over(request_id, a, error)
         if a is None:  # no part of it admitted: nothing can land, the engine hears now
             self.bridge.submit(lambda e: e.kv_failed(request_id, error))
             return
@@ -314,10 +296,27 @@ class _Parts:
                 a.failed = a.failed or (f"only {a.num_ended + a.in_flight} of {a.num_parts} KV parts came "
                                         f"within {self.timeout:g}s")
                 tell = self._take_report(a, complete=False)
-            a.timer = threading.Timer(self.timeout, self._expire, (request_id, True))
-            a.timer.daemon = True
-            a.timer.start()
+            self._arm(request_id, a, forget=True)
         self._report(request_id, a, tell)
+
+    def _arm(self, request_id: str, a: _Assembly, forget: bool) -> None:
+        """``_expire`` (with ``forget``) one transfer timeout from now."""
+        a.timer = threading.Timer(self.timeout, self._expire, (request_id, forget))
+        a.timer.daemon = True
+        a.timer.start()
+
+    def _part_over(self, request_id: str, a: _Assembly, error: str | None) -> bool:
+        """One more part of the request has ended (lock held; ``error`` None: it landed). The
+        entry goes with its last part; True when the engine is to hear now."""
+        a.num_ended += 1
+        if error is not None and a.failed is None:
+            a.failed = error
+        complete = a.num_ended == a.num_parts
+        if complete:
+            del self._assemblies[request_id]
+            if a.timer is not None:
+                a.timer.cancel()
+        return self._take_report(a, complete)
 
     @staticmethod
     def _take_report(a: _Assembly, complete: bool) -> bool:
