@@ -22,17 +22,42 @@ TIMEOUT = 2.0
 SP = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
+def _engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory="4MiB",
+                                                 kv_transfer_timeout=TIMEOUT, **kw))
+
+
+def _serve(engine: LLMEngine) -> tuple[EngineBridge, KVReceivers]:
+    """The engine thread, and the decode server's KV receivers on it."""
+    bridge = EngineBridge(engine, "decode", "test")
+    bridge.start()
+    return bridge, KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+
+
+async def _reserve(bridge: EngineBridge, rid: str):
+    """A 37-token prompt's three blocks reserved for ``rid``: (its delta queue, the blocks)."""
+    q = bridge.open_stream(rid)
+    await bridge.run(lambda e: e.reserve(rid, list(range(3, 40)), SP))
+    d = await asyncio.wait_for(q.get(), 10)
+    assert d.event == "reserved" and len(d.block_ids) == 3
+    return q, d.block_ids
+
+
+async def _until(done, seconds: float) -> None:
+    """Poll ``done()`` until it is true or ``seconds`` pass (the caller asserts it after)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def test_every_begun_receive_ends_in_the_engine(tiny_llama_dir):
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
-                                                   kv_transfer_timeout=TIMEOUT))
+    engine = _engine(tiny_llama_dir)
     asyncio.run(_scenario(engine))
 
 
 async def _scenario(engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
-    bridge = EngineBridge(engine, "decode", "test")
-    bridge.start()
-    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    bridge, receivers = _serve(engine)
     layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
     source = torch.randn_like(engine.kv_cache)  # the "prefill" side's cache
     try:
@@ -41,20 +66,13 @@ async def _scenario(engine: LLMEngine) -> None:
         sender = await loop.run_in_executor(None, lambda: KVSender.connect(
             "127.0.0.1", resp.port, layout, timeout=10))
 
-        async def reserve(rid: str):
-            q = bridge.open_stream(rid)
-            await bridge.run(lambda e: e.reserve(rid, list(range(3, 40)), SP))
-            d = await asyncio.wait_for(q.get(), 10)
-            assert d.event == "reserved" and len(d.block_ids) == 3
-            return q, d.block_ids
-
         async def send(rid: str, dst: list[int]) -> None:
             await loop.run_in_executor(None, lambda: sender.send(rid, [10, 11, 12], dst, source,
                                                                  meta={"first_token": 5}))
 
         # 1. The engine refuses the destination blocks (a ValueError, not a
         #    KVTransferError): the data is drained and the request fails at once.
-        q, dst = await reserve("wrong")
+        q, dst = await _reserve(bridge, "wrong")
         await send("wrong", dst[::-1])
         d = await asyncio.wait_for(q.get(), 10)
         assert d.finish_reason == "abort" and d.error.kind == "kv_transfer" and "reserved" in d.error.message
@@ -62,7 +80,7 @@ async def _scenario(engine: LLMEngine) -> None:
 
         # 2. The engine thread answers the validation after the receiver gave
         #    up waiting: the failure still lands after the begin, and frees.
-        q, dst = await reserve("late")
+        q, dst = await _reserve(bridge, "late")
         bridge.submit(lambda e: time.sleep(TIMEOUT + 1.0))  # the engine thread is busy
         t0 = time.monotonic()
         await send("late", dst)
@@ -72,7 +90,7 @@ async def _scenario(engine: LLMEngine) -> None:
         assert engine.stats().kv_blocks_used == 0 and not engine.scheduler.requests
 
         # 3. The pair is still good: the next transfer lands and the request runs.
-        q, dst = await reserve("ok")
+        q, dst = await _reserve(bridge, "ok")
         await send("ok", dst)
         tokens = []
         while True:
@@ -85,10 +103,8 @@ async def _scenario(engine: LLMEngine) -> None:
         assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11]])
         assert engine.stats().kv_blocks_used == 0 and receivers.num_pairs == 1
         await loop.run_in_executor(None, sender.close)
-        deadline = time.monotonic() + 10
-        while receivers.num_pairs:  # the peer closed: the pair is forgotten, its thread gone
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await _until(lambda: not receivers.num_pairs, 10)  # the peer closed: the pair is forgotten
+        assert receivers.num_pairs == 0
     finally:
         receivers.close()
         bridge.stop()
@@ -98,16 +114,13 @@ def test_parts_from_tensor_parallel_ranks_come_together(tiny_llama_dir):
     """A two-rank prefill engine's channel: a pair per rank, each into its share of the KV
     heads. A request runs once both parts landed; one whose second part never comes fails
     after the transfer timeout, and its blocks go back."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
-                                                   kv_transfer_timeout=TIMEOUT))
+    engine = _engine(tiny_llama_dir)
     asyncio.run(_parts_scenario(engine))
 
 
 async def _parts_scenario(engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
-    bridge = EngineBridge(engine, "decode", "test")
-    bridge.start()
-    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    bridge, receivers = _serve(engine)
     layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)  # 2 KV heads
     source = torch.randn_like(engine.kv_cache)
     senders = []
@@ -120,56 +133,44 @@ async def _parts_scenario(engine: LLMEngine) -> None:
             senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(
                 "127.0.0.1", part.port, one_head, timeout=10)))
 
-        async def reserve(rid: str):
-            q = bridge.open_stream(rid)
-            await bridge.run(lambda e: e.reserve(rid, list(range(3, 40)), SP))
-            d = await asyncio.wait_for(q.get(), 10)
-            return q, d.block_ids
-
         async def send(rank: int, rid: str, dst: list[int]) -> None:
             await loop.run_in_executor(None, lambda: senders[rank].send(
                 rid, [10, 11, 12], dst, source[..., rank:rank + 1, :], meta={"first_token": 5}))
 
-        q, dst = await reserve("both")
+        q, dst = await _reserve(bridge, "both")
         await asyncio.gather(send(1, "both", dst), send(0, "both", dst))
         d = await asyncio.wait_for(q.get(), 10)
         assert d.error is None and d.token_ids[:1] == [5]
         assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11]])  # both heads, each from its rank
 
-        q, dst = await reserve("half")
+        q, dst = await _reserve(bridge, "half")
         t0 = time.monotonic()
         await send(0, "half", dst)
         d = await asyncio.wait_for(q.get(), 10)
         assert d.finish_reason == "abort" and "1 of 2 KV parts" in d.error.message
         assert TIMEOUT - 0.5 < time.monotonic() - t0 < TIMEOUT + 5
-        deadline = time.monotonic() + 10
-        while engine.stats().kv_blocks_used and time.monotonic() < deadline:  # "both" finishes decoding
-            await asyncio.sleep(0.05)
+        await _until(lambda: not engine.stats().kv_blocks_used, 10)  # "both" finishes decoding
         assert engine.stats().kv_blocks_used == 0
         # One part lands, the other is refused before admission (a block id out of range):
         # the request fails with the refusal, once both parts are over, and frees its blocks.
-        q, dst = await reserve("mixed")
+        q, dst = await _reserve(bridge, "mixed")
         await send(0, "mixed", dst)
         await send(1, "mixed", [dst[0], dst[1], 10_000])
         d = await asyncio.wait_for(q.get(), 10)
         assert d.finish_reason == "abort" and "out of range" in d.error.message
-        deadline = time.monotonic() + 10
-        while engine.stats().kv_blocks_used and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await _until(lambda: not engine.stats().kv_blocks_used, 10)
         assert engine.stats().kv_blocks_used == 0
         # The late part is refused (drained): the pair stays in step for the next request.
         await send(1, "half", dst)
         # A part that never comes: one more timeout after the failure nothing of it is left.
-        q, dst = await reserve("lost")
+        q, dst = await _reserve(bridge, "lost")
         await send(0, "lost", dst)
         d = await asyncio.wait_for(q.get(), 10)
         assert d.finish_reason == "abort" and "1 of 2 KV parts" in d.error.message
         assert "lost" in receivers._parts._assemblies
-        deadline = time.monotonic() + 2 * TIMEOUT + 5
-        while receivers._parts._assemblies and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await _until(lambda: not receivers._parts._assemblies, 2 * TIMEOUT + 5)
         assert not receivers._parts._assemblies
-        q, dst = await reserve("again")
+        q, dst = await _reserve(bridge, "again")
         await asyncio.gather(send(0, "again", dst), send(1, "again", dst))
         d = await asyncio.wait_for(q.get(), 10)
         assert d.error is None and d.token_ids[:1] == [5]
@@ -184,8 +185,7 @@ def test_a_tensor_parallel_decode_engine_receives_on_every_rank(tiny_llama_dir):
     """A two-rank decode engine: one pair into rank 0's KV head, one into the worker's (which
     asks rank 0 before anything lands). A prefill peer that opens its channel again gets new
     pairs on both ranks; the old worker pair goes once the new channel is up."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB",
-                                                   kv_transfer_timeout=TIMEOUT, tensor_parallel_size=2))
+    engine = _engine(tiny_llama_dir, tensor_parallel_size=2)
     try:
         asyncio.run(_tp_decode_scenario(engine))
     finally:
@@ -194,9 +194,7 @@ def test_a_tensor_parallel_decode_engine_receives_on_every_rank(tiny_llama_dir):
 
 async def _tp_decode_scenario(engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
-    bridge = EngineBridge(engine, "decode", "test")
-    bridge.start()
-    receivers = KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    bridge, receivers = _serve(engine)
     model_layout = receivers.layout  # both KV heads; rank 0's cache holds one
     one_head = KVLayout.of(engine.kv_cache, model_layout.model)
     source = torch.randn(*engine.kv_cache.shape[:4], 2, engine.kv_cache.shape[5])
@@ -209,14 +207,10 @@ async def _tp_decode_scenario(engine: LLMEngine) -> None:
         for part in second.parts:
             senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(
                 "127.0.0.1", part.port, one_head, timeout=10)))
-        deadline = time.monotonic() + 3 * TIMEOUT + 5
-        while receivers.num_pairs != 2 and time.monotonic() < deadline:  # the first channel's pairs go
-            await asyncio.sleep(0.05)
+        await _until(lambda: receivers.num_pairs == 2, 3 * TIMEOUT + 5)  # the first channel's pairs go
         assert receivers.num_pairs == 2 and [r for r, _ in receivers._remote["p:1"]] == [1]
 
-        q = bridge.open_stream("r")
-        await bridge.run(lambda e: e.reserve("r", list(range(3, 40)), SP))
-        dst = (await asyncio.wait_for(q.get(), 10)).block_ids
+        q, dst = await _reserve(bridge, "r")
         await asyncio.gather(*(loop.run_in_executor(None, lambda s=s, h=h: s.send(
             "r", [10, 11, 12], dst, source[..., h:h + 1, :].contiguous(), meta={"first_token": 5}))
             for h, s in enumerate(senders)))
