@@ -33,6 +33,13 @@ from rpc.server import CHANNEL_OPTIONS
 logger = logging.getLogger(__name__)
 
 
+def check_block_counts(request_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    """The prefill side computed as many blocks as the decode side reserved (else KVTransferError)."""
+    if len(src_block_ids) != len(dst_block_ids):
+        raise KVTransferError(f"request {request_id}: {len(src_block_ids)} blocks computed but "
+                              f"{len(dst_block_ids)} reserved on the decode server")
+
+
 class RankPairs:
     """One channel to a decode server in parts, used like one KVSender by KVSenders: each
     part moves some of the KV heads, between a rank of this engine and a rank of the decode
@@ -146,7 +153,7 @@ class KVSenders:
 
     def _connect_parts(self, resp: engine_pb2.OpenKVChannelResponse, key: str) -> RankPairs:
         """Each part's sending rank joins the pair the decode server opened for it."""
-        backend = resp.backend or "auto"
+        backend, store = resp.backend or "auto", self.tp.store if self.tp else None
         local: list[tuple[KVSender, tuple[int, int]]] = []
         remote: list[tuple[int, str]] = []
         try:
@@ -166,9 +173,9 @@ class KVSenders:
                         heads=list(heads), backend=backend, timeout=self.timeout), 2 * self.timeout)
                     remote.append((part.src_rank, part_key))
         except (KVTransferError, RankCallError, TimeoutError) as exc:
-            RankPairs(local, self.tp.store if self.tp else None, remote, self.timeout).close()
+            RankPairs(local, store, remote, self.timeout).close()  # the parts joined so far
             raise KVTransferError(f"KV pairs to {resp.host}: {exc}") from exc
-        return RankPairs(local, self.tp.store if self.tp else None, remote, self.timeout)
+        return RankPairs(local, store, remote, self.timeout)
 
     def sends_in_parts(self, decode_address: str) -> bool:
         """Whether the open channel to that decode server goes in parts (RankPairs)."""
@@ -180,9 +187,7 @@ class KVSenders:
     def send(self, decode_address: str, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
              meta: dict) -> TransferStats:
         """Blocking: returns once the blocks' data has left this process."""
-        if len(src_block_ids) != len(dst_block_ids):
-            raise KVTransferError(f"request {request_id}: {len(src_block_ids)} blocks computed but "
-                                  f"{len(dst_block_ids)} reserved on the decode server")
+        check_block_counts(request_id, src_block_ids, dst_block_ids)
         reused = self.has_pair(decode_address)
         sender = self.pair(decode_address)
         try:

@@ -41,7 +41,7 @@ import torch
 
 from engine.kv_transfer import KVTransferError, TransferStats
 from prefill_service.flags import PAIRS_PER_DECODE
-from prefill_service.kv_sender import KVSenders
+from prefill_service.kv_sender import KVSenders, check_block_counts
 
 logger = logging.getLogger(__name__)
 _END = "end"  # the step is over: no more layers
@@ -135,9 +135,7 @@ class LayerwiseSends:
     def _run(self, s: StreamedSend, block_ids: list[int]) -> TransferStats:
         deadline = time.monotonic() + self.senders.timeout
         src = s.src_block_ids = block_ids[s.skip:]
-        if len(src) != len(s.dst_block_ids):
-            raise KVTransferError(f"request {s.request_id}: {len(src)} blocks computed but "
-                                  f"{len(s.dst_block_ids)} reserved on the decode server")
+        check_block_counts(s.request_id, src, s.dst_block_ids)
         reused = self.senders.has_pair(s.decode_address, s.slot)
         sender = self.senders.pair(s.decode_address, slot=s.slot)
         header_sent = False
