@@ -80,11 +80,7 @@ class Shard:
     @property
     def kv_heads(self) -> tuple[int, int]:
         """This rank's KV heads; replicated when there are fewer KV heads than ranks."""
-        if self.num_kv_heads >= self.size:
-            n = self.num_kv_heads // self.size
-            return self.rank * n, (self.rank + 1) * n
-        head = self.rank * self.num_kv_heads // self.size
-        return head, head + 1
+        return kv_head_range(self.rank, self.size, self.num_kv_heads)
 
     @property
     def num_local_heads(self) -> int:
@@ -112,9 +108,13 @@ class Shard:
 
 
 def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
-    """The KV heads rank ``rank`` of ``size`` holds (replicated when size > num_kv_heads)."""
-    return Shard(rank, size, num_heads=size, num_kv_heads=num_kv_heads, intermediate_size=size,
-                 vocab_size=size).kv_heads
+    """The KV heads rank ``rank`` of ``size`` holds: a contiguous share, or with fewer KV heads
+    than ranks, one head each, replicated on size / num_kv_heads consecutive ranks."""
+    if num_kv_heads >= size:
+        n = num_kv_heads // size
+        return rank * n, (rank + 1) * n
+    head = rank * num_kv_heads // size
+    return head, head + 1
 
 
 class KVPart(NamedTuple):
