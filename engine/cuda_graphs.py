@@ -255,7 +255,7 @@ class DecodeGraphs:
         step = self.prepare(scheduled)
         if step is None:
             return None
-        return self.replay(*step)[:len(scheduled)]
+        return self.replay(step.size, step.splits)[:len(scheduled)]
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> GraphStep | None:
         """Fill and upload the inputs of a pure-decode batch; the graph to replay, or None
@@ -272,7 +272,7 @@ class DecodeGraphs:
         self.inputs.upload(size, width)
         return GraphStep(size, splits, width)
 
-    def replay(self, size: int, splits: int | None, width: int = 0) -> torch.Tensor:
+    def replay(self, size: int, splits: int | None) -> torch.Tensor:
         """Run the graph of (size, splits) on the inputs already in the device buffers;
         the static logits [max size, V]."""
         self.last_splits = splits

@@ -316,18 +316,21 @@ class ModelRunner:
         size, splits, width = step
         self.tp.broadcast(torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0],
                                        dtype=torch.int64, device=self.device))
-        inputs = self.graphs.inputs
-        self.tp.broadcast(inputs.i64)
-        self.tp.broadcast(inputs.staged_i32(size, width))
+        self._broadcast_graph_inputs(size, width)
 
     def _replay_shared_graph_step(self, size: int, splits: int, width: int) -> None:
         """Ranks > 0: the inputs rank 0 shares into this rank's buffers, then the same graph."""
+        assert self.graphs is not None
+        self._broadcast_graph_inputs(size, width)
+        self.graphs.inputs.place_tables(size, width)
+        self.graphs.replay(size, None if splits < 0 else splits)
+
+    def _broadcast_graph_inputs(self, size: int, width: int) -> None:
+        """Rank 0's uploaded decode-graph inputs into every rank's buffers (the same call on all)."""
         assert self.tp is not None and self.graphs is not None
         inputs = self.graphs.inputs
         self.tp.broadcast(inputs.i64)
         self.tp.broadcast(inputs.staged_i32(size, width))
-        inputs.place_tables(size, width)
-        self.graphs.replay(size, None if splits < 0 else splits)
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -386,7 +389,7 @@ class ModelRunner:
             assert self.graphs is not None
             if self.tp is not None:
                 self._share_graph_step(step)
-            logits = self.graphs.replay(*step)[:len(out.scheduled)]
+            logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
         else:
             input_ids, positions, meta, sample_idx = self._prepare(out)
             if self.tp is not None:
