@@ -42,6 +42,23 @@ def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | No
                 yield name, fh.get_slice(name)[index]
 
 
+def dummy_checkpoint(cfg: ModelConfig, model: LlamaForCausalLM, device: torch.device
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights as a checkpoint: norms 1, biases 0, the rest N(0, 0.02).
+    Every tensor is drawn whole from one seeded generator, and each rank keeps
+    its part (as from a file), so a model is the same at every TP size."""
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    for name, shape in model.checkpoint_shapes():
+        t = torch.empty(shape, dtype=cfg.torch_dtype, device=device)
+        if "norm" in name:
+            t.fill_(1.0)
+        elif name.endswith(".bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        yield name, t
+
+
 def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGroup | None = None
                ) -> LlamaForCausalLM:
     torch.manual_seed(cfg.seed + (tp.rank if tp is not None else 0))
@@ -50,14 +67,7 @@ def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGr
     model = model.to(dtype=cfg.torch_dtype)
     model.cos_sin = model.cos_sin.float()  # RoPE table stays float32 (cast per use, like HF)
     if cfg.load_format == "dummy":
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, 0.02)
+        model.load_weights(dummy_checkpoint(cfg, model, device))
         logger.info("loaded random (dummy) weights")
     else:
         model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice))

@@ -126,8 +126,12 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     rpc.install_signal_handlers()
     await rpc.start()  # health answers NOT_SERVING while the model loads
     t0 = time.time()
-    engine = await asyncio.get_running_loop().run_in_executor(
-        None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
+    try:
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
+    except BaseException:  # a bad flag or a failed load: stop the server inside its loop, then report
+        await rpc.server.stop(grace=None)
+        raise
     metrics = EngineMetrics(engine, role)
     if args.metrics_port != 0:
         port = args.port + 1000 if args.metrics_port < 0 else args.metrics_port

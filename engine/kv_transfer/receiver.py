@@ -189,17 +189,21 @@ class KVReceiver(_Pair):
         what = f"request {request_id}: receiving KV" + (" (draining a rejected transfer)" if drain else "")
         chunks = chunk_ranges(self.layout.num_layers, plan.chunk_layers)
         self._after_callers_work()
+        marks.append(("after caller's work", time.perf_counter()))
         with self._on_stream():
+            marks.append(("on stream", time.perf_counter()))
             dst_index = None
             if plan.pack and not drain:
                 dst_index = self._index_on_device(dst_ids, kv_cache.device)
             trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire_device)
+            marks.append(("index and trailer placed", time.perf_counter()))
             works: list[list[Any]] = []
             staged: list[list[torch.Tensor]] = []  # per chunk: its messages' staging views ([] if in place)
             num_messages = 0
             for k in range(len(chunks) + 1):
                 if k < len(chunks):
                     targets, in_staging = self._targets(k, chunks[k], runs, kv_cache, plan, drain)
+                    marks.append((f"chunk {k} targets", time.perf_counter()))
                     num_messages += len(targets)
                     staged.append(list(targets) if in_staging and not drain else [])
                     if k == len(chunks) - 1:

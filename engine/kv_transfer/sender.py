@@ -185,9 +185,11 @@ class KVSendTransfer:
         self._src_index: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
         sender._after_callers_work()
+        self._marks.append(("after caller's work", time.perf_counter()))
         if plan.pack:
             with sender._on_stream():
                 self._src_index = sender._index_on_device(src, kv_cache.device)
+            self._marks.append(("index placed", time.perf_counter()))
 
     @property
     def chunk_layers(self) -> int:
@@ -228,6 +230,7 @@ class KVSendTransfer:
                     self._num_waited = k - 1
             if self._plan.pack:
                 messages = [self._gather(k, l0, l1)]
+                self._marks.append((f"chunk {k} gathered", time.perf_counter()))
             else:
                 messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs.tolist()]
             self._num_messages += len(messages)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -215,6 +215,28 @@ class LlamaForCausalLM(nn.Module):
             return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][shard]
         lo, hi = s.intermediate
         return [slice(0, hi - lo), slice(hi - lo, 2 * (hi - lo))][shard]
+
+    def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every tensor of this model's checkpoint with its full (unsharded) shape,
+        in checkpoint order."""
+        c, d = self.config, self.config.head_dim
+        h, q, kv, i = c.hidden_size, c.num_heads * d, c.num_kv_heads * d, c.intermediate_size
+        yield "model.embed_tokens.weight", (c.vocab_size, h)
+        for n in range(c.num_layers):
+            pre = f"model.layers.{n}."
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield f"{pre}self_attn.{proj}.weight", (rows, h)
+                if c.attention_bias:
+                    yield f"{pre}self_attn.{proj}.bias", (rows,)
+            yield f"{pre}self_attn.o_proj.weight", (h, q)
+            yield f"{pre}mlp.gate_proj.weight", (i, h)
+            yield f"{pre}mlp.up_proj.weight", (i, h)
+            yield f"{pre}mlp.down_proj.weight", (h, i)
+            yield f"{pre}input_layernorm.weight", (h,)
+            yield f"{pre}post_attention_layernorm.weight", (h,)
+        yield "model.norm.weight", (h,)
+        if not c.tie_word_embeddings:
+            yield "lm_head.weight", (c.vocab_size, h)
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of this rank's part of checkpoint tensor ``name``; None: all of it.

@@ -200,6 +200,39 @@ def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
         EngineArgs(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=4).create_engine_config()
 
 
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
+                                             ("qwen2", {})])
+def test_checkpoint_shapes_name_every_tensor_of_a_checkpoint(tmp_path, arch, overrides):
+    """Dummy weights are drawn as a checkpoint of these names and shapes."""
+    from safetensors import safe_open
+
+    from engine.model_runner import select_ops
+    from engine.models.llama import LlamaForCausalLM
+
+    d = make_tiny_model(tmp_path / arch, arch=arch, **overrides)
+    model = LlamaForCausalLM(EngineArgs(model=str(d), device="cpu").create_engine_config().model, select_ops(torch.device("cpu")))
+    want = {}
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as fh:
+            want.update({n: tuple(fh.get_slice(n).get_shape()) for n in fh.keys()})
+    if overrides.get("tie_word_embeddings"):
+        want.pop("lm_head.weight", None)
+    assert dict(model.checkpoint_shapes()) == want
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp_size(tiny_llama_dir):
+    """Each rank keeps its part of one seeded draw, so TP 2 serves TP 1's random model
+    (and tiers of different TP sizes agree on it)."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(KW, load_format="dummy")
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
+    try:
+        got = _tokens(llm, PROMPTS, sp)
+    finally:
+        llm.engine.close()
+    assert got == _tokens(LLM(str(tiny_llama_dir), **kw), PROMPTS, sp)
+
+
 def test_a_dead_worker_fails_the_next_step_and_leaves_no_process(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **KW)
     engine = llm.engine
