@@ -205,24 +205,20 @@ class _Pair:
         return self._group
 
     @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        """Current device and stream for this pair's data work (nothing on CPU)."""
+    def _on_stream(self, after_caller: bool = False) -> Iterator[None]:
+        """Current device and stream for this pair's data work (nothing on CPU). ``after_caller``:
+        first order this stream after the calling thread's current stream (the engine's writes
+        to the cache, or its last reads of blocks about to be overwritten)."""
         if self.device.type != "cuda":
             yield
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
+        caller = torch.cuda.current_stream(self.device) if after_caller else None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            yield
-
-    def _after_callers_work(self) -> None:
-        """Order this pair's stream after the calling thread's current stream (the engine's
-        writes to the cache, or its last reads of blocks about to be overwritten)."""
-        if self.device.type == "cuda":
-            caller = torch.cuda.current_stream(self.device)
-            with self._on_stream():
-                assert self._stream is not None
+            if caller is not None:
                 self._stream.wait_stream(caller)
+            yield
 
     def _buffer(self, kind: str, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat staging buffer of at least ``numel``, kept for the pair's life (two slots a

@@ -123,7 +123,8 @@ class KVReceiver(_Pair):
                 self._fail("reading a KV header", e)
                 raise KVTransferError(f"malformed KV header {header!r}: {e}") from e
             dst = dst_ids.tolist()
-            try:
+
+            def check() -> None:
                 in_range = dst_ids.size == 0 or (dst_ids.min() >= 0 and dst_ids.max() < kv_cache.shape[1])
                 if not in_range or has_repeats(dst_ids):
                     err = KVTransferError(f"request {request_id}: dst block ids out of range "
@@ -132,13 +133,11 @@ class KVReceiver(_Pair):
                     raise err
                 if validate is not None:
                     validate(request_id, list(dst))
-            except Exception:
-                self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, drain=True, marks=[])
-                raise
-            marks.append(("validated", time.perf_counter()))
+                marks.append(("validated", time.perf_counter()))
+
             try:
-                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan,
-                                                               drain=False, marks=marks)
+                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, check,
+                                                               marks)
             except KVTransferError as e:
                 e.request_id = request_id
                 raise
@@ -180,23 +179,37 @@ class KVReceiver(_Pair):
         return header
 
     def _recv_chunks(self, request_id: str, runs: np.ndarray, dst_ids: np.ndarray,
-                     kv_cache: torch.Tensor, plan: WirePlan, drain: bool,
+                     kv_cache: torch.Tensor, plan: WirePlan, check: Callable[[], None],
                      marks: list[tuple[str, float]]) -> tuple[int, dict[str, Any], int]:
         """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
-        previous one lands. Drained: everything goes to scratch and kv_cache is not touched.
+        previous one lands. ``check`` (the destination blocks may be written) runs before
+        anything can reach kv_cache: before the first post, or for a packed plan, whose
+        messages land in staging first, right after it. If it raises, the rest is drained into
+        scratch, kv_cache is not touched, and its exception is raised once the trailer is in.
         Returns (trailer status, the sender's meta, data messages)."""
         deadline = time.monotonic() + self.timeout
-        what = f"request {request_id}: receiving KV" + (" (draining a rejected transfer)" if drain else "")
+        what = f"request {request_id}: receiving KV"
         chunks = chunk_ranges(self.layout.num_layers, plan.chunk_layers)
-        self._after_callers_work()
-        marks.append(("after caller's work", time.perf_counter()))
-        with self._on_stream():
-            marks.append(("on stream", time.perf_counter()))
-            dst_index = None
-            if plan.pack and not drain:
-                dst_index = self._index_on_device(dst_ids, kv_cache.device)
-            trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire_device)
-            marks.append(("index and trailer placed", time.perf_counter()))
+        rejected: Exception | None = None
+
+        def run_check() -> bool:
+            nonlocal rejected, what, deadline
+            try:
+                check()
+                return False
+            except Exception as e:
+                rejected, what = e, what + " (draining a rejected transfer)"
+                return True
+            finally:  # the check may wait (for the engine): the data's deadline starts after it
+                deadline = time.monotonic() + self.timeout
+
+        drain = False if plan.pack else run_check()
+        with self._on_stream(after_caller=True):
+            marks.append(("after caller's work", time.perf_counter()))
+            dst_index = None  # placed after chunk 0 is posted: the first landing needs it
+            # kept for the pair's life: transfers on a pair never overlap, and this one is read
+            # after everything it posted has completed
+            trailer = self._buffer("trailer", 0, TRAILER_BYTES, torch.uint8, self.wire_device)
             works: list[list[Any]] = []
             staged: list[list[torch.Tensor]] = []  # per chunk: its messages' staging views ([] if in place)
             num_messages = 0
@@ -210,6 +223,12 @@ class KVReceiver(_Pair):
                         targets.append(trailer)
                     works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][0]}.."))
                     marks.append((f"chunk {k} posted", time.perf_counter()))
+                if k == 0 and plan.pack:
+                    drain = run_check()
+                    if drain:
+                        staged[0] = []
+                    else:
+                        dst_index = self._index_on_device(dst_ids, kv_cache.device)
                 if k >= 1:
                     self._land(k - 1, chunks[k - 1], works[k - 1], staged[k - 1], runs, kv_cache, dst_index,
                                deadline, what)
@@ -224,7 +243,9 @@ class KVReceiver(_Pair):
             except ValueError as e:
                 self._fail("reading a KV trailer", e)
                 raise KVTransferError(f"{what}: malformed trailer: {e}") from e
-            return status, meta, num_messages
+        if rejected is not None:
+            raise rejected
+        return status, meta, num_messages
 
     def _targets(self, k: int, chunk: tuple[int, int], runs: np.ndarray, kv_cache: torch.Tensor,
                  plan: WirePlan, drain: bool) -> tuple[list[torch.Tensor], bool]:

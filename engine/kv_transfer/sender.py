@@ -184,12 +184,10 @@ class KVSendTransfer:
         self._done = False
         self._src_index: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
-        sender._after_callers_work()
-        self._marks.append(("after caller's work", time.perf_counter()))
-        if plan.pack:
-            with sender._on_stream():
+        with sender._on_stream(after_caller=True):
+            if plan.pack:
                 self._src_index = sender._index_on_device(src, kv_cache.device)
-            self._marks.append(("index placed", time.perf_counter()))
+        self._marks.append(("after caller's work" + (", index placed" if plan.pack else ""), time.perf_counter()))
 
     @property
     def chunk_layers(self) -> int:
