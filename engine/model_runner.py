@@ -152,6 +152,10 @@ class ModelRunner:
         if self.use_cuda_graphs:
             assert self.graphs is not None
             self.graphs.capture()
+        if self.device.type == "cuda" and self.ops.__name__ == "kernels":
+            from kernels import compiles
+
+            compiles.watch(logger)  # from here on, a compile is a stall worth a log line
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda":

@@ -122,7 +122,7 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # per-step counts: one compile for all
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]; with NUM_SPLITS > 1: [NUM_SPLITS, T, Hq, D] float32 partial sums
     m_ptr,  # [NUM_SPLITS, T, Hq] float32 running max (log2 units); used only when split
@@ -225,7 +225,7 @@ def _paged_attention_kernel(
         tl.store(l_ptr + row, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
     out_ptr,  # [T, Hq, D]
     acc_ptr,  # [NUM_SPLITS, T, Hq, D] float32
