@@ -146,6 +146,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
                                     mc.head_dim, dtype=mc.torch_dtype, device=self.device)
         self.sampler = Sampler()
+        self._warm_up_kernels()
         self.graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs or graphs_eager:
             self.graphs = self.build_decode_graphs(use_graphs=self.use_cuda_graphs)
@@ -156,6 +157,29 @@ class ModelRunner:
             from kernels import compiles
 
             compiles.watch(logger)  # from here on, a compile is a stall worth a log line
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Compile, before serving, the kernel variants an eager step can meet (Triton compiles
+        a variant the first time a launch needs it, stalling that step ~1 s): one mixed step (a
+        3-token prefill chunk beside a decode row; slot -1 writes nowhere, block 0 is read),
+        and every split variant of paged attention. Decode graphs compile theirs at capture."""
+        if self.device.type != "cuda" or self.ops.__name__ != "kernels":
+            return
+        mc, dev = self.config.model, self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((4,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([3, 1], dtype=torch.int32, device=dev))
+        ids = torch.zeros(4, dtype=torch.long, device=dev)
+        hidden = self.model(ids, torch.tensor([0, 1, 2, 0], device=dev), self.kv_cache, meta)
+        self.model.compute_logits(hidden[[2, 3]])
+        from kernels.paged_attention import warm_up
+
+        shard = self.model.shard
+        warm_up(mc.torch_dtype, shard.num_local_heads, shard.num_local_kv_heads, mc.head_dim, self.block_size, dev)
+        torch.cuda.synchronize(dev)
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda":

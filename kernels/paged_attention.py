@@ -25,9 +25,12 @@ A tile reads keys [0, kv_end), kv_end being one past its last query's
 position, so pages past it (and block-table padding) are never read.
 
 Split-K (flash decoding): when the grid is too small to fill the GPU (decode
-of a few long sequences), each tile's key range is cut into NUM_SPLITS parts
+of a few long sequences), each tile's key range is cut into num_splits parts
 run in parallel; each part writes an unnormalised partial (sum, running max,
-running denominator) and _combine_kernel merges them.
+running denominator) and _combine_kernel merges them. The split count is a
+runtime argument (only whether there are splits, and the combine's power-of-two
+width, are compiled in), so ``warm_up`` can compile every variant a call may
+pick before serving: a compile met while serving stalls a step for ~1 s.
 """
 from __future__ import annotations
 
@@ -122,11 +125,11 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # per-step counts: one compile for all
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])  # per-call counts: one compile for all
 def _paged_attention_kernel(
-    out_ptr,  # [T, Hq, D]; with NUM_SPLITS > 1: [NUM_SPLITS, T, Hq, D] float32 partial sums
-    m_ptr,  # [NUM_SPLITS, T, Hq] float32 running max (log2 units); used only when split
-    l_ptr,  # [NUM_SPLITS, T, Hq] float32 softmax denominator; used only when split
+    out_ptr,  # [T, Hq, D]; with SPLIT: [num_splits, T, Hq, D] float32 partial sums
+    m_ptr,  # [num_splits, T, Hq] float32 running max (log2 units); used only when split
+    l_ptr,  # [num_splits, T, Hq] float32 softmax denominator; used only when split
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
@@ -136,6 +139,7 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     num_tokens,
+    num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -149,7 +153,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -182,7 +186,7 @@ def _paged_attention_kernel(
     # Keys [0, kv_end) in key tiles of BLOCK_N; this split takes a contiguous share.
     kv_end = ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len)
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
     n_lo = split * tiles_per_split
     n_hi = tl.minimum(n_lo + tiles_per_split, num_kv_tiles)
 
@@ -211,7 +215,7 @@ def _paged_attention_kernel(
             )
 
     mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -225,25 +229,25 @@ def _paged_attention_kernel(
         tl.store(l_ptr + row, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_kernel(
     out_ptr,  # [T, Hq, D]
-    acc_ptr,  # [NUM_SPLITS, T, Hq, D] float32
-    m_ptr,  # [NUM_SPLITS, T, Hq] float32
-    l_ptr,  # [NUM_SPLITS, T, Hq] float32
+    acc_ptr,  # [num_splits, T, Hq, D] float32
+    m_ptr,  # [num_splits, T, Hq] float32
+    l_ptr,  # [num_splits, T, Hq] float32
     num_tokens,
+    num_splits,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_D: tl.constexpr,
 ):
     # One program per (token, query head): softmax-weighted merge of the splits.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     row = (splits * num_tokens + token) * NUM_Q_HEADS + head  # [BLOCK_S]
@@ -451,7 +455,7 @@ def paged_attention(
 
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs, num_tokens,
+        scale * _LOG2E, num_seqs, num_tokens, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -465,7 +469,7 @@ def paged_attention(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         # float32 models get exact float32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
@@ -473,12 +477,28 @@ def paged_attention(
     )
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
-            out, partial, m, l, num_tokens,
+            out, partial, m, l, num_tokens, num_splits,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
             BLOCK_S=next_pow2(num_splits),
             BLOCK_D=next_pow2(head_dim),
         )
     return out
+
+
+def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+            device: torch.device) -> None:
+    """Compile every variant ``paged_attention`` may pick for these shapes: decode- and
+    prefill-shaped tiles, each whole and split, and the combine for every power-of-two
+    split width up to _MAX_SPLITS (tiny launches; their results are thrown away)."""
+    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    for tokens in (1, 2):  # one query per sequence (decode-shaped), more (prefill-shaped)
+        q = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype, device=device)
+        starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+        splits = 1
+        while splits <= _MAX_SPLITS:
+            paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=splits)
+            splits *= 2
