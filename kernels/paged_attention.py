@@ -125,7 +125,8 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])  # per-call counts: one compile for all
+# per-call counts and the block tables' width: one compile for all
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]; with SPLIT: [num_splits, T, Hq, D] float32 partial sums
     m_ptr,  # [num_splits, T, Hq] float32 running max (log2 units); used only when split
