@@ -91,6 +91,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self.engine.bind_thread()
             idle = True
             while not self._stopped.is_set():
                 self._run_commands(block=idle)

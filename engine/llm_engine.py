@@ -143,6 +143,13 @@ class LLMEngine:
         logger.info("tensor parallel: %d ranks (%s), workers %s", size, tp.backend, [w.pid for w in workers])
         return tp, workers
 
+    def bind_thread(self) -> None:
+        """Make the calling thread's current CUDA device the engine's. Call it first in any
+        thread that steps the engine other than the one that built it: a thread starts on
+        cuda:0, and Triton launches on the current device's stream, whatever device the
+        tensors are on (out of order with the engine's own stream, on another GPU)."""
+        self.runner.bind_thread()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1). Idempotent."""
         self._close_tp()

@@ -381,6 +381,10 @@ class ModelRunner:
             if s:
                 self.model.compute_logits(hidden[idx])  # takes part in the gather
 
+    def bind_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop; then, on every rank, drop the graphs and
         release the group (in that order: graphs hold work captured on the group's

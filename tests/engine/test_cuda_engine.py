@@ -72,3 +72,21 @@ def test_cuda_bf16_memory_profile_and_matches_transformers(tiny_llama_dir):
             gap = abs(logits[k, ref[k]] - logits[k, toks[k]]).item()
             top2 = logits[k].topk(2).values
             assert gap <= BF16_NEAR_TIE and (top2[0] - top2[1]).item() <= BF16_NEAR_TIE, (k, toks, ref, gap)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_engine_loop_steps_on_the_engines_own_gpu(tiny_llama_dir):
+    """A server's engine on cuda:1 is stepped by the engine-loop thread, which starts on
+    cuda:0: Triton would launch there, out of order with the engine's stream."""
+    from engine.config import EngineArgs
+    from engine.engine_loop import EngineLoop
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), device="cuda:1", dtype="float32",
+                                                   kv_cache_memory="64MiB"))
+    loop = EngineLoop(engine, lambda out: None)
+    loop.start()
+    try:
+        assert loop.submit(lambda e: torch.cuda.current_device()).result(30) == 1
+    finally:
+        loop.stop()

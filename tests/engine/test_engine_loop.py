@@ -12,13 +12,16 @@ from engine.llm_engine import StepOutput
 
 
 class _StepCounter:
-    """A minimal stand-in with the two methods EngineLoop calls (and what the server's
+    """A minimal stand-in with the methods EngineLoop calls (and what the server's
     watchdog reads)."""
 
     def __init__(self, steps: int, fail_at: int | None = None) -> None:
         self.left, self.fail_at, self.done = steps, fail_at, 0
         self.threads: set[str] = set()
         self.workers_alive = True  # tensor-parallel workers
+
+    def bind_thread(self) -> None:
+        pass
 
     def has_unfinished_requests(self) -> bool:
         return self.left > 0

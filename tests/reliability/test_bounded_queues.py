@@ -18,6 +18,9 @@ from rpc.engine_bridge import Delta, _DeltaQueue
 
 
 class _Idle:
+    def bind_thread(self) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return False
 
