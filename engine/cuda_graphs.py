@@ -231,12 +231,15 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(dev)[0]
         pool = torch.cuda.graph_pool_handle()
+        # on this engine's GPU: torch.cuda.graph's default capture stream is made once per
+        # process, on the device current then (another engine's, in a process with two)
+        stream = torch.cuda.Stream(dev)
         for size in reversed(self.sizes):
             for _, splits in self.variants[size]:
                 self._forward_into_output(size, splits)  # warm-up outside the graph: Triton compiles here
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self._capture_mode):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
                     self._forward_into_output(size, splits)
                 self.graphs[(size, splits)] = graph
         torch.cuda.synchronize(dev)
