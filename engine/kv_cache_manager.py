@@ -30,6 +30,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept alongside
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks so far
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the pool
 
@@ -83,12 +84,16 @@ class KVCacheManager:
             return None
         rid = request.request_id
         blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
             self.num_cached_blocks[rid] = len(blocks)
         new = self.pool.get_new_blocks(need) if need else []
-        blocks.extend(new)
+        if new:
+            blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         return new
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -107,12 +112,13 @@ class KVCacheManager:
         self.num_cached_blocks[rid] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return list(self.req_block_ids.get(request_id, ()))  # a copy: the kept list grows
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so its prefix is evicted
         last). Hashes are kept: a preempted request recomputes the same ones."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 

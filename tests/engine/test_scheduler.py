@@ -130,6 +130,8 @@ def test_random_workload_never_leaks():
         step(s)
         held = {b.block_id for v in s.kv.req_blocks.values() for b in v}
         assert s.kv.pool.num_used_blocks == len(held)
+        # the block tables kept as ids follow the blocks through allocation, preemption and frees
+        assert s.kv.req_block_ids == {rid: [b.block_id for b in v] for rid, v in s.kv.req_blocks.items()}
         for b in s.kv.pool.blocks:
             assert b.ref_cnt == sum(b in v for v in s.kv.req_blocks.values())
             assert (b.ref_cnt == 0) == (b.prev_free is not None)
