@@ -93,10 +93,14 @@ def _attend_kv_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is below kv_end and visible to every row
 ):
     # One online-softmax step over one tile of keys.
     pos = n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    pos_ok = pos < kv_end
+    if MASKED:
+        pos_ok = pos < kv_end
+    else:
+        pos_ok = tl.full([BLOCK_N], True, tl.int1)
     # Each key finds its own page, so one key tile may span several small
     # pages or part of a large one. int64: block * stride can pass 2^31.
     block = tl.load(block_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -109,8 +113,9 @@ def _attend_kv_tile(
         other=0.0,
     )  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated so far
@@ -195,24 +200,45 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Prefill tiles: key tiles below the tile's first query position (+ 1) are seen whole
+    # by every row, so they run without masks; only the causal diagonal (and kv_end) is
+    # masked. Decode tiles keep one masked loop: split, they measured 2-15% slower.
+    if BLOCK_Q > 1:
+        n_full = tl.minimum(tl.maximum((ctx_len + tok0 + 1) // BLOCK_N, n_lo), n_hi)
+    else:
+        n_full = n_lo
     if _INTERPRETED:
         # Triton 3.6's interpreter cannot take tensor bounds in range() under
         # NumPy >= 2.4 (it calls int() on a 1-element array); compiled, the
-        # for loop is kept because only for loops are software-pipelined.
+        # for loops are kept because only for loops are software-pipelined.
         n = n_lo
         while n < n_hi:
-            m_i, l_i, acc = _attend_kv_tile(
-                q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-            )
+            if n < n_full:
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+                )
+            else:
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
+                )
             n += 1
     else:
-        for n in range(n_lo, n_hi):
+        if BLOCK_Q > 1:
+            for n in range(n_lo, n_full):
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+                )
+        for n in range(n_full, n_hi):
             m_i, l_i, acc = _attend_kv_tile(
                 q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
             )
 
     mask = row_ok[:, None] & dim_ok[None, :]
