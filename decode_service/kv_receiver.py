@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -230,12 +231,20 @@ class _Parts:
     def __init__(self, bridge: EngineBridge, timeout: float) -> None:
         self.bridge, self.timeout = bridge, timeout
         self._assemblies: dict[str, _Assembly] = {}
+        self._admitted: set[str] = set()  # parts (receive_part's ids) counted in flight
+        # parts whose end came before their admission (a worker gave up waiting for it): the
+        # admission, when it comes, is refused, so nothing counts it in flight (id -> when)
+        self._ended_first: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def admit(self, request_id: str, dst_block_ids: list[int], num_parts: int) -> None:
+    def admit(self, request_id: str, dst_block_ids: list[int], num_parts: int, part: str | None = None) -> None:
         """A part's header came: may it land in ``dst_block_ids``? The request's first part asks
         the engine (begin_kv_receive); the others wait for that answer. Raises if not."""
         with self._lock:
+            if part is not None and self._ended_first.pop(part, None) is not None:
+                raise KVTransferError(f"request {request_id}: a KV part's admission came after it ended")
+            if part is not None:
+                self._admitted.add(part)
             a = self._assemblies.get(request_id)
             first = a is None
             if first:
@@ -257,8 +266,21 @@ class _Parts:
             a.begun.result(self.timeout)  # the first part's answer (raises its error)
 
     def ended(self, request_id: str, error: str | None, meta: dict | None = None,
-              figures: dict | None = None) -> None:
-        """An admitted part ended: landed (error None) or not."""
+              figures: dict | None = None, part: str | None = None) -> None:
+        """An admitted part ended: landed (error None) or not. A part whose admission has not
+        been taken yet (its caller gave up waiting for the answer) ends as refused, and its
+        admission is refused when it comes."""
+        with self._lock:
+            early = part is not None and part not in self._admitted
+            if early:
+                now = time.monotonic()
+                self._ended_first = {p: t for p, t in self._ended_first.items() if now - t < 10 * self.timeout}
+                self._ended_first[part] = now
+            else:
+                self._admitted.discard(part)
+        if early:
+            self.refused(request_id, error or "the KV part ended before its admission")
+            return
         with self._lock:
             a = self._assemblies.get(request_id)
             if a is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 import torch
@@ -80,10 +81,11 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
     Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
     receiving rank, named in the figures with the part's end (time.time())."""
     admitted: list[str] = []
+    part = uuid.uuid4().hex  # names this part to rank 0, whose answer may come after we gave up
 
     def validate(request_id: str, dst_block_ids: list[int]) -> None:
         admitted.append(request_id)
-        admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts)
+        admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts, part=part)
 
     try:
         rid, _, stats, meta = receiver.recv(heads, validate=validate)
@@ -95,11 +97,11 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
         why = f"{name} failed: {str(exc) or type(exc).__name__}"
         logger.warning("%s%s", f"request {rid}: " if rid else "", why)
         if admitted:
-            ended(request_id=rid, error=why)
+            ended(request_id=rid, error=why, part=part)
         elif rid is not None:
             refused(request_id=rid, error=why)
         return receiver.is_usable and isinstance(exc, Exception), None
-    ended(request_id=rid, error=None, meta=meta, figures={
+    ended(request_id=rid, error=None, part=part, meta=meta, figures={
         "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
         "backend": stats.backend, "rank": rank, "end": time.time()})
     return True, stats

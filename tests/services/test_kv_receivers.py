@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from decode_service.kv_receiver import KVReceivers
 from engine.config import EngineArgs
-from engine.kv_transfer import KVLayout, KVSender
+from engine.kv_transfer import KVLayout, KVSender, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import engine_pb2
@@ -177,6 +178,39 @@ async def _parts_scenario(engine: LLMEngine) -> None:
     finally:
         for s in senders:
             await loop.run_in_executor(None, s.close)
+        receivers.close()
+        bridge.stop()
+
+
+def test_a_part_that_ends_before_its_admission_is_refused_when_it_comes(tiny_llama_dir):
+    """A worker rank that gave up waiting for rank 0's answer to its admission ends its part;
+    rank 0 may take that end before the admission itself. The request fails at once, the
+    late admission is refused (nothing counts it in flight), and nothing of it stays."""
+    engine = _engine(tiny_llama_dir)
+    asyncio.run(_late_admission_scenario(engine))
+
+
+async def _late_admission_scenario(engine: LLMEngine) -> None:
+    loop = asyncio.get_running_loop()
+    bridge, receivers = _serve(engine)
+    parts = receivers._parts
+    try:
+        q, dst = await _reserve(bridge, "late")
+        t0 = time.monotonic()
+        await loop.run_in_executor(None, lambda: parts.ended("late", "rank 1 gave up waiting", part="b"))
+        d = await asyncio.wait_for(q.get(), 10)
+        assert d.finish_reason == "abort" and "gave up waiting" in d.error.message
+        assert time.monotonic() - t0 < TIMEOUT
+        with pytest.raises(KVTransferError, match="after it ended"):
+            await loop.run_in_executor(None, lambda: parts.admit("late", dst, 2, part="b"))
+        # the other rank's part comes now: the engine no longer has the request, so it is refused
+        with pytest.raises(Exception):
+            await loop.run_in_executor(None, lambda: parts.admit("late", dst, 2, part="a"))
+        await loop.run_in_executor(None, lambda: parts.ended("late", "refused", part="a"))
+        await _until(lambda: not parts._assemblies, 2 * TIMEOUT + 5)
+        assert not parts._assemblies and not parts._admitted and not parts._ended_first
+        assert engine.stats().kv_blocks_used == 0
+    finally:
         receivers.close()
         bridge.stop()
 
