@@ -29,8 +29,9 @@ def watch(logger: logging.Logger) -> None:
         took = time.perf_counter() - getattr(_local, "start", time.perf_counter())
         with _lock:
             count += 1
-        logger.info("kernels: compiled %s after start-up in %.2f s (the launch waited for it): %s",
-                    getattr(fn, "name", fn), took, repr)
+        logger.info("kernels: compiled %s after start-up in %.2f s (the launch waited for it; "
+                    "its specialization is logged at DEBUG)", getattr(fn, "name", fn), took)
+        logger.debug("kernels: %s", repr)
 
     knobs.runtime.jit_cache_hook = _before
     knobs.runtime.jit_post_compile_hook = after
