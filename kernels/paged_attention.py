@@ -434,6 +434,7 @@ def paged_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged K/V.
 
@@ -451,6 +452,7 @@ def paged_attention(
     scale: softmax scale, usually head_dim ** -0.5
     num_splits: key-range splits per tile (flash decoding); None picks from
         the shapes, 1 disables
+    step_cache: unused here (the CPU reference keeps per-step work in it)
 
     Query i of sequence b is at position seq_lens[b] - q_len_b + i and sees
     keys 0..that position. Query head h reads kv head h // (num_q_heads //

@@ -45,9 +45,12 @@ def paged_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
     (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
+    ``step_cache``: a dict the layers of one step share (the same block tables and
+    lengths), where the work of finding the decode rows' keys is kept after the first.
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b
@@ -63,7 +66,7 @@ def paged_attention(
     lens = seq_lens.tolist()
     decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if len(decode) > 1:  # one batched pass for all single-token rows
-        _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out)
+        _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache)
     done = set(decode) if len(decode) > 1 else set()
     for b, seq_len in enumerate(lens):
         q_lo, q_hi = starts[b], starts[b + 1]
@@ -90,7 +93,7 @@ def paged_attention(
 _DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out) -> None:
+def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out, step_cache) -> None:
     """Single-query rows of ``paged_attention``, batched.
 
     Rows are sorted by context length and taken in groups; each group's
@@ -98,12 +101,40 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
     wants, so no further copy), a whole head vector at a time where the
     cache's strides allow (``_as_vector_rows``). Padding positions re-read the
     row's last valid slot (never a stale or foreign one) and are masked out
-    of the softmax.
+    of the softmax. Which slots to read is the same in every layer of a step
+    (``_decode_plan``), so it is worked out once a step.
     """
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    dev = q.device
-    heads = torch.arange(num_kv_heads, device=dev)[None, :, None]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_rows, v_rows = _as_vector_rows(k_cache), _as_vector_rows(v_cache)
+    by_rows = k_rows is not None and v_rows is not None and k_cache.stride() == v_cache.stride()
+    for token_rows, valid, where in _decode_plan(k_cache, block_tables, starts, lens, rows, by_rows, step_cache):
+        if by_rows:
+            k = _gather_rows(k_rows, where).float()  # [R, H_kv, L, D]
+            v = _gather_rows(v_rows, where).float()
+        else:
+            blocks, heads, offsets = where
+            k = k_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
+            v = v_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
+        r = token_rows.shape[0]
+        qg = q[token_rows].float().view(r, num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [R, H_kv, G, L]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        o = torch.matmul(scores.softmax(dim=-1), v)  # [R, H_kv, G, D]
+        out[token_rows] = o.reshape(r, -1, head_dim).to(q.dtype)
+
+
+def _decode_plan(cache, block_tables, starts, lens, rows, by_rows, step_cache):
+    """Per group of decode rows: (their rows in q, the valid keys [R, 1, 1, L], where their
+    keys are: head-vector rows [R, H_kv, L], or (blocks, heads, offsets) to index with).
+    The same in every layer of a step (the layers' cache views share their strides), so it
+    is kept in ``step_cache`` (one dict a step, shared by the layers) when one is given."""
+    key = ("decode plan", by_rows, cache.stride(), tuple(cache.shape[1:]))
+    if step_cache is not None and key in step_cache:
+        return step_cache[key]
+    block_size, num_kv_heads = cache.shape[1], cache.shape[2]
+    dev = block_tables.device
+    heads = torch.arange(num_kv_heads, device=dev)[None, :, None]
+    plan = []
     ordered = sorted(rows, key=lambda b: lens[b])
     for i in range(0, len(ordered), _DECODE_GROUP):
         group = ordered[i:i + _DECODE_GROUP]
@@ -114,19 +145,12 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
         table = block_tables[torch.tensor(group, device=dev)].long()
         blocks = torch.gather(table, 1, pos // block_size)[:, None, :]  # [R, 1, L]
         offsets = (pos % block_size)[:, None, :]
-        if k_rows is not None and v_rows is not None and k_cache.stride() == v_cache.stride():
-            index = _vector_index(k_cache, blocks, heads, offsets)  # K and V alike: one index
-            k = _gather_rows(k_rows, index).float()  # [R, H_kv, L, D]
-            v = _gather_rows(v_rows, index).float()
-        else:
-            k = k_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
-            v = v_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
+        where = _vector_index(cache, blocks, heads, offsets) if by_rows else (blocks, heads, offsets)
         token_rows = torch.tensor([starts[b] for b in group], device=dev)
-        qg = q[token_rows].float().view(len(group), num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [R, H_kv, G, L]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        o = torch.matmul(scores.softmax(dim=-1), v)  # [R, H_kv, G, D]
-        out[token_rows] = o.reshape(len(group), -1, head_dim).to(q.dtype)
+        plan.append((token_rows, valid[:, None, None, :], where))
+    if step_cache is not None:
+        step_cache[key] = plan
+    return plan
 
 
 def _as_vector_rows(cache: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ a single shard of everything.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Iterable, Iterator
 
@@ -42,6 +42,8 @@ class AttentionMetadata:
     # Key-range splits of the Triton attention; None lets the launcher pick
     # from the shapes. A CUDA graph fixes it per captured batch size.
     num_splits: int | None = None
+    # Work the layers of one step share (the CPU attention's key positions): new each step.
+    step_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -106,9 +108,9 @@ class LlamaAttention(nn.Module):
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         self.ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        extra = {} if meta.num_splits is None else {"num_splits": meta.num_splits}  # references take none
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, self.scale, **extra)
+                                     meta.seq_lens, self.scale, num_splits=meta.num_splits,
+                                     step_cache=meta.step_cache)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
