@@ -50,7 +50,7 @@ def paged_attention(
     """Causal attention of each sequence's new queries over its paged context.
     (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
     ``step_cache``: a dict the layers of one step share (the same block tables and
-    lengths), where the work of finding the decode rows' keys is kept after the first.
+    lengths), where the work of finding each row's keys is kept after the first.
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b
@@ -59,35 +59,52 @@ def paged_attention(
        (seq_lens counts the new tokens, whose K/V are already in the cache)
     returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) > 1:  # one batched pass for all single-token rows
+    starts, lens, decode, chunks = _step_rows(query_start_loc, seq_lens, block_tables, k_cache.shape[1],
+                                              step_cache)
+    if decode:  # one batched pass for all single-token rows
         _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache)
-    done = set(decode) if len(decode) > 1 else set()
-    for b, seq_len in enumerate(lens):
-        q_lo, q_hi = starts[b], starts[b + 1]
-        q_len = q_hi - q_lo
-        if q_len == 0 or b in done:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[b, :num_blocks].long()
+    for q_lo, q_hi, seq_len, blocks, visible in chunks:
         # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
         k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
         v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
         qb = q[q_lo:q_hi].transpose(0, 1).float()  # [num_q_heads, q_len, head_dim]
-        # Query i sits at position seq_len - q_len + i: the mask is causal
-        # aligned to the bottom-right corner, not SDPA's top-left is_causal.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
         )  # [num_q_heads, q_len, head_dim]
         out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache):
+    """(starts, lens, the single-token rows batched together, and per other sequence: its
+    query rows, length, blocks and causal mask); the same in every layer of a step."""
+    key = ("rows", block_size)
+    if step_cache is not None and key in step_cache:
+        return step_cache[key]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode) < 2:
+        decode = []
+    batched = set(decode)
+    chunks = []
+    dev = block_tables.device
+    for b, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0 or b in batched:
+            continue
+        blocks = block_tables[b, :-(-seq_len // block_size)].long()
+        # Query i sits at position seq_len - q_len + i: the mask is causal
+        # aligned to the bottom-right corner, not SDPA's top-left is_causal.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+        visible = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        chunks.append((q_lo, q_hi, seq_len, blocks, visible))
+    rows = (starts, lens, decode, chunks)
+    if step_cache is not None:
+        step_cache[key] = rows
+    return rows
 
 
 _DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
