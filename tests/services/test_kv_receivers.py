@@ -44,6 +44,16 @@ async def _reserve(bridge: EngineBridge, rid: str):
     return q, d.block_ids
 
 
+async def _stream_to_end(q, seconds: float):
+    """A request's deltas until it finishes (each within ``seconds``): (its tokens, the last delta)."""
+    tokens = []
+    while True:
+        d = await asyncio.wait_for(q.get(), seconds)
+        tokens += d.token_ids
+        if d.finish_reason:
+            return tokens, d
+
+
 async def _until(done, seconds: float) -> None:
     """Poll ``done()`` until it is true or ``seconds`` pass (the caller asserts it after)."""
     deadline = time.monotonic() + seconds
@@ -93,12 +103,7 @@ async def _scenario(engine: LLMEngine) -> None:
         # 3. The pair is still good: the next transfer lands and the request runs.
         q, dst = await _reserve(bridge, "ok")
         await send("ok", dst)
-        tokens = []
-        while True:
-            d = await asyncio.wait_for(q.get(), 10)
-            tokens += d.token_ids
-            if d.finish_reason:
-                break
+        tokens, d = await _stream_to_end(q, 10)
         assert d.finish_reason == "length" and d.error is None and tokens[0] == 5 and len(tokens) == 3
         # The two full prompt blocks hold exactly what was sent (decoding has written into the third).
         assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11]])
@@ -248,12 +253,7 @@ async def _tp_decode_scenario(engine: LLMEngine) -> None:
         await asyncio.gather(*(loop.run_in_executor(None, lambda s=s, h=h: s.send(
             "r", [10, 11, 12], dst, source[..., h:h + 1, :].contiguous(), meta={"first_token": 5}))
             for h, s in enumerate(senders)))
-        tokens = []
-        while True:
-            d = await asyncio.wait_for(q.get(), 20)
-            tokens += d.token_ids
-            if d.finish_reason:
-                break
+        tokens, d = await _stream_to_end(q, 20)
         assert d.error is None and tokens[0] == 5 and len(tokens) == 3
         assert torch.equal(engine.kv_cache[:, dst[:2]], source[:, [10, 11], ..., 0:1, :])  # rank 0's head
     finally:
