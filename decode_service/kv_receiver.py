@@ -278,18 +278,17 @@ class _Parts:
                 self._ended_first[part] = now
             else:
                 self._admitted.discard(part)
+                a = self._assemblies.get(request_id)
+                if a is None:
+                    return
+                a.in_flight -= 1
+                if error is None:
+                    a.meta.update(meta or {})
+                    a.figures = _merged(a.figures, figures or {})
+                tell = self._part_over(request_id, a, error)
         if early:
             self.refused(request_id, error or "the KV part ended before its admission")
             return
-        with self._lock:
-            a = self._assemblies.get(request_id)
-            if a is None:
-                return
-            a.in_flight -= 1
-            if error is None:
-                a.meta.update(meta or {})
-                a.figures = _merged(a.figures, figures or {})
-            tell = self._part_over(request_id, a, error)
         self._report(request_id, a, tell)
 
     def refused(self, request_id: str, error: str) -> None:
