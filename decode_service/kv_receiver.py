@@ -42,7 +42,7 @@ from engine.kv_transfer.rank_receivers import receive_part
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
 from engine.parallel import kv_transfer_parts
-from engine.rank_calls import RankCallError, call, serve_calls
+from engine.rank_calls import RankCallError, call, close_on_ranks, serve_calls
 from rpc.engine_bridge import EngineBridge
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import engine_pb2
@@ -146,12 +146,9 @@ class KVReceivers:
             parts=endpoints if len(parts) > 1 else [])
 
     def _stop(self, remote: list[tuple[int, str]]) -> None:
-        for rank, key in remote:
-            try:
-                assert self.tp is not None
-                call(self.tp.store, rank, "kv_stop_listening", {"key": key}, self.timeout)
-            except (RankCallError, TimeoutError) as exc:  # the rank is gone
-                logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+        if remote:
+            assert self.tp is not None
+            close_on_ranks(self.tp.store, remote, "kv_stop_listening", self.timeout)
 
     def close(self) -> None:
         with self._lock:

@@ -51,6 +51,16 @@ def call(store: dist.Store, rank: int, name: str, args: dict[str, Any], timeout:
     return reply["result"]
 
 
+def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, timeout: float) -> None:
+    """Call handler ``name`` with ``key`` on each (rank, key) of ``pairs``, to close what that
+    key names there; a rank already gone (or one that fails) is logged, not raised."""
+    for rank, key in pairs:
+        try:
+            call(store, rank, name, {"key": key}, timeout)
+        except (RankCallError, TimeoutError) as exc:
+            logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+
+
 def serve_calls(store: dist.Store, rank: int, handlers: dict[str, Handler], max_workers: int = 8) -> None:
     """Start this rank's call thread (a daemon: it ends with the process)."""
     calls = dist.PrefixStore(_PREFIX, store)

@@ -24,7 +24,7 @@ import torch
 
 from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
 from engine.parallel import TPGroup
-from engine.rank_calls import RankCallError, call
+from engine.rank_calls import RankCallError, call, close_on_ranks
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.layout_convert import layout_to_proto
 from rpc import tls
@@ -95,11 +95,7 @@ class RankPairs:
     def close(self) -> None:
         for sender, _ in self.local:
             sender.close()
-        for rank, key in self.remote:
-            try:
-                call(self.store, rank, "kv_close", {"key": key}, self.timeout)
-            except (RankCallError, TimeoutError) as exc:  # a rank already gone
-                logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+        close_on_ranks(self.store, self.remote, "kv_close", self.timeout)
         self._pool.shutdown(wait=False)
 
 
