@@ -5,7 +5,8 @@ against the roofline (weights + KV bytes per step / memory bandwidth).
     pdserve bench decode-step --model-shape llama-3.1-8b --batch-sizes 1,32,128 --context-len 1024
 
 On CUDA, decode steps replay CUDA graphs; ``--enforce-eager`` times the
-same steps launched eagerly (run the command once with it to compare).
+same steps launched eagerly (run the command once with it to compare), and
+``--no-async-scheduling`` one step at a time (each waits for the one before).
 ``--peer transformers`` times transformers' compiled static-cache decode
 instead, on the same shape, batch sizes and context (``bench/decode_peer.py``;
 run it in its own process, after or before pdserve's, for a same-machine pair).
@@ -85,12 +86,18 @@ def main(args: argparse.Namespace) -> int:
         contexts = [r.num_tokens for r in engine.scheduler.requests.values()]
         times, rows = [], []
         replays = graphs.num_replays if graphs else 0
+        # Steps back to back, the device synchronised only around the run: with overlapped
+        # steps (--async-scheduling) a call queues the next step and reads the one before, so
+        # a step's time is what one call takes in a steady stream of them.
+        _sync(device)
+        t0 = run_start = time.perf_counter()
         for _ in range(args.steps):
-            _sync(device)
-            t0 = time.perf_counter()
             rows.append(engine.step().num_batched_tokens)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+            t = time.perf_counter()
+            times.append(t - t0)
+            t0 = t
+        _sync(device)
+        mean = (time.perf_counter() - run_start) / args.steps  # the last step's device tail included
         replayed = (graphs.num_replays - replays) if graphs else 0
         profiled = _profile(engine, args.profile, device) if args.profile else None
         for rid in list(engine.scheduler.requests):
@@ -100,12 +107,13 @@ def main(args: argparse.Namespace) -> int:
         if set(rows) != {b}:
             print(f"warning: batch {b}: the timed steps ran {sorted(set(rows))} rows", flush=True)
         result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                              "mean_ms": 1e3 * mean,
                               "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
                               "graph_replays": replayed}
         if profiled:
             result["steps"][b]["profile"] = profiled
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
-              f"(min {result['steps'][b]['min_ms']:.2f}; context {min(contexts)}-{max(contexts)} tokens; "
+              f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; context {min(contexts)}-{max(contexts)} tokens; "
               f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0

@@ -170,6 +170,7 @@ class EngineConfig:
     device: str  # "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
+    async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
 
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
@@ -178,7 +179,7 @@ class EngineConfig:
                 f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
-                f"tensor_parallel_size={self.tensor_parallel_size}")
+                f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size}")
 
 
 @dataclass
@@ -202,6 +203,7 @@ class EngineArgs:
     kv_transfer_timeout: float = 60.0
     max_queued_requests: int = 1024
     enforce_eager: bool = False
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -241,6 +243,11 @@ class EngineArgs:
                             "RESOURCE_EXHAUSTED")
         g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="overlap decode steps: schedule and queue step N+1 while step N runs, its "
+                            "inputs taken from step N's sampled ids on the GPU (decode steps on CUDA "
+                            "graphs; requests with penalties, new arrivals and preemptions run one step at a "
+                            "time). --no-async-scheduling: every step waits for the one before")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over this many ranks: this process and N - 1 worker processes "
                             "(on CUDA one GPU each, from --device's index up; gloo on CPU)")
@@ -304,4 +311,5 @@ class EngineArgs:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} from {device} needs "
                                  f"{first + self.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible")
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
-                            enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size)
+                            enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
+                            async_scheduling=self.async_scheduling)

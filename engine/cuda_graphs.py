@@ -84,8 +84,14 @@ class DecodeInputs:
     """Persistent input buffers of a padded decode batch, and their host
     staging. ``fill`` writes a batch into pinned host memory; ``upload``
     queues the copies to the device on the current stream (no host sync).
-    The host buffers may be rewritten only after the previous step's
-    copies ran: the runner's one sync per step (the sampled ids) ensures it.
+    Two host stagings are used in turn, each rewritten only after its last
+    copies ran (an event a staging; with steps overlapped, the host fills
+    step N+1 while step N's copies may still wait in the stream).
+
+    A row may be a step ahead of the host (``ScheduledRequest.lookahead``):
+    its position counts the token sampled by the step in flight, and its
+    input id is that token, which ``upload`` copies from the device
+    (``ahead_ids``) over the placeholder ``fill`` wrote.
 
     Device layout (views are what a graph captures):
         i64  [3, M]       ids | positions | slots
@@ -100,16 +106,23 @@ class DecodeInputs:
         self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
         self.device = device
         pin = device.type == "cuda"
-        self.host_i64 = torch.zeros(3, m, dtype=torch.int64, pin_memory=pin)
-        self.host_i32 = torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)
-        self._h64 = self.host_i64.numpy()  # shares memory
-        self._h32 = self.host_i32.numpy()
+        self._staging = [(torch.zeros(3, m, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each staging's last upload
+        self._turn = 0
+        self._use_staging(0)
         self.i64 = torch.zeros(3, m, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(m + m * w, dtype=torch.int32, device=device)
         self.i32[:m] = 1
         self.qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.tables = torch.zeros(m, w, dtype=torch.int32, device=device)
         self.i64[2] = -1  # before any fill: every row is padding
+
+    def _use_staging(self, turn: int) -> None:
+        self._turn = turn
+        self.host_i64, self.host_i32 = self._staging[turn]
+        self._h64 = self.host_i64.numpy()  # shares memory
+        self._h32 = self.host_i32.numpy()
 
     def views(self, size: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                         AttentionMetadata]:
@@ -128,11 +141,16 @@ class DecodeInputs:
         width = max(len(s.block_ids) for s in scheduled)
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table has {width} blocks; the buffers hold {self.max_blocks_per_seq}")
+        self._use_staging(1 - self._turn)
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # its copies were queued two steps ago: done, in practice
         h64, h32 = self._h64, self._h32
-        pos = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        pos = np.fromiter((s.request.num_computed_tokens + s.lookahead for s in scheduled), dtype=np.int64,
+                          count=n)
         h64[1, :n] = pos
-        h64[0, :n] = np.fromiter((s.request.all_token_ids[p] for s, p in zip(scheduled, pos.tolist())),
-                                 dtype=np.int64, count=n)
+        known = [s.request.all_token_ids[p] if not s.lookahead else 0 for s, p in zip(scheduled, pos.tolist())]
+        h64[0, :n] = known
         h64[2, :n] = np.fromiter((s.block_ids[p // bs] for s, p in zip(scheduled, pos.tolist())),
                                  dtype=np.int64, count=n) * bs + pos % bs
         h64[0, n:size] = 0
@@ -146,11 +164,18 @@ class DecodeInputs:
             tables[i, :len(s.block_ids)] = s.block_ids
         return width
 
-    def upload(self, size: int, width: int) -> None:
-        """Queue the host -> device copies of a filled batch (non-blocking)."""
+    def upload(self, size: int, width: int, ahead_ids: torch.Tensor | None = None) -> None:
+        """Queue the host -> device copies of a filled batch (non-blocking). ``ahead_ids``:
+        the input ids of the leading rows that are a step ahead, on the device (the step in
+        flight's sampled ids; a failed row's -1 becomes 0: that row's output is discarded)."""
         self.i64.copy_(self.host_i64, non_blocking=True)
         end = self.staged_i32(size, width)
         end.copy_(self.host_i32[:end.numel()], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
+            event.record()
+        if ahead_ids is not None:
+            torch.clamp(ahead_ids, min=0, out=self.i64[0, :ahead_ids.numel()])
         self.place_tables(size, width)
 
     def staged_i32(self, size: int, width: int) -> torch.Tensor:
@@ -260,19 +285,21 @@ class DecodeGraphs:
             return None
         return self.replay(step.size, step.splits)[:len(scheduled)]
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> GraphStep | None:
+    def prepare(self, scheduled: Sequence[ScheduledRequest],
+                ahead_ids: torch.Tensor | None = None) -> GraphStep | None:
         """Fill and upload the inputs of a pure-decode batch; the graph to replay, or None
-        when this step must run eagerly."""
+        when this step must run eagerly. ``ahead_ids``: see ``DecodeInputs.upload`` (its
+        length is the number of leading rows a step ahead)."""
         size = padded_size(self.sizes, len(scheduled))
         if size is None or not is_pure_decode(scheduled):
             return None
         if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
             return None
-        longest = max(s.request.num_computed_tokens + 1 for s in scheduled)
+        longest = max(s.request.num_computed_tokens + s.lookahead + 1 for s in scheduled)
         variants = self.variants[size]
         splits = next((sp for ctx, sp in variants if ctx >= longest), variants[-1][1])
         width = self.inputs.fill(scheduled, size)
-        self.inputs.upload(size, width)
+        self.inputs.upload(size, width, ahead_ids)
         return GraphStep(size, splits, width)
 
     def replay(self, size: int, splits: int | None) -> torch.Tensor:

@@ -5,6 +5,17 @@
     sampled = runner.execute(out)       # one forward pass + sampling
     scheduler.update_from_output(...)   # advance token counts, finish
 
+Overlapped decode (``--async-scheduling``, on by default; decode steps that
+replay CUDA graphs): a pure decode step is queued on the device without
+waiting for it (``runner.launch``). The next call schedules the step after it
+a step ahead (``scheduler.schedule_ahead``: inputs are the ids the step in
+flight samples, still on the device), queues it, and only then reads the
+tokens of the step in flight and updates the requests, so that host work
+hides behind the GPU's. A call thus reports the tokens of the step queued by
+the call before; tokens computed for a request that finished meanwhile are
+discarded. Where the next schedule depends on those tokens (arrivals,
+preemption, penalties) the call reads them first, one step at a time.
+
 Servers never touch the scheduler or the cache: they call the engine's
 named operations (``add_request``, ``add_prefill_request``, ``reserve``,
 ``prefill_started``, ``begin_kv_receive``, ``kv_received``, ``kv_failed``,
@@ -25,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -118,6 +129,7 @@ class LLMEngine:
         self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
         self._next_expiry_check = 0.0
         self.layerwise_sink: LayerwiseSink | None = None  # prefill tier: KV sent as layers finish
+        self._in_flight: LaunchedStep | None = None  # a decode step queued, its tokens not read yet
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig):
@@ -313,13 +325,31 @@ class LLMEngine:
             self._next_expiry_check = now + _EXPIRY_CHECK_S
         result = StepOutput(updated=self._outside_step + expired)
         self._outside_step = []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            ahead = self.scheduler.schedule_ahead(in_flight.out)
+            if ahead is not None:
+                result.reserved += ahead.reserved
+                self._in_flight = self.runner.launch(ahead, in_flight)
+            result.updated += self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+            if self._in_flight is not None:
+                result.num_batched_tokens = ahead.num_batched_tokens
+                return self._once_each(result)
         out = self.scheduler.schedule()
-        result.reserved, result.started = out.reserved, out.started
+        result.reserved += out.reserved
+        result.started = out.started
         result.updated += out.finished
         if not out.is_empty:
             result.num_batched_tokens = out.num_batched_tokens
-            sampled, logprobs = self._execute(out)
-            result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
+            if self.config.async_scheduling and self.layerwise_sink is None:
+                self._in_flight = self.runner.launch(out)  # None: not a graph step
+            if self._in_flight is None:
+                sampled, logprobs = self._execute(out)
+                result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
+        return self._once_each(result)
+
+    @staticmethod
+    def _once_each(result: StepOutput) -> StepOutput:
         result.updated = list(dict.fromkeys(result.updated))  # once each, first report first
         return result
 
@@ -340,7 +370,9 @@ class LLMEngine:
             signal.step_ended()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._outside_step)
+        """Requests to step, outcomes to report, or a step in flight to read."""
+        return (self.scheduler.has_unfinished_requests() or bool(self._outside_step)
+                or self._in_flight is not None)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -55,8 +55,8 @@ from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.models.llama import AttentionMetadata
 from engine.parallel import TPGroup
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
-from engine.scheduler import SchedulerOutput
+from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,30 @@ def _forward_fault_budget() -> int | None:
 
 
 _STOP, _STEP, _GRAPH = 0, 1, 2  # tensor parallel: what rank 0 broadcasts to the other ranks each step
+
+
+class LaunchedStep:
+    """A decode step queued on the device, not waited for: its sampled ids stay on the
+    device (the inputs of a step scheduled ahead) while a copy goes to the host."""
+
+    def __init__(self, out: SchedulerOutput, sample: PendingSample) -> None:
+        self.out, self.sample = out, sample
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """[rows] int64 on the device, aligned with ``out.scheduled``."""
+        return self.sample.token_ids
+
+    def result(self) -> tuple[list[int | None], list | None]:
+        """(sampled, logprobs) as ``ModelRunner.execute`` returns them; waits for the step."""
+        res = self.sample.result()
+        lps = res.logprobs if any(lp is not None for lp in res.logprobs) else None
+        return list(res.token_ids), lps
+
+
+def _sampling_row(s: ScheduledRequest) -> SamplingRow:
+    r = s.request
+    return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, s.lookahead)
 
 
 class ModelRunner:
@@ -339,11 +363,14 @@ class ModelRunner:
 
     def _share_graph_step(self, step: GraphStep) -> None:
         """Rank 0: which graph this step replays, then the inputs it uploaded (the other ranks
-        place the block tables themselves)."""
+        place the block tables themselves). The header goes up from pinned memory: a pageable
+        copy would wait for the step in flight."""
         assert self.tp is not None and self.graphs is not None
         size, splits, width = step
-        self.tp.broadcast(torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0],
-                                       dtype=torch.int64, device=self.device))
+        header = torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0], dtype=torch.int64)
+        if self.device.type == "cuda":
+            header = header.pin_memory()
+        self.tp.broadcast(header.to(self.device, non_blocking=True))
         self._broadcast_graph_inputs(size, width)
 
     def _replay_shared_graph_step(self, size: int, splits: int, width: int) -> None:
@@ -401,6 +428,34 @@ class ModelRunner:
         self.graphs = None
         self.tp.close()
 
+    def _count_forward(self) -> None:
+        if self._forwards_before_fault is not None:
+            if self._forwards_before_fault == 0:
+                raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
+            self._forwards_before_fault -= 1
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Queue a pure-decode step on its graph and its sampling, without waiting for the
+        device; None (nothing queued) when the step must run eagerly (``execute``).
+        ``in_flight``: the step whose sampled ids are the inputs of this one's leading rows
+        (those ``Scheduler.schedule_ahead`` put a step ahead)."""
+        if self.graphs is None:
+            return None
+        ahead = sum(1 for s in out.scheduled if s.lookahead)
+        if ahead and (in_flight is None or len(in_flight.out.scheduled) < ahead
+                      or any(s.lookahead for s in out.scheduled[ahead:])
+                      or any(a.request is not b.request for a, b in zip(out.scheduled, in_flight.out.scheduled[:ahead]))):
+            raise ValueError("rows a step ahead must lead the batch, in the order of the step in flight")
+        step = self.graphs.prepare(out.scheduled, in_flight.token_ids[:ahead] if in_flight and ahead else None)
+        if step is None:
+            return None
+        self._count_forward()
+        if self.tp is not None:
+            self._share_graph_step(step)
+        logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
+        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(s) for s in out.scheduled]))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
                 ) -> tuple[list[int | None], list | None]:
@@ -408,33 +463,21 @@ class ModelRunner:
         token (None for a chunk that does not reach the end of its tokens)
         and, when any request asked for them, logprobs. ``on_layer(i)``:
         called as each layer's work is queued (eager steps only)."""
-        if self._forwards_before_fault is not None:
-            if self._forwards_before_fault == 0:
-                raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
-            self._forwards_before_fault -= 1
-        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
-                            s.request.output_token_ids, s.request.eos_token_ids)
-                for s in out.scheduled if s.samples]
-        logits = None  # [n, V]
-        step = self.graphs.prepare(out.scheduled) if self.graphs is not None and on_layer is None else None
-        if step is not None:  # a pure decode step: replay its graph
-            assert self.graphs is not None
-            if self.tp is not None:
-                self._share_graph_step(step)
-            logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
-        else:
-            input_ids, positions, meta, sample_idx = self._prepare(out)
-            if self.tp is not None:
-                self._broadcast_step(input_ids, positions, meta, sample_idx)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-            if rows:
-                logits = self.model.compute_logits(hidden[sample_idx])
+        if on_layer is None:
+            launched = self.launch(out)
+            if launched is not None:  # a pure decode step: its graph
+                return launched.result()
+        self._count_forward()
+        which = [i for i, s in enumerate(out.scheduled) if s.samples]
+        input_ids, positions, meta, sample_idx = self._prepare(out)
+        if self.tp is not None:
+            self._broadcast_step(input_ids, positions, meta, sample_idx)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         sampled: list[int | None] = [None] * len(out.scheduled)
         logprobs: list | None = None
-        if rows:
-            assert logits is not None
-            res: SamplerOutput = self.sampler.sample(logits, rows)
-            which = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if which:
+            logits = self.model.compute_logits(hidden[sample_idx])
+            res: SamplerOutput = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
             for j, i in enumerate(which):
                 sampled[i] = res.token_ids[j]
             if any(lp is not None for lp in res.logprobs):

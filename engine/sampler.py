@@ -43,9 +43,18 @@ Such a row gets ``SAMPLE_FAILED`` (-1) instead of a token, and the scheduler
 ends that one request with a "sampling" error; its batch companions are not
 affected. The check rides on the existing host copy (no extra sync).
 
-Host synchronisation: one ``.tolist()`` per call. Small per-row tensors
+Host synchronisation: one per call, when its result is read. ``sample_async``
+queues the whole draw on the device and starts the ids' copy to the host;
+``PendingSample.result()`` waits for that copy (``sample`` is the two in
+one). Meanwhile the ids stay on the device, where the next decode step can
+take them as inputs (the engine's overlapped steps). Small per-row tensors
 (temperatures, penalty token lists, uniforms) go host -> device through
 pinned memory with ``non_blocking=True``, which does not wait for the GPU.
+
+A row may be sampled one step ahead of what the host knows of it
+(``SamplingRow.pending``: tokens sampled but not yet read back). Its step
+``k`` counts them, so seeded draws and ``min_tokens`` stay exact; penalties,
+which read the output tokens themselves, need ``pending == 0``.
 """
 from __future__ import annotations
 
@@ -69,12 +78,17 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far, before this step
+    output_token_ids: Sequence[int]  # generated so far and known on the host, before this step
     eos_token_ids: frozenset[int]  # suppressed (with stop_token_ids) until min_tokens
+    pending: int = 0  # tokens sampled before this step whose ids the host has not read yet
+
+    def __post_init__(self) -> None:
+        if self.pending and self.params.has_penalties:
+            raise ValueError("penalties read the output tokens: a row with pending tokens cannot have them")
 
     @property
     def step(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.pending
 
     @property
     def suppressed_token_ids(self) -> frozenset[int]:
@@ -91,16 +105,52 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]  # None where params.logprobs is None
 
 
+class PendingSample:
+    """A draw queued on the device: ``token_ids`` [B] int64 stays there (SAMPLE_FAILED
+    where a row failed); ``result()`` reads the ids (and logprobs) on the host, waiting
+    for the copy started at creation and nothing else."""
+
+    def __init__(self, token_ids: torch.Tensor, rows: Sequence[SamplingRow],
+                 packed: torch.Tensor | None = None) -> None:
+        self.token_ids, self._rows = token_ids, rows
+        src = token_ids if packed is None else packed  # packed: see _pack_logprobs
+        self._with_logprobs = packed is not None
+        self._ready = None
+        if src.device.type == "cuda":
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = src
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            host = self._host.tolist()
+            self._result = (_unpack_logprobs(host, self._rows) if self._with_logprobs
+                            else SamplerOutput(host, [None] * len(self._rows)))
+        return self._result
+
+
 class Sampler:
     """Stateless: every call depends only on its arguments (and, for unseeded
     rows, on the device's default generator)."""
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick one token per row. ``logits``: [B, V]; not modified."""
+        return self.sample_async(logits, rows).result()
+
+    def sample_async(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+        """Queue the draw of one token per row on ``logits``' device, without waiting for it.
+        ``logits`` [B, V] is read by work queued here: keep it unchanged until that ran
+        (stream order does it for a buffer only this stream writes)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, V], got {tuple(logits.shape)}")
         if all(_is_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return PendingSample(logits.argmax(dim=-1), rows)
 
         logits = logits.float()  # [B, V]; every op below is out of place
         raw_logprobs = None
@@ -118,8 +168,8 @@ class Sampler:
         token_ids = _guard(token_ids, logits)
 
         if raw_logprobs is None:
-            return SamplerOutput(token_ids.tolist(), [None] * len(rows))
-        return _with_logprobs(token_ids, raw_logprobs, rows)
+            return PendingSample(token_ids, rows)
+        return PendingSample(token_ids, rows, _pack_logprobs(token_ids, raw_logprobs, rows))
 
 
 def _guard(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -257,18 +307,20 @@ def _seeded_uniform(seed: int, step: int) -> float:
     return (bits >> 11) * 2.0**-53  # 53 bits: exact in a float64
 
 
-def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
-                   rows: Sequence[SamplingRow]) -> SamplerOutput:
-    """Gather logprobs of the sampled tokens and pack everything for one sync."""
+def _pack_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
+                   rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The sampled ids with their logprobs, ranks and the top-N, in one tensor (one copy
+    to the host): [B, 3 + 2N] float64, which holds ids and ranks exactly (< 2**53)."""
     top_n = max(row.params.logprobs or 0 for row in rows)
     chosen = raw_logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1))  # [B, 1]; failed rows: dropped below
     rank = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [B, 1]
     top_lp, top_ids = raw_logprobs.topk(top_n, dim=-1)  # [B, N]
-    # float64 holds token ids and ranks exactly (< 2**53).
-    packed = torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), rank.double(),
-                        top_ids.double(), top_lp.double()], dim=1)  # [B, 3 + 2N]
-    host = packed.tolist()
+    return torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), rank.double(),
+                      top_ids.double(), top_lp.double()], dim=1)
 
+
+def _unpack_logprobs(host: list[list[float]], rows: Sequence[SamplingRow]) -> SamplerOutput:
+    top_n = max(row.params.logprobs or 0 for row in rows)
     ids = [int(r[0]) for r in host]
     logprobs: list[Logprobs | None] = []
     for row, r in zip(rows, host):

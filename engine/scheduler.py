@@ -53,6 +53,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after allocation
+    # Tokens of the request sampled by the step still in flight, not yet on the host: this
+    # row computes the position after them (a step ahead; see Scheduler.schedule_ahead).
+    lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -264,6 +267,36 @@ class Scheduler:
                 budget -= num_new
         if not out.preempted:
             self._schedule_waiting(budget, out)
+        return out
+
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """The next step, scheduled while ``in_flight`` (a pure-decode step whose sampled
+        tokens the host has not read yet) still runs: each of its rows, in its order, decodes
+        once more a step ahead, taking as input the token the step in flight samples; then any
+        other running request that decodes. Tokens of a request that the step in flight
+        finishes are computed and discarded. None, with nothing scheduled, where the
+        schedule could differ from the one ``schedule()`` makes after reading the tokens:
+        a row of ``in_flight`` no longer running, a running request with more than one token
+        to compute, waiting requests and room for them, a row with penalties (they read
+        the tokens) or held for a KV send, the budget, or blocks that would take a preemption. (Blocks taken for
+        the rows before a None are kept: their requests need them the step after.)"""
+        rows = [s.request for s in in_flight.scheduled]
+        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish for r in rows):
+            return None
+        ahead = {r.request_id for r in rows}
+        others = [r for r in self.running if r.request_id not in ahead]
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in others):
+            return None
+        if self.waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+            return None
+        if len(rows) + len(others) > self.config.max_num_batched_tokens:
+            return None
+        out = SchedulerOutput()
+        for req, lookahead in [(r, 1) for r in rows] + [(r, 0) for r in others]:
+            if self.kv.allocate_slots(req, 1 + lookahead) is None:
+                return None
+            out.scheduled.append(ScheduledRequest(req, 1, self.kv.get_block_ids(req.request_id), lookahead))
+        self._reserve_waiting(out)  # after the rows' blocks: a None above must not drop a reservation
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput,

@@ -123,7 +123,7 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
           SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3)]
     kw = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory="4MiB", max_num_seqs=6,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, async_scheduling=False)  # each step checked as it runs
     eager = LLM(str(tiny_llama_dir), **kw).generate(prompts, sp)
 
     llm = LLM(str(tiny_llama_dir), **kw)
@@ -132,8 +132,8 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
     seen, pending = [], []
     prepare, replay = runner.graphs.prepare, runner.graphs.replay
 
-    def checked_prepare(scheduled):
-        step = prepare(scheduled)
+    def checked_prepare(scheduled, ahead_ids=None):
+        step = prepare(scheduled, ahead_ids)
         if step is not None:
             pending.append(list(scheduled))
         return step

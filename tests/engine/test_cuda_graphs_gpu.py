@@ -37,6 +37,37 @@ def test_graph_replay_gives_eager_tokens_float32(tiny_llama_dir):
     assert graphs.num_replays >= 15
 
 
+def test_overlapped_graph_steps_give_one_step_at_a_time_tokens_float32(tiny_llama_dir):
+    """Replayed decode steps queued a step ahead (inputs: the sampled ids on the GPU) give
+    the tokens of the same graphs run one step at a time: 7 requests through 4 rows, stop
+    tokens met part-way, seeded sampling, logprobs and a penalty row."""
+    kw = dict(dtype="float32", kv_cache_memory="64MiB", block_size=16, max_num_seqs=4)
+    prompts = _prompts(384, (1, 7, 33, 100, 250, 12, 3))
+
+    def params(stop):
+        return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stop),
+                SamplingParams(temperature=0.9, seed=3, max_tokens=17, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+                SamplingParams(temperature=0.8, seed=1, top_k=20, max_tokens=30, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, frequency_penalty=0.5),
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                SamplingParams(temperature=0.7, seed=9, max_tokens=21, ignore_eos=True)]
+
+    serial = LLM(str(tiny_llama_dir), async_scheduling=False, **kw)
+    first = serial.generate(prompts, params([]))
+    stop = [first[0].outputs[0].token_ids[5]]
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in serial.generate(prompts, params(stop))]
+    del serial
+    llm = LLM(str(tiny_llama_dir), **kw)
+    sched, ahead = llm.engine.scheduler, []
+    schedule_ahead = sched.schedule_ahead
+    sched.schedule_ahead = lambda f: ahead.append(schedule_ahead(f)) or ahead[-1]
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params(stop))]
+    assert got == want and want[0][1] == "stop"
+    assert sum(a is not None for a in ahead) >= 20
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()
+
+
 def _compare_steps(engine: LLMEngine, num_steps: int) -> list[dict]:
     """Run decode steps through the graph, and the same step eagerly on the
     same inputs; continue with the graph's tokens. Per step: rows, the
@@ -80,7 +111,8 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> No
 
 def test_graph_logits_equal_eager_float32(tiny_llama_dir):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
-                                                   kv_cache_memory="64MiB", max_num_seqs=32))
+                                                   kv_cache_memory="64MiB", max_num_seqs=32,
+                                                   async_scheduling=False))  # steps driven by hand below
     _prefill(engine, _prompts(384, [3 + 11 * i for i in range(19)]), 12)  # 19 rows: padded to 24
     for step in _compare_steps(engine, 6):
         assert step["rows"] == 19 and step["max_abs_diff"] < 1e-4 and not step["differ_gaps"], step
@@ -101,7 +133,8 @@ def test_graph_logits_match_eager_on_the_8b_shape_bf16():
     from bench.model_shapes import shape_dir
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(shape_dir("llama-3.1-8b")), load_format="dummy",
-                                                   kv_cache_memory="4GiB", max_num_seqs=32, max_model_len=4096))
+                                                   kv_cache_memory="4GiB", max_num_seqs=32, max_model_len=4096,
+                                                   async_scheduling=False))
     assert engine.config.model.dtype == "bfloat16" and engine.runner.graphs is not None
     for n, lengths in ((20, [64 + 47 * i for i in range(20)]), (3, [900, 17, 2000])):
         _prefill(engine, _prompts(128256, lengths), 40)  # none finishes before the compared steps

@@ -132,7 +132,7 @@ def test_reference_decode_gathers_rows_or_indexes_alike():
     """Single-token rows gather whole head vectors by row (caches whose head vectors are
     contiguous, as the engine's are) or by advanced indexing (any other strides): one answer."""
     batch = make_batch(CASES[0][1], *CASES[0][2:], torch.float32)
-    spread = [torch.full((*c.shape, 2), float("nan")) for c in (batch.k_cache, batch.v_cache)]
+    spread = [torch.full((*c.shape, 2), float("nan"), device=c.device) for c in (batch.k_cache, batch.v_cache)]
     for wide, c in zip(spread, (batch.k_cache, batch.v_cache)):
         wide[..., 0] = c
     k_strided, v_strided = spread[0][..., 0], spread[1][..., 0]  # head_dim stride 2: no row view

@@ -1,0 +1,126 @@
+"""Overlapped decode steps (``--async-scheduling``) on CPU: the decode-graph
+path run eagerly (``build_decode_graphs(use_graphs=False)``), so the step
+scheduled ahead, its inputs taken from the sampled ids of the step in flight,
+and the tokens discarded for requests that finished meanwhile all run for
+real. Every test compares with the same engine stepping one step at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler, SamplingRow
+
+
+def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
+    args = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory="4MiB", max_num_seqs=4,
+                max_num_batched_tokens=32)
+    args.update(kw)
+    llm = LLM(str(model_dir), async_scheduling=async_scheduling, **args)
+    llm.engine.runner.graphs = llm.engine.runner.build_decode_graphs(use_graphs=False)
+    return llm
+
+
+def _count_ahead(llm: LLM) -> dict[str, int]:
+    """How often the engine scheduled a step ahead, and how often it could not."""
+    sched, counts = llm.engine.scheduler, {"ahead": 0, "declined": 0}
+    schedule_ahead = sched.schedule_ahead
+
+    def counted(in_flight):
+        out = schedule_ahead(in_flight)
+        counts["ahead" if out is not None else "declined"] += 1
+        return out
+
+    sched.schedule_ahead = counted
+    return counts
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in (3, 9, 14, 1, 22, 5, 7)]
+
+
+def _params(stop: dict[int, list[int]]) -> list[SamplingParams]:
+    """Greedy and seeded rows of several lengths, logprobs, min_tokens, a stop token that
+    ends a request early (``stop[i]``), and one row with a penalty (it cannot go ahead)."""
+    return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=stop[0]),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.7, seed=8, top_p=0.9, max_tokens=6, ignore_eos=True, min_tokens=4,
+                           stop_token_ids=stop[3]),
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=stop[5]),
+            SamplingParams(temperature=0.8, seed=2, max_tokens=13, ignore_eos=True)]
+
+
+def _tokens(outputs) -> list[tuple[list[int], str]]:
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+
+
+def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(tiny_llama_dir):
+    prompts = _prompts()
+    free = _llm(tiny_llama_dir, False).generate(prompts, _params({0: [], 3: [], 5: []}))
+    # Stop tokens the requests meet part-way (the 4th output token; min_tokens holds row 3's
+    # off until its 4th): those requests finish while the step after is already queued.
+    stop = {i: [free[i].outputs[0].token_ids[3]] for i in (0, 3, 5)}
+    serial = _llm(tiny_llama_dir, False)
+    want = serial.generate(prompts, _params(stop))
+    overlapped = _llm(tiny_llama_dir, True)
+    counts = _count_ahead(overlapped)
+    got = overlapped.generate(prompts, _params(stop))
+
+    assert _tokens(got) == _tokens(want)
+    assert [o.outputs[0].finish_reason for o in got[:1]] == ["stop"] and len(got[0].outputs[0].token_ids) == 4
+    for g, w in zip(got[2].outputs[0].logprobs, want[2].outputs[0].logprobs):
+        assert (g.token_id, g.rank, [t for t, _ in g.top]) == (w.token_id, w.rank, [t for t, _ in w.top])
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+    # Steps went ahead, and some could not (arrivals into the 4 rows, the penalty row).
+    assert counts["ahead"] > 5 and counts["declined"] > 0
+    for llm in (serial, overlapped):  # nothing kept: no request, no block, no step in flight
+        e = llm.engine
+        assert not e.has_unfinished_requests() and not e.scheduler.requests
+        assert e.stats().kv_blocks_used == 0
+
+
+def test_a_request_aborted_while_its_step_is_in_flight(tiny_llama_dir):
+    """An abort between two calls, with the request's step queued: it reports no token
+    after the abort, its companions are unchanged, and its blocks come back."""
+    prompts = _prompts()[:3]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = _tokens(_llm(tiny_llama_dir, False).generate(prompts, sp))
+    llm = _llm(tiny_llama_dir, True)
+    e = llm.engine
+    reqs = [e.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    while not (e._in_flight is not None and all(r.num_output_tokens >= 3 for r in reqs)):
+        e.step()
+    assert [s.lookahead for s in e._in_flight.out.scheduled] == [1, 1, 1]  # a step ahead of the host
+    e.abort_request("r1")
+    kept = list(reqs[1].output_token_ids)
+    while e.has_unfinished_requests():
+        e.step()
+    assert reqs[1].output_token_ids == kept and reqs[1].status.name == "FINISHED_ABORTED"
+    assert kept == want[1][0][:len(kept)]
+    assert [list(r.output_token_ids) for r in (reqs[0], reqs[2])] == [want[0][0], want[2][0]]
+    assert e.stats().kv_blocks_used == 0 and e._in_flight is None
+
+
+def test_off_by_flag(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, False)
+    counts = _count_ahead(llm)
+    llm.generate(_prompts()[:2], SamplingParams(temperature=0, max_tokens=5))
+    assert counts == {"ahead": 0, "declined": 0}
+
+
+def test_a_row_sampled_ahead_draws_as_if_its_tokens_were_known():
+    """A seeded row's draw and min_tokens depend on its step, which counts the pending
+    token; penalties, which read the tokens, refuse a pending one."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(4))
+    for params in (SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=1.0, seed=3, min_tokens=3,
+                                                                          stop_token_ids=[7])):
+        for known in ([4, 9], [4, 9, 12]):
+            full = SamplingRow(params, [1, 2], known, frozenset({2}))
+            ahead = SamplingRow(params, [1, 2], known[:-1], frozenset({2}), pending=1)
+            assert ahead.step == full.step and ahead.suppressed_token_ids == full.suppressed_token_ids
+            assert Sampler().sample(logits, [ahead]).token_ids == Sampler().sample(logits, [full]).token_ids
+    with pytest.raises(ValueError, match="penalties"):
+        SamplingRow(SamplingParams(presence_penalty=0.5), [1], [], frozenset(), pending=1)
