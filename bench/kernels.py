@@ -17,7 +17,8 @@ import argparse
 from bench.results import write_result
 
 HQ, HKV, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
-DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 4096), (32, 8192), (64, 4096), (256, 1024)]
+DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 1024), (32, 4096), (32, 8192), (64, 4096), (128, 1024),
+                (256, 1024)]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
         default = paged_attention_num_splits(b, b, HQ, HKV, D, ctx, dev)
         ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, scale)
         kv_bytes = b * ctx * HKV * D * 2 * 2
-        extra = {int(s) for s in args.splits.split(",") if s and int(s) <= max(1, ctx // 256)}
+        extra = {int(s) for s in args.splits.split(",") if s and int(s) <= max(1, ctx // 128)}
         for splits in sorted({default, *extra}):
             got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits)
             err = (got.float() - ref.float()).abs().max().item()
