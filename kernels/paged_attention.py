@@ -13,7 +13,10 @@ Tiles are numbered without a host sync: sequence b's tiles start at
 
 which leaves room for its cdiv(q_len_b, BLOCK_Q) tiles, so the grid has
 num_tokens // BLOCK_Q + B tiles and a program finds its sequence by binary
-search over query_start_loc. Surplus tiles exit at once.
+search over query_start_loc. Surplus tiles exit at once. The grid is (kv
+head, tile, split) and programs take tiles last first: the GPU starts blocks
+in grid order, so a causal prefill's longest tiles (its last queries) start
+first and the short ones fill the tail (4k causal on an H200: 505 -> 456 us).
 
 Key positions of sequence b (q_len new tokens, seq_len in all):
 
@@ -94,6 +97,7 @@ def _attend_kv_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is below kv_end and visible to every row
+    K_ROWS: tl.constexpr,  # load K as [keys, dims] (prefill tiles) rather than [dims, keys] (decode)
 ):
     # One online-softmax step over one tile of keys.
     pos = n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -107,11 +111,20 @@ def _attend_kv_tile(
     slot = pos % BLOCK_SIZE
     k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N]
     v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh  # [BLOCK_N]
-    k = tl.load(
-        k_cache_ptr + k_off[None, :] + dims[:, None],
-        mask=pos_ok[None, :] & dim_ok[:, None],
-        other=0.0,
-    )  # [BLOCK_D, BLOCK_N]
+    # On an H200 prefill tiles run 2-10% faster loading each key's row and transposing for
+    # the dot; decode tiles 20-35% slower: each kind keeps its own.
+    if K_ROWS:
+        k = tl.trans(tl.load(
+            k_cache_ptr + k_off[:, None] + dims[None, :],
+            mask=pos_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        ))  # [BLOCK_D, BLOCK_N]
+    else:
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + dims[:, None],
+            mask=pos_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
@@ -162,8 +175,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: see the module's docstring
     split = tl.program_id(2)
 
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
@@ -217,13 +230,13 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = _attend_kv_tile(
                     q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1,
                 )
             else:
                 m_i, l_i, acc = _attend_kv_tile(
                     q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1,
                 )
             n += 1
     else:
@@ -232,13 +245,13 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = _attend_kv_tile(
                     q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
+                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1,
                 )
         for n in range(n_full, n_hi):
             m_i, l_i, acc = _attend_kv_tile(
                 q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True,
+                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1,
             )
 
     mask = row_ok[:, None] & dim_ok[None, :]
@@ -304,14 +317,19 @@ class _TileConfig:
     num_stages: int
 
 
-def _tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> _TileConfig:
+def _tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int, itemsize: int = 2) -> _TileConfig:
     block_n = 64 if head_dim <= 128 else 32
     if num_tokens <= num_seqs:
         # Decode-shaped batch (one query per sequence): one token per tile, so
         # a tile's rows are just the G heads of a group.
         return _TileConfig(1, max(16, next_pow2(group)), block_n, num_warps=4, num_stages=3)
-    # Prefill or mixed: ~64 rows. On an H200 (bf16, D=128, G=4) larger tiles
-    # or more warps changed prefill time by under 10%.
+    if itemsize <= 2 and head_dim <= 128:
+        # Prefill or mixed, 16-bit: ~128 rows x 128 keys, 8 warps. On an H200 (bf16, D=128,
+        # G=4) with the K rows and last-first tiles: 4k causal 448 -> 441 us, a 2k chunk
+        # over a 4k prefix 553 -> 540, over 16k 1993 -> 1858 (against ~64 rows x 64 keys).
+        block_q = max(1, 128 // group)
+        return _TileConfig(block_q, max(16, next_pow2(block_q * group)), 128, num_warps=8, num_stages=2)
+    # float32 or wide heads: ~64 rows (the tiles above would not fit in shared memory).
     block_q = max(1, 64 // group)
     return _TileConfig(block_q, max(16, next_pow2(block_q * group)), block_n, num_warps=4, num_stages=2)
 
@@ -323,6 +341,7 @@ def _tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> _
 # (41 us; 16 splits: 79 us); 32 x 4k-8k wants 2 (35% faster than none).
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
+_MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension (the tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,6 +373,7 @@ def paged_attention_num_splits(
     head_dim: int,
     max_seq_len: int,
     device: torch.device,
+    itemsize: int = 2,
 ) -> int:
     """The split count ``paged_attention`` picks when ``num_splits`` is None,
     from shapes alone (no device access but the SM count): ``max_seq_len`` is
@@ -361,7 +381,7 @@ def paged_attention_num_splits(
     for one batch shape passes this explicitly, so the count (and the size of
     the partial buffers, allocated once in the graph's pool) is fixed for
     every replay whatever the contexts are at run time."""
-    cfg = _tile_config(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim)
+    cfg = _tile_config(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim, itemsize)
     busy_programs = triton.cdiv(num_tokens, cfg.block_q) * num_kv_heads
     return _default_num_splits(device, busy_programs, triton.cdiv(max_seq_len, cfg.block_n))
 
@@ -469,11 +489,14 @@ def paged_attention(
         return out
 
     group = num_q_heads // num_kv_heads
-    cfg = _tile_config(num_tokens, num_seqs, group, head_dim)
+    cfg = _tile_config(num_tokens, num_seqs, group, head_dim, q.element_size())
     num_tiles = num_tokens // cfg.block_q + num_seqs
+    require(num_tiles <= _MAX_GRID_Y, "paged_attention",
+            f"{num_tokens} tokens of {num_seqs} sequences make {num_tiles} tiles, more than one launch takes "
+            f"({_MAX_GRID_Y}); split the batch")
     if num_splits is None:
         num_splits = paged_attention_num_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                                block_tables.shape[1] * block_size, q.device)
+                                                block_tables.shape[1] * block_size, q.device, q.element_size())
 
     if num_splits == 1:
         partial, m, l = out, out, out  # m and l are unused by this variant
@@ -482,7 +505,7 @@ def paged_attention(
         m = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
 
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    _paged_attention_kernel[(num_kv_heads, num_tiles, num_splits)](
         partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E, num_seqs, num_tokens, num_splits,
         q.stride(0), q.stride(1),
