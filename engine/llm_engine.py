@@ -95,6 +95,8 @@ class EngineStats:
     prefix_queries_total: int
     prefix_hits_total: int
     num_preemptions_total: int
+    num_steps_total: int = 0  # forward passes run or queued
+    num_steps_ahead_total: int = 0  # of those, scheduled a step ahead (overlapped with the one before)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -130,6 +132,8 @@ class LLMEngine:
         self._next_expiry_check = 0.0
         self.layerwise_sink: LayerwiseSink | None = None  # prefill tier: KV sent as layers finish
         self._in_flight: LaunchedStep | None = None  # a decode step queued, its tokens not read yet
+        self.num_steps_total = 0
+        self.num_steps_ahead_total = 0
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig):
@@ -334,6 +338,8 @@ class LLMEngine:
             result.updated += self.scheduler.update_from_output(in_flight.out, *in_flight.result())
             if self._in_flight is not None:
                 result.num_batched_tokens = ahead.num_batched_tokens
+                self.num_steps_total += 1
+                self.num_steps_ahead_total += 1
                 return self._once_each(result)
         out = self.scheduler.schedule()
         result.reserved += out.reserved
@@ -341,6 +347,7 @@ class LLMEngine:
         result.updated += out.finished
         if not out.is_empty:
             result.num_batched_tokens = out.num_batched_tokens
+            self.num_steps_total += 1
             if self.config.async_scheduling and self.layerwise_sink is None:
                 self._in_flight = self.runner.launch(out)  # None: not a graph step
             if self._in_flight is None:
@@ -379,4 +386,5 @@ class LLMEngine:
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
                            prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
-                           num_preemptions_total=s.num_preemptions_total)
+                           num_preemptions_total=s.num_preemptions_total, num_steps_total=self.num_steps_total,
+                           num_steps_ahead_total=self.num_steps_ahead_total)

@@ -42,6 +42,9 @@ class _SchedulerCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_total)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits_total)
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)
+        yield counter("engine_steps", "Engine steps that ran (or queued) a forward pass.", s.num_steps_total)
+        yield counter("engine_steps_ahead", "Of those, decode steps scheduled and queued while the step before "
+                      "still ran (--async-scheduling).", s.num_steps_ahead_total)
 
 
 class EngineMetrics:

@@ -101,17 +101,17 @@ class EngineServer(ServiceProcess):
     ``flags``; ``load()`` asks it over gRPC."""
 
     def __init__(self, role: str, flags: list[str], name: str | None = None, port: int | None = None,
-                 metrics_port: int = 0) -> None:
-        self.role, self.flags = role, list(flags)
+                 metrics_port: int = 0, env: dict[str, str] | None = None) -> None:
+        self.role, self.flags, self.env = role, list(flags), dict(env or {})
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         super().__init__(name or f"{role}-{self.port}", f"{role}_service.server",
                          ["--port", str(self.port), "--metrics-port", str(metrics_port), *self.flags],
-                         f"{role} server ready", env={"OMP_NUM_THREADS": "1"})
+                         f"{role} server ready", env={"OMP_NUM_THREADS": "1", **self.env})
 
     def restart(self) -> "EngineServer":
-        """A new server with the same flags on the same port (this one must have exited)."""
-        return EngineServer(self.role, self.flags, self.name, self.port)
+        """A new server with the same flags (and environment) on the same port (this one must have exited)."""
+        return EngineServer(self.role, self.flags, self.name, self.port, env=self.env)
 
     @functools.cached_property
     def channel(self):  # -> grpc.Channel, one for the server's life

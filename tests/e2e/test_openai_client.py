@@ -2,7 +2,10 @@
 the gateway as separate processes on the default model, driven through the
 official ``openai`` client and gRPC ``Gateway.Generate``. Greedy (and seeded)
 outputs must equal the offline ``engine.LLM`` token for token, and no KV block
-may stay allocated afterwards."""
+may stay allocated afterwards. The module runs twice: as the servers start on
+CPU, and with the decode server's steps overlapped (``--async-scheduling``
+over the decode-graph path run eagerly, ``PDSERVE_DECODE_GRAPHS=eager``), where
+stop strings and disconnects end requests whose next step is already queued."""
 from __future__ import annotations
 
 import time
@@ -26,17 +29,19 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
 MAX_TOKENS = 16
 
 
-def EngineProcess(role: str) -> EngineServer:
+def EngineProcess(role: str, env: dict[str, str] | None = None) -> EngineServer:
     """A prefill or decode server on a free port, metrics served."""
-    return EngineServer(role, ENGINE_FLAGS, name=role, metrics_port=free_port())
+    return EngineServer(role, ENGINE_FLAGS, name=role, metrics_port=free_port(), env=env)
 
 
-@pytest.fixture(scope="module")
-def servers():
-    prefill, decode = EngineProcess("prefill"), EngineProcess("decode")
+@pytest.fixture(scope="module", params=["one-step", "overlapped"])
+def servers(request):
+    overlapped = {"PDSERVE_DECODE_GRAPHS": "eager"} if request.param == "overlapped" else None
+    prefill, decode = EngineProcess("prefill"), EngineProcess("decode", overlapped)
     gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
                                 "--max-model-len", str(MAX_MODEL_LEN)])
     gw.decode_address = decode.address  # type: ignore[attr-defined]
+    gw.overlapped = overlapped is not None  # type: ignore[attr-defined]
     with running_cluster([prefill, decode], gw, api_key=API_KEY):
         yield gw
 
@@ -135,11 +140,14 @@ def _decode_load(gw: GatewayProcess) -> common_pb2.LoadInfo:
         return engine_pb2_grpc.DecodeStub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
 
 
-def _decode_generation_tokens(gw: GatewayProcess) -> float:
-    """The decode server's pdserve:generation_tokens_total."""
+def _decode_counter(gw: GatewayProcess, name: str) -> float:
+    """A counter of the decode server's metrics (summed over its labels)."""
     text = httpx.get(_decode_load(gw).metrics_url, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:generation_tokens_total"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _decode_generation_tokens(gw: GatewayProcess) -> float:
+    return _decode_counter(gw, "pdserve:generation_tokens_total")
 
 
 # Generating DISCONNECT_TOKENS takes ~35 s here at ~40 ms a token (one thread, 2 cores), longer
@@ -167,3 +175,14 @@ def test_disconnect_frees_blocks(servers):
     generated = _decode_generation_tokens(servers) - before
     assert generated < DISCONNECT_TOKENS // 4, generated
     _assert_no_blocks_held(servers)
+
+
+def test_decode_steps_go_ahead_only_when_overlapped(servers):
+    """Runs last: by now the decode server has stepped every request above."""
+    steps = _decode_counter(servers, "pdserve:engine_steps_total")
+    ahead = _decode_counter(servers, "pdserve:engine_steps_ahead_total")
+    assert steps > 50
+    if servers.overlapped:
+        assert ahead > steps / 2, (ahead, steps)
+    else:
+        assert ahead == 0, ahead
