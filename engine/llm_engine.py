@@ -321,26 +321,13 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------
     def step(self) -> StepOutput:
-        """One engine step."""
-        now = time.monotonic()
-        expired = []
-        if now >= self._next_expiry_check:  # a walk over every request: not on every decode step
-            expired = self.scheduler.expire(now)
-            self._next_expiry_check = now + _EXPIRY_CHECK_S
-        result = StepOutput(updated=self._outside_step + expired)
+        """One engine step. With a decode step in flight (overlapped steps: see the module's
+        docstring) it queues the next one a step ahead where it can, then reports the tokens
+        of the one in flight; otherwise it schedules one step and runs (or queues) it."""
+        result = StepOutput(updated=self._outside_step + self._expire())
         self._outside_step = []
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            ahead = self.scheduler.schedule_ahead(in_flight.out)
-            if ahead is not None:
-                result.reserved += ahead.reserved
-                self._in_flight = self.runner.launch(ahead, in_flight)
-            result.updated += self.scheduler.update_from_output(in_flight.out, *in_flight.result())
-            if self._in_flight is not None:
-                result.num_batched_tokens = ahead.num_batched_tokens
-                self.num_steps_total += 1
-                self.num_steps_ahead_total += 1
-                return self._once_each(result)
+        if self._in_flight is not None and self._step_ahead(result):
+            return self._once_each(result)
         out = self.scheduler.schedule()
         result.reserved += out.reserved
         result.started = out.started
@@ -354,6 +341,31 @@ class LLMEngine:
                 sampled, logprobs = self._execute(out)
                 result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
         return self._once_each(result)
+
+    def _expire(self) -> list[Request]:
+        now = time.monotonic()
+        if now < self._next_expiry_check:  # a walk over every request: not on every decode step
+            return []
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        return self.scheduler.expire(now)
+
+    def _step_ahead(self, result: StepOutput) -> bool:
+        """Queue the step after the one in flight if it can be scheduled ahead, then read the
+        one in flight into ``result``. True when a step is in flight again."""
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None
+        ahead = self.scheduler.schedule_ahead(in_flight.out)
+        if ahead is not None:
+            result.reserved += ahead.reserved
+            self._in_flight = self.runner.launch(ahead, in_flight)
+        result.updated += self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+        if self._in_flight is None:
+            return False
+        assert ahead is not None
+        result.num_batched_tokens = ahead.num_batched_tokens
+        self.num_steps_total += 1
+        self.num_steps_ahead_total += 1
+        return True
 
     @staticmethod
     def _once_each(result: StepOutput) -> StepOutput:
