@@ -9,6 +9,7 @@ stop strings and disconnects end requests whose next step is already queued."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -102,6 +103,30 @@ def test_grpc_generate_matches_token_for_token(servers, llm):
                 assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids, (prompt, sp)
                 assert "".join(m.text for m in msgs) == ref.outputs[0].text
                 assert msgs[-1].finish_reason == ref.outputs[0].finish_reason
+    _assert_no_blocks_held(servers)
+
+
+def test_concurrent_streams_match_token_for_token(servers, llm):
+    """Requests arriving while others decode: on the overlapped decode server they join
+    the steps scheduled ahead (their KV arrives between two steps)."""
+    prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
+    params = [(SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i),
+               common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i)) if i % 2 else
+              (SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5),
+               common_pb2.SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5))
+              for i in range(len(prompts))]
+    refs = [llm.generate(p, sp)[0].outputs[0].token_ids for p, (sp, _) in zip(prompts, params)]
+
+    def generate(i: int) -> list[int]:
+        with grpc.insecure_channel(servers.grpc_address) as ch:
+            msgs = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                gateway_pb2.GenerateRequest(text=prompts[i], sampling=params[i][1]), timeout=120,
+                metadata=[("authorization", f"Bearer {API_KEY}")])
+            return [t for m in msgs for t in m.token_ids]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(generate, range(len(prompts))))
+    assert got == refs
     _assert_no_blocks_held(servers)
 
 
