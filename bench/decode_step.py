@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
         if profiled:
             result["steps"][b]["profile"] = profiled
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
-              f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; context {min(contexts)}-{max(contexts)} tokens; "
+              f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
+              f"context {min(contexts)}-{max(contexts)} tokens; "
               f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
     write_result(result, "decode-step", args.output_json)
     return 0

@@ -17,8 +17,8 @@ import argparse
 from bench.results import write_result
 
 HQ, HKV, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
-DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 1024), (32, 4096), (32, 8192), (64, 4096), (128, 1024),
-                (256, 1024)]
+DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 1024), (32, 4096), (32, 8192), (64, 4096),
+                (128, 1024), (256, 1024)]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

@@ -445,7 +445,8 @@ class ModelRunner:
         ahead = sum(1 for s in out.scheduled if s.lookahead)
         if ahead and (in_flight is None or len(in_flight.out.scheduled) < ahead
                       or any(s.lookahead for s in out.scheduled[ahead:])
-                      or any(a.request is not b.request for a, b in zip(out.scheduled, in_flight.out.scheduled[:ahead]))):
+                      or any(a.request is not b.request
+                             for a, b in zip(out.scheduled, in_flight.out.scheduled[:ahead]))):
             raise ValueError("rows a step ahead must lead the batch, in the order of the step in flight")
         step = self.graphs.prepare(out.scheduled, in_flight.token_ids[:ahead] if in_flight and ahead else None)
         if step is None:
