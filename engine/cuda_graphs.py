@@ -108,7 +108,8 @@ class DecodeInputs:
         pin = device.type == "cuda"
         self._staging = [(torch.zeros(3, m, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # each staging's last upload
+        # each staging's last upload (an event never recorded is complete)
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pin else None
         self._turn = 0
         self._use_staging(0)
         self.i64 = torch.zeros(3, m, dtype=torch.int64, device=device)
@@ -142,9 +143,8 @@ class DecodeInputs:
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table has {width} blocks; the buffers hold {self.max_blocks_per_seq}")
         self._use_staging(1 - self._turn)
-        copied = self._copied[self._turn]
-        if copied is not None:
-            copied.synchronize()  # its copies were queued two steps ago: done, in practice
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()  # its copies were queued two steps ago: done, in practice
         h64, h32 = self._h64, self._h32
         pos = np.fromiter((s.request.num_computed_tokens + s.lookahead for s in scheduled), dtype=np.int64,
                           count=n)
@@ -171,9 +171,8 @@ class DecodeInputs:
         self.i64.copy_(self.host_i64, non_blocking=True)
         end = self.staged_i32(size, width)
         end.copy_(self.host_i32[:end.numel()], non_blocking=True)
-        if self.device.type == "cuda":
-            event = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
-            event.record()
+        if self._copied is not None:
+            self._copied[self._turn].record()
         if ahead_ids is not None:
             torch.clamp(ahead_ids, min=0, out=self.i64[0, :ahead_ids.numel()])
         self.place_tables(size, width)

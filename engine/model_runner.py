@@ -44,7 +44,7 @@ import itertools
 import logging
 import os
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.models.llama import AttentionMetadata
 from engine.parallel import TPGroup
-from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow
+from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -131,9 +131,22 @@ class LaunchedStep:
 
     def result(self) -> tuple[list[int | None], list | None]:
         """(sampled, logprobs) as ``ModelRunner.execute`` returns them; waits for the step."""
-        res = self.sample.result()
-        lps = res.logprobs if any(lp is not None for lp in res.logprobs) else None
-        return list(res.token_ids), lps
+        n = len(self.out.scheduled)
+        return _per_row(self.sample.result(), range(n), n)
+
+
+def _per_row(res: SamplerOutput, which: Sequence[int], n: int) -> tuple[list[int | None], list | None]:
+    """The sampler's output for rows ``which`` of a step of ``n`` rows, aligned with the step:
+    each row's token (None where it did not sample), and logprobs (None when no row asked)."""
+    sampled: list[int | None] = [None] * n
+    for j, i in enumerate(which):
+        sampled[i] = res.token_ids[j]
+    if all(lp is None for lp in res.logprobs):
+        return sampled, None
+    logprobs: list = [None] * n
+    for j, i in enumerate(which):
+        logprobs[i] = res.logprobs[j]
+    return sampled, logprobs
 
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
@@ -368,9 +381,7 @@ class ModelRunner:
         assert self.tp is not None and self.graphs is not None
         size, splits, width = step
         header = torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0], dtype=torch.int64)
-        if self.device.type == "cuda":
-            header = header.pin_memory()
-        self.tp.broadcast(header.to(self.device, non_blocking=True))
+        self.tp.broadcast(to_device(header, self.device))
         self._broadcast_graph_inputs(size, width)
 
     def _replay_shared_graph_step(self, size: int, splits: int, width: int) -> None:
@@ -474,15 +485,8 @@ class ModelRunner:
         if self.tp is not None:
             self._broadcast_step(input_ids, positions, meta, sample_idx)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-        sampled: list[int | None] = [None] * len(out.scheduled)
-        logprobs: list | None = None
-        if which:
-            logits = self.model.compute_logits(hidden[sample_idx])
-            res: SamplerOutput = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
-            for j, i in enumerate(which):
-                sampled[i] = res.token_ids[j]
-            if any(lp is not None for lp in res.logprobs):
-                logprobs = [None] * len(out.scheduled)
-                for j, i in enumerate(which):
-                    logprobs[i] = res.logprobs[j]
-        return sampled, logprobs
+        if not which:
+            return [None] * len(out.scheduled), None
+        logits = self.model.compute_logits(hidden[sample_idx])
+        res = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
+        return _per_row(res, which, len(out.scheduled))

@@ -162,7 +162,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)  # [B]; final for greedy rows
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_idx:
-            idx = _to_device(torch.tensor(random_idx), logits.device)
+            idx = to_device(torch.tensor(random_idx), logits.device)
             sampled = _sample_random(logits[idx], [rows[i] for i in random_idx])
             token_ids = token_ids.index_copy(0, idx, sampled)
         token_ids = _guard(token_ids, logits)
@@ -188,7 +188,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
             and not row.suppressed_token_ids)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device copy that does not make the host wait for the GPU."""
     if device.type == "cpu":
         return t
@@ -208,21 +208,21 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         return logits
     pen_rows = [rows[i] for i in pen_idx]
     device, vocab = logits.device, logits.shape[1]
-    idx = _to_device(torch.tensor(pen_idx), device)
+    idx = to_device(torch.tensor(pen_idx), device)
     sub = logits[idx]  # [P, V]
 
     def column(values: list[float]) -> torch.Tensor:  # [P, 1]
-        return _to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
+        return to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
 
     # Token ids are scattered into V + 1 columns: the last one absorbs padding.
-    out_ids = _to_device(_padded([r.output_token_ids for r in pen_rows], vocab), device)
+    out_ids = to_device(_padded([r.output_token_ids for r in pen_rows], vocab), device)
     counts = torch.zeros(len(pen_rows), vocab + 1, device=device)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
     counts = counts[:, :vocab]  # [P, V] occurrences in the output
     in_output = counts > 0
 
     if any(r.params.repetition_penalty != 1.0 for r in pen_rows):
-        prompt_ids = _to_device(_padded([r.prompt_token_ids for r in pen_rows], vocab), device)
+        prompt_ids = to_device(_padded([r.prompt_token_ids for r in pen_rows], vocab), device)
         in_prompt = torch.zeros(len(pen_rows), vocab + 1, dtype=torch.bool, device=device)
         in_prompt.scatter_(1, prompt_ids, True)
         seen = in_prompt[:, :vocab] | in_output
@@ -241,7 +241,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
              for t in sorted(row.suppressed_token_ids) if 0 <= t < vocab]
     if not pairs:
         return logits
-    where = _to_device(torch.tensor(pairs, dtype=torch.long), logits.device)  # [N, 2]
+    where = to_device(torch.tensor(pairs, dtype=torch.long), logits.device)  # [N, 2]
     # torch.full, not torch.tensor(-inf, device=...): no blocking host copy
     neg_inf = torch.full((len(pairs),), float("-inf"), device=logits.device)
     return logits.index_put((where[:, 0], where[:, 1]), neg_inf)
@@ -252,7 +252,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     device, vocab = logits.device, logits.shape[1]
 
     def column(values: list[float]) -> torch.Tensor:  # [R, 1]
-        return _to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
+        return to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
 
     logits = logits / column([r.params.temperature for r in rows])
     use_top_k = any(0 < r.params.top_k < vocab for r in rows)
@@ -291,7 +291,7 @@ def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor
     unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64).tolist())  # CPU: no sync
     values = [next(unseeded) if row.params.seed is None
               else _seeded_uniform(row.params.seed, row.step) for row in rows]
-    return _to_device(torch.tensor(values, dtype=torch.float64), device)
+    return to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
 def _mix64(x: int) -> int:

@@ -277,9 +277,10 @@ class Scheduler:
         finishes are computed and discarded. None, with nothing scheduled, where the
         schedule could differ from the one ``schedule()`` makes after reading the tokens:
         a row of ``in_flight`` no longer running, a running request with more than one token
-        to compute, waiting requests and room for them, a row with penalties (they read
-        the tokens) or held for a KV send, the budget, or blocks that would take a preemption. (Blocks taken for
-        the rows before a None are kept: their requests need them the step after.)"""
+        to compute, waiting requests and room for them, a row with penalties (they read the
+        tokens) or held for a KV send, the budget, or blocks that would take a preemption.
+        (Blocks taken for the rows before a None are kept: their requests need them the step
+        after.)"""
         rows = [s.request for s in in_flight.scheduled]
         if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish for r in rows):
             return None
