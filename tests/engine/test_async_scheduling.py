@@ -124,3 +124,21 @@ def test_a_row_sampled_ahead_draws_as_if_its_tokens_were_known():
             assert Sampler().sample(logits, [ahead]).token_ids == Sampler().sample(logits, [full]).token_ids
     with pytest.raises(ValueError, match="penalties"):
         SamplingRow(SamplingParams(presence_penalty=0.5), [1], [], frozenset(), pending=1)
+
+
+def test_a_request_arriving_while_steps_overlap_starts_at_the_next_step(tiny_llama_dir):
+    """Admission, not only output: a prompt added while a decode step is in flight is
+    scheduled by the very next engine step, not after the running request finishes."""
+    llm = _llm(tiny_llama_dir, True)
+    e = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = e.add_request("a", _prompts()[0], sp)
+    while not (e._in_flight is not None and a.num_output_tokens >= 3):
+        e.step()
+    b = e.add_request("b", _prompts()[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    e.step()
+    assert b.times.first_scheduled is not None and b.num_computed_tokens > 0
+    assert a.num_output_tokens < 10 and not a.is_finished
+    while e.has_unfinished_requests():
+        e.step()
+    assert b.num_output_tokens == 4 and a.num_output_tokens == 40 and e.stats().kv_blocks_used == 0

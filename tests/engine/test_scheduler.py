@@ -137,3 +137,54 @@ def test_random_workload_never_leaks():
             assert (b.ref_cnt == 0) == (b.prev_free is not None)
     run_to_end(s)
     assert_no_leak(s)
+
+
+def _decoding(s: Scheduler, r: Request) -> None:
+    """Run ``r`` until it has one token to compute per step (it decodes)."""
+    s.add_request(r)
+    while r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens == 0:
+        step(s)
+
+
+def test_a_step_ahead_yields_to_waiting_requests_with_room():
+    """Overlapped steps stop where a waiting request could start: scheduled ahead, it would
+    wait until the running one finished. Without room (max_num_seqs) they go on."""
+    s = make(num_blocks=32, budget=8, max_seqs=2)
+    a = req("a", 5, max_tokens=20)
+    _decoding(s, a)
+    in_flight = s.schedule()
+    assert [x.request.request_id for x in in_flight.scheduled] == ["a"]
+    assert s.schedule_ahead(in_flight) is not None  # nothing waits: a step ahead
+    s.update_from_output(in_flight, [7])
+    in_flight = s.schedule()
+    s.add_request(req("b", 3, start=40))
+    assert s.schedule_ahead(in_flight) is None  # b waits and has room: the next step admits it
+    s.update_from_output(in_flight, [7])
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["a", "b"]
+
+    full = make(num_blocks=32, budget=8, max_seqs=1)
+    _decoding(full, req("a", 5, max_tokens=20))
+    in_flight = full.schedule()
+    full.add_request(req("b", 3, start=40))
+    ahead = full.schedule_ahead(in_flight)  # no room for b: nothing to wait for
+    assert ahead is not None and [(x.request.request_id, x.lookahead) for x in ahead.scheduled] == [("a", 1)]
+
+
+def test_a_step_ahead_reserves_blocks_for_decode_arrivals():
+    """A request whose KV comes by transfer gets its blocks in a step scheduled ahead, after
+    the rows' own: it need not wait for the overlapped steps to stop."""
+    s = make(num_blocks=8, budget=8, max_seqs=4)
+    a = req("a", 6, max_tokens=20)
+    s.add_reservation(a)
+    assert s.schedule().reserved == [a]
+    s.begin_kv_receive("a", s.kv.get_block_ids("a"))
+    s.kv_received("a", 42)
+    in_flight = s.schedule()
+    assert [x.request.request_id for x in in_flight.scheduled] == ["a"]
+    b = req("b", 9, start=40)
+    s.add_reservation(b)
+    ahead = s.schedule_ahead(in_flight)
+    assert ahead is not None and [x.request.request_id for x in ahead.scheduled] == ["a"]
+    assert ahead.reserved == [b] and b.status == RequestStatus.WAITING_FOR_KV
+    assert len(s.kv.get_block_ids("b")) == 3 and len(s.kv.get_block_ids("a")) == 2
+    assert not set(s.kv.get_block_ids("a")) & set(s.kv.get_block_ids("b"))
