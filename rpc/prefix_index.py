@@ -13,10 +13,12 @@ Keys (``ns`` = the engines' cache namespace: model, block size, KV dtype)::
                                   finds the namespaces of its model without scanning every key
 
 An instance id is ``address#nonce`` and a new nonce starts every
-publication epoch (each start, and each re-publication after Redis came
-back): a reader counts only ids whose heartbeat is fresh, so a dead or
-restarted server is never credited with blocks it no longer holds, and its
-entries stop counting within ``ALIVE_TTL_S``.
+publication epoch (each start, each re-publication after Redis came
+back, and each snapshot after the engine's events were lost, since what
+those events evicted is still listed under the old id): a reader counts
+only ids whose heartbeat is fresh, so a dead or restarted server is never
+credited with blocks it no longer holds, and its entries stop counting
+within ``ALIVE_TTL_S``.
 """
 from __future__ import annotations
 
@@ -104,21 +106,28 @@ class RedisIndexPublisher:
                 if fresh:
                     self._new_epoch()
                 batch = self._consumer.get(timeout=0.1)  # type: ignore[union-attr]
+                renamed = ""
+                if batch is not None and batch.snapshot and not fresh:
+                    # Events were lost (the feed re-snapshots): what they evicted is still in
+                    # Redis under this id. The snapshot goes under a new id; the old one leaves.
+                    renamed, self.instance_id = self.instance_id, self._new_instance_id()
                 pipe = self._redis.pipeline(transaction=False)
                 ns, iid = self.feed.namespace, self.instance_id
                 if batch is not None:
                     self._write(batch.hashes, batch.stored)
                     self.num_published += 1
-                beat = fresh or time.monotonic() >= next_beat
+                beat = fresh or renamed or time.monotonic() >= next_beat
                 if beat:
                     pipe.set(epoch_key(ns, iid), 1, ex=int(ALIVE_TTL_S), get=True)
+                    if renamed:  # before the new id counts: never both credited at once
+                        pipe.zrem(alive_key(ns), renamed)
                     pipe.zadd(alive_key(ns), {iid: time.time()})
                     pipe.zremrangebyscore(alive_key(ns), "-inf", time.time() - 60 * ALIVE_TTL_S)
                     pipe.zadd(NAMESPACES_KEY, {ns: time.time()})
                     pipe.zremrangebyscore(NAMESPACES_KEY, "-inf", time.time() - 60 * ALIVE_TTL_S)
                     previous = pipe.execute()[0]
                     next_beat = time.monotonic() + HEARTBEAT_S
-                    if previous is None and not fresh:  # Redis lost our entries: publish them again
+                    if previous is None and not (fresh or renamed):  # Redis lost our entries: publish them again
                         logger.warning("prefix index: Redis at %s lost this server's entries; publishing again",
                                        self.url)
                         self._drop_epoch()
@@ -136,12 +145,15 @@ class RedisIndexPublisher:
     def _new_epoch(self) -> None:
         """Subscribe afresh (a snapshot first) under a new instance id."""
         old = self.instance_id
-        self.instance_id = f"{self.feed.address}#{uuid.uuid4().hex[:8]}"
+        self.instance_id = self._new_instance_id()
         consumer = QueueConsumer()
         consumer.sub = self._submit(lambda e: self.feed.subscribe(e, consumer.deliver)).result(30)
         self._consumer = consumer
         if old:
             self._redis.zrem(alive_key(self.feed.namespace), old)
+
+    def _new_instance_id(self) -> str:
+        return f"{self.feed.address}#{uuid.uuid4().hex[:8]}"
 
     def _drop_epoch(self) -> None:
         if self._consumer is not None and self._consumer.sub is not None:
