@@ -9,8 +9,9 @@ import pytest
 from gateway.config import GatewayConfig, add_cli_args, join_host_port, parse_addresses
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import InstanceRegistry
+from gateway.prefix_index import MemoryPrefixIndex, prompt_block_hashes
 from gateway.router import Router, in_flight
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, engine_pb2
 
 
 def _set(inst, healthy: bool, running: int = 0, waiting: int = 0, used: int = 0, total: int = 100) -> None:
@@ -105,6 +106,35 @@ def test_kv_aware_prefill_choice_weighs_cached_tokens_against_queued_work():
         assert route.prefill is None and route.reason == "local"
         index.blocks = {"d1:1": 2}  # 32 missing
         assert (await _pick(router)).prefill is not None
+        await reg.close()
+    asyncio.run(go())
+
+
+def test_decode_choice_prefers_the_server_holding_the_prompts_prefix():
+    """Two decode servers with prefix data (the in-memory index, fed as the servers' watch
+    streams feed it): at equal load the one holding more of the prompt wins, even against
+    the round-robin tie-break and a lower KV usage; one request fewer outweighs a 3/4 hit."""
+    async def go():
+        reg = InstanceRegistry((), ("d1:1", "d2:2"))
+        d1, d2 = reg.decode
+        for inst in reg:
+            _set(inst, True, running=2, used=10)
+            inst.load.cache_namespace, inst.load.block_size = "m:16:float32", 16
+        d1.load.kv_blocks_used = 5  # d1 is the better pick on everything but the prefix
+        hashes = prompt_block_hashes(PROMPT, 16)  # 3 blocks
+        index = MemoryPrefixIndex([])
+        for inst, held in ((d1, hashes[:1]), (d2, hashes)):
+            index.apply(inst.address, engine_pb2.CacheEventBatch(cache_namespace="m:16:float32", snapshot=True,
+                                                                 hashes=held))
+        router = Router(reg, index)
+        picks = [await _pick(router) for _ in range(3)]
+        assert [r.decode.address for r in picks] == ["d2:2"] * 3
+        assert picks[0].cached_tokens(d2) == 48 and picks[0].cached_tokens(d1) == 16
+        d1.load.num_running = 1
+        assert (await _pick(router)).decode is d1
+        index.apply("d2:2", engine_pb2.CacheEventBatch(hashes=hashes[:1], stored=[False]))  # d2 evicted it
+        d1.load.num_running = 2
+        assert (await _pick(router)).decode is d1  # now d1 holds more (16 tokens against none)
         await reg.close()
     asyncio.run(go())
 
