@@ -62,6 +62,42 @@ def test_a_peer_without_the_secret_gets_no_pair(monkeypatch, decode_secret, pref
         receiver.close()
 
 
+def _store_of(port: int):
+    """A plain client of a pair's store (what anyone who can reach the port can do)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.kv_transfer import DEFAULT_PAIR_NAME
+
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), wait_for_workers=False)
+    return dist.PrefixStore(DEFAULT_PAIR_NAME, store)
+
+
+def test_a_recorded_proof_replayed_in_another_pair_is_refused(monkeypatch):
+    """Someone who read a good pair's handshake (its store is plain TCP) and offers the
+    sender's hello, nonce and proof to a new receiver: fresh nonces make the proof stale."""
+    receiver, port = _pair(monkeypatch, "s3cret", "s3cret")
+    sender = KVSender.connect("127.0.0.1", port, LAYOUT, timeout=10.0)
+    try:
+        receiver.wait_connected()
+        seen = _store_of(port)
+        recorded = {k: seen.get(k) for k in ("hello/0", "auth/nonce/0", "auth/proof/0")}
+    finally:
+        sender.close()
+        receiver.close()
+    replayed, port = KVReceiver.listen("127.0.0.1", LAYOUT, timeout=5.0)
+    try:
+        stranger = _store_of(port)
+        for key, value in recorded.items():
+            stranger.set(key, value)
+        with pytest.raises(KVTransferError, match="failed KV pair authentication"):
+            replayed.wait_connected()
+        assert not replayed.is_connected
+    finally:
+        replayed.close()
+
+
 def test_a_stranger_naming_a_peer_cannot_replace_its_pair(monkeypatch, tiny_llama_dir):
     """OpenKVChannel from someone without the secret, naming a working peer:
     the stranger's pair fails authentication and the peer's pair keeps working."""
