@@ -234,3 +234,63 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The activations fused_moe takes, named as in kernels.fused_moe (HF: "silu", "gelu_pytorch_tanh").
+MOE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Mixture-of-experts MLP, HF transformers 5's ``Qwen3MoeExperts.forward`` step for step.
+
+    x: [T, H]; w13: [E, 2*I, H] (rows [:I] gate, [I:] up); w2: [E, H, I]
+    topk_weights: [T, K] float32; topk_ids: [T, K] int, expert ids (ids outside
+    [0, E) contribute nothing, like HF's sentinel expert E)
+    activation: "silu" or "gelu_tanh"; ``config`` (the Triton kernel's tiles) changes nothing here.
+    returns [T, H] in x's dtype: out[t] = sum_k w[t,k] * (act(x[t] W_gate^T) * x[t] W_up^T) W2^T.
+
+    For each expert hit, in ascending expert order: its (slot, token) pairs in
+    HF's order (slot-major), one linear for gate and up together, the
+    activation and the product in x's dtype, the down projection times the
+    routing weight cast to x's dtype, then ``index_add_`` into the output.
+    The same order of operations as HF, so float32 results are equal bit for bit.
+    """
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+    act = MOE_ACTIVATIONS[activation]
+    num_tokens = topk_ids.shape[0]
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    weights = topk_weights.to(x.dtype)  # HF casts the routing weights to the model dtype
+    # Pair j = k * T + t ([K, T] flattened, as HF's torch.where over the [K, T] mask):
+    # a stable sort by expert keeps each expert's pairs in HF's (slot, token) order.
+    ids = topk_ids.t().reshape(-1).long()  # [K*T]
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    order = torch.argsort(ids, stable=True)  # [K*T]
+    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts].tolist()  # the one host sync
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        token_idx, slot = pairs % num_tokens, pairs // num_tokens
+        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, w2[expert]) * weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y)
+    return out
