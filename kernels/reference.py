@@ -46,11 +46,16 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     step_cache: dict | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
     (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
     ``step_cache``: a dict the layers of one step share (the same block tables and
-    lengths), where the work of finding each row's keys is kept after the first.
+    lengths), where the work of finding each row's keys is kept after the first
+    (per window: layers with and without one may share it).
+    ``sliding_window``: None, or W >= 1: the query at position p sees only keys
+    p - W < k <= p (Hugging Face's sliding window); keys before every window of a
+    sequence's queries are never read.
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b
@@ -59,16 +64,21 @@ def paged_attention(
        (seq_lens counts the new tokens, whose K/V are already in the cache)
     returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
     """
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise ValueError(f"paged_attention: sliding_window must be None or an int >= 1, got {sliding_window!r}")
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     starts, lens, decode, chunks = _step_rows(query_start_loc, seq_lens, block_tables, k_cache.shape[1],
-                                              step_cache)
+                                              step_cache, sliding_window)
     if decode:  # one batched pass for all single-token rows
-        _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache)
-    for q_lo, q_hi, seq_len, blocks, visible in chunks:
-        # [seq_len, num_kv_heads, head_dim] -> [num_kv_heads, seq_len, head_dim]
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache,
+                          sliding_window)
+    for q_lo, q_hi, k_off, num_keys, blocks, visible in chunks:
+        # [num_keys, num_kv_heads, head_dim] -> [num_kv_heads, num_keys, head_dim]
+        k = k_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1).float()
+        v = v_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1).float()
         qb = q[q_lo:q_hi].transpose(0, 1).float()  # [num_q_heads, q_len, head_dim]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
@@ -77,10 +87,14 @@ def paged_attention(
     return out
 
 
-def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache):
+def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache, window=None):
     """(starts, lens, the single-token rows batched together, and per other sequence: its
-    query rows, length, blocks and causal mask); the same in every layer of a step."""
-    key = ("rows", block_size)
+    query rows, the offset of its first key in its first block, the key count, the blocks
+    and the causal (and window) mask); the same in every layer of a step with this window.
+
+    A chunk's keys are [k_lo, seq_len), k_lo being where its first query's window starts
+    (0 without a window): blocks wholly before k_lo are not gathered."""
+    key = ("rows", block_size, window)
     if step_cache is not None and key in step_cache:
         return step_cache[key]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -95,12 +109,16 @@ def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache):
         q_len = q_hi - q_lo
         if q_len == 0 or b in batched:
             continue
-        blocks = block_tables[b, :-(-seq_len // block_size)].long()
+        k_lo = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        blocks = block_tables[b, k_lo // block_size:-(-seq_len // block_size)].long()
         # Query i sits at position seq_len - q_len + i: the mask is causal
         # aligned to the bottom-right corner, not SDPA's top-left is_causal.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
-        visible = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        chunks.append((q_lo, q_hi, seq_len, blocks, visible))
+        k_pos = torch.arange(k_lo, seq_len, device=dev)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len - k_lo]
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        chunks.append((q_lo, q_hi, k_lo % block_size, seq_len - k_lo, blocks, visible))
     rows = (starts, lens, decode, chunks)
     if step_cache is not None:
         step_cache[key] = rows
@@ -110,7 +128,8 @@ def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache):
 _DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out, step_cache) -> None:
+def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out, step_cache,
+                      window=None) -> None:
     """Single-query rows of ``paged_attention``, batched.
 
     Rows are sorted by context length and taken in groups; each group's
@@ -118,13 +137,15 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
     wants, so no further copy), a whole head vector at a time where the
     cache's strides allow (``_as_vector_rows``). Padding positions re-read the
     row's last valid slot (never a stale or foreign one) and are masked out
-    of the softmax. Which slots to read is the same in every layer of a step
-    (``_decode_plan``), so it is worked out once a step.
+    of the softmax. With a window W a row reads only its last min(len, W) keys.
+    Which slots to read is the same in every layer of a step with the same
+    window (``_decode_plan``), so it is worked out once a step.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_rows, v_rows = _as_vector_rows(k_cache), _as_vector_rows(v_cache)
     by_rows = k_rows is not None and v_rows is not None and k_cache.stride() == v_cache.stride()
-    for token_rows, valid, where in _decode_plan(k_cache, block_tables, starts, lens, rows, by_rows, step_cache):
+    plan = _decode_plan(k_cache, block_tables, starts, lens, rows, by_rows, step_cache, window)
+    for token_rows, valid, where in plan:
         if by_rows:
             k = _gather_rows(k_rows, where).float()  # [R, H_kv, L, D]
             v = _gather_rows(v_rows, where).float()
@@ -140,25 +161,29 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
         out[token_rows] = o.reshape(r, -1, head_dim).to(q.dtype)
 
 
-def _decode_plan(cache, block_tables, starts, lens, rows, by_rows, step_cache):
+def _decode_plan(cache, block_tables, starts, lens, rows, by_rows, step_cache, window=None):
     """Per group of decode rows: (their rows in q, the valid keys [R, 1, 1, L], where their
     keys are: head-vector rows [R, H_kv, L], or (blocks, heads, offsets) to index with).
-    The same in every layer of a step (the layers' cache views share their strides), so it
-    is kept in ``step_cache`` (one dict a step, shared by the layers) when one is given."""
-    key = ("decode plan", by_rows, cache.stride(), tuple(cache.shape[1:]))
+    Row b reads keys [lo_b, lens[b]), lo_b = max(0, lens[b] - window) (0 without one).
+    The same in every layer of a step with this window (the layers' cache views share
+    their strides), so it is kept in ``step_cache`` (one dict a step, shared by the
+    layers) when one is given."""
+    key = ("decode plan", by_rows, cache.stride(), tuple(cache.shape[1:]), window)
     if step_cache is not None and key in step_cache:
         return step_cache[key]
     block_size, num_kv_heads = cache.shape[1], cache.shape[2]
     dev = block_tables.device
     heads = torch.arange(num_kv_heads, device=dev)[None, :, None]
     plan = []
-    ordered = sorted(rows, key=lambda b: lens[b])
+    lo = {b: 0 if window is None else max(0, lens[b] - window) for b in rows}
+    ordered = sorted(rows, key=lambda b: lens[b] - lo[b])
     for i in range(0, len(ordered), _DECODE_GROUP):
         group = ordered[i:i + _DECODE_GROUP]
         seq = torch.tensor([lens[b] for b in group], device=dev)  # [R]
-        pos = torch.arange(int(seq.max()), device=dev)[None, :].expand(len(group), -1)  # [R, L]
-        valid = pos < seq[:, None]
-        pos = torch.minimum(pos, (seq - 1)[:, None])
+        first = torch.tensor([lo[b] for b in group], device=dev)  # [R]
+        span = torch.arange(int((seq - first).max()), device=dev)[None, :]  # [1, L]
+        valid = span < (seq - first)[:, None]  # [R, L]
+        pos = torch.minimum(first[:, None] + span, (seq - 1)[:, None])
         table = block_tables[torch.tensor(group, device=dev)].long()
         blocks = torch.gather(table, 1, pos // block_size)[:, None, :]  # [R, 1, L]
         offsets = (pos % block_size)[:, None, :]
