@@ -27,9 +27,26 @@ Key positions of sequence b (q_len new tokens, seq_len in all):
 A tile reads keys [0, kv_end), kv_end being one past its last query's
 position, so pages past it (and block-table padding) are never read.
 
+Sliding window (``sliding_window`` = W, Hugging Face's semantics): the query
+at position p sees keys p - W < k <= p, at most W keys including itself. A
+tile then reads keys [kv_start, kv_end), kv_start = its first query's position
+- W + 1 (at least 0): key tiles wholly before kv_start are skipped (not even
+visited) and keys below it are never loaded, so a decode over a 32k context
+with a 4k window reads about 4k keys, and pages that left every window may
+hold anything. Per key tile of a prefill tile:
+
+    [kv_start, kv_end - W)      window edge: masked (some rows no longer see it)
+    [kv_end - W, first query]   seen whole by every row: unmasked
+    past the first query        causal diagonal: masked
+
+Whether a window is applied is compiled in (WINDOW); W itself is a runtime
+argument, so one compile serves every window size and None runs the code
+it ran before windows existed.
+
 Split-K (flash decoding): when the grid is too small to fill the GPU (decode
 of a few long sequences), each tile's key range is cut into num_splits parts
-run in parallel; each part writes an unnormalised partial (sum, running max,
+run in parallel (with a window, only the visible
+range [kv_start, kv_end) is cut); each part writes an unnormalised partial (sum, running max,
 running denominator) and _combine_kernel merges them. The split count is a
 runtime argument (only whether there are splits, and the combine's power-of-two
 width, are compiled in), so ``warm_up`` can compile every variant a call may
@@ -87,7 +104,9 @@ def _attend_kv_tile(
     acc,  # [BLOCK_M, BLOCK_D] running unnormalised output
     n,  # index of the key tile: keys n * BLOCK_N + [0, BLOCK_N)
     q_pos,  # [BLOCK_M] position of each row's query
+    kv_start,  # WINDOW: keys below kv_start are not read
     kv_end,  # keys at or past kv_end are not read
+    window,  # WINDOW: the query at p sees keys p - window < k <= p
     block_row,  # pointer to the sequence's block-table row
     k_cache_ptr, v_cache_ptr, kv_head,
     stride_kb, stride_ks, stride_kh,
@@ -96,13 +115,17 @@ def _attend_kv_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile is below kv_end and visible to every row
+    MASKED: tl.constexpr,  # False: every key of the tile is in [kv_start, kv_end) and visible to every row
     K_ROWS: tl.constexpr,  # load K as [keys, dims] (prefill tiles) rather than [dims, keys] (decode)
+    WINDOW: tl.constexpr,  # a sliding window applies
 ):
     # One online-softmax step over one tile of keys.
     pos = n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     if MASKED:
-        pos_ok = pos < kv_end
+        if WINDOW:
+            pos_ok = (pos < kv_end) & (pos >= kv_start)
+        else:
+            pos_ok = pos < kv_end
     else:
         pos_ok = tl.full([BLOCK_N], True, tl.int1)
     # Each key finds its own page, so one key tile may span several small
@@ -128,6 +151,8 @@ def _attend_kv_tile(
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -143,8 +168,8 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-# per-call counts and the block tables' width: one compile for all
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
+# per-call counts, the block tables' width and the window: one compile for all
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]; with SPLIT: [num_splits, T, Hq, D] float32 partial sums
     m_ptr,  # [num_splits, T, Hq] float32 running max (log2 units); used only when split
@@ -159,6 +184,7 @@ def _paged_attention_kernel(
     num_seqs,
     num_tokens,
     num_splits,
+    window,  # sliding window in keys (>= 1); read only when WINDOW
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -173,6 +199,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1
+    WINDOW: tl.constexpr,  # a sliding window applies
     DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -202,23 +229,34 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
-    # Keys [0, kv_end) in key tiles of BLOCK_N; this split takes a contiguous share.
+    # Keys [kv_start, kv_end) in key tiles of BLOCK_N; this split takes a contiguous share.
     kv_end = ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len)
+    if WINDOW:
+        kv_start = tl.maximum(ctx_len + tok0 - window + 1, 0)  # the first query's window
+    else:
+        kv_start = 0
+    n_start = kv_start // BLOCK_N
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    n_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_kv_tiles - n_start, num_splits)
+    n_lo = n_start + split * tiles_per_split
     n_hi = tl.minimum(n_lo + tiles_per_split, num_kv_tiles)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Prefill tiles: key tiles below the tile's first query position (+ 1) are seen whole
-    # by every row, so they run without masks; only the causal diagonal (and kv_end) is
-    # masked. Decode tiles keep one masked loop: split, they measured 2-15% slower.
+    # Prefill tiles: key tiles in [n_edge, n_full) are seen whole by every row (inside
+    # the last query's window, at or below the first query's position), so they run
+    # without masks; only the window's edge, the causal diagonal and kv_end are masked.
+    # Decode tiles keep one masked loop: split, they measured 2-15% slower.
     if BLOCK_Q > 1:
-        n_full = tl.minimum(tl.maximum((ctx_len + tok0 + 1) // BLOCK_N, n_lo), n_hi)
+        if WINDOW:
+            n_edge = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), n_lo), n_hi)
+        else:
+            n_edge = n_lo
+        n_full = tl.minimum(tl.maximum((ctx_len + tok0 + 1) // BLOCK_N, n_edge), n_hi)
     else:
+        n_edge = n_lo
         n_full = n_lo
     if _INTERPRETED:
         # Triton 3.6's interpreter cannot take tensor bounds in range() under
@@ -226,36 +264,45 @@ def _paged_attention_kernel(
         # for loops are kept because only for loops are software-pipelined.
         n = n_lo
         while n < n_hi:
-            if n < n_full:
+            if (n >= n_edge) & (n < n_full):
                 m_i, l_i, acc = _attend_kv_tile(
-                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1,
+                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW,
                 )
             else:
                 m_i, l_i, acc = _attend_kv_tile(
-                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1,
+                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
                 )
             n += 1
     else:
         if BLOCK_Q > 1:
-            for n in range(n_lo, n_full):
+            if WINDOW:
+                for n in range(n_lo, n_edge):
+                    m_i, l_i, acc = _attend_kv_tile(
+                        q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr,
+                        v_cache_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
+                    )
+            for n in range(n_edge, n_full):
                 m_i, l_i, acc = _attend_kv_tile(
-                    q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                    BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1,
+                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW,
                 )
         for n in range(n_full, n_hi):
             m_i, l_i, acc = _attend_kv_tile(
-                q, m_i, l_i, acc, n, q_pos, kv_end, block_row, k_cache_ptr, v_cache_ptr, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok, qk_scale,
-                BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1,
+                q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
             )
 
     mask = row_ok[:, None] & dim_ok[None, :]
     if not SPLIT:
+        if WINDOW:  # padding rows past the tile's last query may see no key: no 0 / 0
+            l_i = tl.where(row_ok, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -374,16 +421,39 @@ def paged_attention_num_splits(
     max_seq_len: int,
     device: torch.device,
     itemsize: int = 2,
+    *,
+    sliding_window: int | None = None,
 ) -> int:
     """The split count ``paged_attention`` picks when ``num_splits`` is None,
     from shapes alone (no device access but the SM count): ``max_seq_len`` is
     the longest context the block tables can describe. A CUDA graph captured
     for one batch shape passes this explicitly, so the count (and the size of
     the partial buffers, allocated once in the graph's pool) is fixed for
-    every replay whatever the contexts are at run time."""
+    every replay whatever the contexts are at run time. With a
+    ``sliding_window`` the count follows the keys a tile can see (the window,
+    at most one key tile more for its alignment), not the context."""
+    _check_window(sliding_window)
     cfg = _tile_config(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim, itemsize)
     busy_programs = triton.cdiv(num_tokens, cfg.block_q) * num_kv_heads
-    return _default_num_splits(device, busy_programs, triton.cdiv(max_seq_len, cfg.block_n))
+    return _default_num_splits(device, busy_programs, _max_kv_tiles(cfg, max_seq_len, sliding_window))
+
+
+def _max_kv_tiles(cfg: _TileConfig, max_seq_len: int, sliding_window: int | None) -> int:
+    """Key tiles one query tile visits at most: [kv_start, kv_end) spans the window plus
+    the tile's other queries, and may start mid-tile."""
+    tiles = triton.cdiv(max_seq_len, cfg.block_n)
+    if sliding_window is None:
+        return tiles
+    return min(tiles, triton.cdiv(sliding_window + cfg.block_q - 1, cfg.block_n) + 1)
+
+
+def _check_window(sliding_window: int | None) -> None:
+    require(
+        sliding_window is None
+        or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1),
+        "paged_attention",
+        f"sliding_window must be None or an int >= 1, got {sliding_window!r}",
+    )
 
 
 def _check_args(
@@ -394,6 +464,7 @@ def _check_args(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     num_splits: int | None,
+    sliding_window: int | None,
 ) -> None:
     where = "paged_attention"
     check_runnable(
@@ -441,7 +512,7 @@ def _check_args(
     check_contiguous(where, "query_start_loc", query_start_loc)
     check_contiguous(where, "seq_lens", seq_lens)
     require(num_splits is None or num_splits >= 1, where, f"num_splits must be >= 1, got {num_splits}")
-
+    _check_window(sliding_window)
 
 
 def paged_attention(
@@ -455,6 +526,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     step_cache: dict | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged K/V.
 
@@ -471,16 +543,20 @@ def paged_attention(
     seq_lens: [B] int32, each sequence's length including its new tokens
     scale: softmax scale, usually head_dim ** -0.5
     num_splits: key-range splits per tile (flash decoding); None picks from
-        the shapes, 1 disables
+        the shapes (and the window), 1 disables
     step_cache: unused here (the CPU reference keeps per-step work in it)
+    sliding_window: None (full causal attention) or W >= 1: each query sees
+        only the last W keys up to itself (Hugging Face's sliding window)
 
-    Query i of sequence b is at position seq_lens[b] - q_len_b + i and sees
-    keys 0..that position. Query head h reads kv head h // (num_q_heads //
+    Query i of sequence b is at position p = seq_lens[b] - q_len_b + i and sees
+    keys 0..p, or max(0, p - W + 1)..p with a window; keys before the windows
+    of all of a sequence's queries are never read (their pages may hold
+    anything). Query head h reads kv head h // (num_q_heads //
     num_kv_heads). Returns [num_tokens, num_q_heads, head_dim] in q's dtype,
     accumulated in float32; rows past query_start_loc[B] are left
     unspecified. Modifies nothing.
     """
-    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_splits)
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_splits, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -496,7 +572,8 @@ def paged_attention(
             f"({_MAX_GRID_Y}); split the batch")
     if num_splits is None:
         num_splits = paged_attention_num_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                                block_tables.shape[1] * block_size, q.device, q.element_size())
+                                                block_tables.shape[1] * block_size, q.device, q.element_size(),
+                                                sliding_window=sliding_window)
 
     if num_splits == 1:
         partial, m, l = out, out, out  # m and l are unused by this variant
@@ -507,7 +584,7 @@ def paged_attention(
 
     _paged_attention_kernel[(num_kv_heads, num_tiles, num_splits)](
         partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs, num_tokens, num_splits,
+        scale * _LOG2E, num_seqs, num_tokens, num_splits, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -522,6 +599,7 @@ def paged_attention(
         BLOCK_N=cfg.block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
         SPLIT=num_splits > 1,
+        WINDOW=sliding_window is not None,
         # float32 models get exact float32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
@@ -540,10 +618,13 @@ def paged_attention(
 
 
 def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-            device: torch.device) -> None:
-    """Compile every variant ``paged_attention`` may pick for these shapes: decode- and
-    prefill-shaped tiles, each whole and split, and the combine for every power-of-two
-    split width up to _MAX_SPLITS (tiny launches; their results are thrown away)."""
+            device: torch.device, *, sliding_window: int | None = None) -> None:
+    """Compile every variant ``paged_attention`` may pick for these shapes and this
+    ``sliding_window`` (None: full attention; any window size compiles the variants of
+    all sizes): decode- and prefill-shaped tiles, each whole and split, and the combine
+    for every power-of-two split width up to _MAX_SPLITS (tiny launches; their results
+    are thrown away). A model with windowed and full layers calls it for each kind."""
+    _check_window(sliding_window)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     for tokens in (1, 2):  # one query per sequence (decode-shaped), more (prefill-shaped)
@@ -552,5 +633,6 @@ def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: i
         lens = torch.tensor([tokens], dtype=torch.int32, device=device)
         splits = 1
         while splits <= _MAX_SPLITS:
-            paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=splits)
+            paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=splits,
+                            sliding_window=sliding_window)
             splits *= 2

@@ -1,5 +1,6 @@
 """Paged attention: the Triton launcher against the reference, and the
-reference against a dense causal attention over contiguous K/V."""
+reference against a dense causal attention over contiguous K/V, both with and
+without a sliding window."""
 from __future__ import annotations
 
 import math
@@ -35,12 +36,15 @@ def make_batch(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> PagedBatch:
     """seqs: (tokens cached before this step, new query tokens) per sequence.
 
     Blocks come from a shuffled pool; blocks no sequence owns are filled with
     NaN and table padding points at one of them (or is -1), so any read past
-    a sequence's keys poisons the output.
+    a sequence's keys poisons the output. With a ``sliding_window`` the cached
+    keys before the window of a sequence's first new query are NaN too (keys
+    no query sees must not be read); ``keys`` and ``values`` keep them clean.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [ctx + q_len for ctx, q_len in seqs]
@@ -64,6 +68,10 @@ def make_batch(
         pos = torch.arange(n)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
         reference.store_kv_cache(keys[b], values[b], k_cache, v_cache, slots)
+        if sliding_window is not None:
+            unseen = max(0, seqs[b][0] - sliding_window + 1)  # keys before the first query's window
+            nan = torch.full((unseen, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+            reference.store_kv_cache(nan, nan, k_cache, v_cache, slots[:unseen])
 
     q_lens = [q_len for _, q_len in seqs]
     num_tokens, num_q_heads = sum(q_lens), num_kv_heads * group
@@ -86,8 +94,9 @@ def make_batch(
     )
 
 
-def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:
-    """Textbook attention in float64 straight from contiguous K/V."""
+def dense_causal_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """Textbook attention in float64 straight from contiguous K/V; with a window the
+    query at p sees keys k with p - sliding_window < k <= p (transformers' mask)."""
     q = batch.q.double()
     out = torch.empty_like(q)
     group = q.shape[1] // batch.keys[0].shape[1]
@@ -99,8 +108,11 @@ def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:
         v = batch.values[b].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", qb, k) * batch.scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        future = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [L, S]
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = k_pos > q_pos[:, None]  # [L, S]
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos[:, None] - sliding_window
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[starts[b] : starts[b + 1]] = torch.einsum("hls,shd->lhd", probs, v)
     return out
 
@@ -230,3 +242,186 @@ def test_split_count_fills_one_wave():
     for programs in range(1, 600):
         s = split_count(programs, 10_000, wave)
         assert s == 1 or programs * s <= wave
+
+
+# ---- sliding window -------------------------------------------------------------------
+# (name, [(cached, new) per sequence], num_kv_heads, group, head_dim, block_size, window).
+# Key tiles under the interpreter: 64 keys by 64 // group queries in float32, 128 keys by
+# 128 // group queries in float16; the long cases skip whole key tiles before the window
+# and run unmasked tiles inside it.
+WINDOW_CASES = [
+    ("w1_mixed", [(40, 1), (0, 3), (13, 20), (70, 1), (6, 33)], 1, 5, 32, 16, 1),
+    ("decode_w_in_block", [(0, 1), (15, 1), (32, 1), (99, 1)], 2, 5, 32, 16, 5),
+    ("chunks_straddle_blocks", [(37, 9), (5, 17), (20, 3), (11, 1)], 2, 1, 16, 4, 6),
+    ("w_eq_context", [(10, 6), (15, 1), (12, 4), (0, 16)], 1, 3, 16, 4, 16),
+    ("w_past_context", [(5, 7), (30, 1), (3, 1)], 2, 2, 16, 16, 1000),
+    ("gqa5_mixed", [(40, 1), (0, 3), (13, 20), (12, 0), (70, 1), (6, 33)], 1, 5, 32, 16, 10),
+    ("long_prefix_g1", [(400, 70), (300, 1), (250, 1)], 1, 1, 16, 16, 200),
+    ("long_prefix_g4", [(700, 40), (520, 1)], 1, 4, 16, 16, 300),
+]
+WINDOW_IDS = [c[0] for c in WINDOW_CASES]
+
+
+def _window_batch(case, dtype, seed=0):
+    _, seqs, num_kv_heads, group, head_dim, block_size, window = case
+    return make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, seed, sliding_window=window), window
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=WINDOW_IDS)
+def test_reference_window_matches_dense_attention(case):
+    batch, window = _window_batch(case, torch.float32)
+    got = reference.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+        batch.query_start_loc, batch.seq_lens, batch.scale, sliding_window=window,
+    )
+    torch.testing.assert_close(got.double(), dense_causal_attention(batch, window), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_window_decode_gathers_rows_or_indexes_alike():
+    batch, window = _window_batch(WINDOW_CASES[1], torch.float32)
+    spread = [torch.full((*c.shape, 2), float("nan"), device=c.device) for c in (batch.k_cache, batch.v_cache)]
+    for wide, c in zip(spread, (batch.k_cache, batch.v_cache)):
+        wide[..., 0] = c
+    args = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.scale)
+    by_rows = reference.paged_attention(batch.q, batch.k_cache, batch.v_cache, *args, sliding_window=window)
+    by_index = reference.paged_attention(batch.q, spread[0][..., 0], spread[1][..., 0], *args,
+                                         sliding_window=window)
+    assert torch.equal(by_rows, by_index)
+    torch.testing.assert_close(by_rows.double(), dense_causal_attention(batch, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=WINDOW_IDS)
+def test_kernel_window_matches_reference(case, dtype):
+    batch, window = _window_batch(case, dtype)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    want = reference.paged_attention(*args, batch.scale, sliding_window=window)
+    got = kernels.paged_attention(*args, batch.scale, sliding_window=window)
+    assert got.dtype == dtype and got.shape == batch.q.shape
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("case", [WINDOW_CASES[i] for i in (1, 5, 6)], ids=[WINDOW_IDS[i] for i in (1, 5, 6)])
+def test_window_split_k_matches_reference(case, num_splits):
+    # Splits cut only the visible key range; some get no key of a short row.
+    batch, window = _window_batch(case, torch.float32, seed=1)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    want = reference.paged_attention(*args, batch.scale, sliding_window=window)
+    got = kernels.paged_attention(*args, batch.scale, num_splits=num_splits, sliding_window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_window_covering_every_context_is_full_attention():
+    _, seqs, num_kv_heads, group, head_dim, block_size = CASES[3]
+    batch = make_batch(seqs, num_kv_heads, group, head_dim, block_size, torch.float32)
+    longest = int(batch.seq_lens.max())
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+            batch.scale)
+    full = reference.paged_attention(*args)
+    for window in (longest, longest + 1, 1 << 20):
+        assert torch.equal(reference.paged_attention(*args, sliding_window=window), full)
+        torch.testing.assert_close(kernels.paged_attention(*args, sliding_window=window),
+                                   kernels.paged_attention(*args), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, True, "16"])
+def test_rejects_bad_window(window):
+    batch = make_batch([(3, 2)], 2, 2, 16, 4, torch.float32)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+            batch.scale)
+    for fn in (kernels.paged_attention, reference.paged_attention):
+        with pytest.raises(ValueError, match="sliding_window"):
+            fn(*args, sliding_window=window)
+    from kernels.paged_attention import paged_attention_num_splits, warm_up
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_num_splits(1, 1, 4, 2, 16, 64, torch.device("cpu"), sliding_window=window)
+    with pytest.raises(ValueError, match="sliding_window"):
+        warm_up(torch.float32, 4, 2, 16, 4, torch.device(DEVICE), sliding_window=window)
+
+
+def test_window_split_count_follows_the_visible_keys(monkeypatch):
+    """With a window the default split count is the one of a context about the window's
+    length, whatever the context: a decode over 32k with a 4k window splits like a 4k one."""
+    import importlib
+
+    pa = importlib.import_module("kernels.paged_attention")  # the module, not the launcher it exports
+
+    monkeypatch.setattr(pa, "_num_sms", lambda index: 132)  # an H200, without a GPU
+    cuda = torch.device("cuda", 0)
+
+    def splits(batch: int, ctx: int, window: int | None) -> int:
+        return pa.paged_attention_num_splits(batch, batch, 32, 8, 128, ctx, cuda, sliding_window=window)
+
+    assert splits(1, 32768, None) == 64
+    assert splits(1, 32768, 4096) == splits(1, 4096 + 64, None) == 16
+    assert splits(8, 32768, 4096) == splits(8, 4096, None)
+    assert splits(1, 2048, 4096) == splits(1, 2048, None)  # the window covers every context
+    assert splits(1, 32768, 64) == 1  # two key tiles at most: nothing to split
+    # a prefill tile of 32 queries (16-bit, group 4) spans window + 31 keys
+    assert pa._max_kv_tiles(pa._tile_config(64, 1, 4, 128), 1 << 20, 4096) == 34
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bfloat16 at real sizes needs CUDA")
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_window_bf16_at_model_shapes_matches_reference(num_splits):
+    # 8B-like heads (32 q / 8 kv, D=128), 16-token pages: decode rows over contexts past,
+    # at and below a 1k window, then a mixed batch with a 700-token chunk over a 6k prefix.
+    for seqs in ([(5000, 1), (300, 1), (1023, 1), (9000, 1)], [(6000, 700), (4100, 1), (200, 1), (0, 50)]):
+        batch = make_batch(seqs, 8, 4, 128, 16, torch.bfloat16, seed=2, sliding_window=1024)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                batch.scale)
+        want = reference.paged_attention(*args, sliding_window=1024)
+        got = kernels.paged_attention(*args, num_splits=num_splits, sliding_window=1024)
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiles for CUDA")
+def test_after_windowed_warm_up_no_windowed_call_compiles():
+    import logging
+
+    from kernels import compiles
+    from kernels.paged_attention import warm_up
+
+    dev = torch.device("cuda")
+    heads, kv_heads, d, bs = 20, 4, 64, 16  # a shape no other test compiles
+    warm_up(torch.bfloat16, heads, kv_heads, d, bs, dev, sliding_window=4096)
+    compiles.watch(logging.getLogger("pdserve-test"))
+    n = compiles.count
+    cache = torch.randn(40, bs, kv_heads, d, dtype=torch.bfloat16, device=dev)
+    for tokens, seqs in ((1, 1), (5, 5), (9, 2), (130, 3)):
+        lens = torch.randint(tokens // seqs + 1, 600, (seqs,), dtype=torch.int32, device=dev)
+        starts = torch.linspace(0, tokens, seqs + 1, device=dev).round().to(torch.int32)
+        lens = torch.maximum(lens, (starts[1:] - starts[:-1]))
+        tables = torch.randint(0, 40, (seqs, 40), dtype=torch.int32, device=dev)
+        q = torch.randn(tokens, heads, d, dtype=torch.bfloat16, device=dev)
+        for window in (1, 16, 100, 4096):  # any size: the window is not compiled in
+            for splits in (None, 1, 3, 64):
+                kernels.paged_attention(q, cache, cache, tables, starts, lens, d ** -0.5, num_splits=splits,
+                                        sliding_window=window)
+    torch.cuda.synchronize()
+    assert compiles.count == n
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts interpreted work; on the GPU `pdserve bench kernels` shows it")
+@pytest.mark.parametrize("q_len,num_splits", [(1, 1), (1, 4), (8, 1)])
+def test_window_skips_the_key_tiles_before_it(q_len, num_splits):
+    """Key tiles wholly before the window are not visited, split or not: under the
+    interpreter (time proportional to the tiles visited) an 8k context with a 64-key
+    window costs about what a 64-key context does, not the ~100x a full scan would."""
+    import time
+
+    def seconds(ctx: int, window: int | None) -> float:
+        batch = make_batch([(ctx, q_len)], 1, 1, 16, 16, torch.float32)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
+                batch.seq_lens, batch.scale)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            kernels.paged_attention(*args, num_splits=num_splits, sliding_window=window)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert seconds(8192, 64) < 5 * seconds(64, None)
