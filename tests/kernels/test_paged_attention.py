@@ -108,13 +108,27 @@ def dense_causal_attention(batch: PagedBatch, sliding_window: int | None = None)
         v = batch.values[b].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", qb, k) * batch.scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        hidden = k_pos > q_pos[:, None]  # [L, S]
-        if sliding_window is not None:
-            hidden |= k_pos <= q_pos[:, None] - sliding_window
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(hidden_keys(q_pos, seq_len, sliding_window), float("-inf")).softmax(dim=-1)
         out[starts[b] : starts[b + 1]] = torch.einsum("hls,shd->lhd", probs, v)
     return out
+
+
+def hidden_keys(q_pos: torch.Tensor, seq_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[L, S] True where the query at q_pos[i] must not see key j: the future, and with a
+    window the keys at or before q_pos[i] - sliding_window."""
+    k_pos = torch.arange(seq_len, device=q_pos.device)[None, :]
+    hidden = k_pos > q_pos[:, None]
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos[:, None] - sliding_window
+    return hidden
+
+
+def test_the_dense_window_mask_is_transformers_mask():
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    q_pos, k_pos = torch.arange(9, 30)[:, None], torch.arange(30)[None, :]
+    for window in (1, 3, 16, 29, 30, 100):
+        visible = masking_utils.sliding_window_causal_mask_function(window)(0, 0, q_pos, k_pos)
+        assert torch.equal(~hidden_keys(q_pos[:, 0], 30, window), visible)
 
 
 # (name, [(cached tokens, new tokens) per sequence], num_kv_heads, group, head_dim, block_size)
