@@ -6,7 +6,9 @@ is first checked against its PyTorch reference (``kernels.reference``) on
 fresh random inputs. Times come from ``triton.testing.do_bench_cudagraph``
 (the kernel replayed in a CUDA graph: no launch overhead, as in a decode
 step). The 8B shape: 32 query / 8 KV heads of 128, hidden 4096, MLP 14336,
-bf16, KV blocks of 16 tokens scattered over the cache.
+bf16, KV blocks of 16 tokens scattered over the cache. Cases with a sliding
+window (a 4k window over 32k contexts, a 2k chunk over a 16k prefix) sit next
+to the same shape without one: their floor counts the keys inside the window.
 
     pdserve bench kernels [--splits 16,32,64] [--output-json F]
 """
@@ -17,8 +19,12 @@ import argparse
 from bench.results import write_result
 
 HQ, HKV, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
-DECODE_CASES = [(1, 32768), (1, 1024), (4, 8192), (8, 32768), (32, 1024), (32, 4096), (32, 8192), (64, 4096),
-                (128, 1024), (256, 1024)]
+# (batch, context, sliding window or None)
+DECODE_CASES = [(1, 32768, None), (1, 32768, 4096), (1, 1024, None), (4, 8192, None), (8, 32768, None),
+                (8, 32768, 4096), (32, 1024, None), (32, 4096, None), (32, 8192, None), (64, 4096, None),
+                (128, 1024, None), (256, 1024, None)]
+# (cached tokens, new tokens, sliding window or None)
+PREFILL_CASES = [(0, 4096, None), (4096, 2048, None), (16384, 2048, None), (16384, 2048, 4096)]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
     # ---- paged attention, decode ------------------------------------------------------
-    for b, ctx in DECODE_CASES:
+    for b, ctx, window in DECODE_CASES:
         nblk = b * (ctx // BS)
         kc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
         vc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
@@ -60,29 +66,34 @@ def main(args: argparse.Namespace) -> int:
         qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         scale = D ** -0.5
-        default = paged_attention_num_splits(b, b, HQ, HKV, D, ctx, dev)
-        ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, scale)
-        kv_bytes = b * ctx * HKV * D * 2 * 2
-        extra = {int(s) for s in args.splits.split(",") if s and int(s) <= max(1, ctx // 128)}
+        default = paged_attention_num_splits(b, b, HQ, HKV, D, ctx, dev, sliding_window=window)
+        ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, scale, sliding_window=window)
+        visible = min(ctx, window or ctx)  # keys each query reads
+        kv_bytes = b * visible * HKV * D * 2 * 2
+        extra = {int(s) for s in args.splits.split(",") if s and int(s) <= max(1, visible // 128)}
+        shape = f"{b:4d} x {ctx:6d}" + (f" w{window}" if window else "")
         for splits in sorted({default, *extra}):
-            got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits)
+            got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits,
+                                          sliding_window=window)
             err = (got.float() - ref.float()).abs().max().item()
-            ms = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits))
-            row = {"batch": b, "context": ctx, "splits": splits, "default": splits == default, "us": ms * 1e3,
-                   "bytes_per_s": kv_bytes / (ms * 1e-3), "of_copy": kv_bytes / (ms * 1e-3) / copy_bw,
+            ms = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, scale, num_splits=splits,
+                                                       sliding_window=window))
+            row = {"batch": b, "context": ctx, "window": window, "splits": splits, "default": splits == default,
+                   "us": ms * 1e3, "bytes_per_s": kv_bytes / (ms * 1e-3), "of_copy": kv_bytes / (ms * 1e-3) / copy_bw,
                    "max_abs_err": err}
             result["attention_decode"].append(row)
-            print(f"decode {b:4d} x {ctx:6d}: splits {splits:3d}{' (default)' if splits == default else '':10s} "
+            print(f"decode {shape:19s}: splits {splits:3d}{' (default)' if splits == default else '':10s} "
                   f"{ms * 1e3:8.1f} us  {row['bytes_per_s'] / 1e12:5.2f} TB/s = {100 * row['of_copy']:5.1f}% "
                   f"of copy  (max |err| {err:.3g})", flush=True)
         del kc, vc
 
     # ---- prefill attention against SDPA on dense tensors -------------------------------
     # one 4k causal prefill, and a 2k chunk over a 4k and a 16k prefix (SDPA with a
-    # lower-right causal mask); the pages in random order
+    # lower-right causal mask), the last also with a 4k window (SDPA on the keys of the
+    # chunk's windows with a band mask); the pages in random order
     from torch.nn.attention.bias import causal_lower_right
 
-    for ctx, qn in ((0, 4096), (4096, 2048), (16384, 2048)):
+    for ctx, qn, window in PREFILL_CASES:
         n = ctx + qn
         nblk = n // BS
         k = torch.randn(n, HKV, D, device=dev, dtype=dt)
@@ -94,19 +105,28 @@ def main(args: argparse.Namespace) -> int:
         tables = perm.to(torch.int32)[None]
         qsl = torch.tensor([0, qn], device=dev, dtype=torch.int32)
         lens = torch.tensor([n], device=dev, dtype=torch.int32)
-        ours = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5))
-        qd, kd, vd = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        mask = causal_lower_right(qn, n)
+        ours = bench(lambda: kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5,
+                                                     sliding_window=window))
+        k_lo = 0 if window is None else max(0, ctx - window + 1)  # keys before every window: not given to SDPA
+        qd, kd, vd = q.transpose(0, 1)[None], k[k_lo:].transpose(0, 1)[None], v[k_lo:].transpose(0, 1)[None]
+        if window is None:
+            mask = causal_lower_right(qn, n)
+        else:
+            q_pos = torch.arange(ctx, n, device=dev)[:, None]
+            k_pos = torch.arange(k_lo, n, device=dev)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [qn, n - k_lo]
         sdpa_fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,  # noqa: E731
                                                                             enable_gqa=True)
         sdpa = bench(sdpa_fn)
-        got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5)
+        got = kernels.paged_attention(q, kc, vc, tables, qsl, lens, D ** -0.5, sliding_window=window)
         err = (got.float() - sdpa_fn()[0].transpose(0, 1).float()).abs().max().item()
-        flops = 4 * qn * (ctx + qn / 2) * HQ * D
-        key = f"{ctx}+{qn}"
+        seen = qn * (ctx + qn / 2) if window is None else sum(min(p + 1, window) for p in range(ctx, n))
+        flops = 4 * seen * HQ * D
+        key = f"{ctx}+{qn}" + (f" w{window}" if window else "")
         result["prefill"][key] = {"us": ours * 1e3, "sdpa_us": sdpa * 1e3, "tflops": flops / ours / 1e9,
                                   "max_abs_err_vs_sdpa": err}
-        print(f"prefill {qn} tokens over {ctx} cached: {ours * 1e3:.0f} us ({flops / ours / 1e9:.0f} TFLOP/s), "
+        print(f"prefill {qn} tokens over {ctx} cached{f', window {window}' if window else ''}: "
+              f"{ours * 1e3:.0f} us ({flops / ours / 1e9:.0f} TFLOP/s), "
               f"SDPA {sdpa * 1e3:.0f} us = {sdpa / ours:.2f}x ours (max |err| vs SDPA {err:.3g})", flush=True)
 
     # ---- norms, RoPE, activation ------------------------------------------------------
