@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_tiny_model
 from tests.processes import EngineServer, GatewayProcess, running_cluster
 
@@ -52,6 +52,7 @@ def gateway(tiny_with_tokenizer):
                                       "--prefill", prefill.address, "--decode", decode.address,
                                       "--max-request-body", str(MAX_BODY)], env={"PDSERVE_API_KEY": KEY})
     with running_cluster([prefill, decode], gw, api_key=KEY):
+        gw.engines = (prefill, decode)  # type: ignore[attr-defined]
         yield gw
 
 
@@ -211,6 +212,86 @@ def test_grpc_bad_input(gateway, name, data, metadata, code, fragment):
             list(call(data, timeout=60, metadata=metadata))
     assert e.value.code() == code and fragment in e.value.details(), (name, e.value.code(), e.value.details())
     _serves(gateway)
+
+
+# Out-of-range sampling values, one row per value: refused by name at every front end and at
+# the engine servers themselves (a direct caller does not pass the gateway's checks).
+SAMPLING_RANGES = [("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 2.01),
+                   ("frequency_penalty", -3.0), ("top_p", 1.01), ("top_p", 0.0), ("min_p", 1.5),
+                   ("min_p", -0.1), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+                   ("temperature", -0.5)]
+
+
+def _engine_calls(gateway, prompt: list[int], sampling: common_pb2.SamplingParams):
+    """Direct Decode (local and remote prefill) and Prefill calls, as a client of the engine
+    servers would make them: each is a function that raises the call's RpcError."""
+    prefill, decode = gateway.engines
+    decode_stub = engine_pb2_grpc.DecodeStub(decode.channel)
+    prefill_stub = engine_pb2_grpc.PrefillStub(prefill.channel)
+
+    def on_decode(remote: bool):
+        return lambda: list(decode_stub.Generate(engine_pb2.DecodeRequest(
+            request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling=sampling,
+            remote_prefill=remote), timeout=30))
+
+    def on_prefill():
+        return prefill_stub.Prefill(engine_pb2.PrefillRequest(
+            request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt, sampling=sampling,
+            decode_address=decode.address, dst_block_ids=[0]), timeout=30)
+    return {"decode": on_decode(False), "decode remote": on_decode(True), "prefill": on_prefill}
+
+
+@pytest.mark.parametrize("field, value", SAMPLING_RANGES, ids=[f"{f}={v}" for f, v in SAMPLING_RANGES])
+def test_sampling_values_out_of_range_are_refused_by_name(gateway, field, value):
+    r = httpx.post(gateway.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.grpc_address))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(gateway_pb2.GenerateRequest(text="hi", sampling=_sp(max_tokens=2, **{field: value})),
+                           timeout=60, metadata=GRPC_AUTH))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    for where, call in _engine_calls(gateway, [5, 6, 7], _sp(max_tokens=2, **{field: value})).items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), where
+
+
+@pytest.mark.parametrize("prompt", [[5, VOCAB], [VOCAB + 1000], [-1, 5]], ids=["vocab", "past", "negative"])
+def test_engine_servers_refuse_token_ids_outside_the_vocabulary(gateway, prompt):
+    """The engine's own check: a direct caller bypasses the gateway's, and the server lives."""
+    for where, call in _engine_calls(gateway, prompt, _sp(max_tokens=2, temperature=0)).items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (where, e.value.details())
+        assert f"out of range for vocabulary size {VOCAB}" in e.value.details(), where
+    for engine in gateway.engines:
+        engine.wait_idle()
+    _serves(gateway)
+
+
+# OpenAI fields pdserve refuses, each by name: a feature that comes to support one replaces
+# its row on purpose rather than accepting it silently.
+CHAT = [{"role": "user", "content": "hi"}]
+REFUSED_FIELDS = [
+    ("function_call", "/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}),
+    ("audio", "/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}),
+    ("prediction", "/v1/chat/completions", {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}),
+    ("modalities", "/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}),
+    ("response_format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}),
+    ("response_format", "/v1/chat/completions",
+     {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+]
+
+
+@pytest.mark.parametrize("field, path, body", REFUSED_FIELDS,
+                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(REFUSED_FIELDS)])
+def test_unsupported_openai_fields_are_refused_by_name(gateway, field, path, body):
+    r = httpx.post(gateway.http_url + path, json={"max_tokens": 2, **body}, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"], error
 
 
 def test_keys_guard_v1_and_cluster_but_not_health_and_metrics(gateway):
