@@ -346,19 +346,37 @@ def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dt
     return MoeTiles(128, GemmTiles(64, 64, 8, 8, 4), GemmTiles(128, 64, 8, 8, 4))
 
 
-def _pick_tiles(config: dict | None, num_tokens: int, num_experts: int, top_k: int,
-                dtype: torch.dtype) -> MoeTiles:
-    if config is None:
-        return default_tiles(num_tokens, num_experts, top_k, dtype)
+# Parsed configs by id(config), holding the dict so its id stays its own: the
+# launcher runs once per MoE layer per step, and parsing each time costs ~10 us
+# of host time. A config is taken as immutable once passed.
+_parsed_configs: dict[int, tuple[dict, list[tuple[int, MoeTiles]]]] = {}
+
+
+def _parse_config(config: dict) -> list[tuple[int, MoeTiles]]:
+    hit = _parsed_configs.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
     require(isinstance(config, dict) and len(config) > 0, "fused_moe",
             "config must be None or a non-empty dict {token count: tiles}")
     try:
         counts = sorted((int(c), c) for c in config)
     except (TypeError, ValueError):
         raise ValueError(f"fused_moe: config keys must be token counts, got {sorted(map(str, config))}") from None
-    # The smallest tuned count >= T, else the largest.
-    key = next((c for n, c in counts if n >= num_tokens), counts[-1][1])
-    return MoeTiles.from_dict(config[key])
+    parsed = [(n, MoeTiles.from_dict(config[c])) for n, c in counts]
+    if len(_parsed_configs) >= 64:
+        _parsed_configs.clear()
+    _parsed_configs[id(config)] = (config, parsed)
+    return parsed
+
+
+def pick_tiles(config: dict | None, num_tokens: int, num_experts: int, top_k: int,
+               dtype: torch.dtype) -> MoeTiles:
+    """The tiles ``fused_moe`` runs T tokens with: the config's entry for the
+    smallest count >= T (else the largest), or ``default_tiles`` without a config."""
+    if config is None:
+        return default_tiles(num_tokens, num_experts, top_k, dtype)
+    parsed = _parse_config(config)
+    return next((tiles for n, tiles in parsed if n >= num_tokens), parsed[-1][1])
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------
@@ -429,7 +447,7 @@ def fused_moe(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tiles = _pick_tiles(config, num_tokens, num_experts, top_k, x.dtype)
+    tiles = pick_tiles(config, num_tokens, num_experts, top_k, x.dtype)
     sorted_ids, block_expert = _align(topk_ids, num_experts, tiles.block_m)
     inter_out = _gemm(x, w13, sorted_ids, block_expert, topk_weights, top_k, inter, tiles.block_m, tiles.gemm1,
                       gated=True, activation=activation)  # [T*K, I]
@@ -455,9 +473,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     blocks = max_blocks(num_pairs, num_experts, block_m)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-    block_e = max(16, next_pow2(num_experts))
-    block_p = max(16, min(next_pow2(num_pairs), _ALIGN_ELEMS // block_e))
-    num_chunks = triton.cdiv(num_pairs, block_p)
+    block_e, block_p, num_chunks = _align_shape(num_pairs, num_experts)
     block_b = 64
     grid = (max(num_chunks, triton.cdiv(blocks, block_b)),)
     args = (num_pairs, num_experts, topk_ids.stride(0), topk_ids.stride(1))
@@ -494,6 +510,35 @@ def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def _align_shape(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_E, BLOCK_P, number of chunks) of the align step."""
+    block_e = max(16, next_pow2(num_experts))
+    block_p = max(16, min(next_pow2(num_pairs), _ALIGN_ELEMS // block_e))
+    return block_e, block_p, triton.cdiv(num_pairs, block_p)
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, activation: str = "silu",
+            config: dict | None = None) -> int:
+    """Compile every kernel variant ``fused_moe`` can meet for 1..max_tokens tokens
+    with these weights and config (a compile met while serving stalls a step for
+    about a second): one call per distinct set of compile-time choices (the
+    config entry, the align chunking). Results are thrown away. Returns the number of calls."""
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    seen = set()
+    for num_tokens in range(1, max_tokens + 1):
+        block_e, block_p, chunks = _align_shape(num_tokens * top_k, num_experts)
+        key = (pick_tiles(config, num_tokens, num_experts, top_k, w13.dtype), block_p,
+               chunks == 1 or next_pow2(chunks))
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
+        ids = (torch.arange(num_tokens * top_k, device=w13.device) % num_experts).view(num_tokens, top_k)
+        weights = torch.zeros(num_tokens, top_k, dtype=torch.float32, device=w13.device)
+        fused_moe(x, w13, w2, weights, ids.to(torch.int32), activation=activation, config=config)
+    return len(seen)
 
 
 # ---- tuning -----------------------------------------------------------------------------------------------
