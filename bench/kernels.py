@@ -19,6 +19,10 @@ import argparse
 from bench.results import write_result
 
 HQ, HKV, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 16
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 128, 2048, 768, 8  # Qwen3-30B-A3B
+MOE_DECODE_TOKENS, MOE_PREFILL_TOKENS = (1, 8, 32, 64), 8192
+MOE_PEAK_BF16_FLOPS = 790e12  # one H200, dense bf16, as measured before (docs: environment)
+MOE_ROUTINGS = 8  # decode cases cycle through this many routings so L2 (50 MB) cannot hold the weights
 # (batch, context, sliding window or None)
 DECODE_CASES = [(1, 32768, None), (1, 32768, 4096), (1, 1024, None), (4, 8192, None), (8, 32768, None),
                 (8, 32768, 4096), (32, 1024, None), (32, 4096, None), (32, 8192, None), (64, 4096, None),
@@ -30,7 +34,83 @@ PREFILL_CASES = [(0, 4096, None), (4096, 2048, None), (16384, 2048, None), (1638
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--splits", default="",
                    help="split counts to time for every decode case besides the default choice, e.g. 1,2,4,8,16,32,64")
+    p.add_argument("--moe-only", action="store_true", help="only the fused MoE cases (and the copy bandwidth)")
     p.add_argument("--output-json", default=None)
+
+
+def moe_weight_bytes(topk_ids, num_experts: int, hidden: int, inter: int, itemsize: int) -> int:
+    """Bytes of expert weights a call must read: w13 and w2 of each distinct expert hit, once."""
+    ids = topk_ids[(topk_ids >= 0) & (topk_ids < num_experts)]
+    return int(ids.unique().numel()) * 3 * hidden * inter * itemsize
+
+
+def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
+    """Multiply-adds x 2 of the gate, up and down projections of every (token, slot)."""
+    return 2.0 * num_tokens * top_k * 3 * hidden * inter
+
+
+def bench_fused_moe(bench, copy_bw: float, *, device: str = "cuda", dtype=None,
+                    shape: tuple[int, int, int, int] = (MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K),
+                    decode_tokens: tuple[int, ...] = MOE_DECODE_TOKENS, prefill_tokens: int = MOE_PREFILL_TOKENS,
+                    matmul_size: int = 8192, eager_bench=None) -> dict:
+    """The fused MoE cases (see the module docstring). ``bench(fn)`` times in ms
+    under a CUDA graph, ``eager_bench(fn)`` (default ``triton.testing.do_bench``)
+    without one, for the reference (it syncs). The keywords shrink the run for a
+    smoke test; ``dtype`` defaults to bfloat16, ``shape`` is (E, H, I, K)."""
+    import time
+
+    import torch
+    import triton.testing
+
+    import kernels
+    from engine.moe_configs import moe_kernel_config
+    from kernels import reference
+    from kernels.fused_moe import pick_tiles
+
+    dev, dt = torch.device(device), dtype or torch.bfloat16
+    eager_bench = eager_bench or (lambda fn: triton.testing.do_bench(fn, rep=100))
+    e, h, i, k = shape
+    started = time.perf_counter()
+    config = moe_kernel_config(e, h, i, k, dt, dev)
+    tune_s = time.perf_counter() - started
+    print(f"fused MoE tiles ready in {tune_s:.1f} s (tuned now, or read from the cache)", flush=True)
+    w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h ** -0.5
+    w2 = torch.randn(e, h, i, device=dev, dtype=dt) * i ** -0.5
+    a = torch.randn(matmul_size, matmul_size, device=dev, dtype=dt)
+    peak = 2 * matmul_size ** 3 / (bench(lambda: a @ a) * 1e-3)
+    del a
+    print(f"dense {dt} matmul {matmul_size}^3: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    result: dict = {"config_seconds": tune_s, "matmul_flops_per_s": peak, "cases": []}
+
+    for t in (*decode_tokens, prefill_tokens):
+        calls = MOE_ROUTINGS if t in decode_tokens else 1
+        xs = [torch.randn(t, h, device=dev, dtype=dt) for _ in range(calls)]
+        ids = [torch.rand(t, e, device=dev).topk(k, dim=-1).indices.to(torch.int32) for _ in range(calls)]
+        ws = [torch.rand(t, k, device=dev).softmax(-1) for _ in range(calls)]
+        err = max((kernels.fused_moe(x, w13, w2, w, d, config=config).float()
+                   - reference.fused_moe(x, w13, w2, w, d).float()).abs().max().item()
+                  for x, w, d in zip(xs, ws, ids))
+        row = {"tokens": t, "max_abs_err": err, "tiles": pick_tiles(config, t, e, k, dt).as_dict()}
+        for name, cfg in (("tuned", config), ("default", None)):
+            ms = bench(lambda: [kernels.fused_moe(x, w13, w2, w, d, config=cfg) for x, w, d in zip(xs, ws, ids)])
+            row[f"{name}_us"] = ms * 1e3 / calls
+        ref_ms = eager_bench(lambda: reference.fused_moe(xs[0], w13, w2, ws[0], ids[0]))
+        row["reference_us"] = ref_ms * 1e3
+        us = row["tuned_us"]
+        if t in decode_tokens:
+            nbytes = sum(moe_weight_bytes(d, e, h, i, w13.element_size()) for d in ids) / calls
+            row.update(weight_bytes=nbytes, bytes_per_s=nbytes / (us * 1e-6), of_copy=nbytes / (us * 1e-6) / copy_bw)
+            what = (f"{nbytes / 1e6:6.1f} MB of experts  {row['bytes_per_s'] / 1e12:5.2f} TB/s = "
+                    f"{100 * row['of_copy']:5.1f}% of copy")
+        else:
+            flops = moe_flops(t, k, h, i)
+            row.update(flops=flops, flops_per_s=flops / (us * 1e-6), of_matmul=flops / (us * 1e-6) / peak)
+            what = (f"{row['flops_per_s'] / 1e12:5.0f} TFLOP/s = {100 * row['of_matmul']:5.1f}% of the matmul, "
+                    f"{100 * row['flops_per_s'] / MOE_PEAK_BF16_FLOPS:5.1f}% of {MOE_PEAK_BF16_FLOPS / 1e12:.0f}")
+        result["cases"].append(row)
+        print(f"fused_moe {t:5d} tokens: {us:8.1f} us (default tiles {row['default_us']:8.1f} us, reference "
+              f"{row['reference_us']:9.1f} us)  {what}  (max |err| {err:.3g})", flush=True)
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
@@ -55,6 +135,10 @@ def main(args: argparse.Namespace) -> int:
     del src, dst
     result: dict = {"copy_bytes_per_s": copy_bw, "attention_decode": [], "prefill": {}, "elementwise": {}}
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if args.moe_only:
+        result["fused_moe"] = bench_fused_moe(bench, copy_bw)
+        write_result(result, "kernels", args.output_json)
+        return 0
 
     # ---- paged attention, decode ------------------------------------------------------
     for b, ctx, window in DECODE_CASES:
@@ -159,5 +243,6 @@ def main(args: argparse.Namespace) -> int:
                                        "max_abs_err": err}
         print(f"{name:20s} [{t} tokens]: {ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s = {100 * bw / copy_bw:5.1f}% "
               f"of copy  (max |err| {err:.3g})", flush=True)
+    result["fused_moe"] = bench_fused_moe(bench, copy_bw)
     write_result(result, "kernels", args.output_json)
     return 0

@@ -171,9 +171,9 @@ def test_explicit_config_entries():
              "gemm2": {"block_n": 16, "block_k": 64, "group_m": 8, "num_warps": 4, "num_stages": 2}}
     # JSON gives string keys; T=19 takes the entry of 32, the smallest count >= 19.
     config = {"4": small, "32": large}
-    assert fm._pick_tiles(config, 19, 4, 2, torch.float32) == fm.MoeTiles.from_dict(large)
-    assert fm._pick_tiles(config, 3, 4, 2, torch.float32) == fm.MoeTiles.from_dict(small)
-    assert fm._pick_tiles({1: small, 8: large}, 500, 4, 2, torch.float32).block_m == 32  # past the largest
+    assert fm.pick_tiles(config, 19, 4, 2, torch.float32) == fm.MoeTiles.from_dict(large)
+    assert fm.pick_tiles(config, 3, 4, 2, torch.float32) == fm.MoeTiles.from_dict(small)
+    assert fm.pick_tiles({1: small, 8: large}, 500, 4, 2, torch.float32).block_m == 32  # past the largest
     for cfg in (config, {1: small}):
         assert_close(kernels.fused_moe(*inp.args(), config=cfg), want, torch.float32)
 
@@ -217,6 +217,17 @@ def test_reference_rejects_unknown_activation():
     inp = make_inputs(2, 3, 2, 8, 8, torch.float32, device="cpu")
     with pytest.raises(ValueError, match="activation"):
         reference.fused_moe(*inp.args(), activation="relu")
+
+
+def test_warm_up_runs_once_per_compile_choice(monkeypatch):
+    inp = make_inputs(1, 4, 2, 24, 20, torch.float32)
+    calls = []
+    real = fm.fused_moe
+    monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    # 2 slots, E=4: the align chunk holds next_pow2(2T) >= 16 pairs (new at T = 9,
+    # 17, 33), and the default float32 tiles grow past 16 pairs per expert (T = 33).
+    assert fm.warm_up(inp.w13, inp.w2, 2, 40) == len(calls)
+    assert calls == [1, 9, 17, 33]
 
 
 # ---- the reference against independent oracles --------------------------------------------------------
@@ -312,3 +323,54 @@ def test_tune_returns_usable_configs():
     torch.testing.assert_close(kernels.fused_moe(*inp.args(), config=configs).float(),
                                reference.fused_moe(*inp.args()).float(), atol=3e-2, rtol=3e-2)
 
+
+@pytest.mark.gpu
+@cuda_only
+def test_after_warm_up_no_batch_size_compiles():
+    import logging
+
+    from kernels import compiles
+
+    e, k, h, i = 24, 6, 384, 160  # a shape no other test compiles
+    inp = make_inputs(1, e, k, h, i, torch.bfloat16)
+    config = {1: fm.default_tiles(1, e, k, torch.bfloat16).as_dict(),
+              256: fm.default_tiles(256, e, k, torch.bfloat16).as_dict(),
+              2048: fm.default_tiles(2048, e, k, torch.bfloat16).as_dict()}
+    fm.warm_up(inp.w13, inp.w2, k, 3000, config=config)
+    compiles.watch(logging.getLogger("pdserve-test"))
+    n = compiles.count
+    for num_tokens in (1, 3, 77, 640, 2999):
+        batch = make_inputs(num_tokens, e, k, h, i, torch.bfloat16, seed=num_tokens)
+        batch.w13, batch.w2 = inp.w13, inp.w2
+        kernels.fused_moe(*batch.args(), config=config)
+    assert compiles.count == n
+
+
+# ---- `pdserve bench kernels`: the fused MoE case ------------------------------------------------------------
+
+
+def test_bench_counts_each_distinct_expert_once():
+    from bench import kernels as bench_kernels
+
+    ids = torch.tensor([[3, 7], [7, 3], [0, 3]])
+    assert bench_kernels.moe_weight_bytes(ids, 8, 16, 4, 2) == 3 * (3 * 16 * 4 * 2)
+    assert bench_kernels.moe_weight_bytes(torch.tensor([[3, -1], [8, 3]]), 8, 16, 4, 2) == 3 * 16 * 4 * 2
+    assert bench_kernels.moe_flops(8192, 8, 2048, 768) == 2 * 8192 * 8 * (2 * 768 * 2048 + 2048 * 768)
+
+
+def test_bench_case_runs_end_to_end_on_a_tiny_shape(capsys):
+    # The GPU run's code path with a stand-in timer, on CPU: a wrong name or
+    # unit in the report shows up here rather than on the borrowed GPU.
+    from bench import kernels as bench_kernels
+
+    timer = lambda fn: (fn(), 0.01)[1]  # noqa: E731 - 10 us a call
+    result = bench_kernels.bench_fused_moe(timer, 1e12, device=DEVICE, dtype=torch.float32, shape=(6, 32, 24, 2),
+                                           decode_tokens=(1, 3), prefill_tokens=20, matmul_size=32,
+                                           eager_bench=timer)
+    assert [row["tokens"] for row in result["cases"]] == [1, 3, 20]
+    assert all(row["max_abs_err"] < 1e-4 for row in result["cases"])
+    one = result["cases"][0]
+    assert one["weight_bytes"] == 2 * 3 * 32 * 24 * 4  # one token, two distinct experts
+    assert one["tuned_us"] == 10 / bench_kernels.MOE_ROUTINGS
+    assert result["cases"][2]["flops"] == bench_kernels.moe_flops(20, 2, 32, 24)
+    assert "fused_moe    20 tokens" in capsys.readouterr().out
