@@ -148,11 +148,12 @@ def _place_kernel(
     start = tl.cumsum(padded, axis=0) - padded  # [BLOCK_E] each expert's first sorted row
     end = start + padded
 
-    # A pair's row: its expert's start + pairs of that expert in earlier chunks
-    # + pairs of that expert earlier in this chunk (exclusive scan of the one-hot).
-    rank = tl.cumsum(hot, axis=0) - hot  # [BLOCK_P, BLOCK_E]
-    dest = tl.sum(hot * (rank + (start + before)[None, :]), axis=1)  # [BLOCK_P]
-    tl.store(sorted_ptr + dest, pair, mask=(tl.sum(hot, axis=1) > 0) & (pid < num_chunks))
+    if pid < num_chunks:
+        # A pair's row: its expert's start + pairs of that expert in earlier chunks
+        # + pairs of that expert earlier in this chunk (exclusive scan of the one-hot).
+        rank = tl.cumsum(hot, axis=0) - hot  # [BLOCK_P, BLOCK_E]
+        dest = tl.sum(hot * (rank + (start + before)[None, :]), axis=1)  # [BLOCK_P]
+        tl.store(sorted_ptr + dest, pair, mask=tl.sum(hot, axis=1) > 0)
 
     if pid == 0:
         # Padding rows of each expert's last tile point at the sentinel.
@@ -224,7 +225,8 @@ def _expert_gemm_kernel(
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + k[None, :]  # [BLOCK_M, BLOCK_K]
     # int64: expert * stride_we passes 2^31 for large models.
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + n.to(tl.int64)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + n.to(tl.int64)[None, :] * stride_wn + k[:, None]
+    # w_ptrs: [BLOCK_K, BLOCK_N], the expert's rows n read along K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn  # up rows follow the N gate rows
@@ -572,6 +574,52 @@ def _candidate_tiles(block_m: int, dtype: torch.dtype, num_m_tiles: int) -> list
     return [GemmTiles(bn, bk, group_m, warps, stages) for bn, bk, warps, stages in table]
 
 
+def _fastest(run, candidates: list[GemmTiles], rep_ms: int) -> tuple[float, GemmTiles | None]:
+    """(median ms, tiles) of the fastest candidate of ``run(tiles)``; (inf, None) if none ran."""
+    import triton.testing
+
+    best: tuple[float, GemmTiles | None] = (float("inf"), None)
+    for tiles in candidates:
+        try:
+            ms = triton.testing.do_bench(lambda: run(tiles), warmup=5, rep=rep_ms, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - e.g. OutOfResources: the candidate does not fit
+            logger.debug("fused_moe.tune: skipping %s: %s", tiles, e)
+            continue
+        if ms < best[0]:
+            best = (ms, tiles)
+    return best
+
+
+def _tune_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator,
+              rep_ms: int, max_candidates: int | None) -> dict:
+    """The best tiles for x's token count, with uniform random routing."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    ids = torch.rand(num_tokens, num_experts, device=x.device, generator=gen).topk(top_k, dim=-1).indices
+    ids = ids.to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, device=x.device, generator=gen)
+    best: tuple[float, MoeTiles | None] = (float("inf"), None)
+    for block_m in _candidate_block_ms(num_tokens, num_experts, top_k):
+        sorted_ids, block_expert = _align(ids, num_experts, block_m)
+        cands = _candidate_tiles(block_m, x.dtype, block_expert.shape[0])[:max_candidates]
+
+        def gemm1(tiles: GemmTiles) -> torch.Tensor:
+            return _gemm(x, w13, sorted_ids, block_expert, weights, top_k, inter, block_m, tiles, gated=True,
+                         activation="silu")
+
+        ms1, g1 = _fastest(gemm1, cands, rep_ms)
+        if g1 is None:
+            continue
+        h = gemm1(g1)
+        ms2, g2 = _fastest(lambda tiles: _gemm(h, w2, sorted_ids, block_expert, weights, top_k, hidden, block_m,
+                                               tiles, gated=False, activation="silu"), cands, rep_ms)
+        if g2 is not None and ms1 + ms2 < best[0]:
+            best = (ms1 + ms2, MoeTiles(block_m, g1, g2))
+    require(best[1] is not None, "fused_moe.tune", f"no candidate tile config ran for {num_tokens} tokens")
+    logger.info("fused_moe.tune: %d tokens: %.1f us with %s", num_tokens, best[0] * 1e3, best[1])
+    return best[1].as_dict()
+
+
 def tune(
     num_experts: int,
     hidden: int,
@@ -582,6 +630,7 @@ def tune(
     token_counts: tuple[int, ...] = TOKEN_COUNTS,
     *,
     rep_ms: int = 25,
+    max_candidates: int | None = None,
 ) -> dict[int, dict]:
     """Time a small grid of tiles per token count on this GPU; {count: tiles} for ``fused_moe(config=...)``.
 
@@ -590,13 +639,12 @@ def tune(
     aligns once, then GEMM 1's and GEMM 2's candidates are timed separately
     (``triton.testing.do_bench``, L2 flushed between runs); the BLOCK_M with
     the least GEMM 1 + GEMM 2 time wins. Candidates that fail to compile or
-    launch (shared memory) are skipped. Takes a minute or two, mostly compiles.
+    launch (shared memory) are skipped. Takes a minute or two, mostly compiles;
+    ``max_candidates`` keeps only the first few per BLOCK_M (for tests).
     """
-    import triton.testing
-
     device = torch.device(device)
     require(device.type == "cuda", "fused_moe.tune", f"tuning needs a CUDA device, got {device}")
-    require(all(n >= 1 for n in token_counts) and len(token_counts) > 0, "fused_moe.tune",
+    require(len(token_counts) > 0 and all(n >= 1 for n in token_counts), "fused_moe.tune",
             f"token_counts must be positive, got {token_counts}")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -605,42 +653,9 @@ def tune(
     w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
     xs = torch.randn(max(token_counts), hidden, device=device, generator=gen).to(dtype)
     result: dict[int, dict] = {}
-
-    def fastest(fn_of_tiles, candidates: list[GemmTiles]) -> tuple[float, GemmTiles | None]:
-        best: tuple[float, GemmTiles | None] = (float("inf"), None)
-        for tiles in candidates:
-            try:
-                ms = triton.testing.do_bench(lambda: fn_of_tiles(tiles), warmup=5, rep=rep_ms,
-                                             return_mode="median")
-            except Exception as e:  # noqa: BLE001 - e.g. OutOfResources: the candidate does not fit
-                logger.debug("fused_moe.tune: skipping %s: %s", tiles, e)
-                continue
-            if ms < best[0]:
-                best = (ms, tiles)
-        return best
-
-    for num_tokens in sorted(set(token_counts)):
-        x = xs[:num_tokens]
-        ids = torch.rand(num_tokens, num_experts, device=device, generator=gen).topk(top_k, dim=-1).indices
-        ids = ids.to(torch.int32)
-        weights = torch.rand(num_tokens, top_k, device=device, generator=gen)
-        best: tuple[float, MoeTiles | None] = (float("inf"), None)
-        for block_m in _candidate_block_ms(num_tokens, num_experts, top_k):
-            sorted_ids, block_expert = _align(ids, num_experts, block_m)
-            cands = _candidate_tiles(block_m, dtype, block_expert.shape[0])
-            ms1, g1 = fastest(lambda t: _gemm(x, w13, sorted_ids, block_expert, weights, top_k, intermediate,
-                                              block_m, t, gated=True, activation="silu"), cands)
-            if g1 is None:
-                continue
-            inter = _gemm(x, w13, sorted_ids, block_expert, weights, top_k, intermediate, block_m, g1, gated=True,
-                          activation="silu")
-            ms2, g2 = fastest(lambda t: _gemm(inter, w2, sorted_ids, block_expert, weights, top_k, hidden, block_m,
-                                              t, gated=False, activation="silu"), cands)
-            if g2 is not None and ms1 + ms2 < best[0]:
-                best = (ms1 + ms2, MoeTiles(block_m, g1, g2))
-        require(best[1] is not None, "fused_moe.tune", f"no candidate tile config ran for {num_tokens} tokens")
-        result[num_tokens] = best[1].as_dict()
-        logger.info("fused_moe.tune: %d tokens: %.1f us with %s", num_tokens, best[0] * 1e3, result[num_tokens])
+    with torch.cuda.device(device):  # do_bench times and flushes L2 on the current device
+        for num_tokens in sorted(set(token_counts)):
+            result[num_tokens] = _tune_one(xs[:num_tokens], w13, w2, top_k, gen, rep_ms, max_candidates)
     logger.info("fused_moe.tune: E=%d H=%d I=%d K=%d %s: %d token counts in %.1f s", num_experts, hidden,
                 intermediate, top_k, dtype, len(result), time.perf_counter() - started)
     return result

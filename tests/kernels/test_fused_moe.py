@@ -117,6 +117,10 @@ def test_alignment_invariants(block_m, align_elems, monkeypatch):
     inp.topk_ids[11, 0] = 9
     _check_alignment(inp.topk_ids, 9, block_m)
     _check_alignment(inp.topk_ids[:1], 9, block_m)
+    # More tiles than one program of the place kernel labels (64): several programs.
+    many = make_inputs(1100, 9, 2, 16, 16, torch.float32, seed=8).topk_ids
+    assert fm.max_blocks(2200, 9, block_m) > 64
+    _check_alignment(many, 9, block_m)
 
 
 def test_several_align_chunks_match_reference(monkeypatch):
@@ -230,6 +234,35 @@ def test_warm_up_runs_once_per_compile_choice(monkeypatch):
     assert calls == [1, 9, 17, 33]
 
 
+def test_tuning_picks_the_fastest_candidate_and_skips_failures(monkeypatch):
+    # The tuning loop on CPU with a stand-in timer: the GEMM tiles of block_n 64
+    # "run fastest", block_k 64 "fails to compile"; every candidate really runs once.
+    import triton.testing
+
+    ran: list[fm.GemmTiles] = []
+    real_gemm = fm._gemm
+
+    def recording_gemm(*args, **kw):
+        ran.append(args[8])  # the GemmTiles
+        return real_gemm(*args, **kw)
+
+    def fake_do_bench(fn, **kw):
+        fn()
+        if ran[-1].block_k == 64:
+            raise RuntimeError("out of resources")
+        return 1.0 if ran[-1].block_n == 64 else 2.0
+
+    monkeypatch.setattr(fm, "_gemm", recording_gemm)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    inp = make_inputs(5, 4, 2, 40, 36, torch.float32)
+    entry = fm._tune_one(inp.x, inp.w13, inp.w2, 2, torch.Generator(device=DEVICE), 1, None)
+    tiles = fm.MoeTiles.from_dict(entry)
+    assert (tiles.block_m, tiles.gemm1.block_n, tiles.gemm1.block_k) == (16, 64, 32)
+    assert_close(kernels.fused_moe(*inp.args(), config={5: entry}), reference.fused_moe(*inp.args()), torch.float32)
+    with pytest.raises(ValueError, match="CUDA"):
+        fm.tune(4, 40, 36, 2, torch.float32, "cpu")
+
+
 # ---- the reference against independent oracles --------------------------------------------------------
 
 
@@ -317,7 +350,8 @@ def test_cuda_graph_replay_with_new_inputs(num_tokens):
 @pytest.mark.gpu
 @cuda_only
 def test_tune_returns_usable_configs():
-    configs = fm.tune(8, 256, 128, 2, torch.bfloat16, torch.device("cuda"), token_counts=(1, 64))
+    configs = fm.tune(8, 256, 128, 2, torch.bfloat16, torch.device("cuda"), token_counts=(1, 64), rep_ms=5,
+                      max_candidates=2)
     assert sorted(configs) == [1, 64]
     inp = make_inputs(40, 8, 2, 256, 128, torch.bfloat16)
     torch.testing.assert_close(kernels.fused_moe(*inp.args(), config=configs).float(),
