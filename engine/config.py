@@ -19,7 +19,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# RoPE variants engine/layers/rotary.py builds; activations engine/layers/activation.py runs.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -37,7 +40,12 @@ def parse_size(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's shape, read from its Hugging Face ``config.json``."""
+    """The model's shape, read from its Hugging Face ``config.json``.
+
+    What every family has is a field here; what only one family reads (Gemma's
+    ``query_pre_attn_scalar``, Qwen3-MoE's ``mlp_only_layers``) stays in ``hf_config``
+    and is read by that family's file. A config naming a feature pdserve does not
+    implement is refused here, at load, rather than served wrong."""
 
     path: Path
     served_model_name: str
@@ -52,13 +60,22 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    # RoPE parameters per layer type ("full_attention", "sliding_attention"): rope_type,
+    # rope_theta and the variant's own keys (factor, original_max_position_embeddings, ...)
+    rope: dict[str, dict[str, Any]]
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     seed: int = 0
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention (empty: all full)
+    sliding_window: int | None = None  # keys a sliding_attention layer's query sees, itself included
+    partial_rotary_factor: float = 1.0
+    hidden_act: str = "silu"
+    num_experts: int = 0  # mixture of experts: experts per MoE layer (0: dense)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_dir(path: Path, *, dtype: str, load_format: str, served_model_name: str,
@@ -68,25 +85,23 @@ class ModelConfig:
             raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
         cfg = json.loads(cfg_file.read_text())
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in _SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}")
+        from engine.models import ARCHITECTURES
+
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         num_heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
-            rope_scaling = None
-        max_pos = cfg.get("max_position_embeddings", 4096)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if window and window < max_pos:
-            # Attention here is over the whole context: serve only lengths where that equals the window.
-            logger.warning("%s uses sliding-window attention (%d tokens); capping the context length to it",
-                           arch, window)
-            max_pos = window
+        num_layers = cfg["num_hidden_layers"]
+        _refuse_unsupported(arch, cfg)
         eos = cfg.get("eos_token_id")
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
             eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope = _rope_by_layer_type(cfg)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{arch}: unsupported activation {act!r} (supported: {', '.join(_ACTIVATIONS)})")
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         return ModelConfig(
             path=path,
             served_model_name=served_model_name,
@@ -96,19 +111,51 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             seed=seed,
+            layer_types=_layer_types(arch, cfg, num_layers),
+            sliding_window=cfg.get("sliding_window"),
+            partial_rotary_factor=float(rope["full_attention"].get("partial_rotary_factor", 1.0)),
+            hidden_act=act,
+            num_experts=num_experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if num_experts else 0,
+            hf_config=cfg,
         )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if not self.layer_types:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope["full_attention"]["rope_theta"])
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The full-attention layers' RoPE parameters, None for plain RoPE."""
+        r = self.rope["full_attention"]
+        return None if r.get("rope_type", "default") == "default" else r
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def torch_dtype(self):  # -> torch.dtype
@@ -120,6 +167,72 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         elem = 4 if self.dtype == "float32" else 2
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
+    """Config fields that would change the model's arithmetic in ways not implemented."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{arch}: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch}: use_bidirectional_attention is not supported (decoder-only serving)")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{arch}: shared experts are not supported")
+
+
+def _rope_by_layer_type(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """RoPE parameters per layer type, from either transformers 5's ``rope_parameters``
+    (flat, or nested by layer type as Gemma 3 writes it) or the older ``rope_theta`` +
+    ``rope_scaling`` (+ Gemma 3's ``rope_local_base_freq``). Unknown variants are refused."""
+    params = cfg.get("rope_parameters") or {}
+    nested = bool(params) and all(isinstance(v, dict) for v in params.values())
+    if nested:
+        out = {t: dict(v) for t, v in params.items()}
+    else:
+        full = dict(params)
+        scaling = cfg.get("rope_scaling") or {}
+        full.update(scaling)
+        full.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        out = {"full_attention": full}
+        if "rope_local_base_freq" in cfg:
+            out["sliding_attention"] = {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    out.setdefault("full_attention", {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)})
+    out.setdefault("sliding_attention", out["full_attention"])
+    for layer_type, r in out.items():
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(f"unsupported RoPE layer type {layer_type!r}")
+        kind = r.get("rope_type", r.get("type")) or "default"
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        r["rope_type"] = kind
+        r.pop("type", None)
+        r.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in r:
+            if "original_max_position_embeddings" not in cfg:
+                raise ValueError(f"rope_type {kind!r} needs original_max_position_embeddings")
+            r["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return out
+
+
+def _layer_types(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Which layers attend within a sliding window: the config's ``layer_types`` when it
+    has them; else every layer when it names a window (Mistral, Mixtral, Phi-3), from
+    ``max_window_layers`` on where ``use_sliding_window`` says so (Qwen2), or Gemma 3's
+    older ``sliding_window_pattern`` (every n-th layer full)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"{arch}: unsupported layer_types {types!r} (supported: {', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in types and not window:
+            raise ValueError(f"{arch}: layer_types names sliding_attention but sliding_window is not set")
+        return tuple(types)
+    if not window or not cfg.get("use_sliding_window", True):
+        return ("full_attention",) * num_layers
+    if "sliding_window_pattern" in cfg:
+        n = cfg["sliding_window_pattern"]
+        return tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers))
+    first = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -303,6 +416,11 @@ class EngineArgs:
         from engine.parallel import check_tp_size
 
         check_tp_size(self.tensor_parallel_size, model.num_heads, model.num_kv_heads)
+        for what, n in (("intermediate size", model.intermediate_size),
+                        ("expert intermediate size", model.moe_intermediate_size)):
+            if n % self.tensor_parallel_size:
+                raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not divide the "
+                                 f"model's {what} ({n})")
         if self.tensor_parallel_size > 1 and device.startswith("cuda"):
             import torch
 

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.models.llama import AttentionMetadata
+from engine.layers.attention import AttentionMetadata
 from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)

@@ -171,6 +171,12 @@ class LLMEngine:
         self._close_tp()
         self._workers = []
 
+    def expert_load(self):  # -> torch.Tensor
+        """[MoE layers, experts] int64 on the host: tokens routed to each expert since the
+        engine started (empty for a dense model). Routing is replicated on every rank, so
+        rank 0's counters are the whole model's. Read while steps run: a snapshot."""
+        return self.runner.model.expert_load.cpu()
+
     @property
     def workers_alive(self) -> bool:
         return all(w.is_alive() for w in self._workers)

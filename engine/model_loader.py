@@ -11,16 +11,11 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models import model_class
+from engine.models.base import CausalLM
 from engine.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
-
-_ARCHS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,  # QKV bias via config.attention_bias
-}
 
 
 def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | None] = lambda name: None
@@ -42,32 +37,14 @@ def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | No
                 yield name, fh.get_slice(name)[index]
 
 
-def dummy_checkpoint(cfg: ModelConfig, model: LlamaForCausalLM, device: torch.device
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random weights as a checkpoint: norms 1, biases 0, the rest N(0, 0.02).
-    Every tensor is drawn whole from one seeded generator, and each rank keeps
-    its part (as from a file), so a model is the same at every TP size."""
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    for name, shape in model.checkpoint_shapes():
-        t = torch.empty(shape, dtype=cfg.torch_dtype, device=device)
-        if "norm" in name:
-            t.fill_(1.0)
-        elif name.endswith(".bias"):
-            t.zero_()
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
-        yield name, t
-
-
 def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGroup | None = None
-               ) -> LlamaForCausalLM:
+               ) -> CausalLM:
     torch.manual_seed(cfg.seed + (tp.rank if tp is not None else 0))
     with torch.device(device):
-        model = _ARCHS[cfg.architecture](cfg, ops, tp)
-    model = model.to(dtype=cfg.torch_dtype)
-    model.cos_sin = model.cos_sin.float()  # RoPE table stays float32 (cast per use, like HF)
+        model = model_class(cfg.architecture)(cfg, ops, tp)
+    model = model.to(dtype=cfg.torch_dtype)  # RoPE tables are no parameters: they stay float32
     if cfg.load_format == "dummy":
-        model.load_weights(dummy_checkpoint(cfg, model, device))
+        model.load_weights(model.dummy_weights(cfg.seed, cfg.torch_dtype, device))
         logger.info("loaded random (dummy) weights")
     else:
         model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice))

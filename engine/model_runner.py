@@ -53,7 +53,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs, GraphStep, capture_sizes
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
-from engine.models.llama import AttentionMetadata
+from engine.layers.attention import AttentionMetadata
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput

@@ -1,0 +1,35 @@
+"""Model families: one short file each, wiring engine/layers/, and this registry from a
+checkpoint's ``architectures[0]`` to its class (imported only when built, so reading a
+config needs no torch).
+
+    family file     architectures                                   what it adds to the shared layers
+    llama.py        Llama, Mistral, Qwen2 (QKV bias), SmolLM        the plain pre-norm decoder
+    qwen3.py        Qwen3                                           per-head q/k RMSNorm
+    qwen3_moe.py    Qwen3-MoE                                       experts on the layers decoder_sparse_step names
+    mixtral.py      Mixtral                                         experts on every layer (w1/w3/w2 names)
+    gemma3.py       Gemma 3 (text)                                  (1 + w) norms around attention and MLP, GELU-tanh,
+                                                                    scaled embeddings, local/global RoPE and windows
+    phi3.py         Phi-3                                           fused qkv_proj / gate_up_proj checkpoints
+"""
+from __future__ import annotations
+
+import importlib
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
+    "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+}
+
+
+def model_class(architecture: str) -> type:
+    """The class serving ``architecture`` (ValueError when none does)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    module, name = ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

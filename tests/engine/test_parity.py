@@ -54,14 +54,6 @@ def test_tiny_models_match_transformers(tiny_models, name):
         assert engine_greedy(llm, prompts, 24) == ref, f"budget {budget}"
 
 
-def test_sliding_window_caps_the_context(tmp_path):
-    from engine.config import ModelConfig
-
-    d = make_tiny_model(tmp_path / "mistral-sw", arch="mistral", sliding_window=128)
-    cfg = ModelConfig.from_dir(d, dtype="float32", load_format="auto", served_model_name="m")
-    assert cfg.architecture == "MistralForCausalLM" and cfg.max_position_embeddings == 128
-
-
 def test_prefix_hits_and_preemption_keep_parity(tiny_models):
     d = tiny_models["llama-gqa3"]
     base = random_prompts([40], 384, seed=9)[0]

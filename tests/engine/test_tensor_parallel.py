@@ -202,22 +202,29 @@ def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
                                              ("qwen2", {})])
-def test_checkpoint_shapes_name_every_tensor_of_a_checkpoint(tmp_path, arch, overrides):
-    """Dummy weights are drawn as a checkpoint of these names and shapes."""
+def test_full_shapes_are_what_the_checkpoint_stacks(tmp_path, arch, overrides):
+    """Dummy weights draw each parameter at its full (unsharded) shape: the checkpoint
+    tensors that load into it, stacked along its split dimension."""
     from safetensors import safe_open
 
     from engine.model_runner import select_ops
     from engine.models.llama import LlamaForCausalLM
 
     d = make_tiny_model(tmp_path / arch, arch=arch, **overrides)
-    model = LlamaForCausalLM(EngineArgs(model=str(d), device="cpu").create_engine_config().model, select_ops(torch.device("cpu")))
-    want = {}
+    model = LlamaForCausalLM(EngineArgs(model=str(d), device="cpu").create_engine_config().model,
+                             select_ops(torch.device("cpu")))
+    stacked: dict[str, list[tuple[int, ...]]] = {}
     for f in d.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as fh:
-            want.update({n: tuple(fh.get_slice(n).get_shape()) for n in fh.keys()})
-    if overrides.get("tie_word_embeddings"):
-        want.pop("lm_head.weight", None)
-    assert dict(model.checkpoint_shapes()) == want
+            for n in sorted(fh.keys()):
+                mapped = model.map_name(n)
+                if mapped is not None:
+                    stacked.setdefault(mapped[0], []).append(tuple(fh.get_slice(n).get_shape()))
+    params = dict(model.named_parameters())
+    assert set(stacked) == set(params)
+    for name, shapes in stacked.items():
+        rows = sum(s[0] for s in shapes)
+        assert params[name].full_shape == (rows, *shapes[0][1:]), name
 
 
 def test_dummy_weights_are_the_same_model_at_every_tp_size(tiny_llama_dir):

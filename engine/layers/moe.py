@@ -1,0 +1,99 @@
+"""Mixture-of-experts block: a router and the experts' weights, run by the fused MoE
+kernel (``ops.fused_moe``: Triton on CUDA, its PyTorch reference on CPU).
+
+    router   logits = x W_r^T [T, E]; softmax in float32; top-k; renormalised to sum 1
+             where the config says so (Mixtral always, Qwen3-MoE by norm_topk_prob);
+             the weights rounded to the model dtype, as transformers does
+    experts  gate_up_proj [E, 2 * I, H] (gate rows, then up rows), down_proj [E, H, I]:
+             out[t] = sum_k w[t, k] * down_e(act(gate_e x) * up_e x), e = ids[t, k]
+
+Tensor parallelism splits each expert's intermediate dimension I (every rank holds
+every expert's slice; the partial outputs are all-reduced), like a dense MLP.
+
+Checkpoints name experts one by one (``experts.{e}.gate_proj`` or Mixtral's
+``w1``/``w3``/``w2``) or stacked as here (transformers 5's ``experts.gate_up_proj``);
+the loader's shard ids say which: ("gate", e), ("up", e), ("down", e), or None for
+a stacked tensor.
+
+Per-expert load: each layer adds the tokens routed to each expert into its row of a
+counter the model owns (on the device, no host sync; CUDA-graph padding rows are not
+counted), read when metrics are scraped.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import Part, ReplicatedLinear, copy_rows, split_range, tp_rank_size
+from engine.parallel import TPGroup
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        rank, size = tp_rank_size(tp)
+        lo, hi = split_range(intermediate_size, rank, size, "expert intermediate size")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation, self.ops, self.tp = activation, ops, tp
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * (hi - lo), hidden_size))
+        self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, hi - lo))
+        _attach_expert_loaders(self.experts.gate_up_proj, self.experts.down_proj, num_experts, hidden_size,
+                               Part(intermediate_size, lo, hi))
+        self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
+        self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K] float32, expert ids [T, K] int64)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype).float(), ids
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.expert_load is not None:
+            rows = torch.ones(ids.shape[0], dtype=torch.int64, device=ids.device)
+            if meta is not None:  # rows past the step's tokens pad a CUDA graph: not routed traffic
+                rows = (torch.arange(ids.shape[0], device=ids.device) < meta.query_start_loc[-1]).long()
+            self.expert_load.index_add_(0, ids.flatten(), rows.repeat_interleave(self.top_k))
+        out = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                                 activation=self.activation, config=self.kernel_config)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def _attach_expert_loaders(gate_up: nn.Parameter, down: nn.Parameter, num_experts: int, hidden: int,
+                           part: Part) -> None:
+    split = part.size != part.full
+    gate_up.full_shape = (num_experts, 2 * part.full, hidden)
+    gate_up.shard_ids = tuple((w, e) for e in range(num_experts) for w in ("gate", "up"))
+    down.full_shape = (num_experts, hidden, part.full)
+    down.shard_ids = tuple(("down", e) for e in range(num_experts))
+
+    def load_gate_up(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # [E, 2I, H]
+            for e in range(num_experts):
+                copy_rows(p.data[e], src[e], [part, part], 0, None)
+            return
+        which, e = shard_id
+        copy_rows(p.data[e], src, [part, part], 0, 0 if which == "gate" else 1)
+
+    def load_down(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # [E, H, I]
+            p.data.copy_(src if src.shape[2] == part.size else src[:, :, part.lo:part.hi])
+            return
+        copy_rows(p.data[shard_id[1]], src, [part], 1, None)
+
+    gate_up.weight_loader, down.weight_loader = load_gate_up, load_down
+    gate_up.checkpoint_slice = lambda shard_id=None: (0, part.lo, part.hi) if split and shard_id else None
+    down.checkpoint_slice = lambda shard_id=None: (
+        None if not split else (1, part.lo, part.hi) if shard_id else (2, part.lo, part.hi))

@@ -1,0 +1,167 @@
+"""What every family shares: the decoder stack (embed -> layers -> final norm -> LM
+head), tensor-parallel shards, and loading a checkpoint into the fused, sharded
+parameters. A family supplies its decoder layer (``make_layer``) and, where its
+checkpoint names differ, the name map.
+
+Tensor parallelism (``engine/parallel.py``): with a ``TPGroup`` every module holds its
+rank's shard; without one, the same code with a single shard of everything.
+
+Loading: each checkpoint tensor name maps to (parameter name, shard id); the
+parameter's own ``weight_loader`` puts it in place (engine/layers/linear.py):
+
+    model.layers.3.self_attn.q_proj.weight       -> ...self_attn.qkv_proj.weight, "q"
+    model.layers.3.mlp.up_proj.weight            -> ...mlp.gate_up_proj.weight, 1
+    model.layers.3.mlp.experts.7.down_proj.weight -> ...mlp.experts.down_proj, ("down", 7)
+    model.layers.3.self_attn.qkv_proj.weight     -> itself, None (already stacked: Phi-3)
+"""
+from __future__ import annotations
+
+import re
+from types import ModuleType
+from typing import Callable, ClassVar, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.attention import AttentionMetadata
+from engine.layers.embedding import LMHead, VocabEmbedding
+from engine.layers.moe import FusedMoE
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import Shard, TPGroup
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+class CausalLM(nn.Module):
+    # checkpoint name part -> (parameter name part, shard id)
+    stacked_params: ClassVar[tuple[tuple[str, str, object], ...]] = (
+        (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
+    )
+    # per-expert checkpoint names -> which projection
+    expert_projections: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    norm_offset: ClassVar[bool] = False  # Gemma's (1 + w) norms
+
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.config, self.ops, self.tp = cfg, ops, tp
+        rank, size = (0, 1) if tp is None else (tp.rank, tp.size)
+        self.shard = Shard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+        self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)
+                      for t in sorted(set(cfg.layer_types) or {"full_attention"})}
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.shard, tp)
+        self.model.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=self.norm_offset)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.shard, tp,
+                              tied=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+                              softcap=cfg.hf_config.get("final_logit_softcapping"))
+        moe = [m for m in self.modules() if isinstance(m, FusedMoE)]
+        # [MoE layers, experts] tokens routed to each expert (see engine/layers/moe.py)
+        self.expert_load = torch.zeros(len(moe), max((m.num_experts for m in moe), default=0), dtype=torch.int64)
+        for i, m in enumerate(moe):
+            m.expert_load = self.expert_load[i]
+
+    # ---- what a family provides ---------------------------------------------
+    def make_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rope_for(self, index: int) -> RotaryEmbedding:
+        types = self.config.layer_types
+        return self.ropes[types[index] if types else "full_attention"]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    # ---- forward ------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [L, num_blocks, 2, bs, H_kv, D].
+        Returns the final hidden states [T, hidden] (logits via compute_logits).
+        ``on_layer(i)`` is called once layer i's work (its KV writes included) is queued."""
+        h, residual = self.embed(input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(positions, h, residual, kv_cache[i], meta)
+            if on_layer is not None:
+                on_layer(i)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] float32 on every rank (the ranks' column blocks gathered)."""
+        return self.lm_head(hidden)
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [m for m in self.modules() if isinstance(m, FusedMoE)]
+
+    # ---- weights ------------------------------------------------------------
+    def map_name(self, name: str) -> tuple[str, object] | None:
+        """(parameter name, shard id) a checkpoint tensor loads into; None: not a weight here."""
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        m = _EXPERT.match(name)
+        if m and m.group(3) in self.expert_projections:
+            which = self.expert_projections[m.group(3)]
+            param = "gate_up_proj" if which in ("gate", "up") else "down_proj"
+            return f"{m.group(1)}.{param}", (which, int(m.group(2)))
+        for part, fused, shard_id in self.stacked_params:
+            if part in name:
+                return name.replace(part, fused), shard_id
+        return name, None
+
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's part of checkpoint tensor ``name``; None: all of it.
+        The loader reads only that part from the file."""
+        mapped = self.map_name(name)
+        if mapped is None:
+            return None
+        params = self.__dict__.setdefault("_params_by_name", dict(self.named_parameters()))
+        param = params.get(mapped[0])
+        where = getattr(param, "checkpoint_slice", None)
+        return where(mapped[1]) if where is not None else None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, object]] = set()
+        for name, tensor in weights:
+            mapped = self.map_name(name)
+            if mapped is None:
+                continue
+            pname, shard_id = mapped
+            if pname not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[pname]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            elif tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
+            loaded.add((pname, shard_id))
+        missing = [f"{n}" + ("" if s is None else f"[{s}]")
+                   for n, p in params.items() if (n, None) not in loaded
+                   for s in getattr(p, "shard_ids", (None,)) if (n, s) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+    def dummy_weights(self, seed: int, dtype: torch.dtype, device: torch.device
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Random weights as a checkpoint of stacked tensors at their full (unsharded) shapes:
+        norms at their neutral value, biases 0, the rest N(0, 0.02). Each tensor is drawn
+        whole from one seeded generator in parameter order and each rank keeps its part, so
+        a model is the same at every TP size."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            shape = getattr(param, "full_shape", tuple(param.shape))
+            t = torch.empty(shape, dtype=dtype, device=device)
+            if "norm" in name:
+                t.fill_(0.0 if self.norm_offset else 1.0)
+            elif name.endswith(".bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, 0.02, generator=gen)
+            yield name, t

@@ -1,0 +1,91 @@
+"""Tiny random checkpoints of every supported family, written by transformers itself
+(``AutoConfig.for_model`` + ``save_pretrained``, float32), and transformers' greedy
+tokens for them: the oracle the family tests compare against."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WINDOW = 8  # sliding window of the windowed test models: far shorter than the prompts
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+            initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (model_type, config overrides)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", {}),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)),
+    "qwen3-moe-sparse-step": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                norm_topk_prob=False, decoder_sparse_step=2)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 100000.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 10000.0}})),
+    "phi3": ("phi3", dict(sliding_window=None)),
+    "phi3-window": ("phi3", dict(sliding_window=WINDOW)),
+    "mistral-window": ("mistral", dict(sliding_window=WINDOW)),
+    "llama-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                  "original_max_position_embeddings": 128})),
+    "qwen3-dynamic": ("qwen3", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                     "rope_theta": 10000.0})),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=512, original_max_position_embeddings=64,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                    "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+    "phi3-partial-rotary": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5})),
+}
+
+
+def make_family_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, family = FAMILIES[name]
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **family, **overrides})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    return path
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, not stopped at end-of-sequence
+    (as pdserve's ``ignore_eos``)."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        o = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        outs.append(o[0, len(p):].tolist())
+    return outs
+
+
+def assert_greedy_match(model, prompts, expected, got, tie: float = 1e-5) -> None:
+    """Token for token; a first difference is allowed only where transformers' top two
+    logits at that step tie (within ``tie``)."""
+    for p, want, have in zip(prompts, expected, got):
+        if want == have:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+        assert i < min(len(want), len(have)), f"lengths differ: {len(want)} vs {len(have)}"
+        with torch.no_grad():
+            logits = model(torch.tensor([p + want[:i]])).logits[0, -1]
+        top2 = torch.topk(logits.float(), 2).values
+        assert float(top2[0] - top2[1]) <= tie, (
+            f"prompt of {len(p)} tokens: first difference at step {i} ({want[i]} vs {have[i]}) where the "
+            f"reference's top two logits differ by {float(top2[0] - top2[1]):.3g}\nwant {want}\nhave {have}")
+
+
+def random_prompts(lengths: list[int], vocab: int = 384, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
