@@ -110,7 +110,8 @@ def _peer_main(conn: Any) -> None:
                 transfer = senders[pair].begin(rid, src, dst, caches[pair], plan=WirePlan(True, 1))
                 for layer in range(senders[pair].layout.num_layers // 2):
                     transfer.send_layer(layer)
-                torch.cuda.synchronize()
+                if caches[pair].is_cuda:
+                    torch.cuda.synchronize()
                 conn.send(("ok", "dying"))
                 os.kill(os.getpid(), signal.SIGKILL)
             elif cmd == "warm":  # CUDA up on a device, so that pair setup is quick
@@ -509,6 +510,51 @@ def test_receiver_close_wakes_a_blocked_recv(peer: Peer) -> None:
     thread.join(20)
     assert not thread.is_alive()
     assert isinstance(outcome[0], KVChannelClosed)
+
+
+def test_gloo_sender_killed_mid_transfer(peer: Peer) -> None:
+    """The prefill process dies (SIGKILL) with half the layers sent over gloo: recv raises
+    KVTransferError for that request within the pair's deadline, the pair is marked broken,
+    this process lives on, and a new pair works."""
+    doomed = Peer()
+    try:
+        spec = dict(SMALL, num_layers=8, num_blocks=64, block_size=16)
+        timeout = 8.0  # the pair's deadline, setup included
+        pair = Pair(doomed, "doomed", spec, "float32", timeout=timeout)
+        assert pair.backend == "gloo"
+        outcome: list[tuple[BaseException, float]] = []
+
+        def receive() -> None:  # gloo sends complete only as the receiver takes them
+            try:
+                pair.receiver.recv(pair.cache, timeout=20.0)
+            except BaseException as e:
+                outcome.append((e, time.monotonic()))
+        thread = threading.Thread(target=receive)
+        thread.start()
+        doomed.post("die_midway", "doomed", ("r", list(range(64)), list(range(64))))
+        assert doomed.reply() == "dying"
+        died = time.monotonic()
+        thread.join(timeout + 2 * SLACK_S)
+        assert not thread.is_alive() and len(outcome) == 1, "recv did not end after the sender died"
+        failed, ended = outcome[0]
+        assert isinstance(failed, KVTransferError) and not isinstance(failed, KVChannelClosed), repr(failed)
+        assert failed.request_id == "r" and ended - died < timeout + SLACK_S, (failed, ended - died)
+        assert not pair.receiver.is_usable
+        with pytest.raises(KVTransferError, match="broken"):
+            pair.receiver.recv(pair.cache, timeout=1.0)
+        start = time.monotonic()
+        pair.receiver.close()
+        assert time.monotonic() - start < SLACK_S
+        doomed.proc.join(10)
+        assert doomed.proc.exitcode == -signal.SIGKILL
+    finally:
+        if doomed.proc.is_alive():
+            doomed.proc.kill()
+    after = Pair(peer, "after-death", SMALL, "float32")
+    try:
+        after.transfer([("after", [0, 1], [2, 3])])
+    finally:
+        after.receiver.close()
 
 
 # Deadlines are checked as "not before the timeout, and well before a hang": a loaded
