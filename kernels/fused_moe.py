@@ -522,13 +522,16 @@ def _align_shape(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, activation: str = "silu",
-            config: dict | None = None) -> int:
+            config: dict | None = None, ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)) -> int:
     """Compile every kernel variant ``fused_moe`` can meet for 1..max_tokens tokens
     with these weights and config (a compile met while serving stalls a step for
     about a second): one call per distinct set of compile-time choices (the
-    config entry, the align chunking). Results are thrown away. Returns the number of calls."""
+    config entry, the align chunking) and ids dtype (the align and sum kernels
+    read the ids: pass the one the layer uses to halve the calls). Results are
+    thrown away. Returns the number of calls."""
     num_experts, hidden = w13.shape[0], w13.shape[2]
     seen = set()
+    calls = 0
     for num_tokens in range(1, max_tokens + 1):
         block_e, block_p, chunks = _align_shape(num_tokens * top_k, num_experts)
         key = (pick_tiles(config, num_tokens, num_experts, top_k, w13.dtype), block_p,
@@ -539,8 +542,10 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
         x = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
         ids = (torch.arange(num_tokens * top_k, device=w13.device) % num_experts).view(num_tokens, top_k)
         weights = torch.zeros(num_tokens, top_k, dtype=torch.float32, device=w13.device)
-        fused_moe(x, w13, w2, weights, ids.to(torch.int32), activation=activation, config=config)
-    return len(seen)
+        for ids_dtype in ids_dtypes:
+            fused_moe(x, w13, w2, weights, ids.to(ids_dtype), activation=activation, config=config)
+            calls += 1
+    return calls
 
 
 # ---- tuning -----------------------------------------------------------------------------------------------

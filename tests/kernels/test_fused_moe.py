@@ -230,8 +230,10 @@ def test_warm_up_runs_once_per_compile_choice(monkeypatch):
     monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     # 2 slots, E=4: the align chunk holds next_pow2(2T) >= 16 pairs (new at T = 9,
     # 17, 33), and the default float32 tiles grow past 16 pairs per expert (T = 33).
-    assert fm.warm_up(inp.w13, inp.w2, 2, 40) == len(calls)
+    assert fm.warm_up(inp.w13, inp.w2, 2, 40, ids_dtypes=(torch.int32,)) == len(calls)
     assert calls == [1, 9, 17, 33]
+    calls.clear()
+    assert fm.warm_up(inp.w13, inp.w2, 2, 8) == 2 and calls == [1, 1]  # int32 and int64 ids
 
 
 def test_tuning_picks_the_fastest_candidate_and_skips_failures(monkeypatch):
@@ -373,8 +375,9 @@ def test_after_warm_up_no_batch_size_compiles():
     fm.warm_up(inp.w13, inp.w2, k, 3000, config=config)
     compiles.watch(logging.getLogger("pdserve-test"))
     n = compiles.count
-    for num_tokens in (1, 3, 77, 640, 2999):
-        batch = make_inputs(num_tokens, e, k, h, i, torch.bfloat16, seed=num_tokens)
+    for num_tokens, ids_dtype in ((1, torch.int32), (3, torch.int64), (77, torch.int32), (640, torch.int64),
+                                  (2999, torch.int32)):
+        batch = make_inputs(num_tokens, e, k, h, i, torch.bfloat16, ids_dtype=ids_dtype, seed=num_tokens)
         batch.w13, batch.w2 = inp.w13, inp.w2
         kernels.fused_moe(*batch.args(), config=config)
     assert compiles.count == n
