@@ -77,6 +77,7 @@ def moe_kernel_config(
         return cached
     if tune_fn is None:
         from kernels.fused_moe import tune as tune_fn
+    logger.info("fused MoE tiles for %s not cached: tuning them on this GPU (a minute or two, once)", key)
     started = time.perf_counter()
     configs = tune_fn(num_experts, hidden, intermediate, top_k, dtype, device)
     parsed = _parse(json.loads(json.dumps(configs)))  # what a later load will see

@@ -653,10 +653,12 @@ def tune(
             f"token_counts must be positive, got {token_counts}")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
-    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=gen)
-           * hidden**-0.5).to(dtype)
-    w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
-    xs = torch.randn(max(token_counts), hidden, device=device, generator=gen).to(dtype)
+    # Made in the model dtype: the engine tunes before it allocates the KV cache, but beside the weights.
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype, generator=gen)
+    w13 *= hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, device=device, dtype=dtype, generator=gen)
+    w2 *= intermediate**-0.5
+    xs = torch.randn(max(token_counts), hidden, device=device, dtype=dtype, generator=gen)
     result: dict[int, dict] = {}
     with torch.cuda.device(device):  # do_bench times and flushes L2 on the current device
         for num_tokens in sorted(set(token_counts)):
