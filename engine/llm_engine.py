@@ -178,6 +178,11 @@ class LLMEngine:
         return self.runner.model.expert_load.cpu()
 
     @property
+    def moe_layer_indices(self) -> list[int]:
+        """The decoder layer of each row of ``expert_load()``."""
+        return self.runner.model.moe_layer_indices
+
+    @property
     def workers_alive(self) -> bool:
         return all(w.is_alive() for w in self._workers)
 

@@ -174,6 +174,7 @@ class ModelRunner:
         self.tp = tp
         self.model = load_model(mc, self.device, self.ops, tp)
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
+        self._configure_moe()
         graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
         self.use_cuda_graphs = not graphs_eager and self._graphs_wanted()
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
@@ -215,8 +216,33 @@ class ModelRunner:
         from kernels.paged_attention import warm_up
 
         shard = self.model.shard
-        warm_up(mc.torch_dtype, shard.num_local_heads, shard.num_local_kv_heads, mc.head_dim, self.block_size, dev)
+        for window in sorted(set(mc.layer_windows), key=lambda w: w or 0):
+            warm_up(mc.torch_dtype, shard.num_local_heads, shard.num_local_kv_heads, mc.head_dim, self.block_size,
+                    dev, sliding_window=window)
+        moe = self.model.moe_layers()
+        if moe:  # every MoE layer has the same shape and config: one warm-up serves all
+            from kernels.fused_moe import warm_up as warm_up_moe
+
+            m = moe[0]
+            warm_up_moe(m.experts.gate_up_proj, m.experts.down_proj, m.top_k,
+                        self.config.scheduler.max_num_batched_tokens, activation=m.activation,
+                        config=m.kernel_config)
         torch.cuda.synchronize(dev)
+
+    def _configure_moe(self) -> None:
+        """The fused-MoE kernel's tile configs for this model's expert shape on this GPU: tuned
+        the first time (minutes at most), then read from the cache (engine/moe_configs.py)."""
+        moe = self.model.moe_layers()
+        if not moe or self.device.type != "cuda" or self.ops.__name__ != "kernels":
+            return
+        from engine.moe_configs import moe_kernel_config
+
+        m = moe[0]
+        w13 = m.experts.gate_up_proj  # [E, 2 * I_local, H]
+        config = moe_kernel_config(m.num_experts, w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device)
+        for layer in moe:
+            layer.kernel_config = config
+        torch.cuda.empty_cache()
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda":

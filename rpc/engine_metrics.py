@@ -45,6 +45,14 @@ class _SchedulerCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran (or queued) a forward pass.", s.num_steps_total)
         yield counter("engine_steps_ahead", "Of those, decode steps scheduled and queued while the step before "
                       "still ran (--async-scheduling).", s.num_steps_ahead_total)
+        load = self.engine.expert_load()
+        if load.numel():  # mixture-of-experts models: one series per (layer, expert)
+            c = CounterMetricFamily("pdserve:moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                    labels=names + ["layer", "expert"])
+            for layer, row in zip(self.engine.moe_layer_indices, load.tolist()):
+                for expert, tokens in enumerate(row):
+                    c.add_metric(values + [str(layer), str(expert)], tokens)
+            yield c
 
 
 class EngineMetrics:

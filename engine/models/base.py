@@ -58,7 +58,10 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.shard, tp,
                               tied=self.model.embed_tokens if cfg.tie_word_embeddings else None,
                               softcap=cfg.hf_config.get("final_logit_softcapping"))
-        moe = [m for m in self.modules() if isinstance(m, FusedMoE)]
+        moe = self.moe_layers()
+        # the decoder layer each row of expert_load belongs to
+        self.moe_layer_indices = [i for i, layer in enumerate(self.model.layers)
+                                  if any(isinstance(m, FusedMoE) for m in layer.modules())]
         # [MoE layers, experts] tokens routed to each expert (see engine/layers/moe.py)
         self.expert_load = torch.zeros(len(moe), max((m.num_experts for m in moe), default=0), dtype=torch.int64)
         for i, m in enumerate(moe):
