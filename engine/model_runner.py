@@ -33,10 +33,12 @@ order (their all-reduces and the logits' all-gather are inside them). For a
 graph step rank 0 broadcasts which graph and its input buffers; every rank
 then places the block tables and replays.
 
-Fault injection, for tests only: with ``PDSERVE_FAULT_FORWARD_FAILS_AFTER=N``
-(read here only, when a runner is built; unset = off) the forward pass runs
-N times, then every later ``execute`` raises ``InjectedFault``, as a device
-error would. Tests use it to kill a real server's engine loop.
+Fault injection, for tests only: ``arm_forward_fault(N)`` (an engine server's
+hidden ``--inject-forward-fault N`` flag, which ``pdserve up`` never passes)
+makes the runners built afterwards in this process run the forward pass N
+times, then raise ``InjectedFault`` from every later ``execute``, as a device
+error would. Tests use it to kill a real server's engine loop. Nothing in the
+environment turns it on: an inherited variable cannot crash a cluster.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "PDSERVE_KERNELS"
 GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
-FAULT_ENV = "PDSERVE_FAULT_FORWARD_FAILS_AFTER"
+_armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
 
@@ -101,17 +103,22 @@ def check_free_memory(free: int, total: int, utilization: float, device: str) ->
 
 
 class InjectedFault(RuntimeError):
-    """The failure ``PDSERVE_FAULT_FORWARD_FAILS_AFTER`` asks for."""
+    """The failure ``arm_forward_fault`` asks for."""
+
+
+def arm_forward_fault(after: int | None) -> None:
+    """Tests only: runners built from now on in this process fail every forward pass after
+    the first ``after`` (None: disarm)."""
+    global _armed_forward_fault
+    if after is not None and after < 0:
+        raise ValueError(f"a forward fault comes after a number of passes >= 0, got {after}")
+    _armed_forward_fault = after
 
 
 def _forward_fault_budget() -> int | None:
-    value = os.environ.get(FAULT_ENV)
-    if not value:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{FAULT_ENV} must be a number of forward passes, got {value!r}")
-    logger.warning("%s=%s: the forward pass will fail after %s step(s)", FAULT_ENV, value, value)
-    return int(value)
+    if _armed_forward_fault is not None:
+        logger.warning("fault injection armed: the forward pass will fail after %d step(s)", _armed_forward_fault)
+    return _armed_forward_fault
 
 
 _STOP, _STEP, _GRAPH = 0, 1, 2  # tensor parallel: what rank 0 broadcasts to the other ranks each step
@@ -176,6 +183,9 @@ class ModelRunner:
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
         self._configure_moe()
         graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
+        if graphs_eager:
+            logger.warning("%s=eager: CUDA graphs are off; decode steps run the graph path eagerly "
+                           "(meant for tests)", GRAPHS_ENV)
         self.use_cuda_graphs = not graphs_eager and self._graphs_wanted()
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
         self.num_blocks = self._determine_num_blocks()
@@ -468,7 +478,7 @@ class ModelRunner:
     def _count_forward(self) -> None:
         if self._forwards_before_fault is not None:
             if self._forwards_before_fault == 0:
-                raise InjectedFault(f"forward pass failed on purpose ({FAULT_ENV})")
+                raise InjectedFault("forward pass failed on purpose (fault injection armed)")
             self._forwards_before_fault -= 1
 
     @torch.inference_mode()

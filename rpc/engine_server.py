@@ -45,6 +45,9 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         "e.g. redis://127.0.0.1:6379/0 (without it the gateway follows them over gRPC)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGTERM")
+    # Tests only, and hidden: the forward pass fails after N passes (engine/model_runner.py).
+    # A flag, not an environment variable, so that nothing inherited can turn it on.
+    g.add_argument("--inject-forward-fault", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
     tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
@@ -126,6 +129,10 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     rpc.install_signal_handlers()
     await rpc.start()  # health answers NOT_SERVING while the model loads
     t0 = time.time()
+    if args.inject_forward_fault is not None:
+        from engine.model_runner import arm_forward_fault
+
+        arm_forward_fault(args.inject_forward_fault)
     try:
         engine = await asyncio.get_running_loop().run_in_executor(
             None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))

@@ -216,3 +216,11 @@ def test_enforce_eager_flag(tiny_llama_dir):
 
     assert engine_flags(argparse.Namespace(enforce_eager=True)) == ["--enforce-eager"]
     assert engine_flags(argparse.Namespace(enforce_eager=False)) == []
+
+
+def test_decode_graphs_eager_says_it_turned_graphs_off(tiny_llama_dir, monkeypatch, caplog):
+    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    with caplog.at_level("WARNING", logger="engine.model_runner"):
+        llm = LLM(str(tiny_llama_dir), kv_cache_memory="4MiB")
+    assert llm.engine.runner.use_cuda_graphs is False
+    assert any("PDSERVE_DECODE_GRAPHS=eager: CUDA graphs are off" in r.getMessage() for r in caplog.records)

@@ -1,5 +1,5 @@
 """A decode server whose engine loop dies (the forward pass fails, injected
-with PDSERVE_FAULT_FORWARD_FAILS_AFTER) says so on its health service
+with the hidden --inject-forward-fault flag) says so on its health service
 (NOT_SERVING), ends the open stream with an error instead of leaving it
 hanging, and exits with a non-zero code so that a supervisor restarts it."""
 from __future__ import annotations
@@ -21,9 +21,9 @@ FORWARDS_BEFORE_FAULT = 2
 def test_engine_loop_death_reports_not_serving_and_exits(tiny_llama_dir):
     port = free_port()
     proc = ServiceProcess("decode-fault", "decode_service.server",
-                          ["--port", str(port), "--metrics-port", "0", "--model", str(tiny_llama_dir)],
-                          "decode server ready",
-                          env={"OMP_NUM_THREADS": "1", "PDSERVE_FAULT_FORWARD_FAILS_AFTER": str(FORWARDS_BEFORE_FAULT)})
+                          ["--port", str(port), "--metrics-port", "0", "--model", str(tiny_llama_dir),
+                           "--inject-forward-fault", str(FORWARDS_BEFORE_FAULT)],
+                          "decode server ready", env={"OMP_NUM_THREADS": "1"})
     try:
         proc.wait_ready()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -60,3 +60,14 @@ def test_engine_loop_death_reports_not_serving_and_exits(tiny_llama_dir):
         if proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait()
+
+
+def test_no_environment_variable_arms_the_fault(tiny_llama_dir, monkeypatch):
+    """The variable that once armed it, inherited by every server `pdserve up` starts, is
+    inert: an engine built with it set serves normally."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("PDSERVE_FAULT_FORWARD_FAILS_AFTER", "0")
+    out = LLM(str(tiny_llama_dir), kv_cache_memory="4MiB").generate(
+        [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
