@@ -328,6 +328,23 @@ def test_bf16_qwen3_30b_a3b_shape(num_tokens, activation):
 
 @pytest.mark.gpu
 @cuda_only
+def test_weights_past_2_31_elements():
+    # w13 holds 4 * 2 * 34000 * 8192 > 2^31 elements (4.5 GB): the last experts' rows
+    # are only reached with 64-bit offsets.
+    e, h, i = 4, 8192, 34000
+    assert e * 2 * i * h > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h**-0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i**-0.5
+    x = torch.randn(3, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids = torch.tensor([[3, 2], [2, 0], [3, 1]], device="cuda", dtype=torch.int32)
+    weights = torch.rand(3, 2, device="cuda", generator=gen)
+    torch.testing.assert_close(kernels.fused_moe(x, w13, w2, weights, ids).float(),
+                               reference.fused_moe(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda_only
 @pytest.mark.parametrize("num_tokens", [1, 64])
 def test_cuda_graph_replay_with_new_inputs(num_tokens):
     e, k, h, i = 32, 4, 512, 256
