@@ -9,7 +9,9 @@ host, with a device sync before and after, as for pdserve. The prompt is
 prefilled once per batch size (eager, last position's logits only); the
 compile (one per batch size) happens in the warm-up steps and is reported.
 On CPU the forward runs eagerly (reduce-overhead needs CUDA); that is
-for checking the code path, not for figures.
+for checking the code path, not for figures. ``eager=True`` (``--peer-eager``)
+times the eager forward on CUDA too: the peer for mixture-of-experts shapes,
+whose expert dispatch depends on the routing and is not captured whole.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 
 def run(model_dir: str | Path, sizes: list[int], context_len: int, steps: int, device: str,
-        dtype: str = "bfloat16", warmup: int = 3) -> dict:
+        dtype: str = "bfloat16", warmup: int = 3, eager: bool = False) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
@@ -27,7 +29,7 @@ def run(model_dir: str | Path, sizes: list[int], context_len: int, steps: int, d
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
-    compiled = device.startswith("cuda")
+    compiled = device.startswith("cuda") and not eager
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     gen = torch.Generator(device="cpu").manual_seed(0)
     result: dict = {"peer": "transformers", "compiled": compiled, "dtype": dtype, "steps": {}}

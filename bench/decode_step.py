@@ -30,6 +30,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=("transformers",), default=None,
                    help="time this peer instead of pdserve: transformers with a StaticCache and "
                         "torch.compile(mode='reduce-overhead')")
+    p.add_argument("--peer-eager", action="store_true",
+                   help="with --peer transformers: its eager forward (no torch.compile), e.g. for MoE shapes")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N more steps per batch size (CUDA): the GPU's busy time "
                         "per step against the step's wall time, and the kernels that take it")
@@ -59,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
 
         device = EngineArgs.from_cli_args(args).resolve_device()
         peer = decode_peer.run(resolve_model_path(args.model), sizes, args.context_len, args.steps, device,
-                               "bfloat16" if device.startswith("cuda") else "float32")
+                               "bfloat16" if device.startswith("cuda") else "float32", eager=args.peer_eager)
         write_result(peer, "decode-step-peer", args.output_json)
         return 0
     args.max_num_seqs = max(max(sizes), args.max_num_seqs)

@@ -16,6 +16,18 @@ SHAPES: dict[str, dict] = {
         rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0,
+        bos_token_id=151643, eos_token_id=151645),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -52,10 +52,10 @@ def make_family_model(path: Path, name: str, seed: int = 0, **overrides) -> Path
     return path
 
 
-def hf_model(path: Path):
+def hf_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -64,8 +64,8 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     model.generation_config.eos_token_id = None
     outs = []
     for p in prompts:
-        o = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                           attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        o = model.generate(torch.tensor([p], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                           pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long, device=model.device))
         outs.append(o[0, len(p):].tolist())
     return outs
 
@@ -79,7 +79,7 @@ def assert_greedy_match(model, prompts, expected, got, tie: float = 1e-5) -> Non
         i = next((j for j, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
         assert i < min(len(want), len(have)), f"lengths differ: {len(want)} vs {len(have)}"
         with torch.no_grad():
-            logits = model(torch.tensor([p + want[:i]])).logits[0, -1]
+            logits = model(torch.tensor([p + want[:i]], device=model.device)).logits[0, -1]
         top2 = torch.topk(logits.float(), 2).values
         assert float(top2[0] - top2[1]) <= tie, (
             f"prompt of {len(p)} tokens: first difference at step {i} ({want[i]} vs {have[i]}) where the "

@@ -1,0 +1,53 @@
+"""Every family in bfloat16 on the GPU, the Triton kernels (paged attention with
+windows, fused MoE) and CUDA graphs against transformers' own bf16 forward on the
+same GPU: greedy tokens equal up to a first difference where transformers' top two
+logits are within bf16 rounding of each other. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.families import FAMILIES, assert_greedy_match, hf_greedy, hf_model, make_family_model, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+MAX_TOKENS = 16
+# Wider than the CPU models, so bf16 rounding behaves as in real ones; head_dim 64.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=4, initializer_range=0.05)
+OVERRIDES = {"qwen3-moe": dict(mlp_only_layers=[1], moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4),
+             "qwen3-moe-sparse-step": dict(moe_intermediate_size=128), "mixtral": dict(num_local_experts=8),
+             "gemma3": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                         "sliding_attention"], query_pre_attn_scalar=64),
+             "phi3-longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                                                    "long_factor": [2.0 + 0.1 * i for i in range(32)]})}
+
+
+@pytest.fixture(autouse=True)
+def quick_moe_tuning(tmp_path, monkeypatch):
+    """A small real tune (few token counts, one candidate each) into a fresh cache: what is
+    checked here is the tokens, not the tiles' speed."""
+    import functools
+
+    import kernels.fused_moe
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels.fused_moe, "tune", functools.partial(
+        kernels.fused_moe.tune, token_counts=(1, 8, 64), max_candidates=1, rep_ms=2))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_bf16_family_on_gpu(tmp_path, name):
+    d = make_family_model(tmp_path / name, name, seed=5, **SHAPE, **OVERRIDES.get(name, {}))
+    prompts = random_prompts([1, 7, 33, 65, 130], seed=6)
+    m = hf_model(d, torch.bfloat16, "cuda")
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    llm = LLM(str(d), dtype="bfloat16", device="cuda", block_size=16, kv_cache_memory="64MiB",
+              max_num_batched_tokens=64, max_num_seqs=8)
+    got = [o.outputs[0].token_ids
+           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
+    assert_greedy_match(m, prompts, want, got, tie=0.05)
+    if llm.engine.runner.model.moe_layers():
+        assert llm.engine.expert_load().sum() > 0
