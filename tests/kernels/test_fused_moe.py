@@ -4,6 +4,7 @@ per-token loop and against transformers' Qwen3MoeExperts, and on CUDA bf16 at
 the Qwen3-30B-A3B shape and CUDA-graph replay."""
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -308,12 +309,23 @@ def test_reference_equals_transformers_qwen3_moe_experts(num_tokens, activation,
 # ---- CUDA: bf16 at the Qwen3-30B-A3B shape, CUDA graphs, tuning ----------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
+def _qwen3_30b_a3b_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's experts at the Qwen3-30B-A3B shape, bf16 on the GPU (made once)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(128, 2 * 768, 2048, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 2048**-0.5
+    w2 = torch.randn(128, 2048, 768, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 768**-0.5
+    return w13, w2
+
+
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("num_tokens", [1, 32, 300, 2048])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_bf16_qwen3_30b_a3b_shape(num_tokens, activation):
-    inp = make_inputs(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)
+    inp = make_inputs(num_tokens, 128, 8, 16, 16, torch.bfloat16, seed=num_tokens)  # the routing
+    inp.w13, inp.w2 = _qwen3_30b_a3b_experts()
+    inp.x = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
     got = kernels.fused_moe(*inp.args(), activation=activation)
     want = reference.fused_moe(*inp.args(), activation=activation)
     # The reference rounds gate, up, the product and each expert's output to bf16
@@ -329,15 +341,15 @@ def test_bf16_qwen3_30b_a3b_shape(num_tokens, activation):
 @pytest.mark.gpu
 @cuda_only
 def test_weights_past_2_31_elements():
-    # w13 holds 4 * 2 * 34000 * 8192 > 2^31 elements (4.5 GB): the last experts' rows
-    # are only reached with 64-bit offsets.
-    e, h, i = 4, 8192, 34000
-    assert e * 2 * i * h > 2**31
+    # w13 holds 5 * 2 * 34000 * 8192 elements (5.6 GB): expert 4 starts past 2^31,
+    # reached only with 64-bit offsets.
+    e, h, i = 5, 8192, 34000
+    assert 4 * 2 * i * h > 2**31
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h**-0.5
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i**-0.5
     x = torch.randn(3, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ids = torch.tensor([[3, 2], [2, 0], [3, 1]], device="cuda", dtype=torch.int32)
+    ids = torch.tensor([[4, 2], [2, 0], [3, 4]], device="cuda", dtype=torch.int32)
     weights = torch.rand(3, 2, device="cuda", generator=gen)
     torch.testing.assert_close(kernels.fused_moe(x, w13, w2, weights, ids).float(),
                                reference.fused_moe(x, w13, w2, weights, ids).float(), atol=3e-2, rtol=3e-2)
@@ -345,9 +357,10 @@ def test_weights_past_2_31_elements():
 
 @pytest.mark.gpu
 @cuda_only
-@pytest.mark.parametrize("num_tokens", [1, 64])
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])  # 600 x 4 pairs: align in three launches
 def test_cuda_graph_replay_with_new_inputs(num_tokens):
     e, k, h, i = 32, 4, 512, 256
+    assert fm._align_shape(600 * k, e)[2] > 1
     static = make_inputs(num_tokens, e, k, h, i, torch.bfloat16, seed=1)
     kernels.fused_moe(*static.args())  # compile outside the capture
     torch.cuda.synchronize()
@@ -356,7 +369,7 @@ def test_cuda_graph_replay_with_new_inputs(num_tokens):
         out = kernels.fused_moe(*static.args())
     for seed in (2, 3):
         fresh = make_inputs(num_tokens, e, k, h, i, torch.bfloat16, seed=seed,
-                            experts=[0, 5] if seed == 3 else None)
+                            experts=[0, 5, 6, 31] if seed == 3 else None)  # most experts idle
         static.x.copy_(fresh.x)
         static.topk_ids.copy_(fresh.topk_ids)
         static.topk_weights.copy_(fresh.topk_weights)
