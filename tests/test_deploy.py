@@ -1,31 +1,34 @@
-"""The deployment files and the CLI agree, checked offline (no Docker engine
-or cluster runs here):
+"""The deployment files and the CLI agree, checked without a Docker engine
+or a cluster (tests/compose runs docker-compose.yml for real):
 
 - docker-compose.yml: every service's command (with the config files it
   names) parses with pdserve's own parser; ports, discovery names and
-  health checks fit the servers.
-- deploy/kubernetes: every manifest, and what the base and the example
-  overlay build to, validates strictly against the Kubernetes API schemas
-  (kubernetes-validate); every pdserve container's arguments, with the
-  ConfigMap's files, parse with the CLI's parser; probes, ports, GPUs,
-  drain times and discovery names fit together.
-
-The overlays are built here by a small stand-in for kustomize that covers
-the features our kustomizations use (resources, configMapGenerator, images,
-replicas, strategic-merge patches, namespace, labels); where kubectl is
-installed, its own build is compared with it."""
+  health checks fit the servers; it reserves no GPU (it runs on CPU as it
+  is) and docker-compose.gpu.yml gives each engine service one.
+- Dockerfile: the base image is a build argument defaulting to the official
+  Python image, the compose file passes the same defaults, the image
+  installs the runtime pins only (requirements.txt; the test pins live in
+  requirements-test.txt) and copies every package pyproject.toml installs.
+- deploy/kubernetes: every manifest, and what the base and the overlays
+  build to with the real ``kubectl kustomize``, validates strictly against
+  the Kubernetes API schemas (kubernetes-validate); every pdserve
+  container's arguments, with the ConfigMap's files, parse with the CLI's
+  parser; probes, ports, GPUs, drain times and discovery names fit together.
+"""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from pdserve.cli import build_parser
 from pdserve.config_file import with_config_files
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
 BASE, OVERLAY, TP_OVERLAY = K8S / "base", K8S / "overlays" / "example", K8S / "overlays" / "tensor-parallel"
 CONFIG_DIR = BASE / "config"
-_VAR = re.compile(r"\$\{([A-Z_]+)(?::-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Z_]+)(?::?-([^}]*))?\}")
 ENGINES = ("prefill", "decode")
 
 
@@ -105,7 +108,7 @@ def test_compose_ports_discovery_and_health_checks_fit(compose):
     pre, dec, gw = (_parse(compose_argv(compose, n), files) for n in ("prefill", "decode", "gateway"))
     assert (pre.port, dec.port) == (PREFILL_PORT, DECODE_PORT) == (50061, 50071)
     assert (gw.http_port, gw.grpc_port) == (8000, 50051)
-    assert {"8000:8000", "50051:50051"} <= set(s["gateway"]["ports"])
+    assert {"8000:8000", "50051:50051"} <= {substitute(p) for p in s["gateway"]["ports"]}
     for name in ENGINES:  # engines publish nothing: scaled services cannot share a host port
         assert "ports" not in s[name]
     # The gateway finds the engines by their service aliases, on their ports.
@@ -121,7 +124,6 @@ def test_compose_ports_discovery_and_health_checks_fit(compose):
         module = test[test.index("-m") + 1]
         assert importlib.util.find_spec(module) is not None, module
         assert test[-1] == f"127.0.0.1:{args.port}"
-        assert s[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
         assert _seconds(s[name]["stop_grace_period"]) > args.drain_timeout
     assert f"127.0.0.1:{gw.http_port}/health" in " ".join(s["gateway"]["healthcheck"]["test"])
     assert _seconds(s["gateway"]["stop_grace_period"]) > gw.shutdown_timeout
@@ -130,6 +132,17 @@ def test_compose_ports_discovery_and_health_checks_fit(compose):
 def _seconds(duration: str) -> float:
     assert duration.endswith("s"), duration
     return float(duration[:-1])
+
+
+def test_compose_reserves_no_gpu_and_the_gpu_override_one_per_engine(compose):
+    for name, service in compose["services"].items():
+        assert "deploy" not in service, f"{name}: `docker compose up` on a CPU-only host needs no device"
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
+    assert set(gpu) == set(ENGINES)
+    for name in ENGINES:
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        assert gpu[name]["image"] != compose["services"][name]["image"]  # a CUDA image never mixes with the CPU one
 
 
 def test_compose_exports_traces_to_jaeger(compose):
@@ -151,67 +164,78 @@ def test_compose_environment_variables_are_named_after_flags(compose):
         assert wanted <= {var for _, var in found}, (name, found)
 
 
-# ---- Kubernetes: a kustomize stand-in ---------------------------------------
+# ---- Dockerfile, requirements --------------------------------------------------
+
+def _dockerfile_args() -> dict[str, str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return {m.group(1): m.group(2).strip('"') for m in re.finditer(r"^ARG (\w+)=(.*)$", text, re.M)}
+
+
+def test_the_base_image_is_a_build_argument_defaulting_to_the_official_python():
+    text = (ROOT / "Dockerfile").read_text()
+    args = _dockerfile_args()
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base$", text, re.M)
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu" and args["CA_CERTS"] == ""
+
+
+def test_compose_builds_with_the_dockerfiles_defaults(compose):
+    for name in ("gateway", "prefill", "decode"):
+        build = compose["services"][name]["build"]
+        assert build["context"] == "."
+        assert {k: substitute(v) for k, v in build["args"].items()} == _dockerfile_args()
+
+
+def _pins(name: str) -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / name).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            package, version = line.split("==")
+            pins[canonicalize_name(package)] = version
+    return pins
+
+
+def test_requirements_are_split_into_runtime_and_test_pins():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    extras = {canonicalize_name(Requirement(r).name) for group in ("test", "plot")
+              for r in project["optional-dependencies"][group]}
+    runtime, test = _pins("requirements.txt"), _pins("requirements-test.txt")
+    assert set(runtime) <= declared, set(runtime) - declared
+    assert set(test) <= extras, set(test) - extras
+    assert extras <= set(test), extras - set(test)  # every test pin is in the test file
+    assert not set(runtime) & set(test)
+
+
+def test_the_image_installs_runtime_pins_and_copies_every_package():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "requirements.txt" in text and "requirements-test" not in text
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = set(re.findall(r"^COPY (\w+)/ \1/$", text, re.M))
+    assert {p.rstrip("*") for p in packages} == copied
+    # .dockerignore is an allowlist: each path the Dockerfile copies is let through.
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    sources = {src.rstrip("/") for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M)
+               for src in line.split()}
+    sources = {s if not s.startswith("engine/") else "engine" for s in sources}
+    assert sources <= allowed, sources - allowed
+
+
+# ---- Kubernetes: what kubectl kustomize builds -------------------------------
 
 def _load_all(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def _merge(target, patch):
-    """Strategic merge as our patches need it: maps merge key by key, lists
-    of named maps (containers, ports, volumes, env) merge by name, other
-    lists are replaced."""
-    if isinstance(target, dict) and isinstance(patch, dict):
-        out = dict(target)
-        for k, v in patch.items():
-            out[k] = _merge(target[k], v) if k in target else copy.deepcopy(v)
-        return out
-    if (isinstance(target, list) and isinstance(patch, list) and
-            all(isinstance(x, dict) and "name" in x for x in target + patch)):
-        out = [copy.deepcopy(x) for x in target]
-        for item in patch:
-            i = next((j for j, x in enumerate(out) if x["name"] == item["name"]), None)
-            if i is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[i] = _merge(out[i], item)
-        return out
-    return copy.deepcopy(patch)
-
-
-_KNOWN = {"apiVersion", "kind", "resources", "configMapGenerator", "images", "replicas", "patches", "namespace",
-          "labels"}
-
-
 def build(directory: Path) -> list[dict]:
-    """What ``kubectl kustomize directory`` makes (ConfigMap names without the hash suffix)."""
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    assert set(k) <= _KNOWN, f"{directory}: the stand-in does not know {set(k) - _KNOWN}"
-    objects: list[dict] = []
-    for entry in k.get("resources", []):
-        path = (directory / entry).resolve()
-        objects += build(path) if path.is_dir() else _load_all(path)
-    for gen in k.get("configMapGenerator", []):
-        data = {Path(f).name: (directory / f).read_text() for f in gen["files"]}
-        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
-    for image in k.get("images", []):
-        for c in _containers(objects):
-            if c["image"].split(":")[0] == image["name"]:
-                c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
-    for r in k.get("replicas", []):
-        _find(objects, "Deployment", r["name"])["spec"]["replicas"] = r["count"]
-    for patch in k.get("patches", []):
-        p = yaml.safe_load((directory / patch["path"]).read_text())
-        target = _find(objects, p["kind"], p["metadata"]["name"])
-        objects[objects.index(target)] = _merge(target, p)
-    for label in k.get("labels", []):
-        for o in objects:
-            o["metadata"].setdefault("labels", {}).update(label["pairs"])
-    if "namespace" in k:
-        for o in objects:
-            if o["kind"] != "Namespace":
-                o["metadata"]["namespace"] = k["namespace"]
-    return objects
+    """What ``kubectl kustomize directory`` makes: the objects a cluster gets."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (it builds the kustomizations)")
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True)
+    assert out.returncode == 0, f"kubectl kustomize {directory.relative_to(ROOT)}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def _find(objects: list[dict], kind: str, name: str) -> dict:
@@ -272,9 +296,18 @@ def test_the_schema_check_is_strict():
 
 # ---- Kubernetes: the pdserve containers ---------------------------------------
 
+def _config_map(objects: list[dict]) -> dict:
+    """The generated pdserve-config ConfigMap (its name carries a hash of its contents)."""
+    found = [o for o in objects if o["kind"] == "ConfigMap" and
+             re.fullmatch(r"pdserve-config-[a-z0-9]{10}", o["metadata"]["name"])]
+    assert len(found) == 1, [o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"]
+    return found[0]
+
+
 def _pdserve_containers(objects: list[dict]) -> dict[str, tuple[dict, dict, object]]:
     """role -> (pod spec, container, parsed arguments) for each pdserve container."""
-    config = _find(objects, "ConfigMap", "pdserve-config")["data"]
+    config_map = _config_map(objects)
+    config = config_map["data"]
     out = {}
     for o in objects:
         if o["kind"] != "Deployment":
@@ -285,7 +318,7 @@ def _pdserve_containers(objects: list[dict]) -> dict[str, tuple[dict, dict, obje
                 continue
             mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "config")
             volume = next(v for v in spec["volumes"] if v["name"] == "config")
-            assert volume["configMap"]["name"] == "pdserve-config"
+            assert volume["configMap"]["name"] == config_map["metadata"]["name"]
             files = {f"{mount}/{name}": text for name, text in config.items()}
             env = {e["name"] for e in c.get("env", [])}
             argv = [re.sub(r"\$\((\w+)\)", lambda m: "10.1.2.3" if m.group(1) in env else m.group(0), a)
@@ -391,18 +424,3 @@ def test_the_example_overlay_sets_images_replicas_and_resources():
         assert c["resources"] != b["resources"] and c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["args"] == b["args"] and c["readinessProbe"] == b["readinessProbe"]  # the patch touched only sizes
     assert {o["metadata"].get("namespace") for o in overlay if o["kind"] != "Namespace"} == {"pdserve"}
-
-
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("directory", [BASE, OVERLAY, TP_OVERLAY], ids=["base", "overlay", "tensor-parallel"])
-def test_the_stand_in_builds_what_kustomize_builds(directory):
-    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True)
-    real = [d for d in yaml.safe_load_all(out.stdout) if d]
-    for obj in real:  # names carry a content hash; references to them too
-        if obj["kind"] == "ConfigMap":
-            obj["metadata"]["name"] = re.sub(r"-[a-z0-9]{10}$", "", obj["metadata"]["name"])
-        for volume in obj.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
-            if "configMap" in volume:
-                volume["configMap"]["name"] = re.sub(r"-[a-z0-9]{10}$", "", volume["configMap"]["name"])
-    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
-    assert sorted(real, key=key) == sorted(build(directory), key=key)
