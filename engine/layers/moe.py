@@ -62,13 +62,23 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.expert_load is not None:
-            rows = torch.ones(ids.shape[0], dtype=torch.int64, device=ids.device)
-            if meta is not None:  # rows past the step's tokens pad a CUDA graph: not routed traffic
-                rows = (torch.arange(ids.shape[0], device=ids.device) < meta.query_start_loc[-1]).long()
-            self.expert_load.index_add_(0, ids.flatten(), rows.repeat_interleave(self.top_k))
+            self.expert_load.index_add_(0, ids.flatten(), self._routed(ids, meta))
         out = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                                  activation=self.activation, config=self.kernel_config)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+    def _routed(self, ids: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        """[T * K] int64: 1 for the (token, slot) pairs of the step's tokens, 0 for rows that
+        pad a CUDA graph. The same for every MoE layer of a step: worked out in the first."""
+        key = ("moe routed", ids.shape)
+        if meta is not None and key in meta.step_cache:
+            return meta.step_cache[key]
+        pairs = torch.arange(ids.numel(), device=ids.device)
+        routed = torch.ones_like(pairs) if meta is None else (pairs < meta.query_start_loc[-1] * self.top_k).long()
+        if meta is not None:
+            meta.step_cache[key] = routed
+        return routed
 
 
 def _attach_expert_loaders(gate_up: nn.Parameter, down: nn.Parameter, num_experts: int, hidden: int,

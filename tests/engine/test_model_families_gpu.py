@@ -29,12 +29,12 @@ def quick_moe_tuning(tmp_path, monkeypatch):
     """A small real tune (few token counts, one candidate each) into a fresh cache: what is
     checked here is the tokens, not the tiles' speed."""
     import functools
+    import importlib
 
-    import kernels.fused_moe
-
+    module = importlib.import_module("kernels.fused_moe")  # `kernels.fused_moe` is also the launcher's name
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernels.fused_moe, "tune", functools.partial(
-        kernels.fused_moe.tune, token_counts=(1, 8, 64), max_candidates=1, rep_ms=2))
+    monkeypatch.setattr(module, "tune", functools.partial(module.tune, token_counts=(1, 8, 64), max_candidates=1,
+                                                          rep_ms=2))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
