@@ -118,6 +118,7 @@ def _attend_kv_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is in [kv_start, kv_end) and visible to every row
     K_ROWS: tl.constexpr,  # load K as [keys, dims] (prefill tiles) rather than [dims, keys] (decode)
     WINDOW: tl.constexpr,  # a sliding window applies
+    ONE_QUERY: tl.constexpr,  # every row has the same query (decode tiles): [kv_start, kv_end) is its window
 ):
     # One online-softmax step over one tile of keys.
     pos = n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -151,7 +152,7 @@ def _attend_kv_tile(
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        if WINDOW:
+        if WINDOW and not ONE_QUERY:  # (the per-row compare costs a decode tile ~40 registers)
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
@@ -233,6 +234,8 @@ def _paged_attention_kernel(
     kv_end = ctx_len + tl.minimum(tok0 + BLOCK_Q, q_len)
     if WINDOW:
         kv_start = tl.maximum(ctx_len + tok0 - window + 1, 0)  # the first query's window
+        # padding rows take the tile's last query position: past it they could see no key (0 / 0)
+        q_pos = tl.minimum(q_pos, kv_end - 1)
     else:
         kv_start = 0
     n_start = kv_start // BLOCK_N
@@ -258,51 +261,58 @@ def _paged_attention_kernel(
     else:
         n_edge = n_lo
         n_full = n_lo
+    # Unmasked tiles first, then the masked ones: the window's edge [n_lo, n_edge) (empty
+    # without a window) and [n_full, n_hi), walked by one loop (a third inlined loop body
+    # cost the prefill tile registers, and spills when split).
+    num_edge = n_edge - n_lo
+    num_masked = num_edge + n_hi - n_full
     if _INTERPRETED:
         # Triton 3.6's interpreter cannot take tensor bounds in range() under
         # NumPy >= 2.4 (it calls int() on a 1-element array); compiled, the
         # for loops are kept because only for loops are software-pipelined.
-        n = n_lo
-        while n < n_hi:
-            if (n >= n_edge) & (n < n_full):
-                m_i, l_i, acc = _attend_kv_tile(
-                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
-                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW,
-                )
-            else:
-                m_i, l_i, acc = _attend_kv_tile(
-                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
-                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
-                )
+        n = n_edge
+        while n < n_full:
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
+            )
             n += 1
+        i = 0
+        while i < num_masked:
+            n = tl.where(i < num_edge, n_lo + i, n_full + (i - num_edge))
+            m_i, l_i, acc = _attend_kv_tile(
+                q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
+            )
+            i += 1
     else:
         if BLOCK_Q > 1:
-            if WINDOW:
-                for n in range(n_lo, n_edge):
-                    m_i, l_i, acc = _attend_kv_tile(
-                        q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr,
-                        v_cache_ptr, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                        dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
-                    )
             for n in range(n_edge, n_full):
                 m_i, l_i, acc = _attend_kv_tile(
                     q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
                 )
-        for n in range(n_full, n_hi):
-            m_i, l_i, acc = _attend_kv_tile(
-                q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
-                kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW,
-            )
+        if WINDOW and BLOCK_Q > 1:
+            for i in range(0, num_masked):
+                n = tl.where(i < num_edge, n_lo + i, n_full + (i - num_edge))
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
+                )
+        else:  # no window edge: the loop compiled before windows existed
+            for n in range(n_full, n_hi):
+                m_i, l_i, acc = _attend_kv_tile(
+                    q, m_i, l_i, acc, n, q_pos, kv_start, kv_end, window, block_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, dims, dim_ok,
+                    qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
+                )
 
     mask = row_ok[:, None] & dim_ok[None, :]
     if not SPLIT:
-        if WINDOW:  # padding rows past the tile's last query may see no key: no 0 / 0
-            l_i = tl.where(row_ok, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
