@@ -44,13 +44,13 @@ argument, so one compile serves every window size and None runs the code
 it ran before windows existed.
 
 Split-K (flash decoding): when the grid is too small to fill the GPU (decode
-of a few long sequences), each tile's key range is cut into num_splits parts
-run in parallel (with a window, only the visible
-range [kv_start, kv_end) is cut); each part writes an unnormalised partial (sum, running max,
-running denominator) and _combine_kernel merges them. The split count is a
-runtime argument (only whether there are splits, and the combine's power-of-two
-width, are compiled in), so ``warm_up`` can compile every variant a call may
-pick before serving: a compile met while serving stalls a step for ~1 s.
+of a few long sequences), each tile's key range [kv_start, kv_end) is cut
+into num_splits parts run in parallel; each part writes an unnormalised
+partial (sum, running max, running denominator) and _combine_kernel merges
+them. The split count is a runtime argument (only whether there are splits,
+and the combine's power-of-two width, are compiled in), so ``warm_up`` can
+compile every variant a call may pick before serving: a compile met while
+serving stalls a step for ~1 s.
 """
 from __future__ import annotations
 
