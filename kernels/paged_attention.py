@@ -594,7 +594,8 @@ def paged_attention(
 
     _paged_attention_kernel[(num_kv_heads, num_tiles, num_splits)](
         partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs, num_tokens, num_splits, sliding_window or 0,
+        # (a window past any context means the same, clamped: the int32 argument warm_up compiled)
+        scale * _LOG2E, num_seqs, num_tokens, num_splits, min(sliding_window or 0, 1 << 30),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
