@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +110,11 @@ class RequestFlow:
         try:
             if self.is_aborted:
                 raise asyncio.CancelledError
-            async for chunk in self._stream_with_retry():
-                yield chunk
+            # Closed here, not left to the garbage collector: the calls' spans end before the
+            # request's does (and so reach the traces file with it).
+            async with contextlib.aclosing(self._stream_with_retry()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not self.is_aborted or (task is not None and task.cancelling()):
@@ -149,8 +152,9 @@ class RequestFlow:
             self.decode_address = decode.address
             self.prefill_address = prefill.address if prefill else None
             try:
-                async for chunk in self._run_on(decode, prefill):
-                    yield chunk
+                async with contextlib.aclosing(self._run_on(decode, prefill)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except _Refused as e:
                 if e.error.kind not in _RETRYABLE:
@@ -165,7 +169,8 @@ class RequestFlow:
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
         span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
-        with in_flight(decode), _ending(span):
+        done = False  # the last chunk yielded ended the request
+        with in_flight(decode), _ending(span, lambda: done):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None),
@@ -174,13 +179,16 @@ class RequestFlow:
             try:
                 if prefill is None:
                     async for chunk in self._relay(call, decode, skip=0, refusable=True):
+                        done = bool(chunk.finish_reason)
                         yield chunk
                     return
                 msg = await self._read(call, decode, refusable=True)
                 if msg.WhichOneof("kind") == "delta":  # a decode server in local-prefill mode
+                    done = bool(msg.delta.finish_reason)
                     yield self._chunk(msg.delta, skip=0)
                     if not msg.delta.finish_reason:
                         async for chunk in self._relay(call, decode, skip=0, refusable=False):
+                            done = bool(chunk.finish_reason)
                             yield chunk
                     return
                 reserved = self._reserved(msg, decode)
@@ -190,6 +198,7 @@ class RequestFlow:
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
                                  num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
                 async for chunk in self._relay(call, decode, skip=1, refusable=False):
+                    done = bool(chunk.finish_reason)
                     yield chunk
             finally:
                 call.cancel()  # a no-op once the call has finished
@@ -343,14 +352,18 @@ def _client_span(trace: RequestTrace, method: str, instance: Instance) -> Span:
 
 
 @contextlib.contextmanager
-def _ending(span: Span) -> Iterator[None]:
-    """End ``span`` when the block exits; failures mark it as an error."""
+def _ending(span: Span, finished: Callable[[], bool] = lambda: True) -> Iterator[None]:
+    """End ``span`` when the block exits; failures mark it as an error, and so does a stream
+    closed by its consumer before ``finished()`` (the call was cut short: the client went
+    away, or a stop string ended the request first)."""
     try:
         yield
     except _Refused as e:
         set_error(span, e.error)
         raise
     except GeneratorExit:
+        if not finished():
+            set_error(span, "cancelled: the stream was closed before the call finished")
         raise
     except BaseException as e:
         set_error(span, e)

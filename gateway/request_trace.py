@@ -134,6 +134,7 @@ class RequestTrace:
         if self.is_finished:
             return
         self.is_finished = True
+        recording = self.is_recording
         if self._detokenize is not None:
             if error is not None:
                 set_error(self._detokenize, error)
@@ -143,6 +144,8 @@ class RequestTrace:
             if error is not None:
                 set_error(self.root, error)
         self.root.end()
+        if recording:  # this request's spans to the traces file before the response leaves
+            tracing.flush_request_spans()
 
 
 def set_error(span: Span, error: BaseException | str) -> None:

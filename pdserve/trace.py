@@ -106,6 +106,26 @@ class Trace:
                 return (int(e["time_ns"]) - root.start_ns) / 1e6
         return None
 
+    @property
+    def missing(self) -> list[str]:
+        """Why the trace looks incomplete (empty when it does not): spans whose parent is not
+        here, past the one top-level span (whose parent may be the caller's), and a gateway
+        request span without the transport's span it always nests under. Spans reach the
+        traces file as each process finishes its part of a request, so right after a
+        response some may still be on their way."""
+        ids = {s.span_id for s in self.spans}
+        tops = sorted((s for s in self.spans if s.parent_id not in ids), key=lambda s: (s.start_ns, -s.end_ns))
+        out = []
+        if len(tops) > 1:
+            out.append(f"{len(tops) - 1} span(s) whose parent is missing ({', '.join(s.name for s in tops[1:4])}"
+                       f"{', ...' if len(tops) > 4 else ''})")
+        request = [s for s in self.spans if s.service == GATEWAY_SERVICE and "pdserve.api" in s.attributes]
+        if request and request[0].parent_id not in ids:
+            out.append("the gateway's transport span (the request span's parent)")
+        if not request and not any("pdserve.request_id" in s.attributes for s in self.spans):
+            out.append("the gateway's request span")
+        return out
+
     def children(self) -> dict[str | None, list[Span]]:
         """Spans by parent id; spans whose parent is not here count as roots (None)."""
         ids = {s.span_id for s in self.spans}
@@ -258,7 +278,20 @@ def render_waterfall(t: Trace, width: int = 40) -> str:
     return "\n".join(lines)
 
 
+def render_incomplete(t: Trace) -> str:
+    """A note when the trace looks incomplete (see ``Trace.missing``), else ""."""
+    missing = t.missing
+    if not missing:
+        return ""
+    return ("this trace looks incomplete: missing " + "; ".join(missing) + ". Spans reach the traces file as "
+            "each process finishes its part of a request: run the command again in a moment.")
+
+
 def render_breakdown(t: Trace) -> str:
+    if t.missing:  # no conclusion from part of the spans
+        ttft = t.ttft_ms
+        return (f"time to first token: {f'{ttft:.1f} ms' if ttft is not None else 'not known yet'} "
+                "(no breakdown: the trace looks incomplete)")
     rows = ttft_breakdown(t)
     if rows is None:
         return "time to first token: none (the request produced no token)"
@@ -404,14 +437,16 @@ def main(args: argparse.Namespace) -> int:
         return 0
     matches = find_request(traces, args.request_id)
     if not matches:
-        print(f"pdserve trace: no spans of request {args.request_id!r} in {source} (spans reach the traces "
-              "file about a second after a request ends)", file=sys.stderr)
+        print(f"pdserve trace: no spans of request {args.request_id!r} in {source} (a request's spans reach "
+              "the traces file as each process finishes its part of it)", file=sys.stderr)
         return 1
     t = matches[0]
     if len(matches) > 1:
         print(f"({len(matches)} traces carry this id; showing the newest)\n")
     print(render_waterfall(t, args.width))
     print()
+    if note := render_incomplete(t):
+        print(note)
     print(render_breakdown(t))
     if args.html:
         _write_html(args.html, [t])

@@ -110,11 +110,13 @@ TRACED_METHODS = frozenset({"/pdserve.v1.Gateway/Generate", "/pdserve.v1.Prefill
                             "/pdserve.v1.Decode/Generate"})
 _SERVICE_BY_GRPC_NAME = {"pdserve.v1.Gateway": GATEWAY, "pdserve.v1.Prefill": PREFILL,
                          "pdserve.v1.Decode": DECODE}
-# Spans reach the traces file within this long (pdserve trace right after a request).
+# Spans reach the traces file within this long; a request's as its part in a process ends
+# (_file_processor).
 _FILE_SCHEDULE_DELAY_MS = 500
 
 _lock = threading.Lock()
 _provider: Any = None  # the TracerProvider this module installed, if any
+_installed_file_processor: Any = None  # its traces-file processor (flush_request_spans)
 
 
 def default_traces_file() -> Path:
@@ -187,14 +189,14 @@ def init_tracing(service_name_default: str, *, otlp_endpoint: str | None = None,
     """Install this process's TracerProvider (first call wins); returns it,
     or None when nothing is configured to export (then nothing is installed
     and a later call may still install one)."""
-    global _provider
+    global _provider, _installed_file_processor
     with _lock:
         if _provider is not None:
             return _provider
         cfg = TracingConfig.from_env(service_name_default, otlp_endpoint, traces_file)
         if not cfg.is_enabled:
             return None
-        _provider = build_provider(cfg)
+        _provider, _installed_file_processor = _build(cfg)
         trace.set_tracer_provider(_provider)
     logger.info("tracing: service %s, OTLP %s, traces file %s", cfg.service_name,
                 f"{cfg.otlp_protocol} {cfg.otlp_endpoint}" if cfg.otlp_endpoint else "off", cfg.traces_file or "off")
@@ -203,24 +205,63 @@ def init_tracing(service_name_default: str, *, otlp_endpoint: str | None = None,
 
 def build_provider(cfg: TracingConfig) -> Any:
     """A TracerProvider with the exporters ``cfg`` names (not installed globally)."""
+    return _build(cfg)[0]
+
+
+def _build(cfg: TracingConfig) -> tuple[Any, Any]:
+    """(provider, its traces-file span processor or None)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
+    file_processor = None
     if cfg.traces_file:
         from rpc.trace_file import JsonlSpanExporter
 
         delay = None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else _FILE_SCHEDULE_DELAY_MS
-        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(cfg.traces_file),
-                                                       schedule_delay_millis=delay))
+        file_processor = _file_processor(JsonlSpanExporter(cfg.traces_file), delay)
+        provider.add_span_processor(file_processor)
     if cfg.otlp_endpoint:
         if cfg.otlp_protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint)))
-    return provider
+    return provider, file_processor
+
+
+def _file_processor(exporter: Any, delay_ms: int | None) -> Any:
+    """The traces file's span processor: batched, and written out at once when a request's
+    part in this process ends, so that `pdserve trace` right after a response finds it:
+
+    * a local root ends (no parent, or a remote one: the transport's SERVER span, which
+      the engine servers' spans nest under and which the gateway's ends after the response);
+    * ``flush_request_spans`` is called (the gateway, as its request span ends, before the
+      response goes out).
+
+    A flush is one append to the file, in the thread that ended the span."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class FileSpanProcessor(BatchSpanProcessor):
+        def on_end(self, span: Any) -> None:
+            super().on_end(span)
+            if span.parent is None or span.parent.is_remote:
+                self.force_flush()
+
+    return FileSpanProcessor(exporter, schedule_delay_millis=delay_ms)
+
+
+def flush_request_spans() -> None:
+    """Write the spans ended so far to the traces file now (a request span just ended). Never
+    raises; nothing to do without a traces file."""
+    processor = _installed_file_processor
+    if processor is None:
+        return
+    try:
+        processor.force_flush()
+    except Exception:  # tracing must never break serving
+        logger.debug("could not flush the traces file", exc_info=True)
 
 
 def is_enabled() -> bool:

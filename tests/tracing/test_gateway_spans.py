@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.cli import main as pdserve_main
 from rpc.trace_file import read_spans
 from tests.gateway.fake_engine import FakeEngine
 from tests.processes import GatewayProcess
@@ -41,9 +42,11 @@ def setup(tmp_path_factory, default_model_dir):
     fake = FakeEngine().start()
     fake.state.script, fake.state.eos = tokenizer.encode("Hello there, my friend."), tokenizer.eos_token_id
     flags = ["--prefill", fake.prefill_address, "--decode", fake.decode_address]
+    # No periodic batch within the tests: spans reach the file only because a request's end
+    # writes them (rpc/tracing.py), which is what a user running pdserve trace relies on.
     traced = GatewayProcess("traced", [*flags, "--traces-file", str(traces)],
                             env={"OTEL_SDK_DISABLED": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "",
-                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""})
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "", "OTEL_BSP_SCHEDULE_DELAY": "600000"})
     plain = GatewayProcess("untraced", [*flags, "--disable-log-requests"],
                            env={"PDSERVE_TRACES_FILE": "", "OTEL_EXPORTER_OTLP_ENDPOINT": "",
                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""})
@@ -58,7 +61,8 @@ def setup(tmp_path_factory, default_model_dir):
 
 
 def _trace(traces: Path, predicate, timeout: float = 10.0) -> list[dict]:
-    """The spans of the one trace holding a span that matches ``predicate``."""
+    """The spans of the one trace holding a span that matches ``predicate``, once its
+    transport span (the SERVER span, which ends last and writes the rest with it) is in."""
     deadline = time.monotonic() + timeout
     while True:
         spans = list(read_spans(traces))
@@ -66,11 +70,10 @@ def _trace(traces: Path, predicate, timeout: float = 10.0) -> list[dict]:
         if hits:
             [tid] = hits
             mine = [s for s in spans if s["trace_id"] == tid]
-            if any(s["name"] == "detokenize" or s["status"] == "ERROR" for s in mine):
-                time.sleep(0.6)  # one more batch: the root ends last
-                return [s for s in read_spans(traces) if s["trace_id"] == tid]
+            if any(s["kind"] == "SERVER" for s in mine):
+                return mine
         assert time.monotonic() < deadline, f"no such trace in {len(spans)} spans"
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def _by_name(spans: list[dict]) -> dict[str, dict]:
@@ -121,6 +124,37 @@ def test_http_request_continues_the_callers_trace(setup):
     # The engine servers got each call's own span as parent.
     assert fake.state.metadata[0]["traceparent"] == f"00-{CALLER_TRACE}-{dcall['span_id']}-01"
     assert by["detokenize"]["start_ns"] >= pcall["end_ns"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pdserve_trace_right_after_the_response_finds_the_whole_request(setup, capsys, stream):
+    """What a user does: take the response's id and run `pdserve trace` at once. The request
+    span and everything under it are in the file before the response leaves; only the
+    transport's span may come a moment later, and then the output says so rather than
+    concluding from part of the spans."""
+    fake, gw, _, traces = setup
+    fake.reset()
+    rid = f"at-once-{stream}"
+    body = {"model": MODEL, "prompt": "Say hi", "max_tokens": 5, "temperature": 0, "stream": stream}
+    with httpx.Client(timeout=20) as client:
+        with client.stream("POST", gw.http_url + "/v1/completions", json=body, headers={"x-request-id": rid}) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+    assert (text.rstrip().endswith("data: [DONE]") if stream else f'"id":"{rid}"' in text.replace(" ", ""))
+    code = pdserve_main(["trace", rid, "--traces-file", str(traces)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.splitlines()[0].endswith(f"request {rid}"), out
+    req = _request_span([s for s in read_spans(traces) if s["attributes"].get("pdserve.request_id") == rid])
+    assert req["attributes"]["gen_ai.usage.output_tokens"] == 5 and "produced no token" not in out
+    for name in ("tokenize", "route", "pdserve.v1.Decode/Generate", "pdserve.v1.Prefill/Prefill", "detokenize"):
+        assert f"  {name}" in out, (name, out.splitlines())
+    ttft = f"time to first token: {req['attributes']['pdserve.ttft_ms']:.1f} ms"
+    if "POST /v1/completions" in out:  # the transport's span made it too: the full breakdown
+        assert f"{ttft}\n" in out and "looks incomplete" not in out
+    else:
+        assert "this trace looks incomplete: missing the gateway's transport span" in out
+        assert f"{ttft} (no breakdown: the trace looks incomplete)" in out
 
 
 def test_grpc_request_continues_the_callers_trace(setup):

@@ -143,3 +143,33 @@ def test_a_writer_reopens_after_another_rotated_and_torn_lines_are_skipped(tmp_p
     provider.shutdown()
     assert [r["name"] for r in read_spans(path)] == ["before", "after"]
     assert json.loads(open(path).readline())["name"] == "after"  # into the new file, not the rotated one
+
+
+def test_a_request_reaches_the_traces_file_as_it_ends_not_with_the_next_batch(tmp_path, monkeypatch):
+    """No periodic batch here (10 minutes): the gateway's request span and its children are
+    written as the request span ends, under a transport span still open (it ends after the
+    response); a local root (that transport span) writes whatever is left as it ends."""
+    from opentelemetry import trace
+
+    from gateway.request_trace import RequestTrace
+
+    path = tmp_path / "t.jsonl"
+    processor = tracing._file_processor(JsonlSpanExporter(path), 600_000)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    monkeypatch.setattr(tracing, "_installed_file_processor", processor)
+    tracer = provider.get_tracer("test")
+    transport = tracer.start_span("POST /v1/completions", kind=trace.SpanKind.SERVER)
+    token = tracing.otel_context.attach(trace.set_span_in_context(transport))
+    try:
+        request = RequestTrace("text_completion", "m", tracer=tracer)
+    finally:
+        tracing.otel_context.detach(token)
+    with request.span("tokenize"):
+        pass
+    assert list(read_spans(path)) == []  # batched until the request ends
+    request.finish()
+    assert [s["name"] for s in read_spans(path)] == ["tokenize", "text_completion m"]
+    transport.end()
+    assert [s["name"] for s in read_spans(path)][-1] == "POST /v1/completions"
+    provider.shutdown()

@@ -90,6 +90,36 @@ def test_ttft_breakdown_from_what_the_prefill_server_reported(capsys, traces_fil
     assert "as the prefill server reported them" in out
 
 
+def _write(path: Path, spans: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in spans))
+    return path
+
+
+def test_an_incomplete_trace_is_said_to_be_and_draws_no_breakdown(capsys, traces_file, tmp_path):
+    """Right after a response some processes' spans may still be on their way: the decode
+    server's span that its engine spans nest under, or the gateway's transport span."""
+    code, out, _ = _run(capsys, "cmpl-a", "--traces-file", str(traces_file))
+    assert code == 0 and "looks incomplete" not in out  # the whole trace: no note
+    spans = [s for s in sample_spans() if s["trace_id"] == "a" * 32]
+    no_server = [s for s in spans if not (s["name"] == "/pdserve.v1.Decode/Generate" and s["kind"] == "SERVER")]
+    code, out, _ = _run(capsys, "cmpl-a", "--traces-file", str(_write(tmp_path / "a.jsonl", no_server)))
+    assert code == 0 and out.splitlines()[0] == f"trace {'a' * 32}  request cmpl-a"
+    assert "this trace looks incomplete: missing 1 span(s) whose parent is missing (decode)" in out
+    assert out.rstrip().endswith("time to first token: 120.0 ms (no breakdown: the trace looks incomplete)")
+    # The gateway's request span without its transport span (real request spans carry pdserve.api).
+    request_only = [dict(s, attributes={**s["attributes"], "pdserve.api": "http"})
+                    for s in spans if s["name"] == "text_completion m"]
+    request_only[0]["attributes"].pop("pdserve.ttft_ms")
+    request_only[0]["events"] = []
+    code, out, _ = _run(capsys, "cmpl-a", "--traces-file", str(_write(tmp_path / "b.jsonl", request_only)))
+    assert "missing the gateway's transport span (the request span's parent)" in out
+    assert "time to first token: not known yet (no breakdown" in out and "produced no token" not in out
+    # Engine spans with no gateway request span at all: the request's id is not known.
+    engine_only = [s for s in spans if s["service"] != "pdserve-gateway"]
+    traces = trace_cli.group_traces(trace_cli.Span.from_record(r) for r in engine_only)
+    assert "the gateway's request span" in trace_cli.render_incomplete(traces["a" * 32])
+
+
 def test_lookup_by_internal_id_and_trace_id(traces_file):
     traces = trace_cli.load_file(str(traces_file))
     assert [t.trace_id for t in trace_cli.find_request(traces, "cmpl-c-x")] == ["c" * 32]
