@@ -209,7 +209,7 @@ async def _late_admission_scenario(engine: LLMEngine) -> None:
         with pytest.raises(KVTransferError, match="after it ended"):
             await loop.run_in_executor(None, lambda: parts.admit("late", dst, 2, part="b"))
         # the other rank's part comes now: the engine no longer has the request, so it is refused
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError, match="request late is not waiting for KV here"):
             await loop.run_in_executor(None, lambda: parts.admit("late", dst, 2, part="a"))
         await loop.run_in_executor(None, lambda: parts.ended("late", "refused", part="a"))
         await _until(lambda: not parts._assemblies, 2 * TIMEOUT + 5)
