@@ -59,20 +59,25 @@ def test_health_reflection_and_metrics(server, tiny_llama_dir):
     names = {s.name for s in resp.list_services_response.service}
     assert {"pdserve.v1.Decode", "grpc.health.v1.Health"} <= names
 
-    before = _load(stub).num_requests_finished
-    for _ in stub.Generate(engine_pb2.DecodeRequest(request_id="m1", prompt_token_ids=list(range(3, 23)),
+    def metrics() -> tuple[dict[str, float], str]:
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=10).text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("pdserve:")}, text
+
+    before, finished = metrics()[0], _load(stub).num_requests_finished
+    # A prompt of its own (no prefix-cache hit from an earlier test), 20 tokens, 5 generated.
+    for _ in stub.Generate(engine_pb2.DecodeRequest(request_id="m1", prompt_token_ids=list(range(300, 320)),
                                                     sampling=SP), timeout=60):
         pass
     info = _load(stub)
     assert info.metrics_url == f"http://127.0.0.1:{mport}/metrics"
-    assert info.num_requests_finished == before + 1
-    text = httpx.get(info.metrics_url, timeout=10).text
-    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-             if line.startswith("pdserve:")}
+    assert info.num_requests_finished == finished + 1
+    lines, text = metrics()
     key = f'{{model_name="{tiny_llama_dir.name}",role="decode"}}'
-    assert lines["pdserve:prompt_tokens_total" + key] >= 20
-    assert lines["pdserve:generation_tokens_total" + key] >= 5
-    assert lines["pdserve:prefix_cache_queries_total" + key] >= 20
+    # Exact increments: one request counted once (a counter bumped twice would show here).
+    for name, n in (("prompt_tokens_total", 20), ("generation_tokens_total", 5),
+                    ("prefix_cache_queries_total", 20), ("prefix_cache_hits_total", 0)):
+        assert lines["pdserve:" + name + key] - before.get("pdserve:" + name + key, 0.0) == n, name
     assert "pdserve:kv_cache_usage_perc" + key in lines and "pdserve:num_preemptions_total" + key in lines
     info = [line for line in text.splitlines() if line.startswith("pdserve:engine_config_info{")]
     assert len(info) == 1 and 'tensor_parallel_size="1"' in info[0] and 'device="cpu"' in info[0]
