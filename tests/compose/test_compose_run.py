@@ -341,6 +341,38 @@ def test_sigkill_of_a_decode_process_restarts_it_and_ends_every_request(stack):
     _wait(served, 120, "the restarted decode server to serve a request", interval=0.1)
 
 
+def test_sigkill_of_the_prefill_process_loses_no_request(stack):
+    """In-flight requests whose prefill server dies are sent again (to a decode
+    server that prefills itself, with no other prefill server): all finish."""
+    victim = stack.compose.containers("prefill")[0]
+    prompts = [f"Summary {i}: " + LONG_PROMPT * 3 for i in range(4)]  # ~350 tokens each: prefill takes a while
+
+    def complete(prompt: str) -> str:
+        try:
+            c = stack.oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            return f"finished:{c.choices[0].finish_reason}"
+        except openai.APIError as e:
+            return f"error:{type(e).__name__}:{e}"
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, p) for p in prompts]
+        _wait(lambda: any(i["num_running"] for i in stack.cluster() if i["role"] == "prefill"), 30,
+              "a prefill in progress", interval=0.05)
+        os.kill(victim["State"]["Pid"], 9)
+        outcomes = [f.result(timeout=600) for f in futures]
+    assert all(o.startswith("finished:") for o in outcomes), outcomes
+
+    def restarted():
+        c = json.loads(images.docker("inspect", victim["Id"]).stdout)[0]
+        return c if c["RestartCount"] > victim["RestartCount"] and _healthy([c]) else None
+    _wait(restarted, 600, "the killed prefill container to restart healthy", interval=2)
+    stack.wait_routing(prefill=1, decode=2)
+    stack.oai.completions.create(model=MODEL, prompt="A prompt for the restarted prefill server", max_tokens=4,
+                                 temperature=0)
+    assert stack.metrics("prefill").get("pdserve:kv_transfer_bytes_total", 0) > 0  # counted since the restart
+    log(f"SIGKILL of {victim['Name'][1:]} during prefill: {len(outcomes)} requests finished; restarted, serves")
+
+
 def test_down_removes_every_container_network_and_volume(stack):
     stack.compose("down", "-v", "--remove-orphans")
     label = f"label=com.docker.compose.project={PROJECT}"
