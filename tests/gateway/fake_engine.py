@@ -35,6 +35,9 @@ class Knobs:
     fail_after_deltas: int | None = None  # Decode.Generate fails (INTERNAL) after this many deltas
     # Set: Decode.Generate sends its first delta, then waits for this event before the rest.
     hold_after_first: threading.Event | None = None
+    # Set: Decode.Generate waits for this event before its last delta (a stream that cannot end
+    # on its own: only a cancel ends it).
+    hold_before_last: threading.Event | None = None
 
 
 @dataclass
@@ -102,6 +105,9 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
                     while not s.knobs.hold_after_first.is_set():
                         await asyncio.sleep(0.01)
                 last = i == len(chunks) - 1
+                if last and s.knobs.hold_before_last is not None:
+                    while not s.knobs.hold_before_last.is_set():
+                        await asyncio.sleep(0.01)
                 finished = last
                 yield engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(
                     token_ids=ids, finish_reason=reason if last else "",

@@ -4,6 +4,7 @@ with the official ``openai`` client."""
 from __future__ import annotations
 
 import json
+import threading
 
 import grpc
 import httpx
@@ -86,7 +87,8 @@ def test_streaming_sse(cluster, client):
 
 
 def test_stop_string_cancels_the_decode_call(cluster, client):
-    cluster.fake.state.knobs.token_delay = 0.05
+    # The fake's stream cannot end by itself: only the gateway's cancel, on the stop string, ends it.
+    cluster.fake.state.knobs.hold_before_last = threading.Event()
     body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "stop": ["answer"]}).json()
     assert body["choices"][0]["text"] == "Hello! I am a fake model. The "
     assert body["choices"][0]["finish_reason"] == "stop"
