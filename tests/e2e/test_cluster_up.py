@@ -190,7 +190,8 @@ def test_output_is_prefixed_and_the_banner_comes_once_after_every_server(cluster
         assert any(line.startswith(f"{name:<9} | ") for line in log), name
 
 
-def _stream(address: str, question: str, first: threading.Event, outcomes: queue.Queue) -> None:
+def _stream(address: str, question: str, first: threading.Event, outcomes: queue.Queue,
+            progress: list[int], k: int) -> None:
     tokens, finish = [], ""
     try:
         with grpc.insecure_channel(address) as ch:
@@ -199,6 +200,7 @@ def _stream(address: str, question: str, first: threading.Event, outcomes: queue
                 sampling=common_pb2.SamplingParams(temperature=0, max_tokens=IN_FLIGHT_TOKENS, ignore_eos=True))
             for delta in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120):
                 tokens += delta.token_ids
+                progress[k] = len(tokens)
                 finish = delta.finish_reason or finish
                 first.set()
         outcomes.put((len(tokens), finish, None))
@@ -218,13 +220,18 @@ def test_ctrl_c_with_streams_in_flight_finishes_them_and_stops_every_process(clu
     address = f"127.0.0.1:{ports['grpc']}"
     outcomes: queue.Queue = queue.Queue()
     started = [threading.Event() for _ in range(8)]
-    threads = [threading.Thread(target=_stream, args=(address, q, ev, outcomes))
-               for q, ev in zip(QUESTIONS, started)]
+    progress = [0] * 8  # tokens each stream has received so far
+    threads = [threading.Thread(target=_stream, args=(address, q, ev, outcomes, progress, k))
+               for k, (q, ev) in enumerate(zip(QUESTIONS, started))]
     for t in threads:
         t.start()
     for ev in started:  # every stream is decoding
         assert ev.wait(120)
+    at_signal = list(progress)
     up.proc.send_signal(signal.SIGINT)
+    # Each stream still had tokens to come when Ctrl-C did: the drain below had work to do
+    # (a stream already done would make the check below pass without testing it).
+    assert all(0 < n < IN_FLIGHT_TOKENS for n in at_signal), at_signal
     for t in threads:
         t.join(120)
     results = [outcomes.get_nowait() for _ in threads]
