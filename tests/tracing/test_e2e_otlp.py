@@ -70,14 +70,17 @@ def request_trace(cluster):
     assert r.status_code == 200, r.text
 
     def complete(spans) -> bool:
+        """Every process's part is in: the request span, and every span's parent (the spans
+        that end last are the roots: the gateway's HTTP span, each engine server's own)."""
         mine = [s for s in spans if s.trace_id == CALLER_TRACE]
-        return {s.service for s in mine} == SERVICES and any(
-            "pdserve.request_id" in s.attributes for s in mine)
+        ids = {s.span_id for s in mine}
+        return ({s.service for s in mine} == SERVICES and any("pdserve.request_id" in s.attributes for s in mine)
+                and any(s.name == "POST /v1/completions" for s in mine)
+                and all(s.parent_id in ids or s.parent_id == CALLER_SPAN for s in mine))
 
     spans = receiver.wait_for(complete, timeout=30)
     assert complete(spans), (sorted({(s.service, s.name) for s in spans if s.trace_id == CALLER_TRACE}),
                              receiver.num_requests, [p.logs() for p in cluster[3]])
-    time.sleep(0.5)  # let the last batches (the roots end last) arrive
     return r.json(), receiver.trace(CALLER_TRACE)
 
 
