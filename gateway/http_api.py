@@ -133,7 +133,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
 
     @app.get("/cluster", dependencies=[auth])
     async def cluster() -> dict[str, Any]:
-        return service.registry.to_json()
+        return service.cluster_json()
 
     return app
 

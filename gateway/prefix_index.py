@@ -109,6 +109,12 @@ class MemoryPrefixIndex:
             self._blocks.pop(inst.address, None)  # not followed: credit it with nothing
             await asyncio.sleep(self._retry_s)
 
+    def num_blocks(self, address: str) -> int | None:
+        """Full blocks ``address`` is credited with now; None while it is not followed
+        (not yet, or its stream broke)."""
+        held = self._blocks.get(address)
+        return len(held) if held is not None else None
+
     def apply(self, address: str, batch: engine_pb2.CacheEventBatch) -> None:
         if batch.snapshot:
             self._blocks[address] = set(batch.hashes)

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from gateway.active_requests import ActiveRequests
@@ -152,6 +153,16 @@ class GatewayService:
                         flow.prefill_address or ("local" if flow.decode_address else "-"),
                         route.reason if route is not None else "-", matched, outcome,
                         f" trace={req.trace.trace_id}" if req.trace.trace_id else "")
+
+    def cluster_json(self) -> dict[str, Any]:
+        """The /cluster body: every instance's load and health, and with the in-memory prefix
+        index the blocks it credits each with (``prefix_blocks``; null while not followed)."""
+        out = self.registry.to_json()
+        num_blocks = getattr(self.router.index, "num_blocks", None)  # Redis keeps no per-instance count
+        if num_blocks is not None:
+            for inst in out["instances"]:
+                inst["prefix_blocks"] = num_blocks(inst["address"])
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by id (its stream ends with finish_reason "abort")."""

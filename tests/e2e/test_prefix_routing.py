@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import grpc
+import httpx
 import pytest
 
 from engine.block_hash import hash_request_blocks
@@ -84,9 +85,25 @@ def _warm_holder(stub, prefills, reference) -> "Engine":
     return served[0]
 
 
+def _known_to_gateway(gw, holders, redis_url: str | None, ns: str, timeout: float = 10.0) -> None:
+    """Until the gateway's index credits every holder with the prefix's 10 blocks: polled in
+    Redis, or for the in-memory index through /cluster's ``prefix_blocks``."""
+    if redis_url is not None:
+        _indexed(redis_url, ns, {h.address: 10 for h in holders}, timeout)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        blocks = {i["address"]: i.get("prefix_blocks")
+                  for i in httpx.get(gw.http_url + "/cluster", timeout=10).json()["instances"]}
+        if all((blocks.get(h.address) or 0) >= 10 for h in holders):
+            return
+        assert time.monotonic() < deadline, blocks
+        time.sleep(0.05)
+
+
 def _sticks_to(holders, stub, prefills, reference, first: int, n: int) -> None:
-    """The next ``n`` prompts sharing the prefix all go to ``holders``, cached."""
-    time.sleep(0.5)  # the holder's cache events reach the index (published every step, batched)
+    """The next ``n`` prompts sharing the prefix all go to ``holders``, cached (the index
+    knows them: ``_known_to_gateway`` first)."""
     before = [_finished(p) for p in prefills]
     for i in range(first, first + n):
         tokens, cached = _generate(stub, _prompt(i))
@@ -116,11 +133,11 @@ def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backen
     try:
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
         holder = _warm_holder(stub, prefills, reference)
+        ns = holder.load().cache_namespace
+        _known_to_gateway(gw, {holder}, redis.url if redis else None, ns)
         _sticks_to({holder}, stub, prefills, reference, 1, 4)
         if redis is None:
             return
-        ns = holder.load().cache_namespace
-        _indexed(redis.url, ns, {holder.address: 10})
         # Redis goes away: requests keep succeeding (routed by load alone)...
         redis.stop()
         before = [_finished(p) for p in prefills]
@@ -130,7 +147,7 @@ def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backen
         holders = {holder} | {p for p, b in zip(prefills, before) if _finished(p) > b}
         # ... and comes back empty: the servers publish again, with no restart, and prefix routing resumes.
         redis.start()
-        _indexed(redis.url, ns, {p.address: 10 for p in holders})
+        _known_to_gateway(gw, holders, redis.url, ns)
         _sticks_to(holders, stub, prefills, reference, 20, 3)
         # A restarted server is credited with nothing it held before.
         assert holder.stop() == 0
