@@ -179,6 +179,12 @@ def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{arch}: shared experts are not supported")
 
 
+def _common_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window every layer shares, or None when some layer attends to the whole context
+    (then no block ever leaves every layer's reach)."""
+    return windows[0] if len(set(windows)) == 1 else None
+
+
 def _rope_by_layer_type(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """RoPE parameters per layer type, from either transformers 5's ``rope_parameters``
     (flat, or nested by layer type as Gemma 3 writes it) or the older ``rope_theta`` +
@@ -242,6 +248,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes; overrides the GPU budget when set
     num_gpu_blocks_override: int | None = None
+    # Every layer of the model attends within this many keys: blocks that left the window
+    # are released (engine/kv_cache_manager.py). None: a full-attention layer keeps them all.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -408,7 +417,8 @@ class EngineArgs:
             kv_mem = parse_size("1GiB")
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
-                            num_gpu_blocks_override=self.num_gpu_blocks_override)
+                            num_gpu_blocks_override=self.num_gpu_blocks_override,
+                            sliding_window=_common_window(model.layer_windows))
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

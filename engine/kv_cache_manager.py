@@ -25,14 +25,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Every layer attends within this many keys: leading blocks that have left the
+        # window are released as a request advances (free_dead_blocks). None: keep all.
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept alongside
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks so far
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the pool
+        self.num_dead_blocks: dict[str, int] = {}  # leading blocks released as out of the window
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +116,39 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
+    def free_dead_blocks(self, request: Request) -> int:
+        """Release the request's leading blocks that no query of it reads again: with every
+        layer windowed, the next query (position ``num_computed_tokens``) and every later
+        one see only keys at or past ``num_computed_tokens - sliding_window + 1``::
+
+            | dead: released        | window of the next query | next
+            0                 dead * block_size          num_computed_tokens
+
+        A released block keeps its id in the request's table (the kernels never read it)
+        and, once registered, its hash: it stays a prefix-cache hit until evicted. Blocks
+        not yet registered are kept. Requests whose KV will be sent (``hold_kv_on_finish``)
+        keep every block: the send reads them all. Returns how many were released."""
+        if self.sliding_window is None or request.hold_kv_on_finish:
+            return 0
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0
+        dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        dead = min(dead, len(blocks) - 1)
+        if self.enable_caching:
+            dead = min(dead, self.num_cached_blocks.get(rid, 0))
+        start = self.num_dead_blocks.get(rid, 0)
+        if dead <= start:
+            return 0
+        self.pool.free_blocks(reversed(blocks[start:dead]))
+        self.num_dead_blocks[rid] = dead
+        return dead - start
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference to (its table less the released ones)."""
+        return len(self.req_blocks.get(request_id, ())) - self.num_dead_blocks.get(request_id, 0)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self.req_block_ids.get(request_id, ()))  # a copy: the kept list grows
 
@@ -120,7 +158,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        dead = self.num_dead_blocks.pop(request.request_id, 0)  # released already
+        self.pool.free_blocks(reversed(blocks[dead:]))
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""

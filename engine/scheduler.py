@@ -84,7 +84,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
         self.config = sched
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.sliding_window)
         self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED
         self.running: list[Request] = []  # RUNNING
         self.block_waiting: deque[Request] = deque()  # WAITING_FOR_BLOCKS, first come first served
@@ -370,6 +370,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv.free_dead_blocks(req)
             tok = sampled[i]
             if tok is None:
                 continue

@@ -60,17 +60,21 @@ def test_family_matches_transformers(models, references, name):
 @pytest.mark.parametrize("name", ["gemma3", "qwen3-moe", "phi3-window"])
 def test_prefix_hits_and_preemption(models, name):
     """A shared prefix longer than the window comes from the cache; too few blocks for
-    the batch forces recompute; tokens stay transformers'."""
+    the batch forces recompute (or, windowed on every layer, waiting); tokens stay
+    transformers'."""
     d = models[name]
     base = random_prompts([30], seed=7)[0]
     prompts = [base + t for t in random_prompts([3, 9, 1, 14], seed=8)]
     m = hf_model(d)
     want = hf_greedy(m, prompts, MAX_TOKENS)
-    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=24, block_size=4)
+    # Too few blocks for the batch; a model windowed on every layer holds far fewer per request.
+    blocks = 13 if name == "phi3-window" else 24
+    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4)
     assert_greedy_match(m, prompts[:1], want[:1], _generate(llm, prompts[:1]))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
-    assert llm.engine.scheduler.num_preemptions_total > 0
+    if name != "phi3-window":  # windowed everywhere: decoding rows release as they take, none is preempted
+        assert llm.engine.scheduler.num_preemptions_total > 0
     assert max(o.num_cached_tokens for o in outs) >= 28  # the shared prefix's full blocks
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
@@ -176,3 +180,36 @@ def test_window_layers_follow_the_config(models):
     assert cfg.layer_windows == (WINDOW,) * 3
     cfg = ModelConfig.from_dir(models["qwen3"], dtype="float32", load_format="auto", served_model_name="m")
     assert cfg.layer_windows == (None,) * 3
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_all_window_models_release_blocks_behind_the_window(models, caching):
+    """Every layer windowed (Mistral style): a request holds about window / block_size + 2
+    blocks however long it runs, its tokens stay transformers', and nothing leaks. A model
+    with a full-attention layer (Gemma 3) keeps every block."""
+    d = models["mistral-window"]
+    prompt = random_prompts([30], seed=21)[0]
+    m = hf_model(d)
+    want = hf_greedy(m, [prompt], 40)
+    # Few blocks: a block released too early is soon handed out again and overwritten.
+    llm = LLM(str(d), num_gpu_blocks_override=10, block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=caching)
+    e, kv = llm.engine, llm.engine.scheduler.kv
+    assert kv.sliding_window == WINDOW
+    req = e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    most = 0
+    while e.has_unfinished_requests():
+        e.step()
+        most = max(most, kv.num_held_blocks("r"))
+        if not req.is_finished:  # what the pool holds is what the live request holds
+            assert kv.pool.num_used_blocks == kv.num_held_blocks("r")
+            # the next query (position n) sees keys n - WINDOW + 1 .. n: every block from
+            # there on is held, every one before it released
+            blocks, live_from = kv.req_blocks["r"], max(0, req.num_computed_tokens - WINDOW + 1) // 4
+            assert all(b.ref_cnt > 0 for b in blocks[live_from:])
+            assert kv.num_dead_blocks.get("r", 0) == min(live_from, len(blocks) - 1)
+    assert_greedy_match(m, [prompt], want, [req.output_token_ids])
+    assert most <= WINDOW // 4 + 2 + 4  # + one 16-token prefill chunk in flight
+    assert kv.pool.num_used_blocks == 0 and kv.pool.num_free_blocks == kv.pool.num_blocks
+    gemma = LLM(str(models["gemma3"]), kv_cache_memory="8MiB", block_size=4)
+    assert gemma.engine.scheduler.kv.sliding_window is None
