@@ -37,8 +37,11 @@ COPY requirements.txt /tmp/pdserve/
 COPY deploy/docker/wheels/ /tmp/pdserve/wheels/
 # torch first and alone, so that TORCH_INDEX is consulted for torch only: its
 # build (+cpu, +cu128) sorts above PyPI's plain version of the same release.
+# From the CPU index, only a +cpu build will do: should the index be out of
+# reach, the build stops here rather than take PyPI's CUDA build.
 RUN python3 -m venv /opt/pdserve \
  && torch="$(grep -E '^torch==' /tmp/pdserve/requirements.txt)" \
+ && case "$TORCH_INDEX" in */cpu|*/cpu/) torch="$torch+cpu" ;; esac \
  && pip install --no-cache-dir --find-links /tmp/pdserve/wheels ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$torch" \
  && pip install --no-cache-dir --find-links /tmp/pdserve/wheels -r /tmp/pdserve/requirements.txt
 
