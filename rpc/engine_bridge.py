@@ -131,7 +131,8 @@ class EngineBridge:
         self._sent[req.request_id] = req.num_output_tokens
         if req.is_finished:
             self._sent.pop(req.request_id, None)
-            self.num_finished += 1
+            if req.status != RequestStatus.FINISHED_ABORTED:  # LoadInfo: completed, not aborted
+                self.num_finished += 1
         lps = req.logprobs[start:] if req.sampling_params.logprobs is not None else []
         if self.metrics is not None:
             if start == 0 and req.num_output_tokens:

@@ -77,13 +77,16 @@ def _generated(engine: EngineServer) -> float:
 def test_cancel_while_prefilling(cluster):
     gw, prefill, decode, stub = cluster
     before = _generated(prefill), _generated(decode)
+    completed = prefill.load().num_requests_finished, decode.load().num_requests_finished
     call = _start(stub, 400, 4, seed=1)  # 400 prefill steps
     _until(lambda: prefill.load().num_running == 1, "the prefill never started")
     assert decode.load().kv_blocks_used > 0  # reserved for the KV to come
     call.cancel()
     _until(lambda: _engines_free(prefill, decode), "blocks still held")
-    # The prompt never completed (no first token) and nothing was decoded.
+    # The prompt never completed (no first token) and nothing was decoded; the servers count
+    # no completed request (LoadInfo.num_requests_finished leaves aborted ones out).
     assert (_generated(prefill), _generated(decode)) == before
+    assert (prefill.load().num_requests_finished, decode.load().num_requests_finished) == completed
     _until(lambda: _all_free(gw), "/cluster still shows blocks held")
 
 
