@@ -10,6 +10,7 @@ from kernels import reference
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
 from kernels.kv_cache import store_kv_cache
+from kernels.moe_routing import moe_route
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import rotary_embedding
@@ -17,6 +18,7 @@ from kernels.rope import rotary_embedding
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "moe_route",
     "paged_attention",
     "reference",
     "rms_norm",

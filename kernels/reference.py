@@ -319,3 +319,22 @@ def fused_moe(
         y = F.linear(act(gate) * up, w2[expert]) * weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y)
     return out
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool, weight_dtype: torch.dtype,
+              expert_counts: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' MoE routing: softmax in float32, top-k, renormalised when asked, the
+    weights rounded to ``weight_dtype``; returns (weights [T, K] float32, ids [T, K] int64).
+    ``expert_counts`` [E] int64 gains each routed (token, slot) of the tokens below
+    ``num_tokens[0]`` (all when None)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_counts is not None:
+        rows = torch.ones(ids.shape[0], dtype=torch.int64, device=ids.device)
+        if num_tokens is not None:
+            rows = (torch.arange(ids.shape[0], device=ids.device) < num_tokens.reshape(())).long()
+        expert_counts.index_add_(0, ids.flatten(), rows.repeat_interleave(top_k))
+    return weights.to(weight_dtype).float(), ids

@@ -3,7 +3,8 @@ kernel (``ops.fused_moe``: Triton on CUDA, its PyTorch reference on CPU).
 
     router   logits = x W_r^T [T, E]; softmax in float32; top-k; renormalised to sum 1
              where the config says so (Mixtral always, Qwen3-MoE by norm_topk_prob);
-             the weights rounded to the model dtype, as transformers does
+             the weights rounded to the model dtype, as transformers does (``ops.moe_route``,
+             one Triton launch on CUDA)
     experts  gate_up_proj [E, 2 * I, H] (gate rows, then up rows), down_proj [E, H, I]:
              out[t] = sum_k w[t, k] * down_e(act(gate_e x) * up_e x), e = ids[t, k]
 
@@ -15,9 +16,9 @@ Checkpoints name experts one by one (``experts.{e}.gate_proj`` or Mixtral's
 the loader's shard ids say which: ("gate", e), ("up", e), ("down", e), or None for
 a stacked tensor.
 
-Per-expert load: each layer adds the tokens routed to each expert into its row of a
-counter the model owns (on the device, no host sync; CUDA-graph padding rows are not
-counted), read when metrics are scraped.
+Per-expert load: the routing op adds the tokens routed to each expert into the layer's
+row of a counter the model owns (on the device, no host sync; CUDA-graph padding rows
+are not counted), read when metrics are scraped.
 """
 from __future__ import annotations
 
@@ -51,34 +52,16 @@ class FusedMoE(nn.Module):
         self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
         self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, K] float32, expert ids [T, K] int64)."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype).float(), ids
-
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        weights, ids = self.route(x)
-        if self.expert_load is not None:
-            self.expert_load.index_add_(0, ids.flatten(), self._routed(ids, meta))
+        # Routing, and the expert-load count of the step's tokens (rows past
+        # query_start_loc[-1] pad a CUDA graph), in one launch on CUDA.
+        num_tokens = None if meta is None else meta.query_start_loc[-1:]
+        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, renormalize=self.renormalize,
+                                          weight_dtype=x.dtype, expert_counts=self.expert_load,
+                                          num_tokens=num_tokens)
         out = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                                  activation=self.activation, config=self.kernel_config)
         return out if self.tp is None else self.tp.all_reduce(out)
-
-
-    def _routed(self, ids: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
-        """[T * K] int64: 1 for the (token, slot) pairs of the step's tokens, 0 for rows that
-        pad a CUDA graph. The same for every MoE layer of a step: worked out in the first."""
-        key = ("moe routed", ids.shape)
-        if meta is not None and key in meta.step_cache:
-            return meta.step_cache[key]
-        pairs = torch.arange(ids.numel(), device=ids.device)
-        routed = torch.ones_like(pairs) if meta is None else (pairs < meta.query_start_loc[-1] * self.top_k).long()
-        if meta is not None:
-            meta.step_cache[key] = routed
-        return routed
 
 
 def _attach_expert_loaders(gate_up: nn.Parameter, down: nn.Parameter, num_experts: int, hidden: int,

@@ -31,7 +31,7 @@ from engine import LLM, SamplingParams
 model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 calls = {}
 for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-             "silu_and_mul"):
+             "silu_and_mul", "moe_route", "fused_moe"):
     def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
         calls[_name] = calls.get(_name, 0) + 1
         return _fn(*args, **kwargs)
@@ -74,6 +74,26 @@ def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
                                     "rotary_embedding", "silu_and_mul"}
     assert result["calls"]["paged_attention"] % num_layers == 0 and result["calls"]["paged_attention"] > num_layers
     assert result["tokens"] == _hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family, kernels_run", [
+    ("qwen3-moe", {"moe_route", "fused_moe", "paged_attention", "rms_norm"}),  # routing, experts, q/k norms
+    ("gemma3", {"paged_attention", "store_kv_cache", "rotary_embedding"}),  # windowed and full layers
+])
+def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, kernels_run):
+    from tests.engine.families import hf_greedy, hf_model, make_family_model, random_prompts
+
+    model_dir = make_family_model(tmp_path / family, family, seed=3, hidden_size=32, intermediate_size=48,
+                                  head_dim=8, num_hidden_layers=3, moe_intermediate_size=16)
+    prompts = random_prompts([1, 6, 19], seed=4)  # 19 > the window of 8
+    env = dict(os.environ, TRITON_INTERPRET="1", PDSERVE_KERNELS="triton", CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    child = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts), str(MAX_TOKENS)],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["ops"] == "kernels" and kernels_run <= set(result["calls"])
+    assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 
 def test_kernel_choice_is_validated(monkeypatch):
