@@ -15,6 +15,7 @@ for section in "$@"; do
   case $section in
     tests) run 220 $py -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fused_moe.py \
              tests/kernels/test_paged_attention.py tests/engine/test_model_families_gpu.py > "$out/tests.log" 2>&1
+           $py -m pytest -q -p no:cacheprovider tests/kernels/test_moe_routing.py >> "$out/tests.log" 2>&1
            grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" ;;
     kernels) run 150 $py -m pdserve.cli bench kernels --output-json "$out/kernels.json" ;;
     moe-step) run 200 $py -m pdserve.cli bench decode-step --model-shape qwen3-30b-a3b \
