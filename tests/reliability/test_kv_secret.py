@@ -120,7 +120,7 @@ def test_a_stranger_naming_a_peer_cannot_replace_its_pair(monkeypatch, tiny_llam
         loop = asyncio.get_running_loop()
         bridge = EngineBridge(engine, "decode", "test")
         bridge.start()
-        receivers = KVReceivers(bridge, "127.0.0.1", 5.0)
+        receivers = KVReceivers(bridge, "127.0.0.1", 30.0)  # a setup bound only: a loaded machine may be slow to connect
         try:
             resp = await loop.run_in_executor(None, receivers.open, request)
             sender = await loop.run_in_executor(None, lambda: KVSender.connect("127.0.0.1", resp.port, layout,
