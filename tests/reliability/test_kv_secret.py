@@ -86,7 +86,7 @@ def test_a_recorded_proof_replayed_in_another_pair_is_refused(monkeypatch):
     finally:
         sender.close()
         receiver.close()
-    replayed, port = KVReceiver.listen("127.0.0.1", LAYOUT, timeout=5.0)
+    replayed, port = KVReceiver.listen("127.0.0.1", LAYOUT, timeout=30.0)
     try:
         stranger = _store_of(port)
         for key, value in recorded.items():
