@@ -240,7 +240,7 @@ def test_untraced_gateway_forwards_trace_headers_and_logs_nothing(setup):
     assert r.status_code == 200
     assert fake.state.metadata[0]["traceparent"] == TRACEPARENT
     assert fake.state.metadata[0]["tracestate"] == "vendor=1"
-    time.sleep(0.7)
+    # A request's log line and spans are written before its response leaves: none here.
     assert "untraced-test" not in plain.logs()
     assert not any("untraced-test" in str(s["attributes"]) for s in list(read_spans(traces))[before:])
 
