@@ -39,7 +39,7 @@ def quick_moe_tuning(tmp_path, monkeypatch):
 
 # bf16: 8 bits of mantissa, so a step's rounding is about 0.4% of a value, and it adds up
 # over the layers; transformers sums experts in bf16 where the fused kernel sums in float32.
-@pytest.mark.parametrize("dtype, tie, relative", [("float32", 1e-4, 0.0), ("bfloat16", 0.02, 0.02)])
+@pytest.mark.parametrize("dtype, tie, relative", [("float32", 1e-4, 0.0), ("bfloat16", 0.02, 0.01)])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_on_gpu(tmp_path, name, dtype, tie, relative):
     """float32 (exact products in the kernels) within float32 rounding; bfloat16 within
@@ -56,6 +56,12 @@ def test_family_on_gpu(tmp_path, name, dtype, tie, relative):
     got = [o.outputs[0].token_ids
            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
+    if dtype == "bfloat16":
+        # Past the step where transformers' own bf16 tokens leave its float32 ones, bf16
+        # rounding decides (a 65-token Mixtral prompt here: step 3); compare up to there.
+        stable = hf_greedy(hf_model(d, torch.float32, "cuda"), prompts, MAX_TOKENS)
+        cut = [next((i for i, (a, b) in enumerate(zip(w, s)) if a != b), len(w)) for w, s in zip(want, stable)]
+        want, got = [w[:c] for w, c in zip(want, cut)], [g[:c] for g, c in zip(got, cut)]
     assert_greedy_match(m, prompts, want, got, tie=tie, relative=relative)
     if llm.engine.runner.model.moe_layers():
         assert llm.engine.expert_load().sum() > 0
