@@ -16,7 +16,8 @@ import yaml
 
 from tests.compose.images import ROOT
 
-pytestmark = pytest.mark.skipif(shutil.which("docker-compose") is None and os.environ.get("PDSERVE_COMPOSE_TEST") != "1",
+pytestmark = pytest.mark.skipif(shutil.which("docker-compose") is None
+                                and os.environ.get("PDSERVE_COMPOSE_TEST") != "1",
                                 reason="docker-compose is not installed (make compose-test installs it)")
 ENGINES = ("prefill", "decode")
 
@@ -82,6 +83,6 @@ def test_the_compose_tests_override_is_valid():
     services = config("docker-compose.yml", "tests/compose/docker-compose.test.yml", REDIS_IMAGE="stand-in/redis")
     assert services["redis"]["image"] == "stand-in/redis"
     assert services["jaeger"]["image"] == "pdserve:latest"
-    for name in ENGINES:
+    for name, metrics_port in (("prefill", 51061), ("decode", 51071)):
         # metrics on free loopback ports, so that replicas do not clash
-        assert [str(p).split("/")[0] for p in services[name]["ports"]] == [f"127.0.0.1::{51061 if name == 'prefill' else 51071}"]
+        assert [str(p).split("/")[0] for p in services[name]["ports"]] == [f"127.0.0.1::{metrics_port}"]
