@@ -93,6 +93,9 @@ class RequestFlow:
         self._sampling = sampling_to_proto(req.sampling)
         self._engine_id = req.internal_id  # this attempt's id on the engine servers
         self.is_aborted = False
+        # The request has its end (a finish reason went out; a stop string may end it before
+        # the decode call does): a call cut short after this is no failure.
+        self.is_finished = False
         self.decode_address: str | None = None
         self.prefill_address: str | None = None
         # What the prefill server reported: queue/compute seconds, KV transfer.
@@ -169,8 +172,8 @@ class RequestFlow:
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
         span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
-        done = False  # the last chunk yielded ended the request
-        with in_flight(decode), _ending(span, lambda: done):
+        done = False  # the last chunk yielded ended the call
+        with in_flight(decode), _ending(span, lambda: done or self.is_finished):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None),
@@ -355,7 +358,7 @@ def _client_span(trace: RequestTrace, method: str, instance: Instance) -> Span:
 def _ending(span: Span, finished: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """End ``span`` when the block exits; failures mark it as an error, and so does a stream
     closed by its consumer before ``finished()`` (the call was cut short: the client went
-    away, or a stop string ended the request first)."""
+    away)."""
     try:
         yield
     except _Refused as e:

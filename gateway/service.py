@@ -111,6 +111,7 @@ class GatewayService:
                 async for delta in deltas:
                     if delta.finish_reason:
                         outcome, error = delta.finish_reason, None
+                        flow.is_finished = True
                     yield delta
         except GatewayError as e:
             outcome, error = f"error {e.kind.http_status}: {e.message}", e

@@ -13,6 +13,7 @@ gateway process (``--traces-file``) in front of fake engine servers:
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -155,6 +156,22 @@ def test_pdserve_trace_right_after_the_response_finds_the_whole_request(setup, c
     else:
         assert "this trace looks incomplete: missing the gateway's transport span" in out
         assert f"{ttft} (no breakdown: the trace looks incomplete)" in out
+
+
+def test_a_stop_string_ends_the_decode_call_without_an_error(setup):
+    """The gateway cuts the decode call short on a stop string: a normal end, not a failure.
+    (A client that goes away makes it one: see the cancellation test below.)"""
+    fake, gw, _, traces = setup
+    fake.reset()
+    fake.state.knobs.hold_before_last = threading.Event()  # only the gateway's cancel ends the stream
+    r = httpx.post(gw.http_url + "/v1/completions", headers={"x-request-id": "stop-span-test"}, timeout=20,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 20, "stop": [" my"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    fake.wait_idle()
+    assert len(fake.state.cancelled) == 1
+    spans = _trace(traces, lambda s: s["attributes"].get("pdserve.request_id") == "stop-span-test")
+    [dcall] = [s for s in spans if s["name"] == "pdserve.v1.Decode/Generate"]
+    assert dcall["status"] == "UNSET" and _request_span(spans)["status"] == "UNSET"
 
 
 def test_grpc_request_continues_the_callers_trace(setup):
