@@ -293,6 +293,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
     async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
+    enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
 
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
@@ -301,7 +302,8 @@ class EngineConfig:
                 f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
-                f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size}")
+                f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
+                f"enable_expert_parallel={self.enable_expert_parallel}")
 
 
 @dataclass
@@ -327,6 +329,7 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -373,6 +376,10 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over this many ranks: this process and N - 1 worker processes "
                             "(on CUDA one GPU each, from --device's index up; gloo on CPU)")
+        g.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=False,
+                       help="mixture-of-experts models: place num_experts / --tensor-parallel-size whole experts "
+                            "on each rank (each reads only its own experts' weights) instead of slicing every "
+                            "expert over all ranks; attention stays tensor-parallel")
         return parser
 
     @classmethod
@@ -426,8 +433,17 @@ class EngineArgs:
         from engine.parallel import check_tp_size
 
         check_tp_size(self.tensor_parallel_size, model.num_heads, model.num_kv_heads)
-        for what, n in (("intermediate size", model.intermediate_size),
-                        ("expert intermediate size", model.moe_intermediate_size)):
+        if self.enable_expert_parallel:
+            if not model.is_moe:
+                raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {model.architecture} "
+                                 "is dense")
+            if model.num_experts % self.tensor_parallel_size:
+                raise ValueError(f"--enable-expert-parallel: the model's {model.num_experts} experts do not divide "
+                                 f"evenly over --tensor-parallel-size {self.tensor_parallel_size} ranks")
+        split = [("intermediate size", model.intermediate_size)]
+        if not self.enable_expert_parallel:  # expert parallelism keeps each expert whole
+            split.append(("expert intermediate size", model.moe_intermediate_size))
+        for what, n in split:
             if n % self.tensor_parallel_size:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not divide the "
                                  f"model's {what} ({n})")
@@ -440,4 +456,5 @@ class EngineArgs:
                                  f"{first + self.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible")
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
                             enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
-                            async_scheduling=self.async_scheduling)
+                            async_scheduling=self.async_scheduling,
+                            enable_expert_parallel=self.enable_expert_parallel)

@@ -37,11 +37,11 @@ def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | No
                 yield name, fh.get_slice(name)[index]
 
 
-def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGroup | None = None
-               ) -> CausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGroup | None = None,
+               expert_parallel: bool = False) -> CausalLM:
     torch.manual_seed(cfg.seed + (tp.rank if tp is not None else 0))
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, ops, tp)
+        model = model_class(cfg.architecture)(cfg, ops, tp, expert_parallel=expert_parallel)
     model = model.to(dtype=cfg.torch_dtype)  # RoPE tables are no parameters: they stay float32
     if cfg.load_format == "dummy":
         model.load_weights(model.dummy_weights(cfg.seed, cfg.torch_dtype, device))

@@ -179,7 +179,7 @@ class ModelRunner:
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
         self.tp = tp
-        self.model = load_model(mc, self.device, self.ops, tp)
+        self.model = load_model(mc, self.device, self.ops, tp, expert_parallel=config.enable_expert_parallel)
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
         self._configure_moe()
         graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
@@ -248,8 +248,8 @@ class ModelRunner:
         from engine.moe_configs import moe_kernel_config
 
         m = moe[0]
-        w13 = m.experts.gate_up_proj  # [E, 2 * I_local, H]
-        config = moe_kernel_config(m.num_experts, w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device)
+        w13 = m.experts.gate_up_proj  # [E_local, 2 * I_local, H]
+        config = moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device)
         for layer in moe:
             layer.kernel_config = config
         torch.cuda.empty_cache()

@@ -53,6 +53,14 @@ class _SchedulerCollector(Collector):
                 for expert, tokens in enumerate(row):
                     c.add_metric(values + [str(layer), str(expert)], tokens)
             yield c
+            ranks = self.engine.config.tensor_parallel_size
+            if self.engine.config.enable_expert_parallel and ranks > 1:  # rank r holds experts [r E/N, (r+1) E/N)
+                c = CounterMetricFamily("pdserve:moe_rank_tokens", "Expert parallelism: (token, expert) pairs "
+                                        "routed to each rank's experts, all MoE layers.", labels=names + ["rank"])
+                per_rank = load.sum(dim=0).view(ranks, -1).sum(dim=1).tolist()
+                for rank, tokens in enumerate(per_rank):
+                    c.add_metric(values + [str(rank)], tokens)
+                yield c
 
 
 class EngineMetrics:

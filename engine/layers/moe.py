@@ -35,20 +35,27 @@ from engine.parallel import TPGroup
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
-                 renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None) -> None:
+                 renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
         rank, size = tp_rank_size(tp)
-        lo, hi = split_range(intermediate_size, rank, size, "expert intermediate size")
+        if expert_parallel:  # whole experts [first, first + local) on this rank
+            first, stop = split_range(num_experts, rank, size, "number of experts")
+            lo, hi = 0, intermediate_size
+        else:  # every expert, a slice of its intermediate dimension
+            first, stop = 0, num_experts
+            lo, hi = split_range(intermediate_size, rank, size, "expert intermediate size")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.first_expert, self.num_local_experts = first, stop - first
         self.activation, self.ops, self.tp = activation, ops, tp
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * (hi - lo), hidden_size))
-        self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, hi - lo))
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(stop - first, 2 * (hi - lo), hidden_size))
+        self.experts.down_proj = nn.Parameter(torch.empty(stop - first, hidden_size, hi - lo))
         _attach_expert_loaders(self.experts.gate_up_proj, self.experts.down_proj, num_experts, hidden_size,
-                               Part(intermediate_size, lo, hi))
+                               Part(intermediate_size, lo, hi), Part(num_experts, first, stop))
         self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
         self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
 
@@ -59,34 +66,65 @@ class FusedMoE(nn.Module):
         weights, ids = self.ops.moe_route(self.gate(x), self.top_k, renormalize=self.renormalize,
                                           weight_dtype=x.dtype, expert_counts=self.expert_load,
                                           num_tokens=num_tokens)
+        if self.num_local_experts != self.num_experts:
+            # Other ranks' experts fall outside [0, local): the kernel skips them, and the
+            # all-reduce below adds up every rank's experts (tokens are on every rank already:
+            # attention is tensor-parallel, so no dispatch is needed).
+            ids = ids - self.first_expert
         out = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                                  activation=self.activation, config=self.kernel_config)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def _attach_expert_loaders(gate_up: nn.Parameter, down: nn.Parameter, num_experts: int, hidden: int,
-                           part: Part) -> None:
+                           part: Part, experts: Part) -> None:
+    """``part``: this rank's slice of each expert's intermediate dim; ``experts``: the
+    experts it holds (all of them, unless expert-parallel). Other experts' checkpoint
+    tensors are read as nothing and skipped."""
     split = part.size != part.full
     gate_up.full_shape = (num_experts, 2 * part.full, hidden)
-    gate_up.shard_ids = tuple((w, e) for e in range(num_experts) for w in ("gate", "up"))
+    gate_up.shard_ids = tuple((w, e) for e in range(experts.lo, experts.hi) for w in ("gate", "up"))
     down.full_shape = (num_experts, hidden, part.full)
-    down.shard_ids = tuple(("down", e) for e in range(num_experts))
+    down.shard_ids = tuple(("down", e) for e in range(experts.lo, experts.hi))
+
+    def local(e: int) -> int | None:
+        return e - experts.lo if experts.lo <= e < experts.hi else None
 
     def load_gate_up(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # [E, 2I, H]
-            for e in range(num_experts):
+        if shard_id is None:  # [E, 2I, H] (or this rank's experts only)
+            if src.shape[0] != experts.size:
+                src = src[experts.lo:experts.hi]
+            for e in range(experts.size):
                 copy_rows(p.data[e], src[e], [part, part], 0, None)
             return
         which, e = shard_id
-        copy_rows(p.data[e], src, [part, part], 0, 0 if which == "gate" else 1)
+        if local(e) is not None:
+            copy_rows(p.data[local(e)], src, [part, part], 0, 0 if which == "gate" else 1)
 
     def load_down(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:  # [E, H, I]
+            if src.shape[0] != experts.size:
+                src = src[experts.lo:experts.hi]
             p.data.copy_(src if src.shape[2] == part.size else src[:, :, part.lo:part.hi])
             return
-        copy_rows(p.data[shard_id[1]], src, [part], 1, None)
+        if local(shard_id[1]) is not None:
+            copy_rows(p.data[local(shard_id[1])], src, [part], 1, None)
+
+    def slice_gate_up(shard_id=None) -> tuple[int, int, int] | None:
+        if shard_id is None:
+            return None if experts.size == experts.full else (0, experts.lo, experts.hi)
+        if local(shard_id[1]) is None:
+            return 0, 0, 0  # another rank's expert: read nothing
+        return (0, part.lo, part.hi) if split else None
+
+    def slice_down(shard_id=None) -> tuple[int, int, int] | None:
+        if shard_id is None:
+            if experts.size != experts.full:
+                return 0, experts.lo, experts.hi
+            return (2, part.lo, part.hi) if split else None
+        if local(shard_id[1]) is None:
+            return 0, 0, 0
+        return (1, part.lo, part.hi) if split else None
 
     gate_up.weight_loader, down.weight_loader = load_gate_up, load_down
-    gate_up.checkpoint_slice = lambda shard_id=None: (0, part.lo, part.hi) if split and shard_id else None
-    down.checkpoint_slice = lambda shard_id=None: (
-        None if not split else (1, part.lo, part.hi) if shard_id else (2, part.lo, part.hi))
+    gate_up.checkpoint_slice, down.checkpoint_slice = slice_gate_up, slice_down

@@ -44,9 +44,11 @@ class CausalLM(nn.Module):
     expert_projections: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     norm_offset: ClassVar[bool] = False  # Gemma's (1 + w) norms
 
-    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.config, self.ops, self.tp = cfg, ops, tp
+        self.expert_parallel = expert_parallel  # MoE layers: whole experts per rank (engine/layers/moe.py)
         rank, size = (0, 1) if tp is None else (tp.rank, tp.size)
         self.shard = Shard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
         self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)

@@ -16,7 +16,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int) -> nn.Module:
         cfg = self.config
         moe = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size,
-                       renormalize=True, activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp)
+                       renormalize=True, activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp,
+                           expert_parallel=self.expert_parallel)
         return DecoderLayer(cfg, self.ops, self.attention(index), moe)
 
     def map_name(self, name: str) -> tuple[str, object] | None:

@@ -24,7 +24,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if self.is_sparse(index):
             mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                            renormalize=bool(cfg.hf_config.get("norm_topk_prob", False)),
-                           activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp)
+                           activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp,
+                           expert_parallel=self.expert_parallel)
         else:
             mlp = GatedMLP(cfg, self.ops, self.tp, cfg.intermediate_size)
         return DecoderLayer(cfg, self.ops, self.attention(index), mlp)
