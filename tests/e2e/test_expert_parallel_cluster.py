@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_cluster_up import UpProcess, _port_base
-from tests.e2e.test_model_families_cluster import MAX_TOKENS, _generate
+from tests.e2e.test_model_families_cluster import MAX_TOKENS, _generate, start_cluster
 from tests.engine.families import assert_greedy_match, hf_greedy, hf_model, make_family_model, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -22,16 +21,8 @@ def test_expert_parallel_prefill_to_single_rank_decode(tmp_path, default_model_d
     d = make_family_model(tmp_path / "model", "qwen3-moe", seed=41)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / f, d / f)
-    base = _port_base(6)
-    ports = dict(http=base, grpc=base + 1, prefill=base + 2, decode=base + 4)
-    up = UpProcess("up", "pdserve.cli", [
-        "up", "--model", str(d), "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
-        "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-        "--prefill-tensor-parallel-size", "2", "--enable-expert-parallel",
-        "--kv-cache-memory", "16MiB", "--block-size", "4", "--max-model-len", "256"],
-        "pdserve ready", env={"OMP_NUM_THREADS": "1"})
+    up, ports = start_cluster(d, "--prefill-tensor-parallel-size", "2", "--enable-expert-parallel")
     try:
-        up.wait_ready()
         prompts = random_prompts([4, 27, 38], seed=42)
         m = hf_model(d)
         want = hf_greedy(m, prompts, MAX_TOKENS)

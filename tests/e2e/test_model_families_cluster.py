@@ -27,16 +27,27 @@ def cluster(request, tmp_path_factory, default_model_dir: Path):
     d = make_family_model(tmp_path_factory.mktemp(name) / "model", name, seed=11)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's tokenizer (ids stay below 384)
         shutil.copy(default_model_dir / f, d / f)
+    up, ports = start_cluster(d)
+    yield name, d, ports
+    up.stop()
+
+
+def start_cluster(model_dir: Path, *flags: str) -> tuple[UpProcess, dict[str, int]]:
+    """`pdserve up --model model_dir` (one prefill, one decode server) on free ports, ready;
+    ``flags`` go to `pdserve up` too. The caller stops it."""
     base = _port_base(6)
     ports = dict(http=base, grpc=base + 1, prefill=base + 2, decode=base + 4)
     up = UpProcess("up", "pdserve.cli", [
-        "up", "--model", str(d), "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
+        "up", "--model", str(model_dir), "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
         "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-        "--kv-cache-memory", "16MiB", "--block-size", "4", "--max-model-len", "256"],
+        "--kv-cache-memory", "16MiB", "--block-size", "4", "--max-model-len", "256", *flags],
         "pdserve ready", env={"OMP_NUM_THREADS": "1"})
-    up.wait_ready()
-    yield name, d, ports
-    up.stop()
+    try:
+        up.wait_ready()
+    except BaseException:
+        up.stop()
+        raise
+    return up, ports
 
 
 def _generate(address: str, prompt: list[int]) -> list[int]:

@@ -58,16 +58,22 @@ def _hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list
     return outs
 
 
-def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "tiny", seed=7, **TINY)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+def _run_interpreted(model_dir, prompts: list[list[int]]) -> dict:
+    """The offline engine in a child process on the interpreted Triton kernels: which ops
+    ran, how often each launcher was called, the greedy tokens."""
     env = dict(os.environ, TRITON_INTERPRET="1", PDSERVE_KERNELS="triton", CUDA_VISIBLE_DEVICES="",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     child = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts), str(MAX_TOKENS)],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=7, **TINY)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels"  # the Triton package, not kernels.reference
     num_layers = TINY["num_hidden_layers"]
     assert set(result["calls"]) == {"store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
@@ -86,12 +92,7 @@ def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, ker
     model_dir = make_family_model(tmp_path / family, family, seed=3, hidden_size=32, intermediate_size=48,
                                   head_dim=8, num_hidden_layers=3, moe_intermediate_size=16)
     prompts = random_prompts([1, 6, 19], seed=4)  # 19 > the window of 8
-    env = dict(os.environ, TRITON_INTERPRET="1", PDSERVE_KERNELS="triton", CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    child = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts), str(MAX_TOKENS)],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels" and kernels_run <= set(result["calls"])
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
