@@ -144,16 +144,6 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def rope_theta(self) -> float:
-        return float(self.rope["full_attention"]["rope_theta"])
-
-    @property
-    def rope_scaling(self) -> dict[str, Any] | None:
-        """The full-attention layers' RoPE parameters, None for plain RoPE."""
-        r = self.rope["full_attention"]
-        return None if r.get("rope_type", "default") == "default" else r
-
-    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 

@@ -12,6 +12,8 @@ head's logits are gathered on every rank (only rank 0 samples).
     KV heads       num_kv_heads / N per rank; with fewer KV heads than ranks,
                    each is replicated on N / num_kv_heads consecutive ranks
     MLP            intermediate_size / N columns of gate and up, rows of down
+                   (MoE: of every expert's; or, expert-parallel, E / N whole experts)
+                   (engine/layers/ split their own parameters; Shard has the heads and vocab)
     vocabulary     cdiv(vocab, N) rows of the embedding and LM head per rank
 
 One process group (gloo on CPU, NCCL on GPUs: one code path) built directly
@@ -69,7 +71,6 @@ class Shard:
     size: int
     num_heads: int
     num_kv_heads: int
-    intermediate_size: int
     vocab_size: int
 
     @property
@@ -90,11 +91,6 @@ class Shard:
     def num_local_kv_heads(self) -> int:
         lo, hi = self.kv_heads
         return hi - lo
-
-    @property
-    def intermediate(self) -> tuple[int, int]:
-        n = self.intermediate_size // self.size
-        return self.rank * n, (self.rank + 1) * n
 
     @property
     def vocab_per_rank(self) -> int:

@@ -50,7 +50,7 @@ class CausalLM(nn.Module):
         self.config, self.ops, self.tp = cfg, ops, tp
         self.expert_parallel = expert_parallel  # MoE layers: whole experts per rank (engine/layers/moe.py)
         rank, size = (0, 1) if tp is None else (tp.rank, tp.size)
-        self.shard = Shard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+        self.shard = Shard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
         self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)
                       for t in sorted(set(cfg.layer_types) or {"full_attention"})}
         self.model = nn.Module()

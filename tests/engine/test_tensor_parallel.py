@@ -183,9 +183,9 @@ def test_each_rank_sends_its_own_kv_heads(tiny_llama_dir):
 
 
 def test_shards_and_shard_by_shard_reads(tiny_llama_dir):
-    s = Shard(rank=1, size=2, num_heads=6, num_kv_heads=2, intermediate_size=192, vocab_size=384)
-    assert (s.q_heads, s.kv_heads, s.intermediate, s.vocab) == ((3, 6), (1, 2), (96, 192), (192, 384))
-    r = Shard(rank=3, size=4, num_heads=8, num_kv_heads=2, intermediate_size=192, vocab_size=386)
+    s = Shard(rank=1, size=2, num_heads=6, num_kv_heads=2, vocab_size=384)
+    assert (s.q_heads, s.kv_heads, s.vocab) == ((3, 6), (1, 2), (192, 384))
+    r = Shard(rank=3, size=4, num_heads=8, num_kv_heads=2, vocab_size=386)
     assert r.kv_heads == (1, 2) and r.vocab == (291, 388)  # replicated head; rows past 386 are padding
     # The loader reads only a rank's part of each tensor from the file.
     parts = {"model.layers.0.self_attn.q_proj.weight": (0, 48, 96), "model.embed_tokens.weight": (0, 192, 384),
