@@ -1,5 +1,5 @@
 """pyproject.toml declares what the code imports, as ranges that admit the
-exact pins of requirements.txt (what `make` installs), and torch's range
+exact pins of requirements.txt and requirements-test.txt (what `make` installs), and torch's range
 cannot pull a newer (CUDA) build onto a CPU machine."""
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ def _declared(group: str | None = None) -> dict[str, Requirement]:
 
 
 def _pins() -> dict[str, str]:
+    """The exact pins of both locks: runtime (requirements.txt) and test (requirements-test.txt)."""
     pins = {}
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line:
-            name, version = line.split("==")
-            pins[canonicalize_name(name)] = version
+    for lock in ("requirements.txt", "requirements-test.txt"):
+        for line in (ROOT / lock).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line and not line.startswith("-"):  # "-r requirements.txt" includes the other lock
+                name, version = line.split("==")
+                pins[canonicalize_name(name)] = version
     return pins
 
 
