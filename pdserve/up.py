@@ -317,6 +317,9 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C stops the cluster even when this process inherited SIGINT ignored (a shell runs
+    # a background job so, and Python then keeps it ignored instead of raising KeyboardInterrupt).
+    signal.signal(signal.SIGINT, on_signal)
     say(f"traces file: {cluster.traces_file}")
     try:
         cluster.start()

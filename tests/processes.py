@@ -154,20 +154,29 @@ class GatewayProcess(ServiceProcess):
         """Until the gateway has seen every engine server it knows healthy
         (``/health`` alone turns 200 with one decode server, before the
         prefill servers may have been polled)."""
-        import time
+        try:
+            wait_every_instance_healthy(self.http_url, timeout, api_key)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: {exc}\n{self.logs()}") from None
 
-        import httpx
 
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        deadline = time.monotonic() + timeout
-        while True:
-            instances = httpx.get(self.http_url + "/cluster", headers=headers, timeout=10).json().get("instances", [])
-            if instances and all(i["healthy"] for i in instances):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: not every engine server healthy after {timeout}s: "
-                                   f"{instances}\n{self.logs()}")
-            time.sleep(0.1)
+def wait_every_instance_healthy(http_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
+    """Until the gateway at ``http_url`` has seen every engine server it knows healthy (its
+    /health, and `pdserve up`'s ready line, come with one decode server, before the prefill
+    servers may have been polled: until then it prefills on the decode server)."""
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        instances = httpx.get(http_url + "/cluster", headers=headers, timeout=10).json().get("instances", [])
+        if instances and all(i["healthy"] for i in instances):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every engine server healthy after {timeout}s: {instances}")
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import pytest
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.test_cluster_up import UpProcess, _port_base
 from tests.engine.families import assert_greedy_match, hf_greedy, hf_model, make_family_model, random_prompts
+from tests.processes import wait_every_instance_healthy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -44,6 +45,7 @@ def start_cluster(model_dir: Path, *flags: str) -> tuple[UpProcess, dict[str, in
         "pdserve ready", env={"OMP_NUM_THREADS": "1"})
     try:
         up.wait_ready()
+        wait_every_instance_healthy(f"http://127.0.0.1:{ports['http']}")  # else the decode server prefills
     except BaseException:
         up.stop()
         raise
