@@ -106,15 +106,17 @@ def test_reservation_backpressure_kv_wait_and_abort(server):
     assert len(next(held).reserved.block_ids) == 6
     t_reserved = time.monotonic()
     # Next two wait for blocks (queue of 2); the third is refused at once.
-    waiting = [_reserve(stub, f"w{i}", long_prompt) for i in range(2)]
-    got = {}
-    threads = [threading.Thread(target=lambda i=i, w=w: got.update({i: next(w)})) for i, w in enumerate(waiting)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while _load(stub).num_waiting < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # Each call is sent only once the one before it is queued: two streams in
+    # flight together may reach the server in either order.
+    waiting, got, threads = [], {}, []
+    for i in range(2):
+        waiting.append(_reserve(stub, f"w{i}", long_prompt))
+        threads.append(threading.Thread(target=lambda i=i, w=waiting[i]: got.update({i: next(w)})))
+        threads[i].start()
+        deadline = time.monotonic() + 10
+        while _load(stub).num_waiting < 2 + i:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     with pytest.raises(grpc.RpcError) as err:
         next(_reserve(stub, "x", long_prompt))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
