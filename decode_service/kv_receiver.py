@@ -57,7 +57,8 @@ class KVReceivers:
         engine = bridge.engine
         self.kv_cache: torch.Tensor = engine.kv_cache  # rank 0's share of the heads under TP
         # The model's layout (every KV head), whatever share of them this process holds.
-        self.layout = dataclasses.replace(KVLayout.of(self.kv_cache, engine.config.model.served_model_name),
+        self.layout = dataclasses.replace(KVLayout.of(self.kv_cache, engine.config.model.served_model_name,
+                                                      engine.kv_scales, engine.config.model.dtype),
                                           num_kv_heads=engine.config.model.num_kv_heads)
         self.host = host
         self.timeout = timeout

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.kv_cache_dtype import (FP8_E4M3, KV_CACHE_DTYPES, check_fp8_support, element_bytes, kv_torch_dtype,
+                                   resolve_cache_dtype)
+from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig, resolve_quantization, uses_fp8
+
 logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # RoPE variants engine/layers/rotary.py builds; activations engine/layers/activation.py runs.
@@ -75,11 +79,13 @@ class ModelConfig:
     num_experts: int = 0  # mixture of experts: experts per MoE layer (0: dense)
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # --quantization and the checkpoint's quantization_config, resolved (None: 16/32-bit weights)
+    quantization: QuantizationConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_dir(path: Path, *, dtype: str, load_format: str, served_model_name: str,
-                 seed: int = 0) -> "ModelConfig":
+                 seed: int = 0, quantization: str | None = None) -> "ModelConfig":
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -129,6 +135,7 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if num_experts else 0,
+            quantization=resolve_quantization(quantization, cfg, load_format),
             hf_config=cfg,
         )
 
@@ -153,9 +160,10 @@ class ModelConfig:
 
         return getattr(torch, self.dtype)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        elem = 4 if self.dtype == "float32" else 2
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
+        """Bytes of one token's K and V over every layer, stored as ``kv_dtype`` (a torch dtype
+        name; default the model's: ``EngineConfig.kv_dtype`` is the cache's)."""
+        elem = element_bytes(kv_dtype or self.dtype)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
@@ -241,6 +249,7 @@ class CacheConfig:
     # Every layer of the model attends within this many keys: blocks that left the window
     # are released (engine/kv_cache_manager.py). None: a full-attention layer keeps them all.
     sliding_window: int | None = None
+    cache_dtype: str = "auto"  # --kv-cache-dtype, resolved: auto (the model's) | fp8_e4m3
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -251,6 +260,8 @@ class CacheConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
+        if self.cache_dtype not in ("auto", FP8_E4M3):
+            raise ValueError(f"CacheConfig.cache_dtype must be auto or {FP8_E4M3}, got {self.cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -285,11 +296,18 @@ class EngineConfig:
     async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
     enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
 
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's torch dtype name: the model's, or float8_e4m3fn (--kv-cache-dtype fp8)."""
+        return kv_torch_dtype(self.cache.cache_dtype, self.model.dtype)
+
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
+        quant = m.quantization.method if m.quantization is not None else None
         return (f"model={m.served_model_name} path={m.path} arch={m.architecture} dtype={m.dtype} "
+                f"quantization={quant} "
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
-                f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
+                f"block_size={c.block_size} kv_cache_dtype={c.cache_dtype} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
                 f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
@@ -304,6 +322,7 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -312,6 +331,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_transfer_timeout: float = 60.0
@@ -332,6 +352,11 @@ class EngineArgs:
                        help="auto = float32 on CPU, bfloat16 on CUDA")
         g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                        help="dummy = random weights at the config's shape (benchmarks)")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                       help="weight quantization. Default: the checkpoint's own (its quantization_config: fp8, "
+                            "awq, gptq or compressed-tensors), else none. fp8 on a 16-bit checkpoint quantizes "
+                            "it at load (W8A8: per-channel weight scales, dynamic per-token activations; the LM "
+                            "head stays 16-bit); on CUDA it needs compute capability 8.9+")
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None,
@@ -346,6 +371,10 @@ class EngineArgs:
                        help="KV cache size in bytes, e.g. 2GiB (default on CPU: 1GiB)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (testing)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) = "
+                            "float8_e4m3fn with a per-layer k/v scale (the checkpoint's, else 1.0): twice "
+                            "the blocks of bf16 in the same memory; on CUDA needs compute capability 8.9+")
         g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget per step (chunked prefill)")
@@ -404,18 +433,28 @@ class EngineArgs:
         is_default = self.model in (None, DEFAULT_MODEL)
         name = self.served_model_name or (DEFAULT_MODEL if is_default else Path(self.model).name)
         model = ModelConfig.from_dir(path, dtype=dtype, load_format=self.load_format,
-                                     served_model_name=name, seed=self.seed)
+                                     served_model_name=name, seed=self.seed, quantization=self.quantization)
+        if device.startswith("cuda") and model.quantization is not None and uses_fp8(model.quantization):
+            import torch
+
+            check_fp8_support(device, torch.cuda.get_device_capability(device),
+                              f"FP8 weights ({model.quantization.method})")
         max_len = self.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
+        cache_dtype = resolve_cache_dtype(self.kv_cache_dtype)
+        if cache_dtype != "auto" and device.startswith("cuda"):
+            import torch
+
+            check_fp8_support(device, torch.cuda.get_device_capability(device), "--kv-cache-dtype fp8")
         kv_mem = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
         if kv_mem is None and device == "cpu":
             kv_mem = parse_size("1GiB")
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            sliding_window=_common_window(model.layer_windows))
+                            sliding_window=_common_window(model.layer_windows), cache_dtype=cache_dtype)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

@@ -122,8 +122,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         mc, sc = config.model, config.scheduler
         capacity = self.runner.num_blocks * config.cache.block_size
-        logger.info("KV cache blocks: %d (%d tokens, %.1f MiB)", self.runner.num_blocks, capacity,
-                    self.runner.num_blocks * self.runner.block_bytes / 2**20)
+        logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s)", self.runner.num_blocks, capacity,
+                    self.runner.num_blocks * self.runner.block_bytes / 2**20, config.kv_dtype)
         if capacity < sc.max_model_len:
             logger.warning("the KV cache holds %d tokens, less than --max-model-len %d", capacity,
                            sc.max_model_len)
@@ -199,6 +199,13 @@ class LLMEngine:
         """The paged KV cache, for the KV transfer plumbing (which reads and
         writes only blocks the engine has handed out for that)."""
         return self.runner.kv_cache
+
+    @property
+    def kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """An FP8 cache's per-layer (k_scale, v_scale); ((), ()) for a cache in the model's
+        dtype. Part of what a KV pair's two sides must agree on."""
+        s = self.runner.kv_scales
+        return ((), ()) if s is None else (s.k, s.v)
 
     # ---- admission -------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -305,9 +312,10 @@ class LLMEngine:
     @property
     def cache_namespace(self) -> str:
         """What a block hash of this engine is only meaningful within: the
-        model, the block size and the KV dtype (the hash itself has no salt)."""
+        model, the block size and the KV dtype (the cache's: float8_e4m3fn with
+        --kv-cache-dtype fp8, else the model's; the hash itself has no salt)."""
         c = self.config
-        return f"{c.model.served_model_name}:{c.cache.block_size}:{c.model.dtype}"
+        return f"{c.model.served_model_name}:{c.cache.block_size}:{c.kv_dtype}"
 
     def cache_snapshot(self) -> list[int]:
         """Start recording prefix-cache events (if not yet) and return every

@@ -42,10 +42,22 @@ def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGr
     torch.manual_seed(cfg.seed + (tp.rank if tp is not None else 0))
     with torch.device(device):
         model = model_class(cfg.architecture)(cfg, ops, tp, expert_parallel=expert_parallel)
-    model = model.to(dtype=cfg.torch_dtype)  # RoPE tables are no parameters: they stay float32
+    cast_parameters(model, cfg.torch_dtype)
     if cfg.load_format == "dummy":
         model.load_weights(model.dummy_weights(cfg.seed, cfg.torch_dtype, device))
         logger.info("loaded random (dummy) weights")
     else:
         model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice))
+    model.process_weights_after_loading()
+    if cfg.quantization is not None and (tp is None or tp.rank == 0):
+        logger.info("quantization: %s", cfg.quantization.describe())
     return model.eval()
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Parameters made in float32 (the default) take the model dtype, except those a method
+    keeps in float32 (``keep_dtype``: FP8 scales); integer and FP8 tensors keep theirs.
+    RoPE tables are no parameters: they stay float32."""
+    for param in model.parameters():
+        if param.dtype == torch.float32 and not getattr(param, "keep_dtype", False):
+            param.data = param.data.to(dtype)

@@ -4,7 +4,10 @@ one forward pass and samples the rows that reached the end of their tokens.
 
 KV cache layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads,
 head_dim]`` — for each layer a run of consecutive blocks is one contiguous
-chunk holding both K and V (what the KV transfer sends).
+chunk holding both K and V (what the KV transfer sends). Its dtype is the
+model's, or float8_e4m3fn with ``--kv-cache-dtype fp8`` (one byte an element:
+twice the blocks of a 16-bit cache in the same memory), each layer then
+quantizing with its ``kv_scales`` (engine/kv_cache_dtype.py).
 
 Kernels: the Triton launchers of ``kernels`` on CUDA, their PyTorch
 references (``kernels.reference``) elsewhere. ``PDSERVE_KERNELS`` (read here
@@ -53,9 +56,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs, GraphStep, capture_sizes
+from engine.kv_cache_dtype import KVScales, load_kv_scales
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import Attention, AttentionMetadata
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -181,6 +185,8 @@ class ModelRunner:
         self.tp = tp
         self.model = load_model(mc, self.device, self.ops, tp, expert_parallel=config.enable_expert_parallel)
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
+        self.kv_dtype: torch.dtype = getattr(torch, config.kv_dtype)
+        self.kv_scales: KVScales | None = self._set_kv_scales()  # None unless the cache is FP8
         self._configure_moe()
         graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
         if graphs_eager:
@@ -192,7 +198,7 @@ class ModelRunner:
         if tp is not None:  # every rank holds the same blocks: the smallest cache decides
             self.num_blocks = tp.all_min(self.num_blocks)
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
-                                    mc.head_dim, dtype=mc.torch_dtype, device=self.device)
+                                    mc.head_dim, dtype=self.kv_dtype, device=self.device)
         self.sampler = Sampler()
         self._warm_up_kernels()
         self.graphs: DecodeGraphs | None = None
@@ -228,7 +234,7 @@ class ModelRunner:
         shard = self.model.shard
         for window in sorted(set(mc.layer_windows), key=lambda w: w or 0):
             warm_up(mc.torch_dtype, shard.num_local_heads, shard.num_local_kv_heads, mc.head_dim, self.block_size,
-                    dev, sliding_window=window)
+                    dev, sliding_window=window, kv_dtype=self.kv_dtype)
         moe = self.model.moe_layers()
         if moe:  # every MoE layer has the same shape and config: one warm-up serves all
             from kernels.fused_moe import warm_up as warm_up_moe
@@ -238,6 +244,23 @@ class ModelRunner:
                         self.config.scheduler.max_num_batched_tokens, activation=m.activation,
                         config=m.kernel_config)
         torch.cuda.synchronize(dev)
+
+    def _set_kv_scales(self) -> KVScales | None:
+        """An FP8 cache: each attention layer's k_scale and v_scale, the checkpoint's or 1.0,
+        said once in the log (by rank 0). Other caches keep the layers' 1.0."""
+        mc, cc = self.config.model, self.config.cache
+        if cc.cache_dtype == "auto":
+            return None
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if len(layers) != mc.num_layers:
+            raise ValueError(f"--kv-cache-dtype {cc.cache_dtype}: found {len(layers)} attention layers in a "
+                             f"model of {mc.num_layers}")
+        scales = load_kv_scales(mc.path, mc.hf_config, mc.num_layers, mc.load_format)
+        for layer, k, v in zip(layers, scales.k, scales.v):
+            layer.k_scale, layer.v_scale = k, v
+        if self.tp is None or self.tp.rank == 0:
+            logger.info("KV cache dtype %s (%s): %s", cc.cache_dtype, self.config.kv_dtype, scales.describe())
+        return scales
 
     def _configure_moe(self) -> None:
         """The fused-MoE kernel's tile configs for this model's expert shape on this GPU: tuned
@@ -295,7 +318,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block on this rank (its share of the KV heads)."""
         mc = self.config.model
-        return mc.kv_bytes_per_token * self.kv_heads // mc.num_kv_heads * self.block_size
+        return mc.kv_bytes_per_token(self.config.kv_dtype) * self.kv_heads // mc.num_kv_heads * self.block_size
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -322,7 +345,7 @@ class ModelRunner:
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         nb = -(-n // self.block_size)
         cache = torch.zeros(mc.num_layers, nb, 2, self.block_size, self.kv_heads, mc.head_dim,
-                            dtype=mc.torch_dtype, device=self.device)
+                            dtype=self.kv_dtype, device=self.device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
@@ -347,7 +370,7 @@ class ModelRunner:
         mc, sc = self.config.model, self.config.scheduler
         m = sc.max_num_seqs
         cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
-                            dtype=mc.torch_dtype, device=self.device)
+                            dtype=self.kv_dtype, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((m,), -1, dtype=torch.long, device=self.device),
             block_tables=torch.zeros(m, 1, dtype=torch.int32, device=self.device),

@@ -9,10 +9,11 @@ each machine pays that once per model shape::
       .E128_..._triton-3.6.0.json.tmp-XXXX                          a write in progress (or a crashed one)
 
 The key names everything the best tiles depend on: the experts' shape (``I``
-is a tensor-parallel rank's share), the dtype, the GPU model and the Triton
-version (a new compiler can change what is fastest). Invariant: a file under
-its final name is complete, because it only appears through ``os.replace`` of a
-fully written temporary sibling. Two processes that miss at once (ranks of one
+is a tensor-parallel rank's share), the weights' dtype (FP8 weights with block
+scales add the blocks: ``float8_e4m3fn-block128x128``), the GPU model and the
+Triton version (a new compiler can change what is fastest). Invariant: a file
+under its final name is complete, because it only appears through
+``os.replace`` of a fully written temporary sibling. Two processes that miss at once (ranks of one
 server) both tune and the last rename wins; either file is valid. A file that
 cannot be read or does not parse is tuned again and replaced.
 """
@@ -39,9 +40,11 @@ TuneFn = Callable[[int, int, int, int, torch.dtype, torch.device], dict]
 
 
 def config_key(num_experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype,
-               device_name: str, triton_version: str) -> str:
+               device_name: str, triton_version: str, block_size: tuple[int, int] | None = None) -> str:
     """A file-name-safe key naming every input the tuned tiles depend on."""
     dtype_name = str(dtype).removeprefix("torch.")
+    if block_size is not None:
+        dtype_name += f"-block{block_size[0]}x{block_size[1]}"
     raw = f"E{num_experts}_H{hidden}_I{intermediate}_K{top_k}_{dtype_name}_{device_name}_triton-{triton_version}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", raw)
 
@@ -58,19 +61,22 @@ def moe_kernel_config(
     dtype: torch.dtype,
     device: torch.device | str,
     tune_fn: TuneFn | None = None,
+    *,
+    block_size: tuple[int, int] | None = None,
 ) -> dict[int, dict] | None:
     """The ``config`` to pass to ``kernels.fused_moe`` for this shape on this GPU.
 
-    None off CUDA (the reference path has no tiles). Otherwise the cached file
-    if it is readable, else the result of ``tune_fn`` (default
-    ``kernels.fused_moe.tune``), written to the cache before it is returned.
-    Keys are token counts (ints).
+    ``dtype`` is the experts' weight dtype; FP8 weights with block scales pass
+    their ``block_size`` (given to ``tune_fn`` as a keyword). None off CUDA (the
+    reference path has no tiles). Otherwise the cached file if it is readable,
+    else the result of ``tune_fn`` (default ``kernels.fused_moe.tune``), written
+    to the cache before it is returned. Keys are token counts (ints).
     """
     device = torch.device(device)
     if device.type != "cuda":
         return None
     key = config_key(num_experts, hidden, intermediate, top_k, dtype, torch.cuda.get_device_name(device),
-                     triton.__version__)
+                     triton.__version__, block_size)
     path = config_path(key)
     cached = _load(path)
     if cached is not None:
@@ -79,7 +85,8 @@ def moe_kernel_config(
         from kernels.fused_moe import tune as tune_fn
     logger.info("fused MoE tiles for %s not cached: tuning them on this GPU (a minute or two, once)", key)
     started = time.perf_counter()
-    configs = tune_fn(num_experts, hidden, intermediate, top_k, dtype, device)
+    blocks = {} if block_size is None else {"block_size": tuple(block_size)}
+    configs = tune_fn(num_experts, hidden, intermediate, top_k, dtype, device, **blocks)
     parsed = _parse(json.loads(json.dumps(configs)))  # what a later load will see
     if parsed is None:
         raise ValueError(f"moe_kernel_config: tune_fn returned no usable {{token count: tiles}} dict: {configs!r}")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from kernels import reference
 from kernels.activation import silu_and_mul
+from kernels.fp8_gemm import fp8_gemm, fp8_quantize
 from kernels.fused_moe import fused_moe
+from kernels.int4_gemm import int4_gemm
 from kernels.kv_cache import store_kv_cache
 from kernels.moe_routing import moe_route
 from kernels.paged_attention import paged_attention
@@ -16,8 +18,11 @@ from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import rotary_embedding
 
 __all__ = [
+    "fp8_gemm",
+    "fp8_quantize",
     "fused_add_rms_norm",
     "fused_moe",
+    "int4_gemm",
     "moe_route",
     "paged_attention",
     "reference",

@@ -8,6 +8,9 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FP8 KV cache: e4m3 (OCP "fn": no infinities, one NaN code, max 448), per-tensor scales.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
 
 
 def require(ok: bool, where: str, message: str) -> None:
@@ -59,6 +62,20 @@ def check_inner_contiguous(where: str, name: str, t: torch.Tensor) -> None:
 
 def check_contiguous(where: str, name: str, t: torch.Tensor) -> None:
     require(t.is_contiguous(), where, f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def check_kv_cache_dtype(where: str, name: str, cache: torch.Tensor, model_dtype: torch.dtype,
+                         k_scale: float, v_scale: float) -> None:
+    """A KV cache holds the model's dtype, or FP8 (e4m3) with a scale for K and one for V;
+    scales are positive finite floats, and 1.0 unless the cache is FP8."""
+    require(cache.dtype in (model_dtype, FP8_KV_DTYPE), where,
+            f"{name} dtype {cache.dtype} is neither the model's ({model_dtype}) nor {FP8_KV_DTYPE}")
+    for scale_name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        require(number and 0.0 < scale < float("inf"), where,
+                f"{scale_name} must be a positive finite float, got {scale!r}")
+        require(cache.dtype == FP8_KV_DTYPE or scale == 1.0, where,
+                f"{scale_name} {scale} given for a {cache.dtype} cache (scales apply to FP8 caches only)")
 
 
 def next_pow2(n: int) -> int:

@@ -35,9 +35,25 @@ Padding rows (p = T*K) are masked out of every load and store. Tiles are
 ordered in groups of GROUP_M along M (as in Triton's matmul tutorial) so
 consecutive programs share weight tiles in L2.
 
+FP8 (W8A8: float8_e4m3fn w13 and w2 with float32 scales). Both GEMMs read e4m3
+codes and run fp8 x fp8 dots into float32 (tensor cores on sm_89+); x is
+quantized per token by ``kernels.fp8_gemm.fp8_quantize`` before GEMM 1 and the
+intermediate per row (pair) after it, in a second launch: a row's scale needs
+the amax over all I columns, which GEMM 1 spreads over several programs::
+
+    x [T, H] ─fp8_quantize─▶ x8 [T, H] e4m3, x_scale [T] or [T, cdiv(H, bk)]
+    GEMM 1 on x8 ─▶ inter [T*K, I] in x's dtype ─fp8_quantize─▶ inter8, inter_scale ─GEMM 2─▶ y
+
+Per channel (scales [E, rows]) the float32 sum of a tile row is multiplied
+once by x_scale[row] * w_scale[e, n]; with (bn, bk) blocks each k-tile lies in
+one k-group (BLOCK_K <= bk) and its partial sum is multiplied by
+x_scale[row, kb] * w_scale[e, n // bn, kb] before it joins the accumulator.
+
 Tile configs (BLOCK_M, and per GEMM BLOCK_N, BLOCK_K, GROUP_M, warps,
 stages) matter on the GPU: decode-sized batches are bound by reading each hit
-expert's weights once, large prefills by the tensor cores. ``tune`` times a
+expert's weights once, large prefills by the tensor cores. e4m3 tiles take
+twice the 16-bit BLOCK_K (``fp8_block_k`` caps it at bk and raises it to 32 on
+CUDA, the least K of an fp8 dot). ``tune`` times a
 small grid per token count; ``engine.moe_configs`` keeps its result on disk and
 passes it as ``config``.
 """
@@ -60,10 +76,13 @@ from kernels._checks import (
     next_pow2,
     require,
 )
+from kernels.fp8_gemm import fp8_quantize
 
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+FP8_DTYPE = torch.float8_e4m3fn  # W8A8 experts: e4m3 weights, activations quantized per token
+_FP8_MIN_BLOCK_K = 32  # Triton's fp8 dots on NVIDIA GPUs reduce at least 32 columns per tile
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # The align step's one-hot tile (pairs of a chunk x experts) stays at or under
 # this many elements: one chunk takes min(T*K, _ALIGN_ELEMS / E) pairs.
@@ -186,20 +205,26 @@ def _activation(g, ACTIVATION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _expert_gemm_kernel(
-    a_ptr,  # GATED: x [T, KDIM]; else inter [T*K, KDIM]
+    a_ptr,  # GATED: x [T, KDIM]; else inter [T*K, KDIM] (FP8: their e4m3 codes)
     w_ptr,  # GATED: w13 [E, 2*N, KDIM]; else w2 [E, N, KDIM]
     out_ptr,  # GATED: inter [T*K, N]; else y [T*K, N]
     sorted_ptr,  # [num_m_blocks * BLOCK_M] int32 pair ids, num_pairs = padding
     block_expert_ptr,  # [num_m_blocks] int32, -1 = no tile
     topk_weights_ptr,  # [T, K] float32 (not GATED only)
+    a_scale_ptr,  # FP8 float32: [rows of a] (GROUP_K == 0) or [rows of a, cdiv(KDIM, GROUP_K)]
+    w_scale_ptr,  # FP8 float32: [E, rows of w] (group_n == 1) or [E, cdiv(rows of w, group_n), cdiv(KDIM, GROUP_K)]
     num_pairs, num_m_blocks, N,
+    group_n,  # FP8: weight rows per scale row (1 per channel)
     stride_am, stride_we, stride_wn, stride_om, stride_rt, stride_rk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     KDIM: tl.constexpr,  # the reduced dim (H for GEMM 1, I for GEMM 2): fixed per model
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,  # GEMM 1: A rows are tokens, gate and up accumulators, activation epilogue
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # a and w are e4m3: fp8 dots, scales applied in float32
+    GROUP_K: tl.constexpr,  # FP8 block scales: k-groups of GROUP_K columns, a multiple of BLOCK_K; 0 = per channel
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -228,6 +253,11 @@ def _expert_gemm_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + n.to(tl.int64)[None, :] * stride_wn + k[:, None]
     # w_ptrs: [BLOCK_K, BLOCK_N], the expert's rows n read along K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:
+        # The scale rows of weight rows n (and, GATED, of the up rows N + n).
+        ws_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + (n // group_n) * stride_wsn  # [BLOCK_N]
+        if GATED:
+            ws_up_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + ((N + n) // group_n) * stride_wsn
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn  # up rows follow the N gate rows
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -239,17 +269,34 @@ def _expert_gemm_kernel(
             k_ok = k < KDIM - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8 and GROUP_K > 0:
+            # The tile lies in k-group kb: its partial sum times x_scale[row, kb] * w_scale[e, n // bn, kb].
+            kb = k0 // GROUP_K
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)  # [BLOCK_M]
+            w_s = tl.load(ws_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             if KDIM % BLOCK_K == 0:
                 wu = tl.load(up_ptrs, mask=n_ok[None, :], other=0.0)
             else:
                 wu = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
+            if FP8 and GROUP_K > 0:
+                wu_s = tl.load(ws_up_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)
+                acc_up += tl.dot(a, wu) * (a_s[:, None] * wu_s[None, :])
+            else:
+                acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if FP8 and GROUP_K == 0:
+        # Per channel: one scale per A row and per weight row, applied once to the whole sum.
+        a_s = tl.load(a_scale_ptr + a_row * stride_asm, mask=row_ok, other=0.0)[:, None]  # [BLOCK_M, 1]
+        acc = acc * (a_s * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :])
+        if GATED:
+            acc_up = acc_up * (a_s * tl.load(ws_up_ptrs, mask=n_ok, other=0.0)[None, :])
     if GATED:
         acc = _activation(acc, ACTIVATION) * acc_up
     else:
@@ -334,18 +381,20 @@ class MoeTiles:
 
 
 def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> MoeTiles:
-    """Tiles from shapes alone, used when no tuned config is given."""
+    """Tiles from shapes alone, used when no tuned config is given. ``dtype`` is the
+    weights' dtype: e4m3 weights take twice the 16-bit BLOCK_K (the same bytes per tile)."""
     rows = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))  # pairs per hit expert
     if dtype == torch.float32:  # exact fp32 dots: small tiles (shared memory, registers)
         tiles = GemmTiles(32, 32, 8, 4, 2)
         return MoeTiles(16 if rows <= 16 else 32, tiles, tiles)
+    k = 2 if dtype == FP8_DTYPE else 1
     if rows <= 16:  # decode: read each hit expert's weights once, many programs in flight
-        return MoeTiles(16, GemmTiles(64, 128, 1, 4, 4), GemmTiles(64, 128, 1, 4, 4))
+        return MoeTiles(16, GemmTiles(64, 128 * k, 1, 4, 4), GemmTiles(64, 128 * k, 1, 4, 4))
     if rows <= 64:
-        return MoeTiles(32, GemmTiles(64, 64, 8, 4, 4), GemmTiles(64, 64, 8, 4, 4))
+        return MoeTiles(32, GemmTiles(64, 64 * k, 8, 4, 4), GemmTiles(64, 64 * k, 8, 4, 4))
     if rows <= 256:
-        return MoeTiles(64, GemmTiles(64, 64, 8, 4, 4), GemmTiles(128, 64, 8, 4, 4))
-    return MoeTiles(128, GemmTiles(64, 64, 8, 8, 4), GemmTiles(128, 64, 8, 8, 4))
+        return MoeTiles(64, GemmTiles(64, 64 * k, 8, 4, 4), GemmTiles(128, 64 * k, 8, 4, 4))
+    return MoeTiles(128, GemmTiles(64, 64 * k, 8, 8, 4), GemmTiles(128, 64 * k, 8, 8, 4))
 
 
 # Parsed configs by id(config), holding the dict so its id stays its own: the
@@ -374,7 +423,8 @@ def _parse_config(config: dict) -> list[tuple[int, MoeTiles]]:
 def pick_tiles(config: dict | None, num_tokens: int, num_experts: int, top_k: int,
                dtype: torch.dtype) -> MoeTiles:
     """The tiles ``fused_moe`` runs T tokens with: the config's entry for the
-    smallest count >= T (else the largest), or ``default_tiles`` without a config."""
+    smallest count >= T (else the largest), or ``default_tiles`` without a config.
+    ``dtype`` is the weights' (w13's) dtype."""
     if config is None:
         return default_tiles(num_tokens, num_experts, top_k, dtype)
     parsed = _parse_config(config)
@@ -405,13 +455,56 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation) -> None:
     require(topk_weights.shape == topk_ids.shape, where,
             f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}")
     check_dtype(where, "x", x, FLOAT_DTYPES)
-    for name, t in (("w13", w13), ("w2", w2)):
-        require(t.dtype == x.dtype, where, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+    if w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE:
+        for name, t in (("w13", w13), ("w2", w2)):
+            require(t.dtype == FP8_DTYPE, where, f"{name} dtype {t.dtype}: w13 and w2 are both {FP8_DTYPE} or neither")
+    else:
+        for name, t in (("w13", w13), ("w2", w2)):
+            require(t.dtype == x.dtype, where, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
     check_dtype(where, "topk_weights", topk_weights, (torch.float32,))
     check_dtype(where, "topk_ids", topk_ids, (torch.int32, torch.int64))
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         check_inner_contiguous(where, name, t)
     require(activation in ACTIVATIONS, where, f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def fp8_scale_shapes(w13: torch.Tensor, w2: torch.Tensor, block_size: tuple[int, int] | None
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes w13_scale and w2_scale must have for these weights: per channel
+    [E, 2I] and [E, H]; with (bn, bk) blocks [E, cdiv(2I, bn), cdiv(H, bk)] and
+    [E, cdiv(H, bn), cdiv(I, bk)]."""
+    num_experts, two_inter, hidden = w13.shape
+    if block_size is None:
+        return (num_experts, two_inter), (num_experts, hidden)
+    bn, bk = block_size
+    return ((num_experts, triton.cdiv(two_inter, bn), triton.cdiv(hidden, bk)),
+            (num_experts, triton.cdiv(hidden, bn), triton.cdiv(two_inter // 2, bk)))
+
+
+def _check_fp8_args(x, w13, w2, w13_scale, w2_scale, block_size) -> tuple[int, int] | None:
+    """Validates the scales and block size of e4m3 weights (and that others have none);
+    returns block_size as a tuple of ints."""
+    where = "fused_moe"
+    if w13.dtype != FP8_DTYPE:
+        for name, value in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("block_size", block_size)):
+            require(value is None, where, f"{name} is for {FP8_DTYPE} weights, got {w13.dtype} weights")
+        return None
+    if block_size is not None:
+        ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+              and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size))
+        require(ok and block_size[0] >= 1 and block_size[1] >= 16 and block_size[1] & (block_size[1] - 1) == 0,
+                where, f"block_size must be (bn >= 1, bk a power of two >= 16), got {block_size!r}")
+        block_size = (block_size[0], block_size[1])
+        # fp8 dots on the GPU take K tiles of at least 32 columns, and a tile lies in one k-group.
+        require(x.device.type != "cuda" or block_size[1] >= _FP8_MIN_BLOCK_K, where,
+                f"block_size[1] must be >= {_FP8_MIN_BLOCK_K} on CUDA, got {block_size[1]}")
+    for name, t, want in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), fp8_scale_shapes(w13, w2, block_size)):
+        require(isinstance(t, torch.Tensor), where, f"{name} is required for {FP8_DTYPE} weights")
+        require(t.device == x.device, where, f"{name} is on {t.device}, x on {x.device}")
+        check_dtype(where, name, t, (torch.float32,))
+        require(tuple(t.shape) == want, where, f"{name} must be {list(want)} for block_size {block_size}, "
+                f"got {list(t.shape)}")
+    return block_size
 
 
 def fused_moe(
@@ -423,38 +516,67 @@ def fused_moe(
     *,
     activation: str = "silu",
     config: dict | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Mixture-of-experts MLP over the experts each token picked.
 
     x: [T, H] float32/float16/bfloat16, any row stride (stride 1 in H)
-    w13: [E, 2*I, H] in x's dtype; rows [:I] gate, rows [I:] up (stride 1 in H)
-    w2: [E, H, I] in x's dtype (stride 1 in I)
+    w13: [E, 2*I, H] in x's dtype or float8_e4m3fn; rows [:I] gate, rows [I:] up (stride 1 in H)
+    w2: [E, H, I] in w13's dtype (stride 1 in I)
     topk_weights: [T, K] float32 routing weights, any strides
     topk_ids: [T, K] int32/int64 expert ids, any strides; ids outside [0, E)
         contribute nothing (an expert-parallel rank's foreign experts)
     activation: "silu" (silu(gate) * up) or "gelu_tanh" (gelu(gate, approximate="tanh") * up)
     config: None (tiles from shapes) or {token count: tiles} as ``tune`` (and
         engine.moe_configs) returns: the entry of the smallest count >= T, else the largest
+    w13_scale, w2_scale, block_size: e4m3 weights only (W8A8), float32 scales, any strides:
+        per channel (block_size None): w13_scale [E, 2I], w2_scale [E, H], one per weight row;
+        blocks (block_size = (bn, bk), bk a power of two, >= 32 on CUDA):
+        w13_scale [E, cdiv(2I, bn), cdiv(H, bk)], w2_scale [E, cdiv(H, bn), cdiv(I, bk)];
+        weight w[e, r, c] stands for float32(w) * scale[e, r // bn, c // bk].
 
     Returns a new contiguous [T, H] in x's dtype:
     out[t] = sum_k topk_weights[t, k] * (act(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)) @ w2[e].T,
     e = topk_ids[t, k]. Accumulates in float32; the intermediate and each
     slot's output are rounded to x's dtype, the sum over slots is float32.
+    With e4m3 weights both GEMM inputs are quantized per token as
+    ``kernels.fp8_gemm.fp8_quantize(., bk or None)`` does (x before GEMM 1, the
+    intermediate after its rounding to x's dtype), the dots run on e4m3 codes
+    into float32, and the scales multiply each k-group's partial sum (blocks)
+    or the whole sum (per channel) before the activation / routing weight.
     No host sync, so it can be captured in a CUDA graph. Modifies nothing.
     """
     _check_args(x, w13, w2, topk_weights, topk_ids, activation)
+    block_size = _check_fp8_args(x, w13, w2, w13_scale, w2_scale, block_size)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tiles = pick_tiles(config, num_tokens, num_experts, top_k, x.dtype)
+    tiles = pick_tiles(config, num_tokens, num_experts, top_k, w13.dtype)
     sorted_ids, block_expert = _align(topk_ids, num_experts, tiles.block_m)
-    inter_out = _gemm(x, w13, sorted_ids, block_expert, topk_weights, top_k, inter, tiles.block_m, tiles.gemm1,
-                      gated=True, activation=activation)  # [T*K, I]
-    y = _gemm(inter_out, w2, sorted_ids, block_expert, topk_weights, top_k, hidden, tiles.block_m, tiles.gemm2,
-              gated=False, activation=activation)  # [T*K, H]
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8:
+        group = None if block_size is None else block_size[1]
+        a, a_scale = fp8_quantize(x, group)  # [T, H] e4m3, [T] or [T, cdiv(H, bk)]
+    else:
+        a, a_scale = x, None
+    inter_out = _gemm(a, w13, sorted_ids, block_expert, topk_weights, top_k, inter, tiles.block_m, tiles.gemm1,
+                      gated=True, activation=activation, out_dtype=x.dtype, a_scale=a_scale, w_scale=w13_scale,
+                      block_size=block_size)  # [T*K, I]
+    if fp8:
+        # Per row of the whole intermediate, so a separate launch: a row spans every N tile of
+        # GEMM 1. Rows of pairs outside [0, E) were never written; their (garbage) codes and
+        # scales stay in their own rows, which GEMM 2 never reads.
+        a, a_scale = fp8_quantize(inter_out, group)  # [T*K, I] e4m3, [T*K] or [T*K, cdiv(I, bk)]
+    else:
+        a = inter_out
+    y = _gemm(a, w2, sorted_ids, block_expert, topk_weights, top_k, hidden, tiles.block_m, tiles.gemm2,
+              gated=False, activation=activation, out_dtype=x.dtype, a_scale=a_scale, w_scale=w2_scale,
+              block_size=block_size)  # [T*K, H]
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_H))](
         y, topk_ids, out, hidden, num_experts, topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_H=min(_SUM_BLOCK_H, max(16, next_pow2(hidden))),
@@ -495,23 +617,47 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles: GemmTiles, *, gated: bool,
-          activation: str) -> torch.Tensor:
+          activation: str, out_dtype: torch.dtype | None = None, a_scale: torch.Tensor | None = None,
+          w_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """One grouped GEMM into a new [T*K, n] in ``out_dtype`` (default a's). e4m3 ``a`` and ``w``
+    come with their scales (``a_scale`` per row of a, and per k-group with ``block_size``)."""
     num_pairs = topk_weights.shape[0] * top_k
     kdim = a.shape[1]
-    out = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
+    out = torch.empty((num_pairs, n), dtype=out_dtype or a.dtype, device=a.device)
     num_m_blocks = block_expert.shape[0]
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
+    fp8 = a.dtype == FP8_DTYPE
+    block_k, group_n, group_k = tiles.block_k, 1, 0
+    if fp8:
+        block_k = fp8_block_k(block_k, block_size, a.device)
+        if block_size is not None:
+            group_n, group_k = block_size
+        a_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
+        w_strides = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2) if w_scale.dim() == 3 else 0)
+    else:
+        a_scale = w_scale = topk_weights  # never read
+        a_strides, w_strides = (0, 0), (0, 0, 0)
     _expert_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, topk_weights,
-        num_pairs, num_m_blocks, n,
+        a, w, out, sorted_ids, block_expert, topk_weights, a_scale, w_scale,
+        num_pairs, num_m_blocks, n, group_n,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), topk_weights.stride(0), topk_weights.stride(1),
+        *a_strides, *w_strides,
         KDIM=kdim, TOP_K=top_k, GATED=gated, ACTIVATION=activation,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        # float32 models get exact float32 products, not TF32's 10-bit mantissa.
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
+        # float32 models get exact float32 products, not TF32's 10-bit mantissa (fp8 dots ignore it).
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8=fp8, GROUP_K=group_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+def fp8_block_k(block_k: int, block_size: tuple[int, int] | None, device: torch.device) -> int:
+    """The BLOCK_K an e4m3 GEMM runs with for a config's ``block_k``: at most the scale
+    blocks' bk (a tile lies in one k-group), at least 32 on CUDA (fp8 dots)."""
+    if block_size is not None:
+        block_k = min(block_k, block_size[1])
+    return max(block_k, _FP8_MIN_BLOCK_K) if device.type == "cuda" else block_k
 
 
 def _align_shape(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
@@ -522,14 +668,21 @@ def _align_shape(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, activation: str = "silu",
-            config: dict | None = None, ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)) -> int:
+            config: dict | None = None, ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64),
+            x_dtype: torch.dtype | None = None, w13_scale: torch.Tensor | None = None,
+            w2_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> int:
     """Compile every kernel variant ``fused_moe`` can meet for 1..max_tokens tokens
     with these weights and config (a compile met while serving stalls a step for
     about a second): one call per distinct set of compile-time choices (the
     config entry, the align chunking) and ids dtype (the align and sum kernels
-    read the ids: pass the one the layer uses to halve the calls). Results are
-    thrown away. Returns the number of calls."""
+    read the ids: pass the one the layer uses to halve the calls). ``x_dtype``
+    is the model's dtype (default w13's; required for e4m3 weights, which also
+    pass their scales and block size as to ``fused_moe``; fp8_quantize compiles
+    once for every token count). Results are thrown away. Returns the number of calls."""
     num_experts, hidden = w13.shape[0], w13.shape[2]
+    fp8 = w13.dtype == FP8_DTYPE
+    require(not fp8 or x_dtype is not None, "fused_moe.warm_up", f"x_dtype is required for {FP8_DTYPE} weights")
+    x_dtype = x_dtype or w13.dtype
     seen = set()
     calls = 0
     for num_tokens in range(1, max_tokens + 1):
@@ -539,11 +692,12 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
         if key in seen:
             continue
         seen.add(key)
-        x = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
+        x = torch.zeros(num_tokens, hidden, dtype=x_dtype, device=w13.device)
         ids = (torch.arange(num_tokens * top_k, device=w13.device) % num_experts).view(num_tokens, top_k)
         weights = torch.zeros(num_tokens, top_k, dtype=torch.float32, device=w13.device)
         for ids_dtype in ids_dtypes:
-            fused_moe(x, w13, w2, weights, ids.to(ids_dtype), activation=activation, config=config)
+            fused_moe(x, w13, w2, weights, ids.to(ids_dtype), activation=activation, config=config,
+                      w13_scale=w13_scale, w2_scale=w2_scale, block_size=block_size)
             calls += 1
     return calls
 
@@ -573,9 +727,19 @@ def _candidate_block_ms(num_tokens: int, num_experts: int, top_k: int) -> list[i
     return fit[-3:]
 
 
-def _candidate_tiles(block_m: int, dtype: torch.dtype, num_m_tiles: int) -> list[GemmTiles]:
+def _candidate_tiles(block_m: int, dtype: torch.dtype, num_m_tiles: int,
+                     block_size: tuple[int, int] | None = None) -> list[GemmTiles]:
+    """``dtype``: the weights'. e4m3 tiles take twice the 16-bit BLOCK_K (the same bytes of
+    shared memory per stage), capped at the scale blocks' bk (one k-group per tile)."""
     group_m = 1 if num_m_tiles <= 1 or block_m == 16 else 8
-    table = _GEMM_CANDIDATES_FP32 if dtype == torch.float32 else _GEMM_CANDIDATES[block_m]
+    if dtype == torch.float32:
+        table = _GEMM_CANDIDATES_FP32
+    elif dtype == FP8_DTYPE:
+        cap = block_size[1] if block_size is not None else 1 << 30
+        table = list(dict.fromkeys((bn, min(2 * bk, cap), warps, stages)
+                                   for bn, bk, warps, stages in _GEMM_CANDIDATES[block_m]))
+    else:
+        table = _GEMM_CANDIDATES[block_m]
     return [GemmTiles(bn, bk, group_m, warps, stages) for bn, bk, warps, stages in table]
 
 
@@ -596,28 +760,39 @@ def _fastest(run, candidates: list[GemmTiles], rep_ms: int) -> tuple[float, Gemm
 
 
 def _tune_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, gen: torch.Generator,
-              rep_ms: int, max_candidates: int | None) -> dict:
-    """The best tiles for x's token count, with uniform random routing."""
+              rep_ms: int, max_candidates: int | None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> dict:
+    """The best tiles for x's token count, with uniform random routing (e4m3 weights:
+    the GEMMs alone are timed, on inputs quantized once)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     ids = torch.rand(num_tokens, num_experts, device=x.device, generator=gen).topk(top_k, dim=-1).indices
     ids = ids.to(torch.int32)
     weights = torch.rand(num_tokens, top_k, device=x.device, generator=gen)
+    fp8 = w13.dtype == FP8_DTYPE
+    group = None if block_size is None else block_size[1]
+    if fp8:
+        a, a_scale = fp8_quantize(x, group)
+    else:
+        a, a_scale = x, None
     best: tuple[float, MoeTiles | None] = (float("inf"), None)
     for block_m in _candidate_block_ms(num_tokens, num_experts, top_k):
         sorted_ids, block_expert = _align(ids, num_experts, block_m)
-        cands = _candidate_tiles(block_m, x.dtype, block_expert.shape[0])[:max_candidates]
+        cands = _candidate_tiles(block_m, w13.dtype, block_expert.shape[0], block_size)[:max_candidates]
 
         def gemm1(tiles: GemmTiles) -> torch.Tensor:
-            return _gemm(x, w13, sorted_ids, block_expert, weights, top_k, inter, block_m, tiles, gated=True,
-                         activation="silu")
+            return _gemm(a, w13, sorted_ids, block_expert, weights, top_k, inter, block_m, tiles, gated=True,
+                         activation="silu", out_dtype=x.dtype, a_scale=a_scale, w_scale=w13_scale,
+                         block_size=block_size)
 
         ms1, g1 = _fastest(gemm1, cands, rep_ms)
         if g1 is None:
             continue
-        h = gemm1(g1)
+        h, h_scale = fp8_quantize(gemm1(g1), group) if fp8 else (gemm1(g1), None)
         ms2, g2 = _fastest(lambda tiles: _gemm(h, w2, sorted_ids, block_expert, weights, top_k, hidden, block_m,
-                                               tiles, gated=False, activation="silu"), cands, rep_ms)
+                                               tiles, gated=False, activation="silu", out_dtype=x.dtype,
+                                               a_scale=h_scale, w_scale=w2_scale, block_size=block_size),
+                           cands, rep_ms)
         if g2 is not None and ms1 + ms2 < best[0]:
             best = (ms1 + ms2, MoeTiles(block_m, g1, g2))
     require(best[1] is not None, "fused_moe.tune", f"no candidate tile config ran for {num_tokens} tokens")
@@ -636,33 +811,48 @@ def tune(
     *,
     rep_ms: int = 25,
     max_candidates: int | None = None,
+    block_size: tuple[int, int] | None = None,
+    x_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[int, dict]:
     """Time a small grid of tiles per token count on this GPU; {count: tiles} for ``fused_moe(config=...)``.
 
-    ``intermediate`` is a rank's share of the experts' intermediate dim. Inputs
-    are random with uniform routing. For each count, every candidate BLOCK_M
-    aligns once, then GEMM 1's and GEMM 2's candidates are timed separately
-    (``triton.testing.do_bench``, L2 flushed between runs); the BLOCK_M with
-    the least GEMM 1 + GEMM 2 time wins. Candidates that fail to compile or
-    launch (shared memory) are skipped. Takes a minute or two, mostly compiles;
-    ``max_candidates`` keeps only the first few per BLOCK_M (for tests).
+    ``intermediate`` is a rank's share of the experts' intermediate dim;
+    ``dtype`` is the weights' dtype. Inputs are random with uniform routing.
+    For each count, every candidate BLOCK_M aligns once, then GEMM 1's and GEMM
+    2's candidates are timed separately (``triton.testing.do_bench``, L2 flushed
+    between runs); the BLOCK_M with the least GEMM 1 + GEMM 2 time wins.
+    Candidates that fail to compile or launch (shared memory) are skipped.
+    Takes a minute or two, mostly compiles; ``max_candidates`` keeps only the
+    first few per BLOCK_M (for tests). For float8_e4m3fn weights, ``block_size``
+    is the scale blocks' (None: per channel) and activations are ``x_dtype``.
     """
     device = torch.device(device)
     require(device.type == "cuda", "fused_moe.tune", f"tuning needs a CUDA device, got {device}")
     require(len(token_counts) > 0 and all(n >= 1 for n in token_counts), "fused_moe.tune",
             f"token_counts must be positive, got {token_counts}")
+    fp8 = dtype == FP8_DTYPE
+    require(fp8 or block_size is None, "fused_moe.tune", f"block_size is for {FP8_DTYPE} weights, got {dtype}")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
     # Made in the model dtype: the engine tunes before it allocates the KV cache, but beside the weights.
-    w13 = torch.randn(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype, generator=gen)
-    w13 *= hidden**-0.5
-    w2 = torch.randn(num_experts, hidden, intermediate, device=device, dtype=dtype, generator=gen)
-    w2 *= intermediate**-0.5
-    xs = torch.randn(max(token_counts), hidden, device=device, dtype=dtype, generator=gen)
+    made = x_dtype if fp8 else dtype
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, device=device, dtype=made, generator=gen)
+    w2 = torch.randn(num_experts, hidden, intermediate, device=device, dtype=made, generator=gen)
+    scales: dict = {}
+    if fp8:  # unit-normal codes; scales bring the weights to the 16-bit path's magnitudes
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+        shape13, shape2 = fp8_scale_shapes(w13, w2, block_size)
+        scales = dict(w13_scale=torch.full(shape13, hidden**-0.5, device=device),
+                      w2_scale=torch.full(shape2, intermediate**-0.5, device=device), block_size=block_size)
+    else:
+        w13 *= hidden**-0.5
+        w2 *= intermediate**-0.5
+    xs = torch.randn(max(token_counts), hidden, device=device, dtype=made, generator=gen)
     result: dict[int, dict] = {}
     with torch.cuda.device(device):  # do_bench times and flushes L2 on the current device
         for num_tokens in sorted(set(token_counts)):
-            result[num_tokens] = _tune_one(xs[:num_tokens], w13, w2, top_k, gen, rep_ms, max_candidates)
-    logger.info("fused_moe.tune: E=%d H=%d I=%d K=%d %s: %d token counts in %.1f s", num_experts, hidden,
-                intermediate, top_k, dtype, len(result), time.perf_counter() - started)
+            result[num_tokens] = _tune_one(xs[:num_tokens], w13, w2, top_k, gen, rep_ms, max_candidates, **scales)
+    logger.info("fused_moe.tune: E=%d H=%d I=%d K=%d %s%s: %d token counts in %.1f s", num_experts, hidden,
+                intermediate, top_k, dtype, f" blocks {block_size}" if block_size else "", len(result),
+                time.perf_counter() - started)
     return result

@@ -43,6 +43,13 @@ Whether a window is applied is compiled in (WINDOW); W itself is a runtime
 argument, so one compile serves every window size and None runs the code
 it ran before windows existed.
 
+FP8 KV cache (float8_e4m3fn, per-tensor k_scale and v_scale): K and V tiles
+are loaded as e4m3 and converted to q's dtype in registers (exact: every e4m3
+value is a bfloat16 and a float16); the scales are applied where they cost
+nothing, k_scale folded into the softmax scale (s = q.k8 * scale * k_scale)
+and v_scale once on the accumulator (o = sum p v8 * v_scale), which is
+K = k8 * k_scale and V = v8 * v_scale up to float rounding.
+
 Split-K (flash decoding): when the grid is too small to fill the GPU (decode
 of a few long sequences), each tile's key range [kv_start, kv_end) is cut
 into num_splits parts run in parallel; each part writes an unnormalised
@@ -64,10 +71,12 @@ import triton.language as tl
 
 from kernels._checks import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     check_contiguous,
     check_dim,
     check_dtype,
     check_inner_contiguous,
+    check_kv_cache_dtype,
     check_runnable,
     next_pow2,
     require,
@@ -149,6 +158,7 @@ def _attend_kv_tile(
             mask=pos_ok[None, :] & dim_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
+    k = k.to(q.dtype)  # an FP8 cache's e4m3 values, exactly (k_scale is in qk_scale); else a no-op
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
@@ -164,7 +174,7 @@ def _attend_kv_tile(
         v_cache_ptr + v_off[:, None] + dims[None, :],
         mask=pos_ok[:, None] & dim_ok[None, :],
         other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
+    ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; FP8: v_scale is applied to the accumulator at the end
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -181,7 +191,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks_per_seq]
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    v_scale,  # FP8 cache: V = v_cache * v_scale; read only when KV_FP8
     num_seqs,
     num_tokens,
     num_splits,
@@ -202,6 +213,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1
     WINDOW: tl.constexpr,  # a sliding window applies
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is float8_e4m3fn (scaled by k_scale, v_scale)
 ):
     kv_head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: see the module's docstring
@@ -311,6 +323,8 @@ def _paged_attention_kernel(
                     qk_scale, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, True, BLOCK_Q > 1, WINDOW, BLOCK_Q == 1,
                 )
 
+    if KV_FP8:
+        acc = acc * v_scale  # sum_k p_k (v8_k * v_scale): partial sums too (the combine is linear in them)
     mask = row_ok[:, None] & dim_ok[None, :]
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -475,6 +489,8 @@ def _check_args(
     seq_lens: torch.Tensor,
     num_splits: int | None,
     sliding_window: int | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     where = "paged_attention"
     check_runnable(
@@ -511,8 +527,8 @@ def _check_args(
         f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
     )
     check_dtype(where, "q", q, FLOAT_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require(t.dtype == q.dtype, where, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    check_kv_cache_dtype(where, "k_cache", k_cache, q.dtype, k_scale, v_scale)
+    require(v_cache.dtype == k_cache.dtype, where, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         check_dtype(where, name, t, (torch.int32,))
     check_inner_contiguous(where, "q", q)
@@ -537,6 +553,8 @@ def paged_attention(
     num_splits: int | None = None,
     step_cache: dict | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged K/V.
 
@@ -546,7 +564,8 @@ def paged_attention(
         query_start_loc[b]:query_start_loc[b+1]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any
         strides with stride 1 in head_dim; the new tokens' K/V must already be
-        stored (store_kv_cache)
+        stored (store_kv_cache); q's dtype, or float8_e4m3fn: then
+        K = k_cache * k_scale and V = v_cache * v_scale
     block_tables: [B, max_blocks_per_seq] int32 block ids; entries past a
         sequence's cdiv(seq_lens[b], block_size) blocks are never read
     query_start_loc: [B + 1] int32, non-decreasing, query_start_loc[0] = 0
@@ -557,6 +576,7 @@ def paged_attention(
     step_cache: unused here (the CPU reference keeps per-step work in it)
     sliding_window: None (full causal attention) or W >= 1: each query sees
         only the last W keys up to itself (Hugging Face's sliding window)
+    k_scale, v_scale: an FP8 cache's per-tensor scales (1.0 for any other cache)
 
     Query i of sequence b is at position p = seq_lens[b] - q_len_b + i and sees
     keys 0..p, or max(0, p - W + 1)..p with a window; keys before the windows
@@ -566,7 +586,8 @@ def paged_attention(
     accumulated in float32; rows past query_start_loc[B] are left
     unspecified. Modifies nothing.
     """
-    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_splits, sliding_window)
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_splits, sliding_window,
+                k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -595,7 +616,7 @@ def paged_attention(
     _paged_attention_kernel[(num_kv_heads, num_tiles, num_splits)](
         partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         # (a window past any context means the same, clamped: the int32 argument warm_up compiled)
-        scale * _LOG2E, num_seqs, num_tokens, num_splits, min(sliding_window or 0, 1 << 30),
+        scale * k_scale * _LOG2E, float(v_scale), num_seqs, num_tokens, num_splits, min(sliding_window or 0, 1 << 30),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -613,6 +634,7 @@ def paged_attention(
         WINDOW=sliding_window is not None,
         # float32 models get exact float32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -629,14 +651,15 @@ def paged_attention(
 
 
 def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-            device: torch.device, *, sliding_window: int | None = None) -> None:
+            device: torch.device, *, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
     """Compile every variant ``paged_attention`` may pick for these shapes and this
     ``sliding_window`` (None: full attention; any window size compiles the variants of
     all sizes): decode- and prefill-shaped tiles, each whole and split, and the combine
     for every power-of-two split width up to _MAX_SPLITS (tiny launches; their results
-    are thrown away). A model with windowed and full layers calls it for each kind."""
+    are thrown away). A model with windowed and full layers calls it for each kind.
+    ``kv_dtype``: the cache's dtype when it is not ``dtype`` (float8_e4m3fn)."""
     _check_window(sliding_window)
-    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype, device=device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     for tokens in (1, 2):  # one query per sequence (decode-shaped), more (prefill-shaped)
         q = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype, device=device)

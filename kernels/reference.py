@@ -12,17 +12,32 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache: e4m3, per-tensor scales (see store_kv_cache)
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache holds for ``x``: e4m3(clamp(x / scale, -448, 448)), the division in
+    float32, the cast rounding to nearest even."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
 def store_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write each token's K/V into its cache slot, in place.
 
     key, value: [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (views allowed)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (views allowed), in
+        key's dtype, or float8_e4m3fn: then keys are stored as ``quantize_fp8(key, k_scale)``
+        and values as ``quantize_fp8(value, v_scale)`` (scales are 1.0 for other caches)
     slot_mapping: [num_tokens] int, slot = block_id * block_size + offset; < 0 skips the token
     """
     block_size = k_cache.shape[1]
@@ -30,9 +45,17 @@ def store_kv_cache(
     keep = slots >= 0  # [num_tokens]
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    key, value = key[keep], value[keep]
+    if k_cache.dtype == FP8_KV_DTYPE:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     # Advanced-index assignment writes through the (non-contiguous) views.
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
+
+
+def _dequantize(kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache values as float32: an FP8 cache's times its scale."""
+    return kv.float() * scale if kv.dtype == FP8_KV_DTYPE else kv.float()
 
 
 def paged_attention(
@@ -47,6 +70,8 @@ def paged_attention(
     num_splits: int | None = None,
     step_cache: dict | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
     (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
@@ -59,7 +84,8 @@ def paged_attention(
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], in q's dtype or
+       float8_e4m3fn: then K = k_cache * k_scale and V = v_cache * v_scale, in float32
     block_tables: [B, max_blocks_per_seq]; query_start_loc: [B+1]; seq_lens: [B]
        (seq_lens counts the new tokens, whose K/V are already in the cache)
     returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
@@ -74,11 +100,11 @@ def paged_attention(
                                               step_cache, sliding_window)
     if decode:  # one batched pass for all single-token rows
         _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache,
-                          sliding_window)
+                          sliding_window, k_scale, v_scale)
     for q_lo, q_hi, k_off, num_keys, blocks, visible in chunks:
         # [num_keys, num_kv_heads, head_dim] -> [num_kv_heads, num_keys, head_dim]
-        k = k_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1).float()
-        v = v_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1).float()
+        k = _dequantize(k_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1), k_scale)
+        v = _dequantize(v_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1), v_scale)
         qb = q[q_lo:q_hi].transpose(0, 1).float()  # [num_q_heads, q_len, head_dim]
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
@@ -129,7 +155,7 @@ _DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out, step_cache,
-                      window=None) -> None:
+                      window=None, k_scale=1.0, v_scale=1.0) -> None:
     """Single-query rows of ``paged_attention``, batched.
 
     Rows are sorted by context length and taken in groups; each group's
@@ -147,12 +173,12 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
     plan = _decode_plan(k_cache, block_tables, starts, lens, rows, by_rows, step_cache, window)
     for token_rows, valid, where in plan:
         if by_rows:
-            k = _gather_rows(k_rows, where).float()  # [R, H_kv, L, D]
-            v = _gather_rows(v_rows, where).float()
+            k = _dequantize(_gather_rows(k_rows, where), k_scale)  # [R, H_kv, L, D]
+            v = _dequantize(_gather_rows(v_rows, where), v_scale)
         else:
             blocks, heads, offsets = where
-            k = k_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
-            v = v_cache.permute(0, 2, 1, 3)[blocks, heads, offsets].float()
+            k = _dequantize(k_cache.permute(0, 2, 1, 3)[blocks, heads, offsets], k_scale)
+            v = _dequantize(v_cache.permute(0, 2, 1, 3)[blocks, heads, offsets], v_scale)
         r = token_rows.shape[0]
         qg = q[token_rows].float().view(r, num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
         scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [R, H_kv, G, L]
@@ -278,6 +304,9 @@ def fused_moe(
     *,
     activation: str = "silu",
     config: dict | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Mixture-of-experts MLP, HF transformers 5's ``Qwen3MoeExperts.forward`` step for step.
 
@@ -292,10 +321,31 @@ def fused_moe(
     activation and the product in x's dtype, the down projection times the
     routing weight cast to x's dtype, then ``index_add_`` into the output.
     The same order of operations as HF, so float32 results are equal bit for bit.
+
+    float8_e4m3fn weights (W8A8; w13 and w2 both, with float32 scales as for
+    ``kernels.fused_moe``: per channel w13_scale [E, 2I], w2_scale [E, H]; with
+    ``block_size`` (bn, bk) [E, cdiv(2I, bn), cdiv(H, bk)], [E, cdiv(H, bn), cdiv(I, bk)]).
+    The same loop, each hit expert e with its n pairs (token rows ``x_e = x[tokens]``)
+    in these steps, g = bk with blocks, None per channel:
+
+      1. ``q, s = fp8_quantize(x_e, g)`` (kernels.fp8_reference); ``a = q.float() * s``,
+         s broadcast per row ([n, 1]) or expanded over its g columns (the last group cut at H)
+      2. ``W13 = w13[e].float() * w13_scale[e]``, the scale per row ([2I, 1]) or each
+         [bn, bk] block's (cut at 2I and H); ``W2`` likewise from w2[e], w2_scale[e]
+      3. ``h = F.linear(a, W13)`` in float32, rounded to x's dtype; gate, up = h[:, :I], h[:, I:]
+      4. ``inter = act(gate) * up`` in x's dtype (both ops rounded, as the 16-bit path)
+      5. ``q, s = fp8_quantize(inter, g)``; ``b = q.float() * s`` as in step 1
+      6. ``y = F.linear(b, W2)`` in float32, rounded to x's dtype, times the routing
+         weight cast to x's dtype (a product in x's dtype)
+      7. ``out.index_add_(0, tokens, y)`` in x's dtype, experts in ascending order
+    Quantizing x per expert equals quantizing it once: scales are per token (and group).
     """
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
     act = MOE_ACTIVATIONS[activation]
+    fp8 = _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size)
+    if fp8:
+        from kernels.fp8_reference import dequantize_fp8
     num_tokens = topk_ids.shape[0]
     num_experts = w13.shape[0]
     out = torch.zeros_like(x, memory_format=torch.contiguous_format)
@@ -315,10 +365,49 @@ def fused_moe(
         pairs = order[start:start + n]
         start += n
         token_idx, slot = pairs % num_tokens, pairs // num_tokens
-        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[expert]) * weights[token_idx, slot, None]
+        if fp8:
+            group = None if block_size is None else block_size[1]
+            w13_e = dequantize_fp8(w13[expert], w13_scale[expert], block_size)  # [2I, H] float32
+            w2_e = dequantize_fp8(w2[expert], w2_scale[expert], block_size)  # [H, I] float32
+            h = F.linear(_fp8_round_trip(x[token_idx], group), w13_e).to(x.dtype)
+            gate, up = h.chunk(2, dim=-1)
+            y = F.linear(_fp8_round_trip(act(gate) * up, group), w2_e).to(x.dtype) * weights[token_idx, slot, None]
+        else:
+            gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, w2[expert]) * weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y)
     return out
+
+
+def _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size) -> bool:
+    """Whether the experts are e4m3 (W8A8); ValueError on missing or misshapen scales."""
+    fp8 = torch.float8_e4m3fn
+    if w13.dtype != fp8 and w2.dtype != fp8:
+        if w13_scale is not None or w2_scale is not None or block_size is not None:
+            raise ValueError(f"fused_moe: w13_scale, w2_scale and block_size are for {fp8} weights")
+        return False
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"fused_moe: w13 and w2 are both {fp8} or neither, got {w13.dtype} and {w2.dtype}")
+    num_experts, two_inter, hidden = w13.shape
+    if block_size is None:
+        want13, want2 = (num_experts, two_inter), (num_experts, hidden)
+    else:
+        bn, bk = block_size
+        want13 = (num_experts, -(-two_inter // bn), -(-hidden // bk))
+        want2 = (num_experts, -(-hidden // bn), -(-(two_inter // 2) // bk))
+    for name, t, want in (("w13_scale", w13_scale, want13), ("w2_scale", w2_scale, want2)):
+        if t is None or t.dtype != torch.float32 or tuple(t.shape) != want:
+            got = None if t is None else (t.dtype, tuple(t.shape))
+            raise ValueError(f"fused_moe: {name} must be float32 {list(want)} for block_size {block_size}, got {got}")
+    return True
+
+
+def _fp8_round_trip(a: torch.Tensor, group: int | None) -> torch.Tensor:
+    """[M, C] -> q.float() * s for (q, s) = fp8_quantize(a, group): what the fp8 GEMM reads, in float32."""
+    from kernels.fp8_reference import dequantize_fp8, fp8_quantize
+
+    q, s = fp8_quantize(a, group)
+    return dequantize_fp8(q, s, None if group is None else (1, group))
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool, weight_dtype: torch.dtype,
@@ -338,3 +427,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool, wei
             rows = (torch.arange(ids.shape[0], device=ids.device) < num_tokens.reshape(())).long()
         expert_counts.index_add_(0, ids.flatten(), rows.repeat_interleave(top_k))
     return weights.to(weight_dtype).float(), ids
+
+
+# int4 weight-only GEMM: kept in its own module (the layout is documented there).
+from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: E402,F401
+from kernels.fp8_reference import fp8_gemm, fp8_quantize  # noqa: E402,F401

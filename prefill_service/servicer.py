@@ -69,7 +69,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             self.kv_send = "after-prefill"
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
         # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
-        layout = dataclasses.replace(KVLayout.of(engine.kv_cache, engine.config.model.served_model_name),
+        layout = dataclasses.replace(KVLayout.of(engine.kv_cache, engine.config.model.served_model_name,
+                                                 engine.kv_scales, engine.config.model.dtype),
                                      num_kv_heads=engine.config.model.num_kv_heads)
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
                                  engine.tp)

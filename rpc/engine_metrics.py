@@ -83,10 +83,11 @@ class EngineMetrics:
                                  names, buckets=_TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
         c = engine.config
         info = Gauge("pdserve:engine_config_info", "The engine's configuration (value 1).",
-                     names + ["tensor_parallel_size", "block_size", "dtype", "device", "num_gpu_blocks"],
-                     registry=self.registry)
+                     names + ["tensor_parallel_size", "block_size", "dtype", "kv_cache_dtype", "device",
+                              "num_gpu_blocks"], registry=self.registry)
         info.labels(**labels, tensor_parallel_size=str(c.tensor_parallel_size), block_size=str(c.cache.block_size),
-                    dtype=c.model.dtype, device=c.device, num_gpu_blocks=str(engine.num_blocks)).set(1)
+                    dtype=c.model.dtype, kv_cache_dtype=c.kv_dtype, device=c.device,
+                    num_gpu_blocks=str(engine.num_blocks)).set(1)
         self._labels = labels
         self.url = ""
 

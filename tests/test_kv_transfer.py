@@ -49,10 +49,16 @@ def make_cache(seed: int, dtype: str, num_layers: int, num_blocks: int, block_si
     return torch.randn(shape, generator=g).to(getattr(torch, dtype))
 
 
+# An FP8 cache's per-layer scales (a layout of float8_e4m3fn must carry them).
+FP8_K_SCALES, FP8_V_SCALES = (0.37, 1.25, 0.5), (1.9, 0.125, 3.0)
+
+
 def layout_for(spec: dict[str, Any], dtype: str) -> KVLayout:
+    fp8 = dtype == "float8_e4m3fn"
     return KVLayout(model="tiny", dtype=dtype, block_size=spec["block_size"],
                     num_layers=spec["num_layers"], num_kv_heads=spec["num_kv_heads"],
-                    head_dim=spec["head_dim"])
+                    head_dim=spec["head_dim"], k_scales=FP8_K_SCALES if fp8 else (),
+                    v_scales=FP8_V_SCALES if fp8 else (), model_dtype="float32" if fp8 else "")
 
 
 # --------------------------------------------------------------------------- peer process
@@ -283,6 +289,42 @@ def test_layout_of_and_check_compatible() -> None:
                             "dtype 'bfloat16' != 'float32'; block_size 4 != 16")
 
 
+def test_an_fp8_layout_carries_its_scales_and_the_models_dtype() -> None:
+    """The compatibility record of an FP8 cache: the KV dtype, every layer's scales and the
+    model's dtype, through JSON (the pair's hello) and protobuf (OpenKVChannel) unchanged;
+    a pair refused on each, with both sides' values named."""
+    import json
+
+    from rpc.layout_convert import layout_from_proto, layout_to_proto
+
+    cache = torch.zeros(3, 20, 2, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    fp8 = KVLayout.of(cache, "m", (FP8_K_SCALES, FP8_V_SCALES), "float32")
+    assert fp8 == KVLayout("m", "float8_e4m3fn", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8,
+        k_scales=FP8_K_SCALES, v_scales=FP8_V_SCALES, model_dtype="float32")
+    assert KVLayout.from_dict(json.loads(json.dumps(fp8.to_dict()))) == fp8
+    assert layout_from_proto(layout_to_proto(fp8)) == fp8
+    bf16 = KVLayout.of(torch.zeros(3, 20, 2, 4, 2, 8, dtype=torch.bfloat16), "m")
+    assert bf16.model_dtype == "bfloat16" and layout_from_proto(layout_to_proto(bf16)) == bf16
+    with pytest.raises(KVTransferError) as e:
+        check_compatible(fp8, bf16, "decode", "prefill")
+    assert str(e.value) == ("KV layout mismatch between decode and prefill: dtype 'float8_e4m3fn' != 'bfloat16'; "
+                            "k_scales [0.37, 1.25, 0.5] != none; v_scales [1.9, 0.125, 3.0] != none; "
+                            "model_dtype 'float32' != 'bfloat16'")
+    other_scale = KVLayout.of(cache, "m", ((0.37, 1.25, 0.5), (1.9, 0.25, 3.0)), "float32")
+    with pytest.raises(KVTransferError) as e:
+        check_compatible(fp8, other_scale, "decode", "prefill")
+    assert str(e.value) == ("KV layout mismatch between decode and prefill: "
+                            "v_scales [1.9, 0.125, 3.0] != [1.9, 0.25, 3.0]")
+    other_model_dtype = KVLayout.of(cache, "m", (FP8_K_SCALES, FP8_V_SCALES), "bfloat16")
+    with pytest.raises(KVTransferError) as e:
+        check_compatible(fp8, other_model_dtype, "decode", "prefill")
+    assert str(e.value) == "KV layout mismatch between decode and prefill: model_dtype 'float32' != 'bfloat16'"
+    for bad in (dict(k_scales=(), v_scales=()), dict(k_scales=(1.0, 1.0), v_scales=(1.0, 1.0)),
+                dict(dtype="bfloat16")):  # FP8 without its scales, too few scales, scales of a bf16 cache
+        with pytest.raises(ValueError, match="KVLayout"):
+            KVLayout(**{**fp8.to_dict(), **bad})
+
+
 def test_choose_backend_by_gpu_uuid() -> None:
     a, b = "a7d887d8-9fe1-475a-4ba1-b80aa0ce8253", "64e490f7-0be7-acdb-c82d-da3343bbd06c"
     # Two containers each see their GPU as cuda:0; only the UUIDs tell them apart.
@@ -338,8 +380,9 @@ def test_chunk_ranges_and_plans() -> None:
 
 # --------------------------------------------------------------------------- two processes
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_transfers_land_exactly(pairs: Any, dtype: str) -> None:
+    """Bit for bit, and the bytes counted are the cache's: 4, 2 and 1 a value."""
     pair = pairs(dtype)
     rng = random.Random(dtype)
     requests = [
@@ -365,10 +408,11 @@ def test_transfers_land_exactly(pairs: Any, dtype: str) -> None:
 
 @pytest.mark.parametrize("plan, messages", [((True, 1), lambda runs: 3), ((True, 2), lambda runs: 2),
                                             ((False, 3), lambda runs: 3 * runs)])
-def test_every_plan_lands_exactly(pairs: Any, plan: tuple[bool, int], messages: Any) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_every_plan_lands_exactly(pairs: Any, plan: tuple[bool, int], messages: Any, dtype: str) -> None:
     """Packed (gathered, then scattered) in chunks of 1 and 2 of the 3 layers; in place with all
     layers in one batch. The header tells the receiver which."""
-    pair = pairs("float32")
+    pair = pairs(dtype)
     rng = random.Random(str(plan))
     requests = [("shuffled", rng.sample(range(20), 7), rng.sample(range(20), 7)),
                 ("runs", [5, 6, 7, 8], [2, 3, 9, 10]), ("empty", [], [])]
@@ -465,6 +509,24 @@ def test_layout_mismatch_raises_on_both_sides(peer: Peer) -> None:
     for message in (sender_side.value.message, str(receiver_side.value)):
         assert message == ("KV layout mismatch between prefill and decode: "
                            "dtype 'bfloat16' != 'float32'; block_size 8 != 4")
+    receiver.close()
+
+
+def test_fp8_scales_that_differ_are_refused_on_both_sides(peer: Peer) -> None:
+    """Two FP8 caches whose scales differ in one layer: their bytes mean other values, so the
+    handshake refuses the pair on both sides, naming both sides' scales."""
+    decode = layout_for(SMALL, "float8_e4m3fn")
+    receiver, port = KVReceiver.listen("127.0.0.1", decode, timeout=20.0)
+    prefill = KVLayout(**{**decode.to_dict(), "k_scales": (0.37, 1.25, 0.75)})
+    with pytest.raises(PeerError) as sender_side:
+        peer.call("connect", "fp8-scales", port, prefill.to_dict(), SMALL, "float8_e4m3fn", "cpu", "auto", 20.0,
+                  None)
+    assert sender_side.value.kind == "KVTransferError"
+    with pytest.raises(KVTransferError) as receiver_side:
+        receiver.wait_connected()
+    for message in (sender_side.value.message, str(receiver_side.value)):
+        assert message == ("KV layout mismatch between prefill and decode: "
+                           "k_scales [0.37, 1.25, 0.75] != [0.37, 1.25, 0.5]")
     receiver.close()
 
 

@@ -66,6 +66,7 @@ def _remaining(deadline: float, what: str) -> timedelta:
 def _gather_blocks(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     """out[:, i] = blocks[:, index[i]] for [layers, blocks, ...] tensors; ``out`` contiguous,
     ``blocks`` contiguous or a head slice of a cache."""
+    blocks, out = _bytes_of_fp8(blocks), _bytes_of_fp8(out)
     if blocks.is_contiguous():
         torch.index_select(_as_rows(blocks), 1, index, out=_as_rows(out))
     else:
@@ -74,10 +75,17 @@ def _gather_blocks(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor)
 
 def _scatter_blocks(blocks: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
     """blocks[:, index[i]] = data[:, i]: the inverse of ``_gather_blocks``."""
+    blocks, data = _bytes_of_fp8(blocks), _bytes_of_fp8(data)
     if blocks.is_contiguous():
         _as_rows(blocks).index_copy_(1, index, _as_rows(data))
     else:
         blocks.index_copy_(1, index, data)
+
+
+def _bytes_of_fp8(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache (or its staging) as uint8, same strides: the copies move bytes, and some
+    of torch's CPU kernels (index_copy_) have no float8 version."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _as_rows(blocks: torch.Tensor) -> torch.Tensor:

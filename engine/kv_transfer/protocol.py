@@ -17,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directly (no init_process_group)
 
-PROTOCOL_VERSION = 3  # 2: backend from GPU UUIDs, chunked message plan; 3: meta in the trailer
+# 2: backend from GPU UUIDs, chunked message plan; 3: meta in the trailer; 4: the layout has the KV
+# scales and the model's dtype
+PROTOCOL_VERSION = 4
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
@@ -43,36 +45,64 @@ class KVChannelClosed(KVTransferError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What both sides of a pair must agree on. ``num_blocks`` may differ."""
+    """What both sides of a pair must agree on. ``num_blocks`` may differ.
+
+    ``dtype`` is the cache's element type, the KV dtype: the model's, or float8_e4m3fn
+    (``--kv-cache-dtype fp8``), whose values are K / k_scale and V / v_scale with one scale
+    of each per layer: two FP8 caches pair only with the same scales (the bytes would mean
+    other values), given in full so that a refusal names both sides' values. A cache in the
+    model's dtype has no scales (empty). ``model_dtype`` is the dtype the model computes K
+    and V in; it defaults to ``dtype`` (a cache in the model's dtype) and differs from it
+    only for an FP8 cache, where it must still match: two FP8 caches of a bfloat16 and a
+    float32 model hold the same kind of bytes, but the servers do not run the same model."""
 
     model: str
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16", "float8_e4m3fn"
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    k_scales: tuple[float, ...] = ()  # FP8: per layer
+    v_scales: tuple[float, ...] = ()
+    model_dtype: str = ""  # "": the same as dtype
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        for name in ("k_scales", "v_scales"):  # lists from JSON or protobuf: kept as tuples of floats
+            scales = tuple(float(x) for x in getattr(self, name))
+            object.__setattr__(self, name, scales)
+            if scales and len(scales) != self.num_layers:
+                raise ValueError(f"KVLayout.{name} must have one scale per layer ({self.num_layers}), "
+                                 f"got {len(scales)}")
+        is_fp8 = self.dtype == _dtype_name(torch.float8_e4m3fn)
+        if is_fp8 != bool(self.k_scales) or is_fp8 != bool(self.v_scales):
+            raise ValueError(f"KVLayout: a {self.dtype} cache must have {'its' if is_fp8 else 'no'} KV scales, "
+                             f"got k_scales {_show(self.k_scales)}, v_scales {_show(self.v_scales)}")
+        if not self.model_dtype:
+            object.__setattr__(self, "model_dtype", self.dtype)
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, model: str) -> KVLayout:
+    def of(cls, kv_cache: torch.Tensor, model: str,
+           scales: tuple[Sequence[float], Sequence[float]] = ((), ()), model_dtype: str = "") -> KVLayout:
+        """The layout of ``kv_cache``; ``scales``: an FP8 cache's per-layer (k, v) scales;
+        ``model_dtype``: the model's dtype (default: the cache's)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError("kv_cache must be [num_layers, num_blocks, 2, block_size, "
                              f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(model=model, dtype=_dtype_name(kv_cache.dtype), block_size=block_size,
-                   num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+                   num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise ValueError unless ``kv_cache`` has this layout and is contiguous, or is a head
@@ -106,8 +136,20 @@ def check_compatible(local: KVLayout, remote: KVLayout, local_role: str = "local
 
 
 def _layout_diffs(a: KVLayout, b: KVLayout) -> list[str]:
-    return [f"{f.name} {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
-            for f in fields(KVLayout) if getattr(a, f.name) != getattr(b, f.name)]
+    """Each field that differs, with both values (``dtype`` is the KV dtype: the cache's).
+    ``model_dtype`` is named only where a side's cache is not in its model's dtype (else
+    the ``dtype`` difference says it all)."""
+    implied = a.model_dtype == a.dtype and b.model_dtype == b.dtype
+    return [f"{f.name} {_show(getattr(a, f.name))} != {_show(getattr(b, f.name))}"
+            for f in fields(KVLayout) if getattr(a, f.name) != getattr(b, f.name)
+            and not (f.name == "model_dtype" and implied)]
+
+
+def _show(value: Any) -> str:
+    """A layout value for an error message; scales as lists, "none" for a cache without."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(repr(x) for x in value) + "]" if value else "none"
+    return repr(value)
 
 
 def run_array(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray) -> np.ndarray:

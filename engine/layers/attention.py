@@ -7,6 +7,11 @@
 What families change are parameters: QKV bias (Qwen2), per-head q/k norms (Qwen3,
 Gemma 3 with its offset norm), the softmax scale (Gemma's query_pre_attn_scalar),
 the window and the RoPE table per layer (Gemma 3's local and global layers).
+
+An FP8 KV cache (``--kv-cache-dtype fp8``) stores K / k_scale and V / v_scale in
+e4m3 and attention reads them back times the scales (kernels/); the model runner
+sets each layer's ``k_scale`` and ``v_scale`` (the checkpoint's, else 1.0) after
+loading. Other caches keep 1.0, which the kernels require of them.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import ColumnParallelLinear, Part, RowParallelLinear
+from engine.layers.linear import ColumnParallelLinear, LinearMethods, Part, RowParallelLinear, method_for
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import Shard, TPGroup
@@ -44,8 +49,9 @@ QKV_SHARDS = ("q", "k", "v")
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None,
                  rope: RotaryEmbedding, *, sliding_window: int | None = None, scale: float | None = None,
-                 qk_norm: str | None = None) -> None:
-        """``qk_norm``: None, "plain" or "offset" (see engine/layers/norm.py)."""
+                 qk_norm: str | None = None, methods: LinearMethods | None = None, prefix: str = "") -> None:
+        """``qk_norm``: None, "plain" or "offset" (see engine/layers/norm.py); ``methods``: the
+        projections' linear methods, by their checkpoint names under ``prefix``."""
         super().__init__()
         d = self.head_dim = cfg.head_dim
         self.num_heads, self.num_kv_heads = shard.num_local_heads, shard.num_local_kv_heads
@@ -54,8 +60,11 @@ class Attention(nn.Module):
         kv_part = Part(cfg.num_kv_heads * d, kv_lo * d, kv_hi * d)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [Part(cfg.num_heads * d, q_lo * d, q_hi * d),
                                                                kv_part, kv_part],
-                                             bias=cfg.attention_bias, shard_ids=QKV_SHARDS)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, "attention heads")
+                                             bias=cfg.attention_bias, shard_ids=QKV_SHARDS,
+                                             method=method_for(methods, prefix, "qkv_proj",
+                                                               [f"{s}_proj" for s in QKV_SHARDS]))
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, "attention heads",
+                                        method=method_for(methods, prefix, "o_proj"))
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ops, offset=qk_norm == "offset")
@@ -63,6 +72,7 @@ class Attention(nn.Module):
         self.rope, self.ops = rope, ops
         self.scale = d ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (plain floats: no parameters to load)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -76,9 +86,10 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, d)
         q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
-        self.ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        self.ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                     step_cache=meta.step_cache, **window)
+                                     step_cache=meta.step_cache, **window, **scales)
         return self.o_proj(o.reshape(t, self.q_size))

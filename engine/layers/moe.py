@@ -14,7 +14,10 @@ every expert's slice; the partial outputs are all-reduced), like a dense MLP.
 Checkpoints name experts one by one (``experts.{e}.gate_proj`` or Mixtral's
 ``w1``/``w3``/``w2``) or stacked as here (transformers 5's ``experts.gate_up_proj``);
 the loader's shard ids say which: ("gate", e), ("up", e), ("down", e), or None for
-a stacked tensor.
+a stacked tensor. A quantized checkpoint's per-expert tensors beside the weight
+(``experts.{e}.gate_proj.weight_scale``) load the same way into
+``experts.gate_up_proj_weight_scale`` (``MoEMethod``: the plain one here, FP8 in
+engine/quantization/fp8.py).
 
 Per-expert load: the routing op adds the tokens routed to each expert into the layer's
 row of a counter the model owns (on the device, no host sync; CUDA-graph padding rows
@@ -33,10 +36,28 @@ from engine.layers.linear import Part, ReplicatedLinear, copy_rows, split_range,
 from engine.parallel import TPGroup
 
 
+class MoEMethod:
+    """How a FusedMoE layer keeps and runs its experts' weights. The plain method: 16-bit
+    ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]`` (this rank's
+    experts and slice of I). Quantized methods (engine/quantization/fp8.py) subclass this."""
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        e, i, h = layer.num_local_experts, layer.part.size, layer.hidden_size
+        layer.add_expert_param("gate_up_proj", torch.empty(e, 2 * i, h), "gate_up")
+        layer.add_expert_param("down_proj", torch.empty(e, h, i), "down")
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Called once, after every checkpoint tensor is in place (or dummy weights drawn)."""
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return layer.ops.fused_moe(x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids,
+                                   activation=layer.activation, config=layer.kernel_config)
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, method: MoEMethod | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
@@ -49,15 +70,32 @@ class FusedMoE(nn.Module):
             lo, hi = split_range(intermediate_size, rank, size, "expert intermediate size")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.first_expert, self.num_local_experts = first, stop - first
+        self.hidden_size = hidden_size
+        self.part, self.expert_part = Part(intermediate_size, lo, hi), Part(num_experts, first, stop)
         self.activation, self.ops, self.tp = activation, ops, tp
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(stop - first, 2 * (hi - lo), hidden_size))
-        self.experts.down_proj = nn.Parameter(torch.empty(stop - first, hidden_size, hi - lo))
-        _attach_expert_loaders(self.experts.gate_up_proj, self.experts.down_proj, num_experts, hidden_size,
-                               Part(intermediate_size, lo, hi), Part(num_experts, first, stop))
+        self.method = method or MoEMethod()
+        self.method.create_weights(self)
         self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
         self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
+
+    def add_expert_param(self, name: str, tensor: torch.Tensor, kind: str, *, div: int = 1, split: bool = True,
+                         keep_dtype: bool = False) -> nn.Parameter:
+        """Register ``tensor`` ([local experts, ...], this rank's shape) as ``experts.<name>``
+        with its loader. kind "gate_up": dim 1 stacks the gate rows then the up rows of the
+        intermediate dim; kind "down": dim 2 runs along the intermediate dim (``split``
+        False: it does not, e.g. a per-row scale [E, H, 1]). ``div``: intermediate rows one
+        entry covers (block scales)."""
+        param = nn.Parameter(tensor, requires_grad=False)
+        part = self.part.packed(div, f"experts.{name}")
+        if kind == "gate_up":
+            _attach_gate_up_loader(param, self.num_experts, part, self.expert_part)
+        else:
+            _attach_down_loader(param, self.num_experts, part if split else None, self.expert_part)
+        param.keep_dtype = keep_dtype
+        setattr(self.experts, name, param)
+        return param
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         # Routing, and the expert-load count of the step's tokens (rows past
@@ -71,60 +109,68 @@ class FusedMoE(nn.Module):
             # all-reduce below adds up every rank's experts (tokens are on every rank already:
             # attention is tensor-parallel, so no dispatch is needed).
             ids = ids - self.first_expert
-        out = self.ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                                 activation=self.activation, config=self.kernel_config)
+        out = self.method.apply(self, x, weights, ids)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-def _attach_expert_loaders(gate_up: nn.Parameter, down: nn.Parameter, num_experts: int, hidden: int,
-                           part: Part, experts: Part) -> None:
-    """``part``: this rank's slice of each expert's intermediate dim; ``experts``: the
-    experts it holds (all of them, unless expert-parallel). Other experts' checkpoint
-    tensors are read as nothing and skipped."""
-    split = part.size != part.full
-    gate_up.full_shape = (num_experts, 2 * part.full, hidden)
-    gate_up.shard_ids = tuple((w, e) for e in range(experts.lo, experts.hi) for w in ("gate", "up"))
-    down.full_shape = (num_experts, hidden, part.full)
-    down.shard_ids = tuple(("down", e) for e in range(experts.lo, experts.hi))
+def _local(experts: Part, e: int) -> int | None:
+    return e - experts.lo if experts.lo <= e < experts.hi else None
 
-    def local(e: int) -> int | None:
-        return e - experts.lo if experts.lo <= e < experts.hi else None
 
-    def load_gate_up(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # [E, 2I, H] (or this rank's experts only)
+def _attach_gate_up_loader(param: nn.Parameter, num_experts: int, part: Part, experts: Part) -> None:
+    """``param`` [local experts, 2 * part.size, ...]: each expert's gate rows then up rows,
+    this rank's ``part`` of each. Other ranks' experts read as nothing and are skipped."""
+    param.full_shape = (num_experts, 2 * part.full, *param.shape[2:])
+    param.shard_ids = tuple((w, e) for e in range(experts.lo, experts.hi) for w in ("gate", "up"))
+
+    def load(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # [E, 2I, ...] (or this rank's experts only)
             if src.shape[0] != experts.size:
                 src = src[experts.lo:experts.hi]
             for e in range(experts.size):
                 copy_rows(p.data[e], src[e], [part, part], 0, None)
             return
         which, e = shard_id
-        if local(e) is not None:
-            copy_rows(p.data[local(e)], src, [part, part], 0, 0 if which == "gate" else 1)
+        if _local(experts, e) is not None:
+            copy_rows(p.data[_local(experts, e)], src.reshape(-1, *p.shape[2:]), [part, part], 0,
+                      0 if which == "gate" else 1)
 
-    def load_down(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # [E, H, I]
-            if src.shape[0] != experts.size:
-                src = src[experts.lo:experts.hi]
-            p.data.copy_(src if src.shape[2] == part.size else src[:, :, part.lo:part.hi])
-            return
-        if local(shard_id[1]) is not None:
-            copy_rows(p.data[local(shard_id[1])], src, [part], 1, None)
-
-    def slice_gate_up(shard_id=None) -> tuple[int, int, int] | None:
+    def checkpoint_slice(shard_id=None) -> tuple[int, int, int] | None:
         if shard_id is None:
             return None if experts.size == experts.full else (0, experts.lo, experts.hi)
-        if local(shard_id[1]) is None:
+        if _local(experts, shard_id[1]) is None:
             return 0, 0, 0  # another rank's expert: read nothing
-        return (0, part.lo, part.hi) if split else None
+        return (0, part.lo, part.hi) if part.size != part.full else None
 
-    def slice_down(shard_id=None) -> tuple[int, int, int] | None:
+    param.weight_loader, param.checkpoint_slice = load, checkpoint_slice
+
+
+def _attach_down_loader(param: nn.Parameter, num_experts: int, part: Part | None, experts: Part) -> None:
+    """``param`` [local experts, rows, cols]: cols run along this rank's ``part`` of the
+    intermediate dim (None: cols are not split)."""
+    cols = param.shape[2] if part is None else part.full
+    param.full_shape = (num_experts, param.shape[1], cols)
+    param.shard_ids = tuple(("down", e) for e in range(experts.lo, experts.hi))
+    split = part is not None and part.size != part.full
+
+    def load(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # [E, rows, cols]
+            if src.shape[0] != experts.size:
+                src = src[experts.lo:experts.hi]
+            p.data.copy_(src[:, :, part.lo:part.hi] if split and src.shape[2] != part.size else src)
+            return
+        if _local(experts, shard_id[1]) is not None:
+            src = src.reshape(p.shape[1], -1)
+            copy_rows(p.data[_local(experts, shard_id[1])], src, [part if part is not None else Part(
+                src.shape[1], 0, src.shape[1])], 1, None)
+
+    def checkpoint_slice(shard_id=None) -> tuple[int, int, int] | None:
         if shard_id is None:
             if experts.size != experts.full:
                 return 0, experts.lo, experts.hi
             return (2, part.lo, part.hi) if split else None
-        if local(shard_id[1]) is None:
+        if _local(experts, shard_id[1]) is None:
             return 0, 0, 0
         return (1, part.lo, part.hi) if split else None
 
-    gate_up.weight_loader, down.weight_loader = load_gate_up, load_down
-    gate_up.checkpoint_slice, down.checkpoint_slice = slice_gate_up, slice_down
+    param.weight_loader, param.checkpoint_slice = load, checkpoint_slice

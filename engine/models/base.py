@@ -24,14 +24,17 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kv_cache_dtype import is_kv_scale_name
 from engine.layers.attention import AttentionMetadata
 from engine.layers.embedding import LMHead, VocabEmbedding
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import FusedMoE, MoEMethod
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import Shard, TPGroup
+from engine.quantization.methods import QuantMethods
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# experts.<e>.<projection>.<weight, or a quantized checkpoint's tensor beside it>
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv)$")
 
 
 class CausalLM(nn.Module):
@@ -51,6 +54,8 @@ class CausalLM(nn.Module):
         self.expert_parallel = expert_parallel  # MoE layers: whole experts per rank (engine/layers/moe.py)
         rank, size = (0, 1) if tp is None else (tp.rank, tp.size)
         self.shard = Shard(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+        # Quantized layers' methods, chosen by checkpoint name (engine/quantization/); None: 16-bit.
+        self.quant = None if cfg.quantization is None else QuantMethods(cfg.quantization, ops)
         self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)
                       for t in sorted(set(cfg.layer_types) or {"full_attention"})}
         self.model = nn.Module()
@@ -72,6 +77,12 @@ class CausalLM(nn.Module):
     # ---- what a family provides ---------------------------------------------
     def make_layer(self, index: int) -> nn.Module:
         raise NotImplementedError
+
+    def moe_method(self, prefix: str) -> MoEMethod | None:
+        """The experts' method of the MoE block whose checkpoint name is ``prefix``."""
+        if self.quant is None:
+            return None
+        return self.quant.moe(prefix, self.config.num_experts, list(self.expert_projections))
 
     def rope_for(self, index: int) -> RotaryEmbedding:
         types = self.config.layer_types
@@ -106,11 +117,14 @@ class CausalLM(nn.Module):
         """(parameter name, shard id) a checkpoint tensor loads into; None: not a weight here."""
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
+        if is_kv_scale_name(name):  # an FP8 KV cache's scales: engine/kv_cache_dtype.py reads them
+            return None
         m = _EXPERT.match(name)
         if m and m.group(3) in self.expert_projections:
             which = self.expert_projections[m.group(3)]
             param = "gate_up_proj" if which in ("gate", "up") else "down_proj"
-            return f"{m.group(1)}.{param}", (which, int(m.group(2)))
+            suffix = "" if m.group(4) == "weight" else f"_{m.group(4)}"
+            return f"{m.group(1)}.{param}{suffix}", (which, int(m.group(2)))
         for part, fused, shard_id in self.stacked_params:
             if part in name:
                 return name.replace(part, fused), shard_id
@@ -140,7 +154,10 @@ class CausalLM(nn.Module):
             param = params[pname]
             loader = getattr(param, "weight_loader", None)
             if loader is not None:
-                loader(param, tensor, shard_id)
+                try:
+                    loader(param, tensor, shard_id)
+                except ValueError as e:
+                    raise ValueError(str(e) if name in str(e) else f"{name}: {e}") from e
             elif tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             else:
@@ -152,6 +169,13 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+
+    def process_weights_after_loading(self) -> None:
+        """Let every layer's method finish its weights (quantize, repack) once all are loaded."""
+        for module in self.modules():
+            method = getattr(module, "method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
 
     def dummy_weights(self, seed: int, dtype: torch.dtype, device: torch.device
                       ) -> Iterator[tuple[str, torch.Tensor]]:

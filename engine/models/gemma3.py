@@ -47,8 +47,11 @@ class Gemma3ForCausalLM(CausalLM):
         cfg = self.config
         attn = Attention(cfg, self.ops, self.shard, self.tp, self.rope_for(index),
                          sliding_window=cfg.layer_windows[index], qk_norm="offset",
-                         scale=cfg.hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5)
-        return Gemma3DecoderLayer(cfg, self.ops, attn, GatedMLP(cfg, self.ops, self.tp, cfg.intermediate_size))
+                         scale=cfg.hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
+                         methods=self.quant, prefix=f"model.layers.{index}.self_attn")
+        mlp = GatedMLP(cfg, self.ops, self.tp, cfg.intermediate_size, methods=self.quant,
+                       prefix=f"model.layers.{index}.mlp")
+        return Gemma3DecoderLayer(cfg, self.ops, attn, mlp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

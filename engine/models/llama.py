@@ -17,7 +17,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.activation import act_and_mul, activation_name
 from engine.layers.attention import Attention
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear, column_parts
+from engine.layers.linear import ColumnParallelLinear, LinearMethods, RowParallelLinear, column_parts, method_for
 from engine.layers.norm import RMSNorm
 from engine.models.base import CausalLM
 from engine.parallel import TPGroup
@@ -26,12 +26,16 @@ from engine.parallel import TPGroup
 class GatedMLP(nn.Module):
     """down(act(gate x) * up x), gate and up stacked in one column-parallel weight."""
 
-    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None, intermediate_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None, intermediate_size: int, *,
+                 methods: LinearMethods | None = None, prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, column_parts([intermediate_size] * 2, tp,
                                                                                "intermediate size"),
-                                                 shard_ids=(0, 1))
-        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, tp, "intermediate size")
+                                                 shard_ids=(0, 1),
+                                                 method=method_for(methods, prefix, "gate_up_proj",
+                                                                   ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, tp, "intermediate size",
+                                           method=method_for(methods, prefix, "down_proj"))
         self.act, self.ops = activation_name(cfg.hidden_act), ops
 
     def forward(self, x: torch.Tensor, meta=None) -> torch.Tensor:
@@ -61,8 +65,12 @@ class LlamaForCausalLM(CausalLM):
     def attention(self, index: int) -> Attention:
         cfg = self.config
         return Attention(cfg, self.ops, self.shard, self.tp, self.rope_for(index),
-                         sliding_window=cfg.layer_windows[index], qk_norm=self.qk_norm)
+                         sliding_window=cfg.layer_windows[index], qk_norm=self.qk_norm, methods=self.quant,
+                         prefix=f"model.layers.{index}.self_attn")
+
+    def dense_mlp(self, index: int) -> GatedMLP:
+        return GatedMLP(self.config, self.ops, self.tp, self.config.intermediate_size, methods=self.quant,
+                        prefix=f"model.layers.{index}.mlp")
 
     def make_layer(self, index: int) -> nn.Module:
-        mlp = GatedMLP(self.config, self.ops, self.tp, self.config.intermediate_size)
-        return DecoderLayer(self.config, self.ops, self.attention(index), mlp)
+        return DecoderLayer(self.config, self.ops, self.attention(index), self.dense_mlp(index))

@@ -17,7 +17,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         cfg = self.config
         moe = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size,
                        renormalize=True, activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp,
-                           expert_parallel=self.expert_parallel)
+                       expert_parallel=self.expert_parallel,
+                       method=self.moe_method(f"model.layers.{index}.block_sparse_moe"))
         return DecoderLayer(cfg, self.ops, self.attention(index), moe)
 
     def map_name(self, name: str) -> tuple[str, object] | None:

@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.layers.activation import activation_name
 from engine.layers.moe import FusedMoE
-from engine.models.llama import DecoderLayer, GatedMLP, LlamaForCausalLM
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -25,7 +25,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                            renormalize=bool(cfg.hf_config.get("norm_topk_prob", False)),
                            activation=activation_name(cfg.hidden_act), ops=self.ops, tp=self.tp,
-                           expert_parallel=self.expert_parallel)
+                           expert_parallel=self.expert_parallel, method=self.moe_method(f"model.layers.{index}.mlp"))
         else:
-            mlp = GatedMLP(cfg, self.ops, self.tp, cfg.intermediate_size)
+            mlp = self.dense_mlp(index)
         return DecoderLayer(cfg, self.ops, self.attention(index), mlp)

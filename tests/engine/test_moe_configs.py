@@ -98,3 +98,22 @@ def test_unusable_tune_result_is_not_cached(gpu_named, tmp_path):
     with pytest.raises(ValueError, match="tune_fn"):
         lookup(lambda *args: {})
     assert not (tmp_path / "moe_configs").exists() or cached_files(tmp_path) == []
+
+
+def test_fp8_weights_keyed_by_dtype_and_scale_blocks(gpu_named, tmp_path):
+    # FP8 experts tune apart from 16-bit ones, and block-scaled apart from per channel;
+    # the block size reaches tune_fn as a keyword (16-bit lookups call it as before).
+    seen: list[dict] = []
+
+    def tune(*args, **kw):
+        seen.append(kw)
+        return FakeTune()(*args)
+
+    fp8 = torch.float8_e4m3fn
+    lookup(tune)
+    lookup(tune, dtype=fp8)
+    moe_configs.moe_kernel_config(*list(SHAPE.values())[:4], fp8, "cuda:0", tune_fn=tune, block_size=(128, 128))
+    assert seen == [{}, {}, {"block_size": (128, 128)}]
+    key = moe_configs.config_key(128, 2048, 768, 8, fp8, "NVIDIA H200", triton.__version__, (128, 128))
+    assert "_float8_e4m3fn-block128x128_" in key
+    assert len(cached_files(tmp_path)) == 3 and f"{key}.json" in cached_files(tmp_path)

@@ -1,0 +1,126 @@
+"""The int4 weight-only GEMM (``kernels/int4_gemm.py``) on the GPU against its floor.
+
+The floor is the bytes a call must move (the packed weight, scales and zeros
+once, x read and y written) at the copy bandwidth measured in the same run, or
+the bf16 matrix rate for large M, whichever is longer. Each case is checked
+against ``kernels.reference.int4_gemm`` first. Times are medians of CUDA-graph
+replays (``triton.testing.do_bench_cudagraph``), with several weight copies
+cycled so that L2 (60 MB) cannot hold them. ``--sweep`` also times a grid of
+tile configs per case and prints the best next to the default.
+
+    python -m bench.int4_gemm [--sweep] [--group-size 128] [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+SHAPES = [  # (K, N): Llama-3-8B's qkv, o, gate|up and down projections
+    (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
+]
+TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
+COPIES = 4  # weight copies cycled per case
+
+
+def make_weight(k: int, n: int, group_size: int, dtype, device, gen, zeros: bool):
+    import torch
+
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device, generator=gen)
+    scales = (torch.rand(k // group_size, n, device=device, generator=gen) * 0.01 + 0.001).to(dtype)
+    z = torch.randint(0, 16, (k // group_size, n), dtype=torch.uint8, device=device, generator=gen) if zeros else None
+    return qweight, scales, z
+
+
+def copy_bandwidth(device) -> float:
+    import torch
+    import triton.testing
+
+    a = torch.empty(2 * 2**30 // 4, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
+    return 2 * a.numel() * 4 / (ms * 1e-3)
+
+
+def main() -> None:
+    import torch
+    import triton.testing
+
+    from kernels import int4_gemm, reference
+    from kernels.int4_gemm import Int4Tiles, default_tiles
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--zeros", action="store_true", help="asymmetric weights (zeros read)")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--shapes", default="")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bw = copy_bandwidth(dev)
+    peak = 790e12
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name(dev)}")
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    g = args.group_size
+    print(f"{'K':>6} {'N':>6} {'M':>5} | {'default us':>10} {'TB/s':>5} {'%floor':>6} | {'bf16 mm us':>10} | "
+          f"{'best us':>8} best tiles")
+    for (k, n), m in itertools.product(shapes, tokens):
+        weights = [make_weight(k, n, g, dtype, dev, gen, args.zeros) for _ in range(COPIES)]
+        x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+        qw, s, z = weights[0]
+        got = int4_gemm(x, qw, s, z, g)
+        want = reference.int4_gemm(x, qw, s, z, g)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, f"K={k} N={n} M={m}: relative error {err}"
+        wbytes = qw.numel() * 4 + s.numel() * s.element_size() + (z.numel() if z is not None else 0)
+        floor_s = max((wbytes + m * k * 2 + m * n * 2) / bw, 2 * m * n * k / peak)
+
+        def timed(cfg):
+            i = itertools.count()
+
+            def call():
+                qw, s, z = weights[next(i) % COPIES]
+                int4_gemm(x, qw, s, z, g, config=cfg)
+            return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median") * 1e3
+
+        us = timed(None)
+        dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(2)]
+        j = itertools.count()
+        mm_us = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, dense[next(j) % 2]), rep=50,
+                                                  return_mode="median") * 1e3
+        best = (us, default_tiles(m, n, k, g, dtype, dev))
+        if args.sweep:
+            for cfg in candidates(m, g):
+                try:
+                    t = timed(cfg)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"    skip {cfg}: {type(e).__name__}")
+                    continue
+                if t < best[0]:
+                    best = (t, cfg)
+        tbs = wbytes / (us * 1e-6) / 1e12
+        print(f"{k:>6} {n:>6} {m:>5} | {us:>10.1f} {tbs:>5.2f} {100 * floor_s / (us * 1e-6):>5.0f}% | {mm_us:>10.1f} | "
+              f"{best[0]:>8.1f} {best[1].as_dict() if isinstance(best[1], Int4Tiles) else best[1]}", flush=True)
+
+
+def candidates(m: int, g: int) -> list[dict]:
+    out = []
+    if m <= 16:
+        grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [1, 2, 4, 8, 16], [4], [3, 4])
+    elif m <= 64:
+        grid = itertools.product([m if m >= 16 else 16], [64, 128], [64, 128], [1, 2, 4], [4, 8], [3, 4])
+    else:
+        grid = itertools.product([64, 128], [64, 128, 256], [64, 128], [1], [4, 8], [3, 4])
+    for bm, bn, bk, split, warps, stages in grid:
+        if bk > g and g % 16 == 0:
+            continue
+        out.append({"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "group_m": 8,
+                    "num_warps": warps, "num_stages": stages})
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Which method each layer of a model gets, from a resolved ``QuantizationConfig``.
+
+Layers name themselves by their checkpoint names (``model.layers.3.self_attn``
+with the parts ``q_proj``, ``k_proj``, ``v_proj``; a checkpoint that stores them
+fused names ``qkv_proj``), so the checkpoint's own rules apply unchanged:
+
+    compressed-tensors   ``ignore``: exact names or "re:" patterns; a config group's
+                         ``targets``: "Linear" (every linear layer), names or "re:" patterns
+    awq, gptq, fp8       ``modules_to_not_convert`` / ``ignored_layers``: a layer whose
+                         name contains one of them (as whole dotted components: "gate"
+                         is a router, not gate_proj) is left in the model dtype
+
+A stacked layer's parts must agree: all quantized with one scheme, or none.
+"""
+from __future__ import annotations
+
+import re
+from types import ModuleType
+from typing import Sequence
+
+from engine.layers.linear import LinearMethod
+from engine.layers.moe import MoEMethod
+from engine.quantization.config import QuantizationConfig, Scheme, config_schemes, ignored_names
+
+
+class QuantMethods:
+    """The methods of one model: ``linear(...)`` for a linear layer, ``moe(...)`` for a
+    mixture-of-experts block (None: the plain method)."""
+
+    def __init__(self, qc: QuantizationConfig, ops: ModuleType) -> None:
+        self.config, self.ops = qc, ops
+        self.schemes = config_schemes(qc)
+        self.ignore = ignored_names(qc)
+        self.regex_rules = qc.method == "compressed-tensors"
+
+    # ---- matching -----------------------------------------------------------------------------------
+    def _matches(self, rule: str, name: str) -> bool:
+        if self.regex_rules:
+            return re.match(rule[3:], name) is not None if rule.startswith("re:") else rule == name
+        # whole dotted components: "mlp.gate" names a router, not "mlp.gate_proj"
+        return re.search(rf"(^|\.){re.escape(rule)}($|\.)", name) is not None
+
+    def _scheme_of(self, name: str) -> Scheme | None:
+        if any(self._matches(rule, name) for rule in self.ignore):
+            return None
+        if not self.regex_rules:
+            return self.schemes["default"]
+        for group, scheme in self.schemes.items():
+            targets = self.config.checkpoint["config_groups"][group]["targets"]
+            if any(t == "Linear" or self._matches(t, name) for t in targets):
+                return scheme
+        return None
+
+    def scheme(self, prefix: str, module: str, parts: Sequence[str] = ()) -> Scheme | None:
+        """The scheme of layer ``prefix.module`` stacked from ``prefix.<part>`` checkpoint
+        tensors: the fused name's when a rule names it, else the parts' (which must agree)."""
+        fused = f"{prefix}.{module}"
+        names = [f"{prefix}.{p}" for p in parts] or [fused]
+        if any(self._matches(rule, fused) for rule in self.ignore):
+            return None
+        found = {n: self._scheme_of(n) for n in names}
+        if len(set(found.values())) > 1:
+            listed = ", ".join(f"{n}: {s.summary() if s else 'not quantized'}" for n, s in found.items())
+            raise ValueError(f"{fused} is stacked from parts the checkpoint quantizes differently ({listed}); "
+                             "its parts need one scheme")
+        return found[names[0]]
+
+    # ---- methods ------------------------------------------------------------------------------------
+    def linear(self, prefix: str, module: str, parts: Sequence[str] = ()) -> LinearMethod | None:
+        scheme = self.scheme(prefix, module, parts)
+        if scheme is None:
+            return None
+        where = f"{prefix}.{module}"
+        if scheme.kind == "fp8":
+            from engine.quantization.fp8 import Fp8LinearMethod
+
+            return Fp8LinearMethod(scheme, online=self.config.online, ops=self.ops, prefix=where)
+        from engine.quantization.int4 import Int4LinearMethod
+
+        return Int4LinearMethod(**scheme.int4, online=self.config.online, prefix=where, ops=self.ops)
+
+    def moe(self, prefix: str, num_experts: int, projections: Sequence[str]) -> MoEMethod | None:
+        """The experts' method: every expert's projections (``prefix.experts.<e>.<proj>``)
+        must share one scheme."""
+        names = [f"experts.{e}.{p}" for e in range(num_experts) for p in projections]
+        scheme = self.scheme(prefix, "experts", names)
+        if scheme is None:
+            return None
+        if scheme.kind != "fp8":
+            raise ValueError(f"{prefix}.experts: {scheme.summary()} experts are not supported (mixture-of-experts "
+                             "layers serve fp8 or 16-bit weights)")
+        from engine.quantization.fp8 import Fp8MoEMethod
+
+        return Fp8MoEMethod(scheme, online=self.config.online, ops=self.ops, prefix=f"{prefix}.experts")

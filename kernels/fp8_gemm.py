@@ -1,0 +1,532 @@
+"""FP8 (e4m3) W8A8 GEMM for dense linear layers: y = x W^T with both operands in
+float8_e4m3fn and float32 scales (the math and the two scale formats are stated
+in ``kernels/fp8_reference.py``).
+
+Layout::
+
+    x8 [M, K] float8_e4m3fn, stride 1 in K          activations, from fp8_quantize(x[, bk])
+    w8 [N, K] float8_e4m3fn, stride 1 in K          the checkpoint's [out, in] weight, unchanged
+    per channel:   x_scale [M], w_scale [N]          float32, contiguous
+    block scaled:  x_scale [M, cdiv(K, bk)]          float32, stride 1 in the last dim
+                   w_scale [cdiv(N, bn), cdiv(K, bk)]
+
+Why the weight stays [N, K]: Hopper's fp8 matrix instructions (wgmma, and the
+mma.sync of sm_89+) take both fp8 operands K-major, so the checkpoint's row-major
+weight is already the operand layout and a [BLOCK_K, BLOCK_N] tile loads as
+BLOCK_N rows of BLOCK_K contiguous bytes. torch._scaled_mm wants it as the
+column-major second operand, which ``w8.t()`` is, with no copy.
+
+Why the scales sit where they do: a per-channel scale is constant along K, so it
+factors out of the sum and is applied once, in the epilogue, to the float32
+accumulator (acc * x_scale[m] * w_scale[n]); the K loop is a plain fp8 dot. A
+block scale changes every bk columns, so each k-block's dot is accumulated on its
+own (a fresh float32 partial) and added to the total scaled by
+x_scale[m, kb] * w_scale[n // bn, kb]; a K tile never straddles two k-blocks
+(the loop walks k-blocks, then the tiles inside one, masking a block's tail when
+BLOCK_K does not divide bk). This also bounds how far Hopper's fp8 accumulation,
+which keeps fewer than float32's bits, runs before it reaches float32: one k-block
+(128 columns in the checkpoints); per channel the dots are told to promote every
+K tile (``max_num_imprecise_acc``).
+
+Grid: one program per (output tile, K split), as in ``kernels/int4_gemm.py``.
+Small M (decode) is bound by reading W once (N*K bytes): K is split so that
+several programs per SM stream the weight, each split stores float32 partials,
+and the tile's last split to arrive (an atomic counter) sums them in split
+order, applies the per-channel scales and writes y: one launch, deterministic.
+A single row uses the "gemv" kernel (no tensor cores: the fp8 weight tile is
+widened to float32 in registers); from two rows, 16-row tensor-core tiles are
+faster. Large M is bound by the fp8 tensor cores: big tiles, GROUP_M ordering
+for L2 reuse. For per-channel scales ``torch._scaled_mm`` (cuBLASLt / CUTLASS,
+rowwise scales) is the other backend; ``backend="auto"`` picks per M
+(``default_backend``).
+
+Numerics: the products of two e4m3 values are exact in float32; sums run in
+float32 (Hopper: from every k-block or K tile); the result is rounded once to out_dtype.
+``fp8_quantize`` (``kernels/fp8_quant.py``, re-exported here) makes x8 and its
+scales, bit for bit the reference's.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    FLOAT_DTYPES,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_runnable,
+    next_pow2,
+    require,
+)
+from kernels.fp8_quant import fp8_quantize
+from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8Tiles", "default_backend", "default_tiles", "fp8_gemm",
+           "fp8_quantize", "warm_up"]
+
+# Split-K tile counters (int32, all zero between calls): one per output tile of a split launch.
+_COUNTER_SLOTS = 1 << 14
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+# ---- GEMM kernels ---------------------------------------------------------------------------------------
+# The K loop walks "steps": a k-block of STEP_K = bk columns (BLOCK_SCALED), cut into TILES_PER_STEP
+# tiles of BLOCK_K, or a single K tile (STEP_K = BLOCK_K, per channel). A split owns STEPS_PER_SPLIT
+# consecutive steps. EVEN_K: every step is whole and inside K, so no load needs a K mask.
+
+
+@triton.jit
+def _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
+                 SCALE_BN: tl.constexpr, NUM_STEPS: tl.constexpr, EVEN_K: tl.constexpr):
+    # Block scales of k-block ``step``: x_scale[offs_m, step] and w_scale[offs_n // bn, step].
+    if EVEN_K:
+        m_mask, n_mask = m_ok, n_ok
+    else:  # a split's trailing steps may lie past K
+        m_mask, n_mask = m_ok & (step < NUM_STEPS), n_ok & (step < NUM_STEPS)
+    xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + step, mask=m_mask, other=0.0)
+    ws = tl.load(ws_ptr + (offs_n // SCALE_BN).to(tl.int64) * stride_wsn + step, mask=n_mask, other=0.0)
+    return xs, ws
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, tile, pid_k, M, N,
+              BLOCK_SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Per-channel scales on the (summed) float32 accumulator, one rounding to out's dtype.
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if SPLIT_K > 1:
+        # Every split stores its partial; the tile's last split to arrive sums them in order.
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out_off, acc, mask=out_mask)
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read from L2, where the other programs' stores are, not from this SM's L1
+                total += tl.load(part_ptr + s * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if not BLOCK_SCALED:
+                xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+                ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+                total = total * xs[:, None] * ws[None, :]
+            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
+    else:
+        if not BLOCK_SCALED:
+            xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+            ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+            acc = acc * xs[:, None] * ws[None, :]
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    x_ptr,  # [M, K] float8e4nv, stride 1 in K
+    xs_ptr,  # [M] float32, or [M, NUM_STEPS] (BLOCK_SCALED, stride 1 in the last dim)
+    w_ptr,  # [N, K] float8e4nv, stride 1 in K
+    ws_ptr,  # [N] float32, or [cdiv(N, SCALE_BN), NUM_STEPS]
+    out_ptr,  # [M, N] contiguous, out dtype
+    part_ptr,  # [SPLIT_K, M, N] float32 partials (SPLIT_K > 1)
+    counter_ptr,  # [tiles] int32 zeros (SPLIT_K > 1)
+    M, N, stride_xm, stride_wn, stride_xsm, stride_wsn,
+    K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BN: tl.constexpr, STEP_K: tl.constexpr,
+    NUM_STEPS: tl.constexpr, STEPS_PER_SPLIT: tl.constexpr, TILES_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,  # fp8 products summed in the tensor core before a float32 add
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m_blocks = tl.cdiv(M, BLOCK_M)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    # Groups of GROUP_M tiles along M walk N together (L2 reuse of weight tiles).
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W^T's columns are W's rows
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(STEPS_PER_SPLIT):
+        step = pid_k * STEPS_PER_SPLIT + i
+        k_end = tl.minimum((step + 1) * STEP_K, K)  # the step's end (masks only)
+        if BLOCK_SCALED:
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            part = acc
+        for t in range(TILES_PER_STEP):
+            offs_k = step * STEP_K + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < k_end
+                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            part = tl.dot(a, b, part, max_num_imprecise_acc=PROMOTE)
+        if BLOCK_SCALED:
+            xs, ws = _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
+                                  SCALE_BN, NUM_STEPS, EVEN_K)
+            acc += part * xs[:, None] * ws[None, :]
+        else:
+            acc = part
+    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
+              pid_m * num_n_blocks + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counter_ptr,  # as _fp8_gemm_kernel's
+    M, N, stride_xm, stride_wn, stride_xsm, stride_wsn,
+    K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BN: tl.constexpr, STEP_K: tl.constexpr,
+    NUM_STEPS: tl.constexpr, STEPS_PER_SPLIT: tl.constexpr, TILES_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of x per program (a power of two; decode)
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    # No tensor cores and no shared memory: each thread loads 16 contiguous weight bytes of a
+    # row, widens them to float32 and multiplies by x with FMAs; a row's dot is a sum over K.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = tl.arange(0, ROWS)
+    offs_m = pid_m * ROWS + rows
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for i in range(STEPS_PER_SPLIT):
+        step = pid_k * STEPS_PER_SPLIT + i
+        k_end = tl.minimum((step + 1) * STEP_K, K)
+        part = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for t in range(TILES_PER_STEP):
+            offs_k = step * STEP_K + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            for r in tl.static_range(ROWS):
+                m = pid_m * ROWS + r
+                x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + offs_k, mask=k_ok & (m < M), other=0.0)
+                dot = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+                part = tl.where(rows[:, None] == r, part + dot[None, :], part)
+        if BLOCK_SCALED:
+            xs, ws = _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
+                                  SCALE_BN, NUM_STEPS, EVEN_K)
+            acc += part * xs[:, None] * ws[None, :]
+        else:
+            acc += part
+    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
+              pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
+
+
+# ---- tiles and backends ---------------------------------------------------------------------------------
+
+
+KERNELS = ("dot", "gemv")
+BACKENDS = ("auto", "triton", "scaled_mm")
+GEMV_MAX_ROWS = 1  # calls of at most this many rows use the GEMV kernel by default
+# "auto": per-channel GEMMs of at least this many rows go to torch._scaled_mm where it fits
+# (bfloat16 out, K and N multiples of 16, contiguous operands), the rest to Triton.
+# TODO(bench): a first setting; bench/fp8_gemm.py measures both per M bucket.
+SCALED_MM_MIN_ROWS = 65
+
+
+@dataclass(frozen=True)
+class Fp8Tiles:
+    """kernel "dot": BLOCK_M x BLOCK_N output tiles through tl.dot (tensor cores); "gemv":
+    ``block_m`` (1, 2, 4 or 8) rows of x per program, float32 FMAs in registers."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    kernel: str = "dot"
+
+    def as_dict(self) -> dict:
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
+                "group_m": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "kernel": self.kernel}
+
+    @staticmethod
+    def from_dict(d: dict) -> Fp8Tiles:
+        """Raises ValueError (naming ``config``) on anything that is not a valid tile config."""
+        where = "fp8_gemm"
+        keys = ("block_m", "block_n", "block_k")
+        require(isinstance(d, dict) and all(isinstance(d.get(key), int) for key in keys), where,
+                f"config needs integer {', '.join(keys)}, got {d!r}")
+        extra = set(d) - set(Fp8Tiles(1, 16, 16).as_dict())
+        require(not extra, where, f"config has unknown keys {sorted(extra)}")
+        tiles = Fp8Tiles(**d)
+        require(tiles.kernel in KERNELS, where, f"config kernel must be one of {list(KERNELS)}, got {tiles.kernel!r}")
+        gemv = tiles.kernel == "gemv"
+        for value in (tiles.block_n, tiles.block_k) if gemv else (tiles.block_m, tiles.block_n, tiles.block_k):
+            require(value >= 16 and value & (value - 1) == 0, where,
+                    f"config block sizes must be powers of two >= 16, got {d!r}")
+        require(not gemv or tiles.block_m in (1, 2, 4, 8), where,
+                f"config block_m (rows per program) of the gemv kernel must be 1, 2, 4 or 8, got {d!r}")
+        require(tiles.split_k >= 1 and tiles.group_m >= 1 and tiles.num_warps in (1, 2, 4, 8, 16)
+                and tiles.num_stages >= 1, where, f"config has a bad split_k, group_m, num_warps or num_stages: {d!r}")
+        return tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, to exercise them
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _min_block_k(device: torch.device) -> int:
+    return 32 if device.type == "cuda" else 16  # an fp8 MMA instruction takes 32 K values
+
+
+def _split(tiles: int, steps: int, target: int) -> int:
+    """Split K in powers of two until about ``target`` programs, keeping >= 2 steps a split."""
+    split = 1
+    while tiles * split * 2 <= target and split * 2 <= steps // 2 and tiles * split * 2 <= _COUNTER_SLOTS:
+        split *= 2
+    return split
+
+
+def _fit_block_k(block_k: int, k: int, block_size: tuple[int, int] | None, device: torch.device) -> int:
+    """BLOCK_K no longer than K needs; with block scales, the largest power of two dividing bk
+    when that is long enough (no masked tail per k-block), else bk rounded up to a power of two."""
+    low = _min_block_k(device)
+    block_k = min(block_k, max(low, next_pow2(k)))
+    if block_size is not None:
+        bk = block_size[1]
+        divisor = bk & -bk
+        block_k = min(block_k, divisor if divisor >= low else max(low, next_pow2(bk)))
+    return block_k
+
+
+def _steps(k: int, block_k: int, block_size: tuple[int, int] | None) -> tuple[int, int, int]:
+    """(STEP_K, NUM_STEPS, TILES_PER_STEP) of the K loop."""
+    if block_size is None:
+        return block_k, triton.cdiv(k, block_k), 1
+    bk = block_size[1]
+    return bk, triton.cdiv(k, bk), triton.cdiv(bk, block_k)
+
+
+def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, device: torch.device) -> Fp8Tiles:
+    """Tiles from shapes alone, set from ``python -m bench.fp8_gemm --sweep`` on an H200 (README).
+    One row (decode of a single sequence): the GEMV kernel, K split until ~8 programs per SM.
+    More rows: tensor-core tiles growing with M, K split until ~3 programs per SM; long K tiles
+    (256) when K is long and the scales allow (per channel)."""
+    sms = _num_sms(device)
+    if m <= GEMV_MAX_ROWS:
+        block_n, block_k = max(16, min(64, next_pow2(n))), _fit_block_k(256, k, block_size, device)
+        _, num_steps, _ = _steps(k, block_k, block_size)
+        split = _split(triton.cdiv(n, block_n) * triton.cdiv(m, next_pow2(m)), num_steps, 8 * sms)
+        return Fp8Tiles(next_pow2(m), block_n, block_k, split, 1, 4, 2, "gemv")
+    if m <= 16:  # bound by reading W: many programs, long K tiles in flight
+        block_m, block_n, block_k, warps, stages = 16, 64, (256 if k >= 8192 else 128), 4, 4
+    elif m <= 32:
+        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 4
+    elif m <= 64:
+        block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
+    elif m <= 256:
+        block_m, block_n, block_k, warps, stages = 64, 128, 128, 8, 4
+    elif block_size is None:  # bound by the tensor cores
+        block_m, block_n, block_k, warps, stages = 256, 128, 128, 8, 3
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 128, 8, 4
+    block_k = _fit_block_k(block_k, k, block_size, device)
+    block_n = max(16, min(block_n, next_pow2(n)))
+    _, num_steps, _ = _steps(k, block_k, block_size)
+    split = _split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), num_steps, 3 * sms)
+    return Fp8Tiles(block_m, block_n, block_k, split, 8, warps, stages)
+
+
+def pick_tiles(config: Fp8Tiles | dict | None, m: int, n: int, k: int, block_size: tuple[int, int] | None,
+               device: torch.device) -> Fp8Tiles:
+    """``config`` itself (an Fp8Tiles or its dict), else ``default_tiles``."""
+    if config is None:
+        return default_tiles(m, n, k, block_size, device)
+    return config if isinstance(config, Fp8Tiles) else Fp8Tiles.from_dict(config)
+
+
+def scaled_mm_fits(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                   block_size: tuple[int, int] | None) -> bool:
+    """Whether torch._scaled_mm's rowwise-scaled GEMM takes this call: CUDA, per-channel scales,
+    bfloat16 out, K and N multiples of 16, contiguous 16-byte-aligned operands."""
+    n, k = w8.shape
+    return (x8.device.type == "cuda" and block_size is None and out_dtype == torch.bfloat16
+            and k % 16 == 0 and n % 16 == 0 and x8.is_contiguous() and w8.is_contiguous()
+            and x8.data_ptr() % 16 == 0 and w8.data_ptr() % 16 == 0)
+
+
+def default_backend(m: int, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                    block_size: tuple[int, int] | None) -> str:
+    """What ``backend="auto"`` runs for an M-row call: "scaled_mm" from SCALED_MM_MIN_ROWS rows
+    where it fits, else "triton" (the only one for block scales)."""
+    if m >= SCALED_MM_MIN_ROWS and scaled_mm_fits(x8, w8, out_dtype, block_size):
+        return "scaled_mm"
+    return "triton"
+
+
+# ---- launchers ------------------------------------------------------------------------------------------
+
+
+def _check_gemm_args(x8, x_scale, w8, w_scale, out_dtype, block_size, backend) -> None:
+    where = "fp8_gemm"
+    require(backend in BACKENDS, where, f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    require(out_dtype in FLOAT_DTYPES, where,
+            f"out_dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {out_dtype!r}")
+    tensors = dict(x8=x8, x_scale=x_scale, w8=w8, w_scale=w_scale)
+    if backend == "scaled_mm":
+        require(all(t.device.type == "cuda" for t in tensors.values()), where,
+                'backend "scaled_mm" (torch._scaled_mm) needs CUDA tensors')
+    check_runnable(where, **tensors)
+    check_dim(where, "x8", x8, 2, "[M, K]")
+    check_dim(where, "w8", w8, 2, "[N, K] (the checkpoint's [out, in] layout)")
+    for name, t in tensors.items():
+        check_dtype(where, name, t, (FP8_DTYPE,) if name.endswith("8") else (torch.float32,))
+        check_inner_contiguous(where, name, t)
+    m, k = x8.shape
+    n = w8.shape[0]
+    require(k > 0, where, "x8 has K = 0 columns")
+    require(w8.shape[1] == k, where, f"w8 must have K = {k} columns (x8's), got shape {tuple(w8.shape)}")
+    if block_size is None:
+        require(tuple(x_scale.shape) == (m,), where,
+                f"x_scale must be [M = {m}] (per-token scales; block_size is None), got {tuple(x_scale.shape)}")
+        require(tuple(w_scale.shape) == (n,), where,
+                f"w_scale must be [N = {n}] (per-channel scales; block_size is None), got {tuple(w_scale.shape)}")
+        return
+    require(isinstance(block_size, (tuple, list)) and len(block_size) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_size), where,
+            f"block_size must be None or a pair of ints >= 1 (bn, bk), got {block_size!r}")
+    bn, bk = block_size
+    kb = triton.cdiv(k, bk)
+    require(tuple(x_scale.shape) == (m, kb), where,
+            f"x_scale must be [M, cdiv(K, bk)] = [{m}, {kb}] (K = {k}, bk = {bk}), got {tuple(x_scale.shape)}")
+    require(tuple(w_scale.shape) == (triton.cdiv(n, bn), kb), where,
+            f"w_scale must be [cdiv(N, bn), cdiv(K, bk)] = [{triton.cdiv(n, bn)}, {kb}] (N = {n}, K = {k}, "
+            f"block_size = {tuple(block_size)}), got {tuple(w_scale.shape)}")
+    require(backend != "scaled_mm", where, 'backend "scaled_mm" takes per-channel scales only (block_size None)')
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    buf = _counters.get(device)
+    if buf is None:
+        buf = _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def fp8_gemm(
+    x8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int] | None = None,
+    backend: str = "auto",
+    config: Fp8Tiles | dict | None = None,
+) -> torch.Tensor:
+    """y = (x8 * x_scale) (w8 * w_scale)^T in the formats of this module's docstring.
+
+    x8: [M, K] float8_e4m3fn, any row stride (stride 1 in K)
+    w8: [N, K] float8_e4m3fn, any row stride (stride 1 in K)
+    block_size None: x_scale [M], w_scale [N] float32 (per token, per channel), applied in the epilogue
+    block_size (bn, bk): x_scale [M, cdiv(K, bk)] (fp8_quantize(x, bk)), w_scale [cdiv(N, bn), cdiv(K, bk)]
+        float32; each k-block's partial sum is scaled by x_scale[m, kb] * w_scale[n // bn, kb]
+    out_dtype: float16/bfloat16/float32
+    backend: "auto" (``default_backend``), "triton", or "scaled_mm" (per channel, bfloat16 out,
+        K and N multiples of 16, contiguous operands; a ValueError where it does not fit)
+    config: None (tiles from shapes) or an Fp8Tiles / its dict, for the Triton kernels
+
+    Returns a new contiguous [M, N] of out_dtype: float32 sums, one rounding. No host sync: it can
+    be captured in a CUDA graph. Split-K launches share one counter buffer per device, so calls
+    must not run concurrently on two streams.
+    """
+    where = "fp8_gemm"
+    _check_gemm_args(x8, x_scale, w8, w_scale, out_dtype, block_size, backend)
+    m, k = x8.shape
+    n = w8.shape[0]
+    if backend == "scaled_mm":
+        require(scaled_mm_fits(x8, w8, out_dtype, block_size), where,
+                'backend "scaled_mm" needs bfloat16 out, K and N multiples of 16 and contiguous, 16-byte-aligned '
+                f"x8 and w8; got out_dtype {out_dtype}, K = {k}, N = {n}, x8 strides {x8.stride()}, "
+                f"w8 strides {w8.stride()}")
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=out_dtype, device=x8.device)
+    if (backend if backend != "auto" else default_backend(m, x8, w8, out_dtype, block_size)) == "scaled_mm":
+        # w8.t() is the column-major [K, N] operand; rowwise scales as [M, 1] and [1, N].
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale.view(m, 1), scale_b=w_scale.view(1, n),
+                                out_dtype=out_dtype, use_fast_accum=False)
+    tiles = pick_tiles(config, m, n, k, block_size, x8.device)
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    require(tiles.kernel == "gemv" or bk >= _min_block_k(x8.device), where,
+            f"config block_k must be >= {_min_block_k(x8.device)} for fp8 tensor-core dots, got {bk}")
+    step_k, num_steps, tiles_per_step = _steps(k, bk, block_size)
+    per_split = triton.cdiv(num_steps, min(tiles.split_k, num_steps))
+    split = triton.cdiv(num_steps, per_split)  # no empty split
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    require(split == 1 or m_tiles * n_tiles <= _COUNTER_SLOTS, where,
+            f"split_k > 1 supports at most {_COUNTER_SLOTS} output tiles, got {m_tiles * n_tiles}")
+    out = torch.empty((m, n), dtype=out_dtype, device=x8.device)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x8.device)
+        counters = _counter_buffer(x8.device)
+    else:
+        part = counters = out  # unused
+    even_k = step_k % bk == 0 and k % step_k == 0 and num_steps % per_split == 0
+    scale_strides = (x_scale.stride(0), w_scale.stride(0)) if block_size is not None else (1, 1)
+    common = dict(K=k, BLOCK_SCALED=block_size is not None, SCALE_BN=block_size[0] if block_size else 1,
+                  STEP_K=step_k, NUM_STEPS=num_steps, STEPS_PER_SPLIT=per_split, TILES_PER_STEP=tiles_per_step,
+                  EVEN_K=even_k, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    args = (x8, x_scale, w8, w_scale, out, part, counters, m, n, x8.stride(0), w8.stride(0), *scale_strides)
+    if tiles.kernel == "gemv":
+        _fp8_gemv_kernel[(n_tiles, split, m_tiles)](*args, ROWS=bm, **common)
+    else:
+        # Hopper's fp8 sums keep fewer bits than float32: per channel they are promoted to the
+        # float32 accumulator once per K tile; with block scales each k-block's dot is already a
+        # fresh partial added in float32, so no promotion inside it (None: the compiler's default).
+        promote = bk if block_size is None else None
+        _fp8_gemm_kernel[(m_tiles * n_tiles, split)](*args, BLOCK_M=bm, GROUP_M=tiles.group_m, PROMOTE=promote,
+                                                    **common)
+    return out
+
+
+def warm_up(w8: torch.Tensor, w_scale: torch.Tensor, max_tokens: int, x_dtype: torch.dtype, *,
+            out_dtype: torch.dtype | None = None, block_size: tuple[int, int] | None = None,
+            backend: str = "auto", config: Fp8Tiles | dict | None = None) -> int:
+    """Compile every kernel variant ``fp8_quantize`` and ``fp8_gemm`` can meet for 1..max_tokens
+    rows of x (x_dtype; out_dtype defaults to it) with this weight, quantized as the layer does
+    (group bk with block scales), and allocate the split-K counters and cuBLAS workspaces before
+    any CUDA-graph capture (a compile met while serving stalls a step). Returns the number of
+    GEMM calls made."""
+    n, k = w8.shape
+    out_dtype = out_dtype or x_dtype
+    group = block_size[1] if block_size is not None else None
+    # One quantize compile serves every M (M is not specialized); row slices keep x8 contiguous.
+    x8_all, x_scale_all = fp8_quantize(torch.zeros(max_tokens, k, dtype=x_dtype, device=w8.device), group)
+    seen = set()
+    calls = 0
+    for m in range(1, max_tokens + 1):
+        x8, x_scale = x8_all[:m], x_scale_all[:m]
+        chosen = backend if backend != "auto" else default_backend(m, x8, w8, out_dtype, block_size)
+        variant = (chosen, pick_tiles(config, m, n, k, block_size, w8.device) if chosen == "triton" else None)
+        if variant in seen:
+            continue
+        seen.add(variant)
+        fp8_gemm(x8, x_scale, w8, w_scale, out_dtype=out_dtype, block_size=block_size, backend=backend,
+                 config=config)
+        calls += 1
+    return calls
