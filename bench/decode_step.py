@@ -48,7 +48,6 @@ def _sync(device: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     if args.model_shape:
         from bench.model_shapes import shape_dir
@@ -66,10 +65,20 @@ def main(args: argparse.Namespace) -> int:
         return 0
     args.max_num_seqs = max(max(sizes), args.max_num_seqs)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    result = measure(engine, sizes, args.context_len, args.steps, args.profile)
+    write_result(result, "decode-step", args.output_json)
+    return 0
+
+
+def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int = 0) -> dict:
+    """Median decode-step times of ``engine`` at each batch size (sequences of ``context_len``
+    random tokens, prefilled first, then ``steps`` timed steps), as ``main`` reports them."""
+    from engine.sampling_params import SamplingParams
+
     device, vocab = engine.config.device, engine.config.model.vocab_size
     rng = random.Random(0)
     graphs = engine.runner.graphs
-    result: dict = {"config": engine.config.describe(), "context_len": args.context_len,
+    result: dict = {"config": engine.config.describe(), "context_len": context_len,
                     "cuda_graphs": graphs is not None, "steps": {}}
     print(f"decode steps: {'CUDA graphs, batch sizes ' + ','.join(map(str, graphs.sizes)) if graphs else 'eager'}",
           flush=True)
@@ -77,11 +86,11 @@ def main(args: argparse.Namespace) -> int:
     for b in sizes:
         # Requests prefilled first decode while the rest prefill (decode first): give them enough
         # tokens that none finishes before the timed steps, then abort them all.
-        prefill_steps = -(-b * args.context_len // budget) + b
-        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + args.steps + 2 * args.profile + 2,
+        prefill_steps = -(-b * context_len // budget) + b
+        sp = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 2 * profile + 2,
                             ignore_eos=True)
         for i in range(b):
-            engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(args.context_len)], sp)
+            engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(context_len)], sp)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
             engine.step()  # prefill
         engine.step()  # warm-up decode
@@ -93,15 +102,15 @@ def main(args: argparse.Namespace) -> int:
         # a step's time is what one call takes in a steady stream of them.
         _sync(device)
         t0 = run_start = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             rows.append(engine.step().num_batched_tokens)
             t = time.perf_counter()
             times.append(t - t0)
             t0 = t
         _sync(device)
-        mean = (time.perf_counter() - run_start) / args.steps  # the last step's device tail included
+        mean = (time.perf_counter() - run_start) / steps  # the last step's device tail included
         replayed = (graphs.num_replays - replays) if graphs else 0
-        profiled = _profile(engine, args.profile, device) if args.profile else None
+        profiled = _profile(engine, profile, device) if profile else None
         for rid in list(engine.scheduler.requests):
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
@@ -117,9 +126,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
               f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
               f"context {min(contexts)}-{max(contexts)} tokens; "
-              f"{replayed} of {args.steps} steps replayed a graph)", flush=True)
-    write_result(result, "decode-step", args.output_json)
-    return 0
+              f"{replayed} of {steps} steps replayed a graph)", flush=True)
+    return result
 
 
 def _profile(engine, steps: int, device: str) -> dict:

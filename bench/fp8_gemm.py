@@ -2,14 +2,16 @@
 
 Modes, at Llama-3.1-8B's projection shapes and batch sizes from decode to prefill:
 
-    triton      per-channel scales, the Triton kernel (default tiles)
-    scaled_mm   per-channel scales, torch._scaled_mm (rowwise scales, cuBLASLt / CUTLASS)
-    block       128x128 block scales (Qwen3-FP8 / DeepSeek checkpoints), the Triton kernel
+    triton            per-channel scales, the Triton kernel (default tiles)
+    scaled_mm         per-channel scales, torch._scaled_mm (rowwise scales, cuBLASLt / CUTLASS)
+    block             128x128 block scales (Qwen3-FP8 / DeepSeek checkpoints), the Triton kernel
+    block_scaled_mm   128x128 block scales, torch._scaled_mm (cuBLASLt's 1x128 x 128x128 recipe, sm_90)
 
 next to bf16 ``F.linear`` on the same shape. The floor is the bytes a call must
 move (the fp8 weight and its scales once, x8 and its scales read, y written) at
-the copy bandwidth measured in the same run, or the FLOPs at the fp8 matrix rate
-measured in the same run (``torch._scaled_mm`` at 8192^3), whichever is longer.
+the bandwidth measured in the same run (the better of a device-to-device copy and
+a read-only sum: a GEMV only reads), or the FLOPs at the fp8 matrix rate measured
+in the same run (``torch._scaled_mm`` at 8192^3), whichever is longer.
 Each case is checked against ``kernels.reference.fp8_gemm`` first. Times are
 medians of CUDA-graph replays, each graph cycling through enough weight copies
 that L2 (60 MB) cannot hold them.
@@ -37,13 +39,17 @@ SHAPES = [  # (K, N): Llama-3.1-8B's qkv, o, gate|up and down projections
     (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
 ]
 TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 8192)
-MODES = ("triton", "scaled_mm", "block")
+MODES = ("triton", "scaled_mm", "block", "block_scaled_mm")
 BLOCK = (128, 128)
 CYCLE_BYTES = 240e6  # weight bytes cycled per graph: four times the H200's L2
 
 
 def block_size(mode: str) -> tuple[int, int] | None:
-    return BLOCK if mode == "block" else None
+    return BLOCK if mode.startswith("block") else None
+
+
+def backend_of(mode: str) -> str:
+    return "scaled_mm" if mode.endswith("scaled_mm") else "triton"
 
 
 def make_weight(n: int, k: int, mode: str, gen):
@@ -52,7 +58,7 @@ def make_weight(n: int, k: int, mode: str, gen):
 
     codes = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda", generator=gen)  # 0x7f is NaN
     codes |= torch.randint(0, 2, (n, k), dtype=torch.uint8, device="cuda", generator=gen) << 7
-    if mode == "block":
+    if block_size(mode) is not None:
         shape = (math.ceil(n / BLOCK[0]), math.ceil(k / BLOCK[1]))
     else:
         shape = (n,)
@@ -93,15 +99,18 @@ def graph_us(call, copies: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Bytes read plus written per second by a 2 GiB device-to-device copy (after the matrix
-    rates, so the clocks are up; the best of three)."""
+def bandwidths() -> tuple[float, float]:
+    """(copy, read) bytes per second: a 4 GiB device-to-device copy counting bytes read plus
+    written, and a sum over the same 4 GiB (reads only, as a GEMV's weight stream); measured
+    after the matrix rates, so the clocks are up."""
     import torch
 
-    a = torch.empty(2 * 2**30 // 4, dtype=torch.float32, device="cuda")
+    a = torch.randn(2**30, device="cuda")
     b = torch.empty_like(a)
-    us = min(graph_us(lambda i: b.copy_(a), 1) for _ in range(3))
-    return 2 * a.numel() * 4 / (us * 1e-6)
+    total = torch.empty((), device="cuda")
+    copy_us = min(graph_us(lambda i: b.copy_(a), 1) for _ in range(3))
+    read_us = min(graph_us(lambda i: torch.sum(a, dim=0, out=total), 1) for _ in range(3))
+    return 2 * a.numel() * 4 / (copy_us * 1e-6), a.numel() * 4 / (read_us * 1e-6)
 
 
 def matrix_rates() -> tuple[float, float]:
@@ -138,7 +147,7 @@ def candidates(m: int, mode: str) -> list[dict]:
     for bm, bn, bk, split, warps, stages in grid:
         out.append({"block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "group_m": 8,
                     "num_warps": warps, "num_stages": stages, "kernel": "dot"})
-    if mode == "block":
+    if block_size(mode) is not None:
         out = [c for c in out if c["block_k"] <= BLOCK[1]]
     return out
 
@@ -155,7 +164,7 @@ def _compile_job(job: tuple) -> str | None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         w8, ws = make_weight(16, k, mode, gen)
         x8 = w8[:1].clone()
-        xs = torch.ones((1, ws.shape[1]) if mode == "block" else (1,), device="cuda")
+        xs = torch.ones((1, ws.shape[1]) if block_size(mode) else (1,), device="cuda")
         fp8_gemm(x8, xs, w8, ws, out_dtype=torch.bfloat16, block_size=block_size(mode), backend="triton", config=cfg)
         torch.cuda.synchronize()
         return None
@@ -195,13 +204,14 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
 
     fp8_rate, bf16_rate = matrix_rates()
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name(dev)}: copy {bw / 1e12:.2f} TB/s, fp8 scaled_mm {fp8_rate / 1e12:.0f} TFLOP/s, "
-          f"bf16 {bf16_rate / 1e12:.0f} TFLOP/s (8192^3)", flush=True)
+    copy_bw, read_bw = bandwidths()
+    bw = max(copy_bw, read_bw)  # the floor's bandwidth
+    print(f"{torch.cuda.get_device_name(dev)}: copy {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
+          f"fp8 scaled_mm {fp8_rate / 1e12:.0f} TFLOP/s, bf16 {bf16_rate / 1e12:.0f} TFLOP/s (8192^3)", flush=True)
     failed: dict[tuple, str] = {}
     if args.sweep:
         jobs = sorted({(k, mode, _key(c)) for (k, _), m, mode in itertools.product(shapes, tokens, modes)
-                       if mode != "scaled_mm" for c in candidates(m, mode)})
+                       if backend_of(mode) == "triton" for c in candidates(m, mode)})
         errors = precompile([(k, mode, dict(c)) for k, mode, c in jobs])
         failed = {job: err for job, err in zip(jobs, errors) if err is not None}
         print(f"sweep: compiled {len(jobs)} configs, {len(failed)} failed", flush=True)
@@ -218,7 +228,7 @@ def main() -> None:
         del dense
         for mode in modes:
             bs = block_size(mode)
-            backend = "scaled_mm" if mode == "scaled_mm" else "triton"
+            backend = backend_of(mode)
             weights = [make_weight(n, k, mode, gen) for _ in range(max(2, math.ceil(CYCLE_BYTES / (n * k))))]
             x8, xs = fp8_quantize(x, bs[1] if bs else None)
             w8, ws = weights[0]
@@ -271,7 +281,7 @@ def summary(rows: list[dict], modes: list[str], tokens: list[int]) -> None:
         for mode in modes:
             mine = [r for r in at if r["mode"] == mode]
             us, best = sum(r["us"] for r in mine), sum(r["best_us"] for r in mine)
-            cells.append(f"{us:>8.1f} -> {best:>5.0f}" if mode != "scaled_mm" else f"{us:>17.1f}")
+            cells.append(f"{us:>8.1f} -> {best:>5.0f}" if backend_of(mode) == "triton" else f"{us:>17.1f}")
         bf16 = sum(r["bf16_us"] for r in at if r["mode"] == modes[0])
         floor = sum(r["floor_us"] for r in at if r["mode"] == modes[0])
         print(f"{m:>5} | " + " | ".join(cells) + f" | {bf16:>8.1f} | {floor:>8.1f}")

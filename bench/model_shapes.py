@@ -36,6 +36,14 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# The 128 x 128 block-scaled FP8 checkpoints Qwen publishes (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8):
+# with random weights (--load-format dummy) each tile is quantized at load.
+_FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+SHAPES["qwen3-8b-fp8"] = dict(SHAPES["qwen3-8b"], quantization_config=_FP8_BLOCK)
+SHAPES["qwen3-30b-a3b-fp8"] = dict(SHAPES["qwen3-30b-a3b"], quantization_config=_FP8_BLOCK)
+SHAPES["llama-3.1-8b-fp8-block"] = dict(SHAPES["llama-3.1-8b"], quantization_config=_FP8_BLOCK)
+
+
 def shape_dir(name: str) -> Path:
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")

@@ -60,6 +60,7 @@ from engine.kv_cache_dtype import KVScales, load_kv_scales
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.linear import LinearBase
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -235,14 +236,22 @@ class ModelRunner:
         for window in sorted(set(mc.layer_windows), key=lambda w: w or 0):
             warm_up(mc.torch_dtype, shard.num_local_heads, shard.num_local_kv_heads, mc.head_dim, self.block_size,
                     dev, sliding_window=window, kv_dtype=self.kv_dtype)
+        warmed = set()  # quantized linear layers: one warm-up per kernel variant set
+        for layer in self.model.modules():
+            key = layer.method.warm_up_key(layer) if isinstance(layer, LinearBase) else None
+            if key is not None and key not in warmed:
+                warmed.add(key)
+                layer.method.warm_up(layer, self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)
         moe = self.model.moe_layers()
         if moe:  # every MoE layer has the same shape and config: one warm-up serves all
             from kernels.fused_moe import warm_up as warm_up_moe
 
             m = moe[0]
+            fp8 = {} if m.experts.gate_up_proj.dtype == mc.torch_dtype else dict(
+                w13_scale=m.experts.w13_scale, w2_scale=m.experts.w2_scale, block_size=m.method.block_size)
             warm_up_moe(m.experts.gate_up_proj, m.experts.down_proj, m.top_k,
                         self.config.scheduler.max_num_batched_tokens, activation=m.activation,
-                        config=m.kernel_config)
+                        config=m.kernel_config, x_dtype=mc.torch_dtype, **fp8)
         torch.cuda.synchronize(dev)
 
     def _set_kv_scales(self) -> KVScales | None:
@@ -272,7 +281,8 @@ class ModelRunner:
 
         m = moe[0]
         w13 = m.experts.gate_up_proj  # [E_local, 2 * I_local, H]
-        config = moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device)
+        config = moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device,
+                                   block_size=getattr(m.method, "block_size", None))
         for layer in moe:
             layer.kernel_config = config
         torch.cuda.empty_cache()

@@ -36,9 +36,10 @@ order, applies the per-channel scales and writes y: one launch, deterministic.
 A single row uses the "gemv" kernel (no tensor cores: the fp8 weight tile is
 widened to float32 in registers); from two rows, 16-row tensor-core tiles are
 faster. Large M is bound by the fp8 tensor cores: big tiles, GROUP_M ordering
-for L2 reuse. For per-channel scales ``torch._scaled_mm`` (cuBLASLt / CUTLASS,
-rowwise scales) is the other backend; ``backend="auto"`` picks per M
-(``default_backend``).
+for L2 reuse. ``torch._scaled_mm`` is the other backend (rowwise scales per
+channel; cuBLASLt's 1x128 x 128x128 recipe for 128x128 blocks on sm_90):
+``backend="auto"`` takes it from SCALED_MM_MIN_ROWS rows where it fits
+(``default_backend``, ``scaled_mm_fits``), as it beats these kernels there.
 
 Numerics: the products of two e4m3 values are exact in float32; sums run in
 float32 (Hopper: from every k-block or K tile); the result is rounded once to out_dtype.
@@ -52,7 +53,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels._checks import (
     FLOAT_DTYPES,
@@ -63,6 +63,7 @@ from kernels._checks import (
     next_pow2,
     require,
 )
+from kernels._fp8_gemm_kernels import _fp8_gemm_kernel, _fp8_gemv_kernel
 from kernels.fp8_quant import fp8_quantize
 from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
@@ -74,172 +75,15 @@ _COUNTER_SLOTS = 1 << 14
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-# ---- GEMM kernels ---------------------------------------------------------------------------------------
-# The K loop walks "steps": a k-block of STEP_K = bk columns (BLOCK_SCALED), cut into TILES_PER_STEP
-# tiles of BLOCK_K, or a single K tile (STEP_K = BLOCK_K, per channel). A split owns STEPS_PER_SPLIT
-# consecutive steps. EVEN_K: every step is whole and inside K, so no load needs a K mask.
-
-
-@triton.jit
-def _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
-                 SCALE_BN: tl.constexpr, NUM_STEPS: tl.constexpr, EVEN_K: tl.constexpr):
-    # Block scales of k-block ``step``: x_scale[offs_m, step] and w_scale[offs_n // bn, step].
-    if EVEN_K:
-        m_mask, n_mask = m_ok, n_ok
-    else:  # a split's trailing steps may lie past K
-        m_mask, n_mask = m_ok & (step < NUM_STEPS), n_ok & (step < NUM_STEPS)
-    xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + step, mask=m_mask, other=0.0)
-    ws = tl.load(ws_ptr + (offs_n // SCALE_BN).to(tl.int64) * stride_wsn + step, mask=n_mask, other=0.0)
-    return xs, ws
-
-
-@triton.jit
-def _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, tile, pid_k, M, N,
-              BLOCK_SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Per-channel scales on the (summed) float32 accumulator, one rounding to out's dtype.
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    out_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K > 1:
-        # Every split stores its partial; the tile's last split to arrive sums them in order.
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out_off, acc, mask=out_mask)
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: read from L2, where the other programs' stores are, not from this SM's L1
-                total += tl.load(part_ptr + s * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if not BLOCK_SCALED:
-                xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
-                ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-                total = total * xs[:, None] * ws[None, :]
-            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
-    else:
-        if not BLOCK_SCALED:
-            xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
-            ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-            acc = acc * xs[:, None] * ws[None, :]
-        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(
-    x_ptr,  # [M, K] float8e4nv, stride 1 in K
-    xs_ptr,  # [M] float32, or [M, NUM_STEPS] (BLOCK_SCALED, stride 1 in the last dim)
-    w_ptr,  # [N, K] float8e4nv, stride 1 in K
-    ws_ptr,  # [N] float32, or [cdiv(N, SCALE_BN), NUM_STEPS]
-    out_ptr,  # [M, N] contiguous, out dtype
-    part_ptr,  # [SPLIT_K, M, N] float32 partials (SPLIT_K > 1)
-    counter_ptr,  # [tiles] int32 zeros (SPLIT_K > 1)
-    M, N, stride_xm, stride_wn, stride_xsm, stride_wsn,
-    K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BN: tl.constexpr, STEP_K: tl.constexpr,
-    NUM_STEPS: tl.constexpr, STEPS_PER_SPLIT: tl.constexpr, TILES_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PROMOTE: tl.constexpr,  # fp8 products summed in the tensor core before a float32 add
-):
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_m_blocks = tl.cdiv(M, BLOCK_M)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    # Groups of GROUP_M tiles along M walk N together (L2 reuse of weight tiles).
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]: W^T's columns are W's rows
-
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(STEPS_PER_SPLIT):
-        step = pid_k * STEPS_PER_SPLIT + i
-        k_end = tl.minimum((step + 1) * STEP_K, K)  # the step's end (masks only)
-        if BLOCK_SCALED:
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        else:
-            part = acc
-        for t in range(TILES_PER_STEP):
-            offs_k = step * STEP_K + t * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                b = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < k_end
-                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            part = tl.dot(a, b, part, max_num_imprecise_acc=PROMOTE)
-        if BLOCK_SCALED:
-            xs, ws = _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
-                                  SCALE_BN, NUM_STEPS, EVEN_K)
-            acc += part * xs[:, None] * ws[None, :]
-        else:
-            acc = part
-    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
-              pid_m * num_n_blocks + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counter_ptr,  # as _fp8_gemm_kernel's
-    M, N, stride_xm, stride_wn, stride_xsm, stride_wsn,
-    K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BN: tl.constexpr, STEP_K: tl.constexpr,
-    NUM_STEPS: tl.constexpr, STEPS_PER_SPLIT: tl.constexpr, TILES_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr,
-    ROWS: tl.constexpr,  # rows of x per program (a power of two; decode)
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    # No tensor cores and no shared memory: each thread loads 16 contiguous weight bytes of a
-    # row, widens them to float32 and multiplies by x with FMAs; a row's dot is a sum over K.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    rows = tl.arange(0, ROWS)
-    offs_m = pid_m * ROWS + rows
-    m_ok = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for i in range(STEPS_PER_SPLIT):
-        step = pid_k * STEPS_PER_SPLIT + i
-        k_end = tl.minimum((step + 1) * STEP_K, K)
-        part = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for t in range(TILES_PER_STEP):
-            offs_k = step * STEP_K + t * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_end
-            if EVEN_K:
-                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            w = w.to(tl.float32)  # [BLOCK_N, BLOCK_K]
-            for r in tl.static_range(ROWS):
-                m = pid_m * ROWS + r
-                x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + offs_k, mask=k_ok & (m < M), other=0.0)
-                dot = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-                part = tl.where(rows[:, None] == r, part + dot[None, :], part)
-        if BLOCK_SCALED:
-            xs, ws = _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, stride_wsn,
-                                  SCALE_BN, NUM_STEPS, EVEN_K)
-            acc += part * xs[:, None] * ws[None, :]
-        else:
-            acc += part
-    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
-              pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
-
-
 # ---- tiles and backends ---------------------------------------------------------------------------------
 
 
 KERNELS = ("dot", "gemv")
 BACKENDS = ("auto", "triton", "scaled_mm")
 GEMV_MAX_ROWS = 1  # calls of at most this many rows use the GEMV kernel by default
-# "auto": per-channel GEMMs of at least this many rows go to torch._scaled_mm where it fits
-# (bfloat16 out, K and N multiples of 16, contiguous operands), the rest to Triton.
-# TODO(bench): a first setting; bench/fp8_gemm.py measures both per M bucket.
+# "auto": GEMMs of at least this many rows go to torch._scaled_mm where it fits (scaled_mm_fits),
+# fewer to Triton. Measured on an H200 (README): Triton is faster up to 64 rows, torch._scaled_mm
+# from 96, per channel and with 128x128 blocks alike.
 SCALED_MM_MIN_ROWS = 65
 
 
@@ -325,8 +169,8 @@ def _steps(k: int, block_k: int, block_size: tuple[int, int] | None) -> tuple[in
 def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, device: torch.device) -> Fp8Tiles:
     """Tiles from shapes alone, set from ``python -m bench.fp8_gemm --sweep`` on an H200 (README).
     One row (decode of a single sequence): the GEMV kernel, K split until ~8 programs per SM.
-    More rows: tensor-core tiles growing with M, K split until ~3 programs per SM; long K tiles
-    (256) when K is long and the scales allow (per channel)."""
+    More rows: tensor-core tiles growing with M; up to 64 rows K is split until ~3 programs per
+    SM, with long K tiles (256) when K is long and the scales allow (per channel)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_ROWS:
         block_n, block_k = max(16, min(64, next_pow2(n))), _fit_block_k(256, k, block_size, device)
@@ -340,7 +184,7 @@ def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, de
     elif m <= 64:
         block_m, block_n, block_k, warps, stages = 64, 64, 128, 4, 3
     elif m <= 256:
-        block_m, block_n, block_k, warps, stages = 64, 128, 128, 8, 4
+        block_m, block_n, block_k, warps, stages = 64, 128, 128, (8 if block_size is None else 4), 4
     elif block_size is None:  # bound by the tensor cores
         block_m, block_n, block_k, warps, stages = 256, 128, 128, 8, 3
     else:
@@ -348,7 +192,9 @@ def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, de
     block_k = _fit_block_k(block_k, k, block_size, device)
     block_n = max(16, min(block_n, next_pow2(n)))
     _, num_steps, _ = _steps(k, block_k, block_size)
-    split = _split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), num_steps, 3 * sms)
+    split = 1
+    if m <= 64:  # measured: from 96 rows on, splitting K costs more than the idle SMs it fills
+        split = _split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), num_steps, 3 * sms)
     return Fp8Tiles(block_m, block_n, block_k, split, 8, warps, stages)
 
 
@@ -360,23 +206,54 @@ def pick_tiles(config: Fp8Tiles | dict | None, m: int, n: int, k: int, block_siz
     return config if isinstance(config, Fp8Tiles) else Fp8Tiles.from_dict(config)
 
 
-def scaled_mm_fits(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def scaled_mm_fits(x8: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
                    block_size: tuple[int, int] | None) -> bool:
-    """Whether torch._scaled_mm's rowwise-scaled GEMM takes this call: CUDA, per-channel scales,
-    bfloat16 out, K and N multiples of 16, contiguous 16-byte-aligned operands."""
+    """Whether torch._scaled_mm takes this call: CUDA, bfloat16 out, contiguous 16-byte-aligned
+    x8 and w8, and either per-channel scales with K and N multiples of 16 (rowwise scaling), or
+    128x128 block scales on sm_90 (cuBLASLt's 1x128 x 128x128 recipe) with N a multiple of 128
+    and K of 512: cuBLASLt reads the weight scales in groups of 4 k-blocks, and with a k-block
+    count that is not a multiple of 4 it returned wrong results here without an error."""
     n, k = w8.shape
-    return (x8.device.type == "cuda" and block_size is None and out_dtype == torch.bfloat16
-            and k % 16 == 0 and n % 16 == 0 and x8.is_contiguous() and w8.is_contiguous()
-            and x8.data_ptr() % 16 == 0 and w8.data_ptr() % 16 == 0)
+    common = (x8.device.type == "cuda" and out_dtype == torch.bfloat16 and x8.is_contiguous()
+              and w8.is_contiguous() and x8.data_ptr() % 16 == 0 and w8.data_ptr() % 16 == 0)
+    if not common:
+        return False
+    if block_size is None:
+        return k % 16 == 0 and n % 16 == 0
+    return (tuple(block_size) == (128, 128) and k % 512 == 0 and n % 128 == 0 and w_scale.is_contiguous()
+            and _capability(x8.device) == (9, 0))
 
 
-def default_backend(m: int, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+def default_backend(m: int, x8: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
                     block_size: tuple[int, int] | None) -> str:
     """What ``backend="auto"`` runs for an M-row call: "scaled_mm" from SCALED_MM_MIN_ROWS rows
-    where it fits, else "triton" (the only one for block scales)."""
-    if m >= SCALED_MM_MIN_ROWS and scaled_mm_fits(x8, w8, out_dtype, block_size):
+    where it fits, else "triton"."""
+    if m >= SCALED_MM_MIN_ROWS and scaled_mm_fits(x8, w8, w_scale, out_dtype, block_size):
         return "scaled_mm"
     return "triton"
+
+
+def _scaled_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype, block_size: tuple[int, int] | None) -> torch.Tensor:
+    """torch._scaled_mm on a call that scaled_mm_fits; w8.t() is the column-major [K, N] operand."""
+    m, n = x8.shape[0], w8.shape[0]
+    if block_size is None:  # rowwise scales as [M, 1] and [1, N]
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale.view(m, 1), scale_b=w_scale.view(1, n),
+                                out_dtype=out_dtype, use_fast_accum=False)
+    # cuBLASLt's layouts: activation scales M-major ([M, K/128] with strides (1, M), a copy),
+    # weight scales as W^T's [K/128, N/128] K-major (w_scale.t(), a view); M a multiple of 4
+    # (zero rows appended, their outputs dropped).
+    pad = -m % 4
+    if pad:
+        x8 = torch.cat([x8, x8.new_zeros(pad, x8.shape[1])])
+        x_scale = torch.cat([x_scale, x_scale.new_ones(pad, x_scale.shape[1])])
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=out_dtype)
+    return y[:m] if pad else y
 
 
 # ---- launchers ------------------------------------------------------------------------------------------
@@ -417,7 +294,6 @@ def _check_gemm_args(x8, x_scale, w8, w_scale, out_dtype, block_size, backend) -
     require(tuple(w_scale.shape) == (triton.cdiv(n, bn), kb), where,
             f"w_scale must be [cdiv(N, bn), cdiv(K, bk)] = [{triton.cdiv(n, bn)}, {kb}] (N = {n}, K = {k}, "
             f"block_size = {tuple(block_size)}), got {tuple(w_scale.shape)}")
-    require(backend != "scaled_mm", where, 'backend "scaled_mm" takes per-channel scales only (block_size None)')
 
 
 def _counter_buffer(device: torch.device) -> torch.Tensor:
@@ -446,8 +322,8 @@ def fp8_gemm(
     block_size (bn, bk): x_scale [M, cdiv(K, bk)] (fp8_quantize(x, bk)), w_scale [cdiv(N, bn), cdiv(K, bk)]
         float32; each k-block's partial sum is scaled by x_scale[m, kb] * w_scale[n // bn, kb]
     out_dtype: float16/bfloat16/float32
-    backend: "auto" (``default_backend``), "triton", or "scaled_mm" (per channel, bfloat16 out,
-        K and N multiples of 16, contiguous operands; a ValueError where it does not fit)
+    backend: "auto" (``default_backend``), "triton", or "scaled_mm" (bfloat16 out, contiguous
+        operands, per channel or 128x128 blocks: ``scaled_mm_fits``; a ValueError where it does not fit)
     config: None (tiles from shapes) or an Fp8Tiles / its dict, for the Triton kernels
 
     Returns a new contiguous [M, N] of out_dtype: float32 sums, one rounding. No host sync: it can
@@ -459,16 +335,15 @@ def fp8_gemm(
     m, k = x8.shape
     n = w8.shape[0]
     if backend == "scaled_mm":
-        require(scaled_mm_fits(x8, w8, out_dtype, block_size), where,
-                'backend "scaled_mm" needs bfloat16 out, K and N multiples of 16 and contiguous, 16-byte-aligned '
-                f"x8 and w8; got out_dtype {out_dtype}, K = {k}, N = {n}, x8 strides {x8.stride()}, "
+        require(scaled_mm_fits(x8, w8, w_scale, out_dtype, block_size), where,
+                'backend "scaled_mm" needs bfloat16 out, contiguous 16-byte-aligned x8 and w8, and K, N multiples '
+                "of 16 (per channel) or block_size (128, 128) on sm_90 with K a multiple of 512 and N of 128; got "
+                f"out_dtype {out_dtype}, K = {k}, N = {n}, block_size {block_size}, x8 strides {x8.stride()}, "
                 f"w8 strides {w8.stride()}")
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=out_dtype, device=x8.device)
-    if (backend if backend != "auto" else default_backend(m, x8, w8, out_dtype, block_size)) == "scaled_mm":
-        # w8.t() is the column-major [K, N] operand; rowwise scales as [M, 1] and [1, N].
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale.view(m, 1), scale_b=w_scale.view(1, n),
-                                out_dtype=out_dtype, use_fast_accum=False)
+    if (backend if backend != "auto" else default_backend(m, x8, w8, w_scale, out_dtype, block_size)) == "scaled_mm":
+        return _scaled_mm(x8, x_scale, w8, w_scale, out_dtype, block_size)
     tiles = pick_tiles(config, m, n, k, block_size, x8.device)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     require(tiles.kernel == "gemv" or bk >= _min_block_k(x8.device), where,
@@ -521,7 +396,7 @@ def warm_up(w8: torch.Tensor, w_scale: torch.Tensor, max_tokens: int, x_dtype: t
     calls = 0
     for m in range(1, max_tokens + 1):
         x8, x_scale = x8_all[:m], x_scale_all[:m]
-        chosen = backend if backend != "auto" else default_backend(m, x8, w8, out_dtype, block_size)
+        chosen = backend if backend != "auto" else default_backend(m, x8, w8, w_scale, out_dtype, block_size)
         variant = (chosen, pick_tiles(config, m, n, k, block_size, w8.device) if chosen == "triton" else None)
         if variant in seen:
             continue

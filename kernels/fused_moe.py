@@ -53,9 +53,8 @@ Tile configs (BLOCK_M, and per GEMM BLOCK_N, BLOCK_K, GROUP_M, warps,
 stages) matter on the GPU: decode-sized batches are bound by reading each hit
 expert's weights once, large prefills by the tensor cores. e4m3 tiles take
 twice the 16-bit BLOCK_K (``fp8_block_k`` caps it at bk and raises it to 32 on
-CUDA, the least K of an fp8 dot). ``tune`` times a
-small grid per token count; ``engine.moe_configs`` keeps its result on disk and
-passes it as ``config``.
+CUDA, the least K of an fp8 dot). ``tune`` times a small grid per token count;
+``engine.moe_configs`` keeps its result on disk and passes it as ``config``.
 """
 from __future__ import annotations
 
@@ -77,11 +76,11 @@ from kernels._checks import (
     require,
 )
 from kernels.fp8_gemm import fp8_quantize
+from kernels.fp8_reference import FP8_DTYPE  # W8A8 experts: e4m3 weights, activations quantized per token
 
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-FP8_DTYPE = torch.float8_e4m3fn  # W8A8 experts: e4m3 weights, activations quantized per token
 _FP8_MIN_BLOCK_K = 32  # Triton's fp8 dots on NVIDIA GPUs reduce at least 32 columns per tile
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # The align step's one-hot tile (pairs of a chunk x experts) stays at or under

@@ -54,12 +54,16 @@ def _e4m3_bits(x):
 @triton.jit
 def _quantize(x, scale, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     # x [BLOCK_H, BLOCK_D] -> what the cache holds: x itself, or e4m3(clamp(x / scale)).
+    # (every return sits in an if/else branch: compiled, a constexpr if with a return after it
+    # is typed as one function that returns both e4m3 and x's dtype, which Triton refuses)
     if FP8:
         y = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         if INTERPRETED:
             return _e4m3_bits(y).to(tl.float8e4nv, bitcast=True)
-        return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    return x
+        else:
+            return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        return x
 
 
 @triton.jit

@@ -38,6 +38,7 @@ BENCH = {
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
     "kernels": ("bench.kernels", "each Triton kernel on the GPU against the copy bandwidth (needs CUDA)"),
     "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
+    "quant-quality": ("bench.quant_quality", "KL divergence and greedy agreement of FP8 KV / W8A8 against 16 bits"),
     "soak": ("bench.soak", "bounded soak: many requests, some cancelled, a decode server killed; no leaks"),
 }
 

@@ -187,6 +187,14 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def warm_up_key(self, layer: LinearBase) -> tuple | None:
+        """What decides the kernels ``apply`` compiles (layers with the same key share one
+        ``warm_up``); None: nothing to compile (torch's own GEMMs)."""
+        return None
+
+    def warm_up(self, layer: LinearBase, max_tokens: int, dtype: torch.dtype) -> None:
+        """Compile every kernel variant ``apply`` can meet for 1..max_tokens rows (CUDA)."""
+
 
 class LinearMethods(Protocol):
     """Where a model's layers get their methods (engine/quantization/methods.py): by the

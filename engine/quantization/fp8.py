@@ -129,6 +129,15 @@ class Fp8LinearMethod(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
+    def warm_up_key(self, layer: LinearBase) -> tuple:
+        return ("fp8", tuple(layer.weight.shape), tuple(layer.weight_scale.shape), self.block_size)
+
+    def warm_up(self, layer: LinearBase, max_tokens: int, dtype: torch.dtype) -> None:
+        from kernels.fp8_gemm import warm_up
+
+        warm_up(layer.weight, layer.weight_scale, max_tokens, dtype, block_size=self.block_size)
+
+
 class Fp8MoEMethod(MoEMethod):
     """The experts of a FusedMoE layer in FP8 (module docstring): per-channel or block
     scales; per-tensor expert scales are not served."""

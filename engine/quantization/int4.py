@@ -571,6 +571,16 @@ class Int4LinearMethod(LinearMethod):
         return Int4Weights(layer.int4_qweight, layer.int4_scales, layer.int4_zeros, layer.int4_group_size,
                            layer.in_size, layer.int4_perm, layer.int4_g_idx)
 
+    def warm_up_key(self, layer: nn.Module) -> tuple:
+        return ("int4", tuple(layer.int4_qweight.shape), layer.int4_group_size, layer.int4_zeros is None,
+                layer.int4_perm is None, layer.int4_g_idx is None)
+
+    def warm_up(self, layer: nn.Module, max_tokens: int, dtype: torch.dtype) -> None:
+        from kernels.int4_gemm import warm_up
+
+        warm_up(layer.int4_qweight, layer.int4_scales, layer.int4_zeros, layer.int4_group_size, layer.in_size,
+                max_tokens, dtype, perm=layer.int4_perm, g_idx=layer.int4_g_idx)
+
     def _ops(self, layer: nn.Module, x: torch.Tensor) -> ModuleType:
         ops = self.ops if self.ops is not None else getattr(layer, "ops", None)
         if ops is not None:

@@ -102,7 +102,7 @@ def test_disaggregated_tokens_are_the_e4m3_oracles_and_the_transfer_moves_fp8_by
     ports, block_bytes = cluster["ports"], 2 * layers * BLOCK_SIZE * kv_heads * head_dim  # one byte a value
     for role in ("prefill", "decode"):
         info = [line for line in _metrics(ports[role]) if line.startswith("pdserve:engine_config_info{")]
-        assert len(info) == 1 and f'kv_cache_dtype="{FP8}"' in info[0] and 'dtype="float32"' in info[0], info
+        assert len(info) == 1 and f'kv_cache_dtype="{FP8}"' in info[0] and ',dtype="float32",' in info[0], info
         assert f'num_gpu_blocks="{16 * 2**20 // block_bytes}"' in info[0], info  # --kv-cache-memory 16MiB
     before = {role: _kv_bytes(ports[role]) for role in ("prefill", "decode")}
     prompts = random_prompts([3, 29, 45], seed=12)

@@ -325,13 +325,19 @@ def test_default_tiles(monkeypatch):
 
 
 def test_backend_choice():
+    on_cuda = "scaled_mm" if CUDA else "triton"
     x8, xs, w8, ws = gemm_inputs(300, 48, 64, None, seed=7)
-    assert f8.default_backend(300, x8, w8, torch.float32, None) == "triton"  # scaled_mm: bfloat16 out only
-    assert f8.default_backend(300, x8, w8, torch.bfloat16, (16, 16)) == "triton"  # block scales
-    want = "scaled_mm" if CUDA else "triton"
-    assert f8.default_backend(300, x8, w8, torch.bfloat16, None) == want
-    assert f8.default_backend(1, x8, w8, torch.bfloat16, None) == "triton"
-    assert f8.default_backend(300, x8[:, :48], w8[:, :48], torch.bfloat16, None) == "triton"  # strided
+    assert f8.default_backend(300, x8, w8, ws, torch.float32, None) == "triton"  # scaled_mm: bfloat16 out only
+    assert f8.default_backend(300, x8, w8, ws, torch.bfloat16, None) == on_cuda
+    assert f8.default_backend(1, x8, w8, ws, torch.bfloat16, None) == "triton"
+    assert f8.default_backend(300, x8[:, :48], w8[:, :48], ws, torch.bfloat16, None) == "triton"  # strided
+    x8, xs, w8, ws = gemm_inputs(600, 256, 1024, (128, 128), seed=7)
+    sm90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+    assert f8.default_backend(600, x8, w8, ws, torch.bfloat16, (128, 128)) == ("scaled_mm" if sm90 else "triton")
+    assert f8.default_backend(30, x8, w8, ws, torch.bfloat16, (128, 128)) == "triton"  # few rows
+    assert f8.default_backend(600, x8, w8, ws, torch.bfloat16, (64, 128)) == "triton"  # not cuBLASLt's blocks
+    x8, w8, ws = x8[:, :384].contiguous(), w8[:, :384].contiguous(), ws[:, :3].contiguous()
+    assert f8.default_backend(600, x8, w8, ws, torch.bfloat16, (128, 128)) == "triton"  # 3 k-blocks
 
 
 @needs_cuda
@@ -342,6 +348,20 @@ def test_scaled_mm_backend_matches_reference(m):
     for backend in ("scaled_mm", "auto", "triton"):
         got = fp8_gemm(x8, xs, w8, ws, out_dtype=dtype, backend=backend)
         assert_close(got, reference.fp8_gemm(x8, xs, w8, ws, out_dtype=dtype), dtype)
+
+
+@needs_cuda
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() != (9, 0), reason="cuBLASLt's block recipe: sm_90")
+@pytest.mark.parametrize("m", [1, 6, 513])  # 6 and 513 rows: padded to a multiple of 4
+def test_scaled_mm_block_backend_matches_reference(m):
+    dtype, bs = torch.bfloat16, (128, 128)
+    x8, xs, w8, ws = gemm_inputs(m, 384, 1536, bs, seed=m)
+    for backend in ("scaled_mm", "auto", "triton"):
+        got = fp8_gemm(x8, xs, w8, ws, out_dtype=dtype, block_size=bs, backend=backend)
+        assert_close(got, reference.fp8_gemm(x8, xs, w8, ws, out_dtype=dtype, block_size=bs), dtype)
+    x8, xs, w8, ws = gemm_inputs(m, 256, 384, bs, seed=m)  # 3 k-blocks: cuBLASLt would be wrong
+    with pytest.raises(ValueError, match="K a multiple of 512"):
+        fp8_gemm(x8, xs, w8, ws, out_dtype=dtype, block_size=bs, backend="scaled_mm")
 
 
 @needs_cuda

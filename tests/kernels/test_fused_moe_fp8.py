@@ -25,6 +25,7 @@ FP8 = torch.float8_e4m3fn
 # fp8 dots on CUDA take K tiles of >= 32, so 16-column groups run under the interpreter only.
 BLOCK_SIZES = [None, (16, 16), (32, 32)] if DEVICE != "cuda" else [None, (32, 32), (128, 128)]
 BLOCK_IDS = ["channel" if b is None else f"block{b[0]}x{b[1]}" for b in BLOCK_SIZES]
+SMALL_BLOCK = (32, 32)  # valid on every device
 # Launcher and reference read the same e4m3 codes and scales and differ by rounding only,
 # but the intermediate is quantized again: an element within that rounding of a midpoint
 # between two e4m3 codes lands on the other code (2^-4 to 2^-3 relative), which moves its
@@ -156,7 +157,7 @@ def test_strided_views_and_scales():
 
 
 def test_empty_batch():
-    inp = make_fp8_inputs(0, 4, 2, 40, 20, torch.float32, (16, 16))
+    inp = make_fp8_inputs(0, 4, 2, 40, 20, torch.float32, SMALL_BLOCK)
     assert kernels.fused_moe(*inp.args(), **inp.scales()).shape == (0, 40)
     assert reference.fused_moe(*inp.args(), **inp.scales()).shape == (0, 40)
 
@@ -181,7 +182,7 @@ def test_default_tiles_double_block_k_for_fp8():
 
 
 def _bad_calls():
-    inp = make_fp8_inputs(4, 3, 2, 40, 20, torch.float32, (16, 16))
+    inp = make_fp8_inputs(4, 3, 2, 40, 20, torch.float32, SMALL_BLOCK)
     w13_scale, w2_scale = inp.w13_scale, inp.w2_scale
     plain = make_inputs(4, 3, 2, 40, 20, torch.float32)
     return [
@@ -196,12 +197,19 @@ def _bad_calls():
         ("block_size", dict(block_size=(16, 24))),
         ("block_size", dict(block_size=16)),
         ("w13_scale", dict(w13=plain.w13, w2=plain.w2)),  # scales for 16-bit weights
-    ]
+    ] + ([("block_size", _cuda_16_column_groups(inp))] if DEVICE == "cuda" else [])
+
+
+def _cuda_16_column_groups(inp: Fp8Inputs) -> dict:
+    """Well-shaped (16, 16) block scales: 16-column k-groups, which fp8 dots on CUDA (K >= 32) cannot take."""
+    shape13, shape2 = fm.fp8_scale_shapes(inp.moe.w13, inp.moe.w2, (16, 16))
+    return dict(block_size=(16, 16), w13_scale=torch.ones(shape13, device=DEVICE),
+                w2_scale=torch.ones(shape2, device=DEVICE))
 
 
 @pytest.mark.parametrize("name,change", _bad_calls(), ids=[f"{n}-{i}" for i, (n, _) in enumerate(_bad_calls())])
 def test_bad_arguments_raise_value_error(name, change):
-    inp = make_fp8_inputs(4, 3, 2, 40, 20, torch.float32, (16, 16))
+    inp = make_fp8_inputs(4, 3, 2, 40, 20, torch.float32, SMALL_BLOCK)
     args = dict(x=inp.moe.x, w13=inp.moe.w13, w2=inp.moe.w2, topk_weights=inp.moe.topk_weights,
                 topk_ids=inp.moe.topk_ids)
     kwargs = inp.scales()
@@ -216,7 +224,7 @@ def test_bad_arguments_raise_value_error(name, change):
 
 
 def test_warm_up_runs_once_per_compile_choice(monkeypatch):
-    inp = make_fp8_inputs(1, 4, 2, 40, 20, torch.float32, (16, 16))
+    inp = make_fp8_inputs(1, 4, 2, 40, 20, torch.float32, SMALL_BLOCK)
     calls = []
     real = fm.fused_moe
     monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: calls.append((x.shape[0], x.dtype)) or real(x, *a, **kw))
