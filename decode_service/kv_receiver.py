@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from engine.kv_transfer import KVLayout, KVReceiver, KVTransferError, TransferStats, check_compatible, choose_backend
+from engine.kv_transfer import KVReceiver, KVTransferError, TransferStats, check_compatible, choose_backend
 from engine.kv_transfer.rank_receivers import receive_part
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
@@ -57,9 +57,7 @@ class KVReceivers:
         engine = bridge.engine
         self.kv_cache: torch.Tensor = engine.kv_cache  # rank 0's share of the heads under TP
         # The model's layout (every KV head), whatever share of them this process holds.
-        self.layout = dataclasses.replace(KVLayout.of(self.kv_cache, engine.config.model.served_model_name,
-                                                      engine.kv_scales, engine.config.model.dtype),
-                                          num_kv_heads=engine.config.model.num_kv_heads)
+        self.layout = engine.kv_layout
         self.host = host
         self.timeout = timeout
         self.on_transfer = on_transfer

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import grpc
 
-from engine.kv_transfer import KVLayout, KVTransferError
+from engine.kv_transfer import KVTransferError
 from engine.llm_engine import LLMEngine
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
@@ -69,9 +69,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             self.kv_send = "after-prefill"
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
         # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
-        layout = dataclasses.replace(KVLayout.of(engine.kv_cache, engine.config.model.served_model_name,
-                                                 engine.kv_scales, engine.config.model.dtype),
-                                     num_kv_heads=engine.config.model.num_kv_heads)
+        layout = engine.kv_layout
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
                                  engine.tp)
         if self.kv_send == "layerwise":

@@ -54,7 +54,10 @@ class KVLayout:
     model's dtype has no scales (empty). ``model_dtype`` is the dtype the model computes K
     and V in; it defaults to ``dtype`` (a cache in the model's dtype) and differs from it
     only for an FP8 cache, where it must still match: two FP8 caches of a bfloat16 and a
-    float32 model hold the same kind of bytes, but the servers do not run the same model."""
+    float32 model hold the same kind of bytes, but the servers do not run the same model.
+    ``weights`` is the weight quantization the KV was computed with ("" for the model
+    dtype's weights; else engine/quantization's description of it): a prefill server with
+    FP8 or int4 weights computes other K and V than a 16-bit decode server would."""
 
     model: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16", "float8_e4m3fn"
@@ -65,6 +68,7 @@ class KVLayout:
     k_scales: tuple[float, ...] = ()  # FP8: per layer
     v_scales: tuple[float, ...] = ()
     model_dtype: str = ""  # "": the same as dtype
+    weights: str = ""  # the weight quantization ("": none)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
@@ -86,16 +90,18 @@ class KVLayout:
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor, model: str,
-           scales: tuple[Sequence[float], Sequence[float]] = ((), ()), model_dtype: str = "") -> KVLayout:
+           scales: tuple[Sequence[float], Sequence[float]] = ((), ()), model_dtype: str = "",
+           weights: str = "") -> KVLayout:
         """The layout of ``kv_cache``; ``scales``: an FP8 cache's per-layer (k, v) scales;
-        ``model_dtype``: the model's dtype (default: the cache's)."""
+        ``model_dtype``: the model's dtype (default: the cache's); ``weights``: the weight
+        quantization ("": none)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError("kv_cache must be [num_layers, num_blocks, 2, block_size, "
                              f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(model=model, dtype=_dtype_name(kv_cache.dtype), block_size=block_size,
                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype)
+                   k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype, weights=weights)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,10 +152,11 @@ def _layout_diffs(a: KVLayout, b: KVLayout) -> list[str]:
 
 
 def _show(value: Any) -> str:
-    """A layout value for an error message; scales as lists, "none" for a cache without."""
+    """A layout value for an error message; scales as lists, "none" for a cache without
+    (and for unquantized weights)."""
     if isinstance(value, tuple):
         return "[" + ", ".join(repr(x) for x in value) + "]" if value else "none"
-    return repr(value)
+    return repr(value) if value != "" else "none"
 
 
 def run_array(src_block_ids: Sequence[int] | np.ndarray, dst_block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
