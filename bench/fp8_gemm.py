@@ -14,7 +14,7 @@ a read-only sum: a GEMV only reads), or the FLOPs at the fp8 matrix rate measure
 in the same run (``torch._scaled_mm`` at 8192^3), whichever is longer.
 Each case is checked against ``kernels.reference.fp8_gemm`` first. Times are
 medians of CUDA-graph replays, each graph cycling through enough weight copies
-that L2 (60 MB) cannot hold them.
+that L2 (60 MB) cannot hold them (``bench.gemm_timing``).
 
 ``--sweep`` also times a grid of tile configs per case and prints the best next
 to the default (every candidate is compiled first, in parallel worker
@@ -33,7 +33,16 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
+
+from bench.gemm_timing import (
+    copy_bandwidth,
+    cycle_copies,
+    fastest,
+    graph_us,
+    parse_shapes,
+    read_bandwidth,
+    relative_error,
+)
 
 SHAPES = [  # (K, N): Llama-3.1-8B's qkv, o, gate|up and down projections
     (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
@@ -41,7 +50,6 @@ SHAPES = [  # (K, N): Llama-3.1-8B's qkv, o, gate|up and down projections
 TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 8192)
 MODES = ("triton", "scaled_mm", "block", "block_scaled_mm")
 BLOCK = (128, 128)
-CYCLE_BYTES = 240e6  # weight bytes cycled per graph: four times the H200's L2
 
 
 def block_size(mode: str) -> tuple[int, int] | None:
@@ -64,53 +72,6 @@ def make_weight(n: int, k: int, mode: str, gen):
         shape = (n,)
     scales = torch.rand(shape, device="cuda", generator=gen) * 1e-3 + 1e-4
     return codes.view(torch.float8_e4m3fn), scales
-
-
-def graph_us(call, copies: int) -> float:
-    """Median time of one call(i) over CUDA-graph replays that cycle i through the copies."""
-    import torch
-
-    for i in range(copies):
-        call(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(copies):
-        call(i)
-    end.record()
-    torch.cuda.synchronize()
-    per_call_ms = max(start.elapsed_time(end) / copies, 1e-3)
-    calls = copies * max(1, min(200, round(2.0 / (per_call_ms * copies))))  # a replay of about 2 ms
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(calls):
-                call(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def bandwidths() -> tuple[float, float]:
-    """(copy, read) bytes per second: a 4 GiB device-to-device copy counting bytes read plus
-    written, and a sum over the same 4 GiB (reads only, as a GEMV's weight stream); measured
-    after the matrix rates, so the clocks are up."""
-    import torch
-
-    a = torch.randn(2**30, device="cuda")
-    b = torch.empty_like(a)
-    total = torch.empty((), device="cuda")
-    copy_us = min(graph_us(lambda i: b.copy_(a), 1) for _ in range(3))
-    read_us = min(graph_us(lambda i: torch.sum(a, dim=0, out=total), 1) for _ in range(3))
-    return 2 * a.numel() * 4 / (copy_us * 1e-6), a.numel() * 4 / (read_us * 1e-6)
 
 
 def matrix_rates() -> tuple[float, float]:
@@ -198,13 +159,13 @@ def main() -> None:
     p.add_argument("--json", default="", help="write every row here")
     args = p.parse_args()
     dev = torch.device("cuda")
-    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    shapes = parse_shapes(args.shapes, SHAPES)
     tokens = [int(t) for t in args.tokens.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     gen = torch.Generator(device=dev).manual_seed(0)
 
     fp8_rate, bf16_rate = matrix_rates()
-    copy_bw, read_bw = bandwidths()
+    copy_bw, read_bw = copy_bandwidth(), read_bandwidth()  # after the matrix rates: the clocks are up
     bw = max(copy_bw, read_bw)  # the floor's bandwidth
     print(f"{torch.cuda.get_device_name(dev)}: copy {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
           f"fp8 scaled_mm {fp8_rate / 1e12:.0f} TFLOP/s, bf16 {bf16_rate / 1e12:.0f} TFLOP/s (8192^3)", flush=True)
@@ -223,18 +184,18 @@ def main() -> None:
     for (k, n), m in itertools.product(shapes, tokens):
         x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
         dense = [torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
-                 for _ in range(max(2, math.ceil(CYCLE_BYTES / (2 * n * k))))]
+                 for _ in range(cycle_copies(2 * n * k))]
         bf16_us = graph_us(lambda i: F.linear(x, dense[i]), len(dense))
         del dense
         for mode in modes:
             bs = block_size(mode)
             backend = backend_of(mode)
-            weights = [make_weight(n, k, mode, gen) for _ in range(max(2, math.ceil(CYCLE_BYTES / (n * k))))]
+            weights = [make_weight(n, k, mode, gen) for _ in range(cycle_copies(n * k))]
             x8, xs = fp8_quantize(x, bs[1] if bs else None)
             w8, ws = weights[0]
             got = fp8_gemm(x8, xs, w8, ws, out_dtype=torch.bfloat16, block_size=bs, backend=backend)
             want = reference.fp8_gemm(x8, xs, w8, ws, out_dtype=torch.bfloat16, block_size=bs)
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            err = relative_error(got, want)
             assert err < 1e-2, f"K={k} N={n} M={m} {mode}: relative error {err}"
             wbytes = n * k + ws.numel() * 4
             floor_us = max((wbytes + m * k + xs.numel() * 4 + 2 * m * n) / bw, 2 * m * n * k / fp8_rate) * 1e6
@@ -247,16 +208,8 @@ def main() -> None:
             default = default_tiles(m, n, k, bs, dev).as_dict() if backend == "triton" else None
             best = (us, default)
             if args.sweep and backend == "triton":
-                for cfg in candidates(m, mode):
-                    if (k, mode, _key(cfg)) in failed:
-                        continue
-                    try:
-                        t = timed(cfg)
-                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                        print(f"    skip {cfg}: {type(e).__name__}")
-                        continue
-                    if t < best[0]:
-                        best = (t, cfg)
+                compiled = [cfg for cfg in candidates(m, mode) if (k, mode, _key(cfg)) not in failed]
+                best = fastest(timed, compiled, best)
             del weights
             rows.append(dict(k=k, n=n, m=m, mode=mode, us=us, floor_us=floor_us, bf16_us=bf16_us, best_us=best[0],
                              best=best[1], default=default, err=err))

@@ -4,9 +4,9 @@ The floor is the bytes a call must move (the packed weight, scales and zeros
 once, x read and y written) at the copy bandwidth measured in the same run, or
 the bf16 matrix rate for large M, whichever is longer. Each case is checked
 against ``kernels.reference.int4_gemm`` first. Times are medians of CUDA-graph
-replays (``triton.testing.do_bench_cudagraph``), with several weight copies
-cycled so that L2 (60 MB) cannot hold them. ``--sweep`` also times a grid of
-tile configs per case and prints the best next to the default.
+replays, each graph cycling through enough weight copies that L2 (60 MB) cannot
+hold them (``bench.gemm_timing``). ``--sweep`` also times a grid of tile configs
+per case and prints the best next to the default.
 
     python -m bench.int4_gemm [--sweep] [--group-size 128] [--dtype bfloat16]
 """
@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from bench.gemm_timing import copy_bandwidth, cycle_copies, fastest, graph_us, parse_shapes, relative_error
+
 SHAPES = [  # (K, N): Llama-3-8B's qkv, o, gate|up and down projections
     (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
 ]
 TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
-COPIES = 4  # weight copies cycled per case
 
 
 def make_weight(k: int, n: int, group_size: int, dtype, device, gen, zeros: bool):
@@ -31,19 +32,12 @@ def make_weight(k: int, n: int, group_size: int, dtype, device, gen, zeros: bool
     return qweight, scales, z
 
 
-def copy_bandwidth(device) -> float:
-    import torch
-    import triton.testing
-
-    a = torch.empty(2 * 2**30 // 4, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
-    return 2 * a.numel() * 4 / (ms * 1e-3)
+def weight_bytes(qweight, scales, zeros) -> int:
+    return qweight.numel() * 4 + scales.numel() * scales.element_size() + (zeros.numel() if zeros is not None else 0)
 
 
 def main() -> None:
     import torch
-    import triton.testing
 
     from kernels import int4_gemm, reference
     from kernels.int4_gemm import Int4Tiles, default_tiles
@@ -59,48 +53,38 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth()
     peak = 790e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name(dev)}")
-    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    shapes = parse_shapes(args.shapes, SHAPES)
     tokens = [int(t) for t in args.tokens.split(",")]
     g = args.group_size
     print(f"{'K':>6} {'N':>6} {'M':>5} | {'default us':>10} {'TB/s':>5} {'%floor':>6} | {'bf16 mm us':>10} | "
           f"{'best us':>8} best tiles")
     for (k, n), m in itertools.product(shapes, tokens):
-        weights = [make_weight(k, n, g, dtype, dev, gen, args.zeros) for _ in range(COPIES)]
+        first = make_weight(k, n, g, dtype, dev, gen, args.zeros)
+        wbytes = weight_bytes(*first)
+        weights = [first] + [make_weight(k, n, g, dtype, dev, gen, args.zeros)
+                             for _ in range(cycle_copies(wbytes) - 1)]
         x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
-        qw, s, z = weights[0]
+        qw, s, z = first
         got = int4_gemm(x, qw, s, z, g)
         want = reference.int4_gemm(x, qw, s, z, g)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        err = relative_error(got, want)
         assert err < 1e-2, f"K={k} N={n} M={m}: relative error {err}"
-        wbytes = qw.numel() * 4 + s.numel() * s.element_size() + (z.numel() if z is not None else 0)
         floor_s = max((wbytes + m * k * 2 + m * n * 2) / bw, 2 * m * n * k / peak)
 
         def timed(cfg):
-            i = itertools.count()
-
-            def call():
-                qw, s, z = weights[next(i) % COPIES]
-                int4_gemm(x, qw, s, z, g, config=cfg)
-            return triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median") * 1e3
+            return graph_us(lambda i: int4_gemm(x, *weights[i], g, config=cfg), len(weights))
 
         us = timed(None)
-        dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(2)]
-        j = itertools.count()
-        mm_us = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, dense[next(j) % 2]), rep=50,
-                                                  return_mode="median") * 1e3
+        dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(cycle_copies(2 * n * k))]
+        mm_us = graph_us(lambda i: torch.nn.functional.linear(x, dense[i]), len(dense))
+        del dense
         best = (us, default_tiles(m, n, k, g, dtype, dev))
         if args.sweep:
-            for cfg in candidates(m, g):
-                try:
-                    t = timed(cfg)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"    skip {cfg}: {type(e).__name__}")
-                    continue
-                if t < best[0]:
-                    best = (t, cfg)
+            best = fastest(timed, candidates(m, g), best)
+        del weights
         tbs = wbytes / (us * 1e-6) / 1e12
         print(f"{k:>6} {n:>6} {m:>5} | {us:>10.1f} {tbs:>5.2f} {100 * floor_s / (us * 1e-6):>5.0f}% | {mm_us:>10.1f} | "
               f"{best[0]:>8.1f} {best[1].as_dict() if isinstance(best[1], Int4Tiles) else best[1]}", flush=True)

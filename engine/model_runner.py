@@ -244,14 +244,7 @@ class ModelRunner:
                 layer.method.warm_up(layer, self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)
         moe = self.model.moe_layers()
         if moe:  # every MoE layer has the same shape and config: one warm-up serves all
-            from kernels.fused_moe import warm_up as warm_up_moe
-
-            m = moe[0]
-            fp8 = {} if m.experts.gate_up_proj.dtype == mc.torch_dtype else dict(
-                w13_scale=m.experts.w13_scale, w2_scale=m.experts.w2_scale, block_size=m.method.block_size)
-            warm_up_moe(m.experts.gate_up_proj, m.experts.down_proj, m.top_k,
-                        self.config.scheduler.max_num_batched_tokens, activation=m.activation,
-                        config=m.kernel_config, x_dtype=mc.torch_dtype, **fp8)
+            moe[0].method.warm_up(moe[0], self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)
         torch.cuda.synchronize(dev)
 
     def _set_kv_scales(self) -> KVScales | None:
@@ -282,7 +275,7 @@ class ModelRunner:
         m = moe[0]
         w13 = m.experts.gate_up_proj  # [E_local, 2 * I_local, H]
         config = moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, self.device,
-                                   block_size=getattr(m.method, "block_size", None))
+                                   block_size=m.method.block_size)
         for layer in moe:
             layer.kernel_config = config
         torch.cuda.empty_cache()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels._gemm_common import grouped_tile, store_tile
+
 # The K loop walks "steps": a k-block of STEP_K = bk columns (BLOCK_SCALED), cut into TILES_PER_STEP
 # tiles of BLOCK_K, or a single K tile (STEP_K = BLOCK_K, per channel). A split owns STEPS_PER_SPLIT
 # consecutive steps. EVEN_K: every step is whole and inside K, so no load needs a K mask.
@@ -21,35 +23,6 @@ def _step_scales(xs_ptr, ws_ptr, step, offs_m, offs_n, m_ok, n_ok, stride_xsm, s
     xs = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + step, mask=m_mask, other=0.0)
     ws = tl.load(ws_ptr + (offs_n // SCALE_BN).to(tl.int64) * stride_wsn + step, mask=n_mask, other=0.0)
     return xs, ws
-
-
-@triton.jit
-def _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok, tile, pid_k, M, N,
-              BLOCK_SCALED: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Per-channel scales on the (summed) float32 accumulator, one rounding to out's dtype.
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    out_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K > 1:
-        # Every split stores its partial; the tile's last split to arrive sums them in order.
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out_off, acc, mask=out_mask)
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: read from L2, where the other programs' stores are, not from this SM's L1
-                total += tl.load(part_ptr + s * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if not BLOCK_SCALED:
-                xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
-                ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-                total = total * xs[:, None] * ws[None, :]
-            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
-    else:
-        if not BLOCK_SCALED:
-            xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
-            ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-            acc = acc * xs[:, None] * ws[None, :]
-        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -69,14 +42,7 @@ def _fp8_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m_blocks = tl.cdiv(M, BLOCK_M)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    # Groups of GROUP_M tiles along M walk N together (L2 reuse of weight tiles).
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,8 +75,9 @@ def _fp8_gemm_kernel(
             acc += part * xs[:, None] * ws[None, :]
         else:
             acc = part
-    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
-              pid_m * num_n_blocks + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
+    # Per-channel scales multiply the (summed) float32 accumulator once; block scales are already in it.
+    store_tile(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
+               pid_m * tl.cdiv(N, BLOCK_N) + pid_n, pid_k, M, N, not BLOCK_SCALED, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -157,5 +124,5 @@ def _fp8_gemv_kernel(
             acc += part * xs[:, None] * ws[None, :]
         else:
             acc += part
-    _epilogue(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
-              pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, BLOCK_SCALED, SPLIT_K)
+    store_tile(acc, out_ptr, part_ptr, counter_ptr, xs_ptr, ws_ptr, offs_m, offs_n, m_ok, n_ok,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, not BLOCK_SCALED, SPLIT_K)

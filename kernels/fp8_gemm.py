@@ -28,11 +28,12 @@ which keeps fewer than float32's bits, runs before it reaches float32: one k-blo
 (128 columns in the checkpoints); per channel the dots are told to promote every
 K tile (``max_num_imprecise_acc``).
 
-Grid: one program per (output tile, K split), as in ``kernels/int4_gemm.py``.
-Small M (decode) is bound by reading W once (N*K bytes): K is split so that
-several programs per SM stream the weight, each split stores float32 partials,
-and the tile's last split to arrive (an atomic counter) sums them in split
-order, applies the per-channel scales and writes y: one launch, deterministic.
+Grid: one program per (output tile, K split), as in ``kernels/int4_gemm.py``
+(the split-K scheme both share is in ``kernels/_gemm_common.py``). Small M
+(decode) is bound by reading W once (N*K bytes): K is split so that several
+programs per SM stream the weight, each split stores float32 partials, and the
+tile's last split to arrive (an atomic counter) sums them in split order,
+applies the per-channel scales and writes y: one launch, deterministic.
 A single row uses the "gemv" kernel (no tensor cores: the fp8 weight tile is
 widened to float32 in registers); from two rows, 16-row tensor-core tiles are
 faster. Large M is bound by the fp8 tensor cores: big tiles, GROUP_M ordering
@@ -49,7 +50,6 @@ scales, bit for bit the reference's.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,21 +64,27 @@ from kernels._checks import (
     require,
 )
 from kernels._fp8_gemm_kernels import _fp8_gemm_kernel, _fp8_gemv_kernel
+from kernels._gemm_common import (
+    GemmTiles,
+    SplitKCounters,
+    choose_split,
+    first_rows_per_variant,
+    split_k_scratch,
+    split_steps,
+)
+from kernels._gemm_common import num_sms as _num_sms  # looked up here: tests stand in an H200's count
 from kernels.fp8_quant import fp8_quantize
 from kernels.fp8_reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "Fp8Tiles", "default_backend", "default_tiles", "fp8_gemm",
            "fp8_quantize", "warm_up"]
 
-# Split-K tile counters (int32, all zero between calls): one per output tile of a split launch.
-_COUNTER_SLOTS = 1 << 14
-_counters: dict[torch.device, torch.Tensor] = {}
+_counter_buffer = SplitKCounters()  # the split-K counters of FP8 launches (int4's are its own)
 
 
 # ---- tiles and backends ---------------------------------------------------------------------------------
 
 
-KERNELS = ("dot", "gemv")
 BACKENDS = ("auto", "triton", "scaled_mm")
 GEMV_MAX_ROWS = 1  # calls of at most this many rows use the GEMV kernel by default
 # "auto": GEMMs of at least this many rows go to torch._scaled_mm where it fits (scaled_mm_fits),
@@ -87,63 +93,14 @@ GEMV_MAX_ROWS = 1  # calls of at most this many rows use the GEMV kernel by defa
 SCALED_MM_MIN_ROWS = 65
 
 
-@dataclass(frozen=True)
-class Fp8Tiles:
+class Fp8Tiles(GemmTiles):
     """kernel "dot": BLOCK_M x BLOCK_N output tiles through tl.dot (tensor cores); "gemv":
     ``block_m`` (1, 2, 4 or 8) rows of x per program, float32 FMAs in registers."""
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    kernel: str = "dot"
-
-    def as_dict(self) -> dict:
-        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "group_m": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "kernel": self.kernel}
-
-    @staticmethod
-    def from_dict(d: dict) -> Fp8Tiles:
-        """Raises ValueError (naming ``config``) on anything that is not a valid tile config."""
-        where = "fp8_gemm"
-        keys = ("block_m", "block_n", "block_k")
-        require(isinstance(d, dict) and all(isinstance(d.get(key), int) for key in keys), where,
-                f"config needs integer {', '.join(keys)}, got {d!r}")
-        extra = set(d) - set(Fp8Tiles(1, 16, 16).as_dict())
-        require(not extra, where, f"config has unknown keys {sorted(extra)}")
-        tiles = Fp8Tiles(**d)
-        require(tiles.kernel in KERNELS, where, f"config kernel must be one of {list(KERNELS)}, got {tiles.kernel!r}")
-        gemv = tiles.kernel == "gemv"
-        for value in (tiles.block_n, tiles.block_k) if gemv else (tiles.block_m, tiles.block_n, tiles.block_k):
-            require(value >= 16 and value & (value - 1) == 0, where,
-                    f"config block sizes must be powers of two >= 16, got {d!r}")
-        require(not gemv or tiles.block_m in (1, 2, 4, 8), where,
-                f"config block_m (rows per program) of the gemv kernel must be 1, 2, 4 or 8, got {d!r}")
-        require(tiles.split_k >= 1 and tiles.group_m >= 1 and tiles.num_warps in (1, 2, 4, 8, 16)
-                and tiles.num_stages >= 1, where, f"config has a bad split_k, group_m, num_warps or num_stages: {d!r}")
-        return tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few splits, to exercise them
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    launcher = "fp8_gemm"
 
 
 def _min_block_k(device: torch.device) -> int:
     return 32 if device.type == "cuda" else 16  # an fp8 MMA instruction takes 32 K values
-
-
-def _split(tiles: int, steps: int, target: int) -> int:
-    """Split K in powers of two until about ``target`` programs, keeping >= 2 steps a split."""
-    split = 1
-    while tiles * split * 2 <= target and split * 2 <= steps // 2 and tiles * split * 2 <= _COUNTER_SLOTS:
-        split *= 2
-    return split
 
 
 def _fit_block_k(block_k: int, k: int, block_size: tuple[int, int] | None, device: torch.device) -> int:
@@ -175,7 +132,7 @@ def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, de
     if m <= GEMV_MAX_ROWS:
         block_n, block_k = max(16, min(64, next_pow2(n))), _fit_block_k(256, k, block_size, device)
         _, num_steps, _ = _steps(k, block_k, block_size)
-        split = _split(triton.cdiv(n, block_n) * triton.cdiv(m, next_pow2(m)), num_steps, 8 * sms)
+        split = choose_split(triton.cdiv(n, block_n) * triton.cdiv(m, next_pow2(m)), num_steps, 8 * sms)
         return Fp8Tiles(next_pow2(m), block_n, block_k, split, 1, 4, 2, "gemv")
     if m <= 16:  # bound by reading W: many programs, long K tiles in flight
         block_m, block_n, block_k, warps, stages = 16, 64, (256 if k >= 8192 else 128), 4, 4
@@ -194,7 +151,7 @@ def default_tiles(m: int, n: int, k: int, block_size: tuple[int, int] | None, de
     _, num_steps, _ = _steps(k, block_k, block_size)
     split = 1
     if m <= 64:  # measured: from 96 rows on, splitting K costs more than the idle SMs it fills
-        split = _split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), num_steps, 3 * sms)
+        split = choose_split(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), num_steps, 3 * sms)
     return Fp8Tiles(block_m, block_n, block_k, split, 8, warps, stages)
 
 
@@ -296,13 +253,6 @@ def _check_gemm_args(x8, x_scale, w8, w_scale, out_dtype, block_size, backend) -
             f"block_size = {tuple(block_size)}), got {tuple(w_scale.shape)}")
 
 
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def fp8_gemm(
     x8: torch.Tensor,
     x_scale: torch.Tensor,
@@ -349,17 +299,10 @@ def fp8_gemm(
     require(tiles.kernel == "gemv" or bk >= _min_block_k(x8.device), where,
             f"config block_k must be >= {_min_block_k(x8.device)} for fp8 tensor-core dots, got {bk}")
     step_k, num_steps, tiles_per_step = _steps(k, bk, block_size)
-    per_split = triton.cdiv(num_steps, min(tiles.split_k, num_steps))
-    split = triton.cdiv(num_steps, per_split)  # no empty split
+    split, per_split = split_steps(num_steps, tiles.split_k)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    require(split == 1 or m_tiles * n_tiles <= _COUNTER_SLOTS, where,
-            f"split_k > 1 supports at most {_COUNTER_SLOTS} output tiles, got {m_tiles * n_tiles}")
     out = torch.empty((m, n), dtype=out_dtype, device=x8.device)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x8.device)
-        counters = _counter_buffer(x8.device)
-    else:
-        part = counters = out  # unused
+    part, counters = split_k_scratch(where, out, split, m_tiles * n_tiles, _counter_buffer)
     even_k = step_k % bk == 0 and k % step_k == 0 and num_steps % per_split == 0
     scale_strides = (x_scale.stride(0), w_scale.stride(0)) if block_size is not None else (1, 1)
     common = dict(K=k, BLOCK_SCALED=block_size is not None, SCALE_BN=block_size[0] if block_size else 1,
@@ -392,16 +335,13 @@ def warm_up(w8: torch.Tensor, w_scale: torch.Tensor, max_tokens: int, x_dtype: t
     group = block_size[1] if block_size is not None else None
     # One quantize compile serves every M (M is not specialized); row slices keep x8 contiguous.
     x8_all, x_scale_all = fp8_quantize(torch.zeros(max_tokens, k, dtype=x_dtype, device=w8.device), group)
-    seen = set()
-    calls = 0
-    for m in range(1, max_tokens + 1):
-        x8, x_scale = x8_all[:m], x_scale_all[:m]
-        chosen = backend if backend != "auto" else default_backend(m, x8, w8, w_scale, out_dtype, block_size)
-        variant = (chosen, pick_tiles(config, m, n, k, block_size, w8.device) if chosen == "triton" else None)
-        if variant in seen:
-            continue
-        seen.add(variant)
-        fp8_gemm(x8, x_scale, w8, w_scale, out_dtype=out_dtype, block_size=block_size, backend=backend,
-                 config=config)
-        calls += 1
-    return calls
+
+    def variant(m: int) -> tuple:
+        chosen = backend if backend != "auto" else default_backend(m, x8_all[:m], w8, w_scale, out_dtype, block_size)
+        return chosen, (pick_tiles(config, m, n, k, block_size, w8.device) if chosen == "triton" else None)
+
+    rows = first_rows_per_variant(max_tokens, variant)
+    for m in rows:
+        fp8_gemm(x8_all[:m], x_scale_all[:m], w8, w_scale, out_dtype=out_dtype, block_size=block_size,
+                 backend=backend, config=config)
+    return len(rows)

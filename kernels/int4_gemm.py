@@ -38,17 +38,15 @@ bound by reading W once: few output tiles cannot keep 132 SMs busy, so K is
 split (``split_k``); each split writes float32 partials and the last split of
 a tile to finish (an atomic counter per tile) adds them in split order and
 writes the output, so there is no second launch, the result does not depend
-on timing, and the counter is back at 0 for the next call. Large M is bound
-by the tensor cores: big tiles, GROUP_M ordering for L2 reuse.
+on timing, and the counter is back at 0 for the next call (the FP8 GEMM does
+the same: ``kernels/_gemm_common.py``). Large M is bound by the tensor cores:
+big tiles, GROUP_M ordering for L2 reuse.
 
 Numerics: each dequantized weight is rounded once to x's dtype, as the
 reference does; products accumulate in float32 (float32 inputs use
 IEEE-exact dots, not TF32).
 """
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -62,10 +60,19 @@ from kernels._checks import (
     check_runnable,
     require,
 )
+from kernels._gemm_common import (
+    GemmTiles,
+    SplitKCounters,
+    choose_split,
+    first_rows_per_variant,
+    grouped_tile,
+    split_k_scratch,
+    split_steps,
+    store_tile,
+)
+from kernels._gemm_common import num_sms as _num_sms  # looked up here: tests stand in an H200's count
 
-# Split-K tile counters (int32, all zero between calls): one per output tile of a split launch.
-_COUNTER_SLOTS = 1 << 14
-_counters: dict[torch.device, torch.Tensor] = {}
+_counter_buffer = SplitKCounters()  # the split-K counters of int4 launches (FP8's are its own)
 
 
 # ---- kernel ---------------------------------------------------------------------------------------------
@@ -139,14 +146,7 @@ def _int4_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m_blocks = tl.cdiv(M, BLOCK_M)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    # Groups of GROUP_M tiles along M walk N together (L2 reuse of weight tiles).
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,22 +174,9 @@ def _int4_gemm_kernel(
                               K, GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, TILE_GROUPS, EVEN_K, BLOCK_K, BLOCK_N, dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
 
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    out_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + out_off, acc.to(dtype), mask=out_mask)
-    else:
-        # Every split stores its partial; the tile's last split to arrive sums them in order.
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out_off, acc, mask=out_mask)
-        tile = pid_m * num_n_blocks + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: read from L2, where the other programs' stores are, not from this SM's L1
-                total += tl.load(part_ptr + s * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + out_off, total.to(dtype), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
+    # The scales were applied to each weight tile: none on the sum. out is in x's dtype.
+    store_tile(acc, out_ptr, part_ptr, counter_ptr, out_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok,
+               pid_m * tl.cdiv(N, BLOCK_N) + pid_n, pid_k, M, N, False, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -213,7 +200,6 @@ def _int4_gemv_kernel(
     j = tl.arange(0, 8)
     shifts = j * 4
     rows = tl.arange(0, ROWS)
-    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for t in range(TILES_PER_SPLIT):
         k0 = (pid_k * TILES_PER_SPLIT + t) * BLOCK_K
@@ -247,87 +233,24 @@ def _int4_gemv_kernel(
             acc = tl.where(rows[:, None] == i, acc + contrib[None, :], acc)
 
     offs_m = pid_m * ROWS + rows
-    out_mask = (offs_m < M)[:, None] & n_ok[None, :]
-    out_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + out_off, acc.to(dtype), mask=out_mask)
-    else:
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + out_off, acc, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for sp in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + sp * M * N + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + out_off, total.to(dtype), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)
+    store_tile(acc, out_ptr, part_ptr, counter_ptr, out_ptr, out_ptr, offs_m, offs_n, offs_m < M, n_ok,
+               pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, False, SPLIT_K)
 
 
 # ---- tiles ------------------------------------------------------------------------------------------------
 
 
-KERNELS = ("dot", "gemv")
 GEMV_MAX_ROWS = 4  # decode batches of at most this many rows use the GEMV kernel by default
 
 
-@dataclass(frozen=True)
-class Int4Tiles:
+class Int4Tiles(GemmTiles):
     """kernel "dot": BLOCK_M x BLOCK_N output tiles through tl.dot (tensor cores); "gemv":
     ``block_m`` (1, 2, 4 or 8) rows of x per program, FMAs in registers, every K tile in one group."""
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    kernel: str = "dot"
-
-    def as_dict(self) -> dict:
-        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "group_m": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "kernel": self.kernel}
-
-    @staticmethod
-    def from_dict(d: dict) -> Int4Tiles:
-        """Raises ValueError (naming ``config``) on anything that is not a valid tile config."""
-        where = "int4_gemm"
-        keys = ("block_m", "block_n", "block_k")
-        require(isinstance(d, dict) and all(isinstance(d.get(key), int) for key in keys), where,
-                f"config needs integer {', '.join(keys)}, got {d!r}")
-        extra = set(d) - {"block_m", "block_n", "block_k", "split_k", "group_m", "num_warps", "num_stages", "kernel"}
-        require(not extra, where, f"config has unknown keys {sorted(extra)}")
-        tiles = Int4Tiles(**d)
-        require(tiles.kernel in KERNELS, where, f"config kernel must be one of {list(KERNELS)}, got {tiles.kernel!r}")
-        sizes = (tiles.block_n, tiles.block_k) if tiles.kernel == "gemv" else (tiles.block_m, tiles.block_n,
-                                                                               tiles.block_k)
-        for value in sizes:
-            require(value >= 16 and value & (value - 1) == 0, where,
-                    f"config block sizes must be powers of two >= 16, got {d!r}")
-        require(tiles.kernel == "dot" or tiles.block_m in (1, 2, 4, 8), where,
-                f"config block_m (rows per program) of the gemv kernel must be 1, 2, 4 or 8, got {d!r}")
-        require(tiles.split_k >= 1 and tiles.group_m >= 1 and tiles.num_warps in (1, 2, 4, 8, 16)
-                and tiles.num_stages >= 1, where, f"config has a bad split_k, group_m, num_warps or num_stages: {d!r}")
-        return tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few splits, to exercise them
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    launcher = "int4_gemm"
 
 
 def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
-
-
-def _split(tiles: int, k_tiles: int, target: int) -> int:
-    """Split K in powers of two until about ``target`` programs, keeping >= 2 K tiles a split."""
-    split = 1
-    while tiles * split * 2 <= target and split * 2 <= k_tiles // 2 and tiles * split * 2 <= _COUNTER_SLOTS:
-        split *= 2
-    return split
 
 
 def _gemv_block_k(k: int, group_size: int) -> int | None:
@@ -350,7 +273,7 @@ def default_tiles(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, d
     if m <= GEMV_MAX_ROWS and gemv_bk is not None:
         block_n = max(16, min(128, triton.next_power_of_2(n)))
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, m)
-        split = _split(tiles, triton.cdiv(k, gemv_bk), 4 * _num_sms(device))
+        split = choose_split(tiles, triton.cdiv(k, gemv_bk), 4 * _num_sms(device))
         return Int4Tiles(triton.next_power_of_2(m), block_n, gemv_bk, split, 1, 4, 2, "gemv")
     if dtype == torch.float32:  # exact fp32 dots: small tiles (shared memory, registers)
         block_m, block_n, block_k, warps, stages = (16 if m <= 16 else 32), 32, 32, 4, 2
@@ -369,7 +292,7 @@ def default_tiles(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, d
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = _split(tiles, triton.cdiv(k, block_k), 2 * _num_sms(device))
+    split = choose_split(tiles, triton.cdiv(k, block_k), 2 * _num_sms(device))
     return Int4Tiles(block_m, block_n, block_k, split, 8, warps, stages)
 
 
@@ -426,13 +349,6 @@ def _check_args(x, qweight, scales, zeros, group_size, perm, g_idx) -> None:
         check_inner_contiguous(where, name, t)
 
 
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -475,16 +391,9 @@ def int4_gemm(
             f"the gemv kernel needs every K tile in one group: no g_idx and block_k {bk} dividing group_size "
             f"{group_size}")
     k_tiles = triton.cdiv(k, bk)
-    per_split = triton.cdiv(k_tiles, min(tiles.split_k, k_tiles))
-    split = triton.cdiv(k_tiles, per_split)  # no empty split
+    split, per_split = split_steps(k_tiles, tiles.split_k)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    require(split == 1 or m_tiles * n_tiles <= _COUNTER_SLOTS, "int4_gemm",
-            f"split_k > 1 supports at most {_COUNTER_SLOTS} output tiles, got {m_tiles * n_tiles}")
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _counter_buffer(x.device)
-    else:
-        part = counters = out  # unused
+    part, counters = split_k_scratch("int4_gemm", out, split, m_tiles * n_tiles, _counter_buffer)
     even_k = k % bk == 0 and k_tiles % per_split == 0
     zeros_arg = zeros if zeros is not None else scales
     perm_arg = perm if perm is not None else qweight
@@ -519,14 +428,9 @@ def warm_up(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     with this weight (a compile met while serving stalls a step), and allocate the
     split-K counters before any CUDA-graph capture. Returns the number of calls."""
     n = qweight.shape[1]
-    seen = set()
-    calls = 0
-    for m in range(1, max_tokens + 1):
-        tiles = pick_tiles(config, m, n, k, group_size, dtype, qweight.device, g_idx is not None)
-        if tiles in seen:
-            continue
-        seen.add(tiles)
+    rows = first_rows_per_variant(
+        max_tokens, lambda m: pick_tiles(config, m, n, k, group_size, dtype, qweight.device, g_idx is not None))
+    for m in rows:
         x = torch.zeros(m, k, dtype=dtype, device=qweight.device)
         int4_gemm(x, qweight, scales, zeros, group_size, perm=perm, g_idx=g_idx, config=config)
-        calls += 1
-    return calls
+    return len(rows)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-FP8_KV_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache: e4m3, per-tensor scales (see store_kv_cache)
-FP8_E4M3_MAX = 448.0
+from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE  # an FP8 KV cache: e4m3, per-tensor scales
+# The quantized GEMMs keep their references in their own modules (the layouts are documented there).
+from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
+from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -404,8 +405,6 @@ def _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size) -> bool:
 
 def _fp8_round_trip(a: torch.Tensor, group: int | None) -> torch.Tensor:
     """[M, C] -> q.float() * s for (q, s) = fp8_quantize(a, group): what the fp8 GEMM reads, in float32."""
-    from kernels.fp8_reference import dequantize_fp8, fp8_quantize
-
     q, s = fp8_quantize(a, group)
     return dequantize_fp8(q, s, None if group is None else (1, group))
 
@@ -428,7 +427,3 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, renormalize: bool, wei
         expert_counts.index_add_(0, ids.flatten(), rows.repeat_interleave(top_k))
     return weights.to(weight_dtype).float(), ids
 
-
-# int4 weight-only GEMM: kept in its own module (the layout is documented there).
-from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: E402,F401
-from kernels.fp8_reference import fp8_gemm, fp8_quantize  # noqa: E402,F401

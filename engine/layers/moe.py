@@ -49,9 +49,22 @@ class MoEMethod:
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Called once, after every checkpoint tensor is in place (or dummy weights drawn)."""
 
+    block_size: tuple[int, int] | None = None  # block-scaled weights' (rows, columns) a scale covers
+
     def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return layer.ops.fused_moe(x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids,
-                                   activation=layer.activation, config=layer.kernel_config)
+                                   activation=layer.activation, config=layer.kernel_config, **self.kernel_args(layer))
+
+    def kernel_args(self, layer: FusedMoE) -> dict:
+        """What the fused kernel takes beyond the weights (a quantized method's scales)."""
+        return {}
+
+    def warm_up(self, layer: FusedMoE, max_tokens: int, dtype: torch.dtype) -> None:
+        """Compile every variant of the fused kernel for 1..max_tokens tokens (CUDA)."""
+        from kernels.fused_moe import warm_up
+
+        warm_up(layer.experts.gate_up_proj, layer.experts.down_proj, layer.top_k, max_tokens,
+                activation=layer.activation, config=layer.kernel_config, x_dtype=dtype, **self.kernel_args(layer))
 
 
 class FusedMoE(nn.Module):

@@ -194,8 +194,5 @@ class Fp8MoEMethod(MoEMethod):
                  {"gate_up_proj": ex.gate_up_proj.data, "down_proj": ex.down_proj.data, "w13_scale": s13,
                   "w2_scale": s2})
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ex = layer.experts
-        return layer.ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, activation=layer.activation,
-                                   config=layer.kernel_config, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale,
-                                   block_size=self.block_size)
+    def kernel_args(self, layer: FusedMoE) -> dict:
+        return dict(w13_scale=layer.experts.w13_scale, w2_scale=layer.experts.w2_scale, block_size=self.block_size)

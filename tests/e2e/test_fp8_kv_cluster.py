@@ -27,16 +27,15 @@ import pytest
 
 from gateway.instances import DECODE, PREFILL, Instance
 from gateway.prefix_index import MemoryPrefixIndex, RedisPrefixIndex, prompt_block_hashes
-from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.local_redis import LocalRedis
-from tests.e2e.test_model_families_cluster import start_cluster
+from tests.e2e.test_model_families_cluster import MAX_TOKENS, _generate, start_cluster
 from tests.engine.families import assert_greedy_match, hf_greedy, random_prompts
 from tests.engine.fp8_kv_oracle import TINY_K_SCALES, TINY_V_SCALES, copy_with_kv_scales, hf_fp8_kv_model
 from tests.processes import EngineServer
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 10
 BLOCK_SIZE = 4  # start_cluster's
 K_SCALES, V_SCALES = TINY_K_SCALES, TINY_V_SCALES
 FP8, BF16 = "float8_e4m3fn", "bfloat16"
@@ -62,17 +61,6 @@ def cluster(tiny_llama_dir, tmp_path_factory, default_model_dir: Path):
         codes = [bf16.stop()] + ([up.stop()] if up is not None else [])
         redis.stop()
     assert codes == [0] * len(codes), bf16.logs()
-
-
-def _generate(address: str, prompt: list[int]) -> list[int]:
-    with grpc.insecure_channel(address) as ch:
-        req = gateway_pb2.GenerateRequest(
-            token_ids=gateway_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        tokens = []
-        for delta in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120):
-            tokens += delta.token_ids
-        return tokens
 
 
 def _metrics(port: int) -> list[str]:

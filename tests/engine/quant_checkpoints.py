@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -175,9 +176,7 @@ def write_int4_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, gr
     if sym is None:
         sym = fmt != "awq"
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = _read_checkpoint(src)
     quant: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
     orders: dict[tuple[str, str], torch.Tensor] = {}
@@ -199,6 +198,27 @@ def write_int4_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, gr
                                     checkpoint_format=checkpoint_format, perm=perm)
         quant.update({f"{prefix}.{suffix}": v for suffix, v in stored.items()})
         dense[name] = w
+    if fmt == "compressed-tensors":
+        _write_pair(src, dst, deq, quant, dense, lambda d: _compressed_tensors_config(d, group_size, sym))
+    else:
+        _write_pair(src, dst, deq, quant, dense, quantization_config(fmt, group_size, sym=sym, desc_act=desc_act,
+                                                                     checkpoint_format=checkpoint_format))
+    return dst, deq
+
+
+def _read_checkpoint(src: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _write_pair(src: Path, dst: Path, deq: Path, quant: dict[str, torch.Tensor], dense: dict[str, torch.Tensor],
+                quantization: dict | Callable[[Path], None]) -> None:
+    """Write the quantized checkpoint to ``dst`` and its dequantized float32 copy to ``deq``:
+    each its safetensors and ``src``'s other files; config.json float32 and without a
+    quantization_config for the copy, with ``quantization`` for ``dst`` (a dict, or a function
+    that adds it to dst/config.json the way a library writes it)."""
     for out, state in ((dst, quant), (deq, dense)):
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
@@ -212,14 +232,11 @@ def write_int4_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, gr
         if key in config:
             config[key] = "float32"
     (deq / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if fmt == "compressed-tensors":
-        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        _compressed_tensors_config(dst, group_size, sym)
-    else:
-        config["quantization_config"] = quantization_config(fmt, group_size, sym=sym, desc_act=desc_act,
-                                                            checkpoint_format=checkpoint_format)
-        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return dst, deq
+    if isinstance(quantization, dict):
+        config["quantization_config"] = quantization
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if callable(quantization):
+        quantization(dst)
 
 
 # ---- FP8 (W8A8) checkpoints -------------------------------------------------------------------------------
@@ -323,9 +340,7 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, str
     them. Returns (dst_dir, dequant_dir)."""
     src, dst = Path(src_dir), Path(dst_dir)
     deq = Path(dequant_dir) if dequant_dir is not None else dst.with_name(dst.name + "-dequant")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = _read_checkpoint(src)
     quant: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
     moe = False
@@ -354,23 +369,8 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, str
                 rows.append(wd)
             out.append(torch.cat(rows))
         dense[name] = torch.stack(out)
-    for out_dir, state in ((dst, quant), (deq, dense)):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                shutil.copy(f, out_dir / f.name)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
-                  metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config", None)
-    for key in ("torch_dtype", "dtype"):
-        if key in config:
-            config[key] = "float32"
-    (deq / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if fmt == "compressed-tensors":
-        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        _ct_fp8_config(dst, strategy, block, moe)
+        _write_pair(src, dst, deq, quant, dense, lambda d: _ct_fp8_config(d, strategy, block, moe))
     else:
-        config["quantization_config"] = fp8_quantization_config(fmt, strategy, block, moe)
-        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        _write_pair(src, dst, deq, quant, dense, fp8_quantization_config(fmt, strategy, block, moe))
     return dst, deq
