@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 def delta_to_proto(d: Delta) -> engine_pb2.DecodeResponse:
+    message = d.error.message if d.error is not None and d.finish_reason == "error" else ""
     return engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(
         token_ids=d.token_ids, logprobs=logprobs_to_proto(d.logprobs),
-        finish_reason=d.finish_reason or "", num_cached_tokens=d.num_cached_tokens))
+        finish_reason=d.finish_reason or "", num_cached_tokens=d.num_cached_tokens, finish_message=message))
 
 
 class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
@@ -88,7 +89,7 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
                         block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens))
                     continue
                 finished, last = bool(d.finish_reason), d
-                if d.error is not None:
+                if d.error is not None and d.finish_reason != "error":  # "error": a finish, with its message
                     await context.abort(*error_status(d.error))
                 yield delta_to_proto(d)
         finally:

@@ -295,6 +295,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
     async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
     enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
+    tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)
+    max_grammar_compile_seconds: float = 10.0  # a constraint that compiles longer fails its request
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_grammar_compile_seconds <= 3600:
+            raise ValueError(f"--max-grammar-compile-seconds must be in (0, 3600], got "
+                             f"{self.max_grammar_compile_seconds}")
 
     @property
     def kv_dtype(self) -> str:
@@ -340,6 +347,8 @@ class EngineArgs:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    tokenizer: str | None = None
+    max_grammar_compile_seconds: float = 10.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -399,6 +408,13 @@ class EngineArgs:
                        help="mixture-of-experts models: place num_experts / --tensor-parallel-size whole experts "
                             "on each rank (each reads only its own experts' weights) instead of slicing every "
                             "expert over all ranks; attention stays tensor-parallel")
+        g.add_argument("--tokenizer", default=None,
+                       help="the tokenizer's directory (default: the model's), which structured outputs "
+                            "compile their grammars against")
+        g.add_argument("--max-grammar-compile-seconds", type=float, default=10.0,
+                       help="structured outputs: a JSON schema, regex or grammar that takes longer to compile "
+                            "fails its request with INVALID_ARGUMENT (compiling runs off the engine loop; "
+                            "compiled grammars are cached)")
         return parser
 
     @classmethod
@@ -486,4 +502,6 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
                             enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
                             async_scheduling=self.async_scheduling,
-                            enable_expert_parallel=self.enable_expert_parallel)
+                            enable_expert_parallel=self.enable_expert_parallel,
+                            tokenizer=Path(self.tokenizer) if self.tokenizer else None,
+                            max_grammar_compile_seconds=self.max_grammar_compile_seconds)

@@ -34,14 +34,17 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
 from engine.kv_transfer.protocol import KVLayout
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
 _EXPIRY_CHECK_S = 0.02  # deadlines are noticed at most this late (plus the step in progress)
@@ -136,6 +139,7 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # a decode step queued, its tokens not read yet
         self.num_steps_total = 0
         self.num_steps_ahead_total = 0
+        self.grammars: GrammarManager | None = None  # structured outputs: made at the first constrained request
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig):
@@ -169,9 +173,12 @@ class LLMEngine:
         self.runner.bind_thread()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do at size 1). Idempotent."""
+        """Stop the tensor-parallel workers (nothing to do at size 1) and the grammar
+        compiler's threads. Idempotent."""
         self._close_tp()
         self._workers = []
+        if self.grammars is not None:
+            self.grammars.close()
 
     def expert_load(self):  # -> torch.Tensor
         """[MoE layers, experts] int64 on the host: tokens routed to each expert since the
@@ -236,9 +243,32 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate()
+        if params.structured_outputs is not None:
+            self._grammar_manager()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time)
         req.deadline = deadline
         self.scheduler.check_fits(req)
+        return req
+
+    def _grammar_manager(self) -> GrammarManager:
+        """The structured outputs' grammars (made once; ValueError when there is no tokenizer)."""
+        if self.grammars is None:
+            from engine.grammar import GrammarManager
+
+            path = self.config.tokenizer or self.config.model.path
+            if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+                raise ValueError(f"structured outputs need the model's tokenizer, and {path} has none "
+                                 "(pass --tokenizer DIR)")
+            self.grammars = GrammarManager(path, self.config.model.vocab_size, self.eos_token_ids,
+                                           self.config.max_grammar_compile_seconds)
+            self.scheduler.grammars = self.grammars
+        return self.grammars
+
+    def _constrain(self, req: Request) -> Request:
+        """A queued request with a constraint starts compiling it now (off the engine loop; the
+        decode tier's while the prefill tier computes the prompt)."""
+        if req.sampling_params.structured_outputs is not None:
+            self._grammar_manager().register(req)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -246,7 +276,7 @@ class LLMEngine:
         """Compute the request here, prompt and output (offline, colocated)."""
         req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline)
         self.scheduler.add_request(req)
-        return req
+        return self._constrain(req)
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                             deadline: float | None = None) -> Request:
@@ -257,7 +287,7 @@ class LLMEngine:
         req.max_tokens = 1
         req.hold_kv_on_finish = True
         self.scheduler.add_request(req)
-        return req
+        return self._constrain(req)
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                 deadline: float | None = None) -> Request:
@@ -267,7 +297,7 @@ class LLMEngine:
         ValueError (invalid) or OverflowError (the queue is full)."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline)
         self.scheduler.add_reservation(req)
-        return req
+        return self._constrain(req)
 
     # ---- KV hand-off -----------------------------------------------------
     def prefill_started(self, request_id: str) -> bool:
@@ -367,7 +397,7 @@ class LLMEngine:
             result.num_batched_tokens = out.num_batched_tokens
             self.num_steps_total += 1
             if self.config.async_scheduling and self.layerwise_sink is None:
-                self._in_flight = self.runner.launch(out)  # None: not a graph step
+                self._in_flight = self.runner.launch(out, before_sampling=self._bitmasks_of(out))  # None: eager
             if self._in_flight is None:
                 sampled, logprobs = self._execute(out)
                 result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
@@ -385,7 +415,7 @@ class LLMEngine:
         one in flight into ``result``. True when a step is in flight again."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
-        ahead = self.scheduler.schedule_ahead(in_flight.out)
+        ahead = self.scheduler.schedule_ahead(in_flight.out)  # never a constrained row (its mask needs the token)
         if ahead is not None:
             result.reserved += ahead.reserved
             self._in_flight = self.runner.launch(ahead, in_flight)
@@ -410,14 +440,30 @@ class LLMEngine:
                          if s.samples and s.request.hold_kv_on_finish]
             if finishing:
                 signal = self.layerwise_sink.step_begins(finishing)
+        before_sampling = self._bitmasks_of(out)
         if signal is None:
-            return self.runner.execute(out)
+            return self.runner.execute(out, before_sampling=before_sampling)
         for request_id in signal.request_ids:  # their blocks are read from now on: never freed under it
             self.scheduler.begin_streamed_send(request_id)
         try:
-            return self.runner.execute(out, on_layer=signal.layer_done)
+            return self.runner.execute(out, on_layer=signal.layer_done, before_sampling=before_sampling)
         finally:
             signal.step_ended()
+
+    def _bitmasks_of(self, out: SchedulerOutput) -> Callable[[SchedulerOutput], None] | None:
+        """What the runner calls before sampling a step with constrained rows that sample:
+        each gets its next-token bitmask (computed on the host while the device runs the
+        forward pass). None when the step has none."""
+        if self.grammars is None or not any(s.samples and s.request.sampling_params.structured_outputs is not None
+                                            for s in out.scheduled):
+            return None
+        grammars = self.grammars
+
+        def fill(step: SchedulerOutput) -> None:
+            rows = [s for s in step.scheduled if s.samples and s.request.sampling_params.structured_outputs]
+            for s, mask in zip(rows, grammars.fill([s.request for s in rows])):
+                s.bitmask = mask
+        return fill
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, outcomes to report, or a step in flight to read."""

@@ -163,7 +163,8 @@ def _per_row(res: SamplerOutput, which: Sequence[int], n: int) -> tuple[list[int
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
     r = s.request
-    return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, s.lookahead)
+    return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, s.lookahead,
+                       s.bitmask)
 
 
 class ModelRunner:
@@ -508,11 +509,14 @@ class ModelRunner:
             self._forwards_before_fault -= 1
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None) -> LaunchedStep | None:
+    def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None,
+               before_sampling: Callable[[SchedulerOutput], None] | None = None) -> LaunchedStep | None:
         """Queue a pure-decode step on its graph and its sampling, without waiting for the
         device; None (nothing queued) when the step must run eagerly (``execute``).
         ``in_flight``: the step whose sampled ids are the inputs of this one's leading rows
-        (those ``Scheduler.schedule_ahead`` put a step ahead)."""
+        (those ``Scheduler.schedule_ahead`` put a step ahead). ``before_sampling(out)`` runs on
+        the host once the forward pass is queued, before the sampling that needs it (the
+        constraints' bitmasks: computed while the device runs the forward)."""
         if self.graphs is None:
             return None
         ahead = sum(1 for s in out.scheduled if s.lookahead)
@@ -528,17 +532,21 @@ class ModelRunner:
         if self.tp is not None:
             self._share_graph_step(step)
         logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
+        if before_sampling is not None:
+            before_sampling(out)
         return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(s) for s in out.scheduled]))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+    def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None,
+                before_sampling: Callable[[SchedulerOutput], None] | None = None
                 ) -> tuple[list[int | None], list | None]:
         """Run one step. Returns, aligned with ``out.scheduled``, the sampled
         token (None for a chunk that does not reach the end of its tokens)
         and, when any request asked for them, logprobs. ``on_layer(i)``:
-        called as each layer's work is queued (eager steps only)."""
+        called as each layer's work is queued (eager steps only); ``before_sampling``:
+        as in ``launch``."""
         if on_layer is None:
-            launched = self.launch(out)
+            launched = self.launch(out, before_sampling=before_sampling)
             if launched is not None:  # a pure decode step: its graph
                 return launched.result()
         self._count_forward()
@@ -550,5 +558,7 @@ class ModelRunner:
         if not which:
             return [None] * len(out.scheduled), None
         logits = self.model.compute_logits(hidden[sample_idx])
+        if before_sampling is not None:
+            before_sampling(out)
         res = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
         return _per_row(res, which, len(out.scheduled))

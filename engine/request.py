@@ -35,6 +35,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # ended by a failure of its own output (a constraint no token meets)
 
     @property
     def is_finished(self) -> bool:
@@ -45,6 +46,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -52,7 +54,9 @@ FINISH_REASONS = {
 class RequestError:
     """Why a request ended without the caller asking: ``kind`` is
     "deadline" (a state or the caller's deadline passed), "kv_transfer"
-    (the KV hand-off failed) or "sampling" (no valid token could be sampled
+    (the KV hand-off failed), "invalid_constraint" (its structured-output
+    constraint does not compile, in time or at all), "constraint" (no token
+    meets its constraint: FINISHED_ERROR) or "sampling" (no valid token could be sampled
     from its logits)."""
 
     kind: str

@@ -4,10 +4,11 @@ Order of operations (vLLM semantics), per row:
 
 1. logprobs, if asked for, come from the RAW logits (``log_softmax`` before
    anything below touches them);
-2. penalties: repetition over prompt + output tokens (positive logits are
+2. a structured-output constraint's bitmask: tokens it does not allow get ``-inf``;
+3. penalties: repetition over prompt + output tokens (positive logits are
    divided by it, negative ones multiplied), then frequency/presence over
    output tokens (``logit -= frequency * count + presence * (count > 0)``);
-3. ``min_tokens``: until the row has that many output tokens, its eos ids
+   ``min_tokens``: until the row has that many output tokens, its eos ids
    (unless ``ignore_eos``) and ``stop_token_ids`` get ``-inf``;
 4. greedy rows (``temperature < 1e-5``) take ``argmax`` (ties: lowest id);
    the others are divided by the temperature, then filtered by top-k,
@@ -81,6 +82,9 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far and known on the host, before this step
     eos_token_ids: frozenset[int]  # suppressed (with stop_token_ids) until min_tokens
     pending: int = 0  # tokens sampled before this step whose ids the host has not read yet
+    # A structured-output constraint's allowed tokens: [ceil(V / 32)] int32, bit v % 32 of word
+    # v // 32 set for an allowed token v (engine/grammar.py); None: every token
+    bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.pending and self.params.has_penalties:
@@ -156,6 +160,7 @@ class Sampler:
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _apply_bitmasks(logits, rows)
         logits = _apply_penalties(logits, rows)
         logits = _apply_min_tokens(logits, rows)
 
@@ -174,18 +179,32 @@ class Sampler:
 
 def _guard(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """[B] ids -> the same, with SAMPLE_FAILED where the id is outside the
-    vocabulary or its (penalised) logit is NaN. No host sync."""
+    vocabulary or its (penalised, masked) logit is NaN or -inf (a row whose
+    constraint allows no token has only -inf). No host sync."""
     vocab = logits.shape[1]
     inside = (token_ids >= 0) & (token_ids < vocab)
     chosen = logits.gather(1, token_ids.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)  # [B]
-    ok = inside & ~chosen.isnan()
+    ok = inside & ~chosen.isnan() & (chosen > float("-inf"))
     return torch.where(ok, token_ids, torch.full_like(token_ids, SAMPLE_FAILED))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.is_greedy and not p.has_penalties and p.logprobs is None
-            and not row.suppressed_token_ids)
+            and not row.suppressed_token_ids and row.bitmask is None)
+
+
+def _apply_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf where a constrained row's bitmask does not allow the token. [B, V] -> [B, V]."""
+    idx = [i for i, row in enumerate(rows) if row.bitmask is not None]
+    if not idx:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    words = to_device(torch.stack([rows[i].bitmask for i in idx]), device)  # [G, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
+    rows_idx = to_device(torch.tensor(idx), device)
+    return logits.index_copy(0, rows_idx, logits[rows_idx].masked_fill(~allowed, float("-inf")))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Per-request sampling parameters (the vLLM shape)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -46,8 +49,15 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each sampled position
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What the output must match (JSON schema, regex, choice, grammar; engine/structured_outputs.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # the offline API's convenience form
+            spec = dict(self.structured_outputs)
+            if isinstance(spec.get("json"), (dict, bool)):
+                spec["json"] = json.dumps(spec["json"])
+            self.structured_outputs = StructuredOutputsParams(**spec)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -99,6 +109,8 @@ class SamplingParams:
             check_unicode(s, "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r:.80}")
         high = INT32_MAX if vocab_size is None else vocab_size - 1
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= high:

@@ -35,10 +35,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestError, RequestStatus
+
+
+class Grammars(Protocol):
+    """The engine's structured-output grammars (engine/grammar.py), as the scheduler asks them:
+    ``poll(req)`` -> (state, message), state ``.name`` one of WAIT, READY, DONE, ERROR."""
+
+    def poll(self, req: Request) -> tuple[Any, str]: ...
+
+    def free(self, request_id: str) -> None: ...
 
 S = RequestStatus
 # A reservation whose prefill has not started, for a caller that set no
@@ -56,6 +66,9 @@ class ScheduledRequest:
     # Tokens of the request sampled by the step still in flight, not yet on the host: this
     # row computes the position after them (a step ahead; see Scheduler.schedule_ahead).
     lookahead: int = 0
+    # A constrained row that samples: its next-token bitmask ([ceil(V / 32)] int32, set by the
+    # engine before sampling; see engine/grammar.py).
+    bitmask: Any = None
 
     @property
     def samples(self) -> bool:
@@ -93,6 +106,7 @@ class Scheduler:
         self.pending_free: dict[str, Request] = {}  # finished; a transfer still uses their blocks
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
         self.max_waiting: int | None = None  # bound of ``waiting`` for add_request (servers set it)
+        self.grammars: Grammars | None = None  # set by the engine when a request has a constraint
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
@@ -260,6 +274,8 @@ class Scheduler:
                 break
             if req.status != S.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._held_by_constraint(req, out):
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._allocate_or_preempt(req, num_new, out, scheduled):
                 out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
@@ -278,15 +294,19 @@ class Scheduler:
         schedule could differ from the one ``schedule()`` makes after reading the tokens:
         a row of ``in_flight`` no longer running, a running request with more than one token
         to compute, waiting requests and room for them, a row with penalties (they read the
-        tokens) or held for a KV send, the budget, or blocks that would take a preemption.
+        tokens) or a structured-output constraint (its next mask follows from the token in
+        flight, on the host) or held for a KV send, the budget, or blocks that would take a
+        preemption.
         (Blocks taken for the rows before a None are kept: their requests need them the step
         after.)"""
         rows = [s.request for s in in_flight.scheduled]
-        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish for r in rows):
+        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish
+               or r.sampling_params.structured_outputs is not None for r in rows):
             return None
         ahead = {r.request_id for r in rows}
         others = [r for r in self.running if r.request_id not in ahead]
-        if any(r.num_tokens - r.num_computed_tokens != 1 for r in others):
+        if any(r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params.structured_outputs is not None
+               for r in others):
             return None
         if self.waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             return None
@@ -326,8 +346,13 @@ class Scheduler:
         return None
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        deferred: list[Request] = []  # constraints still compiling: they keep their place
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._held_by_constraint(req, out):
+                if self.waiting and self.waiting[0] is req:  # still waiting (not failed)
+                    deferred.append(self.waiting.popleft())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
@@ -342,6 +367,27 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
+
+    def _held_by_constraint(self, req: Request, out: SchedulerOutput) -> bool:
+        """A request with a structured-output constraint runs only once its grammar is
+        compiled and has taken the request's tokens: True while it compiles (the request
+        waits), or when it ends here (the constraint failed to compile, or is complete:
+        ``out.finished``)."""
+        if self.grammars is None or req.sampling_params.structured_outputs is None:
+            return False
+        state, message = self.grammars.poll(req)
+        if state.name == "READY":
+            return False
+        if state.name == "ERROR":
+            self._finish(req, S.FINISHED_ABORTED, RequestError("invalid_constraint", f"request {req.request_id}: "
+                                                                                      f"{message}"))
+            out.finished.append(req)
+        elif state.name == "DONE":
+            req.stop_reason = "constraint"
+            self._finish(req, S.FINISHED_STOPPED)
+            out.finished.append(req)
+        return True
 
     def _count_prefix_hit(self, req: Request, num_hit: int) -> None:
         """A request's first admission: its prompt tokens found in the prefix cache."""
@@ -375,9 +421,14 @@ class Scheduler:
             if tok is None:
                 continue
             if tok < 0:  # the sampler's guard (SAMPLE_FAILED): this request alone fails
-                self._finish(req, S.FINISHED_ABORTED, RequestError(
-                    "sampling", f"request {req.request_id}: no token could be sampled (the distribution "
-                                "was not finite: NaN or infinite logits after penalties and temperature)"))
+                if req.sampling_params.structured_outputs is not None:
+                    self._finish(req, S.FINISHED_ERROR, RequestError(
+                        "constraint", f"request {req.request_id}: no token meets the structured-output "
+                                      f"constraint at output position {req.num_output_tokens}"))
+                else:
+                    self._finish(req, S.FINISHED_ABORTED, RequestError(
+                        "sampling", f"request {req.request_id}: no token could be sampled (the distribution "
+                                    "was not finite: NaN or infinite logits after penalties and temperature)"))
                 updated.append(req)
                 continue
             self._append_token(req, tok, logprobs[i] if logprobs else None)
@@ -391,6 +442,13 @@ class Scheduler:
         if req.times.first_token is None:
             req.times.first_token = time.time()
         status = req.check_stop()
+        if status is None and self.grammars is not None and req.sampling_params.structured_outputs is not None:
+            state, message = self.grammars.poll(req)  # WAIT: still compiling, the token is taken later
+            if state.name == "DONE":
+                status, req.stop_reason = S.FINISHED_STOPPED, "constraint"
+            elif state.name == "ERROR":
+                status = S.FINISHED_ERROR
+                req.error = RequestError("constraint", f"request {req.request_id}: {message}")
         if status is None:
             return
         if req.hold_kv_on_finish:  # prefill tier: keep the blocks until the KV is sent
@@ -430,8 +488,10 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == S.HELD_FOR_SEND:
             del self.held[rid]
-        req.status, req.error, req.state_deadline = status, error, None
+        req.status, req.error, req.state_deadline = status, error or req.error, None
         req.times.finished = time.time()
+        if self.grammars is not None:
+            self.grammars.free(rid)
         if busy:
             self.pending_free[rid] = req
             return

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -17,9 +18,30 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError on invalid values (the caller maps it to
     INVALID_ARGUMENT / HTTP 400)."""
     kw = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
                           **kw)
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs needs one of json, json_object, regex, choice, grammar, structural_tag")
+    value = getattr(msg, kind)
+    if kind == "choice":
+        value = tuple(value.choices)
+    return StructuredOutputsParams(**{kind: value}, any_whitespace=msg.any_whitespace)
+
+
+def structured_to_proto(p: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    msg = common_pb2.StructuredOutputs(any_whitespace=p.any_whitespace)
+    if p.kind == "choice":
+        msg.choice.choices.extend(p.choice)
+    else:
+        setattr(msg, p.kind, p.spec)
+    return msg
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -35,6 +57,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return msg
 
 

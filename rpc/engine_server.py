@@ -69,7 +69,12 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if left is None else time.monotonic() + left
 
 
-_ERROR_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "kv_transfer": grpc.StatusCode.ABORTED}
+# A constraint that does not compile is the caller's error; one no token meets (a request
+# finished with finish_reason "error") reaches a caller that cannot stream the finish as a
+# failed precondition: the prefill tier's Prefill call.
+_ERROR_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "kv_transfer": grpc.StatusCode.ABORTED,
+                "invalid_constraint": grpc.StatusCode.INVALID_ARGUMENT,
+                "constraint": grpc.StatusCode.FAILED_PRECONDITION}
 
 
 def error_status(error: RequestError) -> tuple[grpc.StatusCode, str]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x32\x90\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0e\x66inish_message\x18\x08 \x01(\t2\x90\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=196
   _globals['_GENERATEREQUEST']._serialized_end=405
   _globals['_GENERATERESPONSE']._serialized_start=408
-  _globals['_GENERATERESPONSE']._serialized_end=606
-  _globals['_GATEWAY']._serialized_start=609
-  _globals['_GATEWAY']._serialized_end=753
+  _globals['_GENERATERESPONSE']._serialized_end=630
+  _globals['_GATEWAY']._serialized_start=633
+  _globals['_GATEWAY']._serialized_end=777
 # @@protoc_insertion_point(module_scope)

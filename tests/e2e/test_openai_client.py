@@ -106,16 +106,26 @@ def test_grpc_generate_matches_token_for_token(servers, llm):
     _assert_no_blocks_held(servers)
 
 
-def test_concurrent_streams_match_token_for_token(servers, llm):
+CONCURRENT_PROMPTS = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
+CONCURRENT_PARAMS = [(SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i),
+                      common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i)) if i % 2 else
+                     (SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5),
+                      common_pb2.SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5))
+                     for i in range(len(CONCURRENT_PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def concurrent_refs(llm):
+    """The offline engine's tokens for the concurrent requests, one batch (the servers batch
+    them too), computed once for both kinds of decode server."""
+    outs = llm.generate(CONCURRENT_PROMPTS, [sp for sp, _ in CONCURRENT_PARAMS])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_concurrent_streams_match_token_for_token(servers, concurrent_refs):
     """Requests arriving while others decode: on the overlapped decode server they join
     the steps scheduled ahead (their KV arrives between two steps)."""
-    prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]
-    params = [(SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i),
-               common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS + i)) if i % 2 else
-              (SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5),
-               common_pb2.SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS - i % 5))
-              for i in range(len(prompts))]
-    refs = [llm.generate(p, sp)[0].outputs[0].token_ids for p, (sp, _) in zip(prompts, params)]
+    prompts, params, refs = CONCURRENT_PROMPTS, CONCURRENT_PARAMS, concurrent_refs
 
     def generate(i: int) -> list[int]:
         with grpc.insecure_channel(servers.grpc_address) as ch:

@@ -1,0 +1,198 @@
+"""Grammars of structured outputs on one engine: compiled off the engine loop, cached,
+and one matcher per constrained request (xgrammar does the compiling and matching).
+
+    register(req)      the request's grammar starts compiling (a worker thread; the
+                       compiled-grammar cache is keyed by the spec's hash, LRU, bounded)
+    poll(req)          WAIT (compiling) | READY | DONE (the grammar is complete: the
+                       request has its whole output) | ERROR (message): first brings the
+                       matcher up to the request's output tokens, accepting each once
+    fill(rows)         the next-token bitmask of each row ([ceil(V / 32)] int32, bit v of
+                       word v // 32 set: token v allowed), from its matcher
+    free(request_id)   the request ended
+
+The matcher follows the request's own tokens: ``num_accepted`` of them are in it, and
+``poll`` accepts the rest. So a token sampled elsewhere (the decode tier receives the
+first token from the prefill tier) is accepted when the decode tier first polls, a
+token is never accepted twice, and a request recomputed after preemption keeps its
+matcher (its output tokens did not change). A grammar completes without a stop token
+(``terminate_without_stop_token``): the request finishes as soon as its output is whole.
+
+Compilation is bounded by ``max_compile_seconds`` from the request's arrival (or from
+when the compiler became ready, the first time: it loads the tokenizer): past that
+the request fails (ERROR: the servers answer INVALID_ARGUMENT), the worker
+finishing in the background (a compile cannot be interrupted) and its result cached.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from engine.request import Request
+from engine.structured_outputs import MAX_WHITESPACE, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+_MAX_CACHED = 256  # compiled grammars kept (LRU)
+
+
+class Poll(enum.Enum):
+    WAIT = enum.auto()
+    READY = enum.auto()
+    DONE = enum.auto()
+    ERROR = enum.auto()
+
+
+@dataclass
+class _RequestGrammar:
+    future: Future
+    started: float  # time.monotonic() of register
+    matcher: Any = None
+    num_accepted: int = 0
+    error: str | None = None
+
+
+@dataclass
+class GrammarManager:
+    """Owns the compiler, the compiled-grammar cache and every live request's matcher."""
+
+    tokenizer_path: Path
+    vocab_size: int  # the model's logits width (the bitmask covers it)
+    stop_token_ids: Sequence[int]
+    max_compile_seconds: float = 10.0
+    _requests: dict[str, _RequestGrammar] = field(default_factory=dict)
+    _cache: OrderedDict = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _compiler: Any = None
+    _compiler_ready_at: float | None = None  # time.monotonic(): the tokenizer is loaded, compiling can start
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile"))
+
+    # ---- compiling ------------------------------------------------------------------------------
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=list(self.stop_token_ids) or None)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+                self._compiler_ready_at = time.monotonic()
+                logger.info("structured outputs: grammar compiler ready (tokenizer %s, %d tokens)",
+                            self.tokenizer_path, self.vocab_size)
+            return self._compiler
+
+    def _compile(self, params: StructuredOutputsParams):
+        compiler = self._get_compiler()
+        kind, ws = params.kind, params.any_whitespace
+        json_kw = dict(any_whitespace=ws, max_whitespace_cnt=MAX_WHITESPACE if ws else None)
+        if kind == "json":
+            return compiler.compile_json_schema(params.json, **json_kw)
+        if kind == "json_object":
+            return compiler.compile_json_schema(json.dumps({"type": "object"}), **json_kw)
+        if kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":
+            import xgrammar as xgr
+
+            return compiler.compile_grammar(xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)))
+        if kind == "grammar":
+            return compiler.compile_grammar(params.grammar)
+        return compiler.compile_structural_tag(params.structural_tag)
+
+    def _compiled(self, params: StructuredOutputsParams) -> Future:
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+                return future
+            future = self._executor.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > _MAX_CACHED:
+                self._cache.popitem(last=False)
+            return future
+
+    # ---- requests -------------------------------------------------------------------------------
+    def register(self, req: Request) -> None:
+        """Start compiling ``req``'s grammar (once; a cached grammar is ready at once)."""
+        params = req.sampling_params.structured_outputs
+        if params is None or req.request_id in self._requests:
+            return
+        self._requests[req.request_id] = _RequestGrammar(self._compiled(params), time.monotonic())
+
+    def poll(self, req: Request) -> tuple[Poll, str]:
+        """Where ``req``'s grammar stands (module docstring); the message explains ERROR."""
+        g = self._requests.get(req.request_id)
+        if g is None:
+            self.register(req)
+            g = self._requests[req.request_id]
+        if g.error is not None:
+            return Poll.ERROR, g.error
+        if g.matcher is None:
+            if not g.future.done():
+                # Counted from when compiling could start: loading the tokenizer (once) is not the
+                # constraint's doing.
+                ready = self._compiler_ready_at
+                if ready is None or time.monotonic() - max(g.started, ready) <= self.max_compile_seconds:
+                    return Poll.WAIT, ""
+                g.error = (f"compiling the {req.sampling_params.structured_outputs.kind} constraint took longer "
+                           f"than --max-grammar-compile-seconds {self.max_compile_seconds:g}")
+                return Poll.ERROR, g.error
+            exc = g.future.exception()
+            if exc is not None:
+                g.error = f"invalid {req.sampling_params.structured_outputs.kind}: {_first_line(exc)}"
+                return Poll.ERROR, g.error
+            import xgrammar as xgr
+
+            g.matcher = xgr.GrammarMatcher(g.future.result(), terminate_without_stop_token=True)
+        out = req.output_token_ids
+        while g.num_accepted < len(out):
+            token = out[g.num_accepted]
+            if g.matcher.is_terminated() or not g.matcher.accept_token(token):
+                g.error = f"token {token} at output position {g.num_accepted} does not match the constraint"
+                return Poll.ERROR, g.error
+            g.num_accepted += 1
+        return (Poll.DONE, "") if g.matcher.is_terminated() else (Poll.READY, "")
+
+    def fill(self, requests: Sequence[Request]) -> torch.Tensor:
+        """[len(requests), ceil(V / 32)] int32 next-token bitmasks (each request polled READY)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for i, req in enumerate(requests):
+            self._requests[req.request_id].matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def free(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    """xgrammar's message without its C++ source location and check-failure prefixes."""
+    text = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    text = _LOCATION.sub("", text)
+    return _CHECK_FAILED.sub("", text).strip()
+
+
+_LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")  # "[22:32:00] /project/cpp/x.cc:94: "
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
