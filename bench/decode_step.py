@@ -35,6 +35,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N more steps per batch size (CUDA): the GPU's busy time "
                         "per step against the step's wall time, and the kernels that take it")
+    p.add_argument("--structured-rows", default="0", metavar="N[,N...]",
+                   help="how many rows of each batch size (one figure per batch size, or one for all) "
+                        "decode under a structured-output constraint that never completes (an EBNF grammar "
+                        "of lowercase words): the cost of their masks; the model needs a tokenizer "
+                        "(--tokenizer DIR for --model-shape)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
@@ -65,15 +70,27 @@ def main(args: argparse.Namespace) -> int:
         return 0
     args.max_num_seqs = max(max(sizes), args.max_num_seqs)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    result = measure(engine, sizes, args.context_len, args.steps, args.profile)
+    constrained = [int(x) for x in args.structured_rows.split(",")]
+    if len(constrained) == 1:
+        constrained *= len(sizes)
+    if len(constrained) != len(sizes) or any(not 0 <= c <= b for c, b in zip(constrained, sizes)):
+        raise SystemExit(f"--structured-rows {args.structured_rows}: one count (at most the batch) per batch size")
+    result = measure(engine, sizes, args.context_len, args.steps, args.profile, constrained)
     write_result(result, "decode-step", args.output_json)
     return 0
 
 
-def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int = 0) -> dict:
+# Never complete, so a constrained row decodes for as long as the unconstrained ones.
+_ENDLESS = "root ::= [a-z]+ (\" \" [a-z]+)*"
+
+
+def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int = 0,
+            constrained: list[int] | None = None) -> dict:
     """Median decode-step times of ``engine`` at each batch size (sequences of ``context_len``
-    random tokens, prefilled first, then ``steps`` timed steps), as ``main`` reports them."""
+    random tokens, prefilled first, then ``steps`` timed steps), as ``main`` reports them;
+    ``constrained[i]`` rows of batch ``sizes[i]`` decode under a grammar."""
     from engine.sampling_params import SamplingParams
+    from engine.structured_outputs import StructuredOutputsParams
 
     device, vocab = engine.config.device, engine.config.model.vocab_size
     rng = random.Random(0)
@@ -83,16 +100,20 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
     print(f"decode steps: {'CUDA graphs, batch sizes ' + ','.join(map(str, graphs.sizes)) if graphs else 'eager'}",
           flush=True)
     budget = engine.config.scheduler.max_num_batched_tokens
-    for b in sizes:
+    for b, num_constrained in zip(sizes, constrained or [0] * len(sizes)):
         # Requests prefilled first decode while the rest prefill (decode first): give them enough
         # tokens that none finishes before the timed steps, then abort them all.
         prefill_steps = -(-b * context_len // budget) + b
         sp = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 2 * profile + 2,
                             ignore_eos=True)
+        grammar = SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(grammar=_ENDLESS))
         for i in range(b):
-            engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(context_len)], sp)
+            engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(context_len)],
+                               grammar if i < num_constrained else sp)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-            engine.step()  # prefill
+            if not engine.step().did_work:  # prefill (constraints compile first)
+                engine.wait_for_background(0.05)
         engine.step()  # warm-up decode
         contexts = [r.num_tokens for r in engine.scheduler.requests.values()]
         times, rows = [], []
@@ -118,12 +139,13 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
         if set(rows) != {b}:
             print(f"warning: batch {b}: the timed steps ran {sorted(set(rows))} rows", flush=True)
         result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-                              "mean_ms": 1e3 * mean,
+                              "mean_ms": 1e3 * mean, "constrained_rows": num_constrained,
                               "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
                               "graph_replays": replayed}
         if profiled:
             result["steps"][b]["profile"] = profiled
-        print(f"batch {b:4d}: decode step median {result['steps'][b]['median_ms']:.2f} ms "
+        print(f"batch {b:4d}{f' ({num_constrained} constrained)' if num_constrained else ''}: decode step median "
+              f"{result['steps'][b]['median_ms']:.2f} ms "
               f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
               f"context {min(contexts)}-{max(contexts)} tokens; "
               f"{replayed} of {steps} steps replayed a graph)", flush=True)

@@ -8,7 +8,8 @@ engine thread; servers use it to snapshot deltas and hand them to their
 event loop.
 
     while running:
-        run queued commands (wait up to IDLE_WAIT_S for one if the last step did nothing)
+        run queued commands (wait up to IDLE_WAIT_S for one if the last step did nothing;
+        background work that ends, such as a grammar compile, queues an empty one)
         if the engine has requests: out = engine.step(); on_step(out) unless empty
 
 The wait bounds how late a deadline is noticed while nothing else happens.
@@ -46,6 +47,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        # Background work that ends (a grammar compiled) wakes an idle wait at once.
+        engine.on_background_done = lambda: self.submit(lambda e: None)
 
     def start(self) -> None:
         self._thread.start()

@@ -31,10 +31,11 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -76,6 +77,9 @@ class GrammarManager:
     _compiler_ready_at: float | None = None  # time.monotonic(): the tokenizer is loaded, compiling can start
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile"))
+    # Called (in a compile thread) when a compile ends: whoever drives the engine may be idle
+    # waiting for work, and a request can run now.
+    on_compiled: Callable[[], None] | None = None
 
     # ---- compiling ------------------------------------------------------------------------------
     def _get_compiler(self):
@@ -120,6 +124,7 @@ class GrammarManager:
                 self._cache.move_to_end(key)
                 return future
             future = self._executor.submit(self._compile, params)
+            future.add_done_callback(self._compile_ended)
             self._cache[key] = future
             while len(self._cache) > _MAX_CACHED:
                 self._cache.popitem(last=False)
@@ -175,6 +180,17 @@ class GrammarManager:
         for i, req in enumerate(requests):
             self._requests[req.request_id].matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask
+
+    def _compile_ended(self, _: Future) -> None:
+        if self.on_compiled is not None:
+            self.on_compiled()
+
+    def wait(self, timeout: float) -> None:
+        """Block until one of the live requests' compiles ends, or ``timeout`` seconds (an
+        engine with nothing else to do, instead of stepping in a loop meanwhile)."""
+        pending = [g.future for g in self._requests.values() if not g.future.done()]
+        if pending:
+            futures_wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 Prompt = Union[str, Sequence[int]]
+_IDLE_WAIT_S = 0.05
 
 
 class LLM:
@@ -59,7 +60,10 @@ class LLM:
             by_id = {t.request.request_id: t for t in tracks}
             bar = _progress(len(tracks)) if use_tqdm else None
             while self.engine.has_unfinished_requests():
-                for req in self.engine.step().updated:
+                step = self.engine.step()
+                if not step.did_work:  # everything waits (a constraint compiling)
+                    self.engine.wait_for_background(_IDLE_WAIT_S)
+                for req in step.updated:
                     t = by_id.pop(req.request_id, None)  # None: reported again after a stop string
                     if t is None:
                         continue

@@ -140,6 +140,9 @@ class LLMEngine:
         self.num_steps_total = 0
         self.num_steps_ahead_total = 0
         self.grammars: GrammarManager | None = None  # structured outputs: made at the first constrained request
+        # Called from another thread when background work (a grammar compile) ends: set by
+        # whoever waits for work between steps (the engine loop), to wake up.
+        self.on_background_done: Callable[[], None] | None = None
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig):
@@ -260,7 +263,8 @@ class LLMEngine:
                 raise ValueError(f"structured outputs need the model's tokenizer, and {path} has none "
                                  "(pass --tokenizer DIR)")
             self.grammars = GrammarManager(path, self.config.model.vocab_size, self.eos_token_ids,
-                                           self.config.max_grammar_compile_seconds)
+                                           self.config.max_grammar_compile_seconds,
+                                           on_compiled=lambda: self.on_background_done and self.on_background_done())
             self.scheduler.grammars = self.grammars
         return self.grammars
 
@@ -464,6 +468,12 @@ class LLMEngine:
             for s, mask in zip(rows, grammars.fill([s.request for s in rows])):
                 s.bitmask = mask
         return fill
+
+    def wait_for_background(self, timeout: float) -> None:
+        """After a step that did no work: wait (at most ``timeout`` s) for background work that
+        may let one run (a grammar compiling), rather than step again at once."""
+        if self.grammars is not None:
+            self.grammars.wait(timeout)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, outcomes to report, or a step in flight to read."""
