@@ -138,15 +138,16 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
             engine.step()
         if set(rows) != {b}:
             print(f"warning: batch {b}: the timed steps ran {sorted(set(rows))} rows", flush=True)
-        result["steps"][b] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+        key = b if not num_constrained else f"{b}+{num_constrained}c"  # one batch size with and without
+        result["steps"][key] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                               "mean_ms": 1e3 * mean, "constrained_rows": num_constrained,
                               "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
                               "graph_replays": replayed}
         if profiled:
-            result["steps"][b]["profile"] = profiled
+            result["steps"][key]["profile"] = profiled
         print(f"batch {b:4d}{f' ({num_constrained} constrained)' if num_constrained else ''}: decode step median "
-              f"{result['steps'][b]['median_ms']:.2f} ms "
-              f"(min {result['steps'][b]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
+              f"{result['steps'][key]['median_ms']:.2f} ms "
+              f"(min {result['steps'][key]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
               f"context {min(contexts)}-{max(contexts)} tokens; "
               f"{replayed} of {steps} steps replayed a graph)", flush=True)
     return result

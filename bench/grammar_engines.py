@@ -96,13 +96,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fields", default="10,50")
     p.add_argument("--tokenizer", action="append", default=[], help="a tokenizer directory (repeatable)")
+    p.add_argument("--no-default-model", action="store_true", help="only the --tokenizer directories")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    from engine.model_files import ensure_default_model
+    dirs = list(args.tokenizer)
+    if not args.no_default_model:
+        from engine.model_files import ensure_default_model
 
-    dirs = [str(ensure_default_model())] + args.tokenizer
+        dirs.insert(0, str(ensure_default_model()))
     schemas = {f"flat-{n}": flat_schema(int(n)) for n in args.fields.split(",")} | {"nested": nested_schema()}
     result: dict = {"cases": []}
     for d in dirs:

@@ -3,9 +3,18 @@ pydantic models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
 change the meaning of a request and that pdserve does not implement (echo,
-suffix, n > 1, best_of > 1, logit_bias, tools, tool_choice, functions,
-function_call, audio, non-text modalities, prediction, non-text response
-formats) are refused with a 400 that names the option.
+suffix, n > 1, best_of > 1, logit_bias, functions, function_call, audio,
+non-text modalities, prediction) are refused with a 400 that names the option.
+
+What the output must match, on both endpoints: OpenAI's ``response_format``
+(``text``, ``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``),
+not both. Chat requests also take ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``tool_plan``; gateway/tool_parsers.py): ``none`` leaves
+the tools out of the prompt; ``auto`` (the default when tools are given) needs
+``--enable-auto-tool-choice``; ``required`` and a named function need
+``--tool-call-parser`` and are enforced by a constraint, which excludes
+``response_format`` and ``structured_outputs``.
 
 Types are strict (JSON numbers for numbers, booleans for booleans: ``"1"``
 or ``true`` is not an integer); ranges are checked once, by
@@ -14,12 +23,15 @@ or ``true`` is not an integer); ranges are checked once, by
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import KINDS, StructuredOutputsParams, check_schema
 from gateway.errors import invalid
+from gateway.tool_parsers import FunctionTool, ToolParser, ToolPlan
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_tokens")
@@ -28,11 +40,44 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presenc
 _STRICT = ConfigDict(extra="ignore", strict=True)
 MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_CONTENT_PARTS = 1024
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
+MAX_TOOL_CALLS = 128  # per assistant message
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``; ``strict`` is accepted and always holds."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint (None for text); a bad one raises a 400 naming response_format."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type != "json_schema":
+            raise invalid(f"response_format type {self.type!r:.40} is not supported; use text, json_object or "
+                          "json_schema", param="response_format")
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise invalid('response_format type "json_schema" needs json_schema.schema', param="response_format")
+        return _structured(StructuredOutputsParams, "response_format",
+                           json=json.dumps(self.json_schema.json_schema, ensure_ascii=False))
 
 
 class _SamplingRequest(BaseModel):
@@ -62,10 +107,11 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
     # Accepted only to be refused by name (see _check_unsupported).
     functions: Any = None
     function_call: Any = None
-    tool_choice: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -82,14 +128,22 @@ class _SamplingRequest(BaseModel):
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 raise invalid(f"{name} is not supported", param=name)
-        if self.tool_choice not in (None, "none"):
-            raise invalid("tool_choice is not supported (tools are not supported)", param="tool_choice")
         if self.modalities is not None and self.modalities != ["text"]:
             raise invalid(f"modalities {self.modalities!r:.80} is not supported; only ['text']", param="modalities")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What ``response_format`` or ``structured_outputs`` asks the output to match."""
+        given = self.response_format is not None and self.response_format.type != "text"
+        if given and self.structured_outputs is not None:
+            raise invalid("give response_format or structured_outputs, not both", param="response_format")
+        if self.structured_outputs is not None:
+            return structured_outputs_from_json(self.structured_outputs)
+        return self.response_format.to_structured_outputs() if self.response_format is not None else None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured: StructuredOutputsParams | None) -> SamplingParams:
         """SamplingParams with ``max_tokens`` as given (None: the rest of the
         context, resolved later); a bad value raises a 400 GatewayError."""
         self._check_unsupported()
@@ -99,7 +153,8 @@ class _SamplingRequest(BaseModel):
             return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                                   skip_special_tokens=self.skip_special_tokens,
-                                  include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  structured_outputs=structured, **kw)
         except ValueError as e:
             raise invalid(str(e)) from e
 
@@ -112,6 +167,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    tool_choice: Any = None  # chat only: refused by name
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or token ids (a list of one of either is fine)."""
@@ -130,7 +186,9 @@ class CompletionRequest(_SamplingRequest):
             raise invalid("echo is not supported", param="echo")
         if self.suffix:
             raise invalid("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.tool_choice not in (None, "none"):
+            raise invalid("tool_choice is for chat completions only", param="tool_choice")
+        return self._sampling_params(self.max_tokens, self.logprobs, self.output_constraint())
 
 
 class ChatMessage(BaseModel):
@@ -138,10 +196,13 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined); the
-        role and the text are checked by InputProcessor.encode_chat."""
+        """The message as the chat template sees it (text parts joined; each tool call's
+        arguments as an object, the form chat templates expect); the role and the text
+        are checked by InputProcessor.encode_chat."""
         content = self.content
         if isinstance(content, list):
             if len(content) > MAX_CONTENT_PARTS:
@@ -157,18 +218,45 @@ class ChatMessage(BaseModel):
                     raise invalid("a text content part's text must be a string", param="messages")
                 parts.append(text)
             content = "".join(parts)
-        for name in ("tool_calls", "function_call", "tool_call_id", "audio"):
+        for name in ("function_call", "audio"):
             if (self.model_extra or {}).get(name) is not None:
                 raise invalid(f"messages with {name} are not supported", param="messages")
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise invalid(f"only assistant messages have tool_calls, not {self.role!r:.40}", param="messages")
+            if len(self.tool_calls) > MAX_TOOL_CALLS:
+                raise invalid(f"at most {MAX_TOOL_CALLS} tool_calls per message, got {len(self.tool_calls)}",
+                              param="messages")
+            out["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str = "text"
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as templates read it: ``arguments`` (JSON text in
+    OpenAI's API) parsed into an object where it is one."""
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict) \
+            or not isinstance(function.get("name"), str):
+        raise invalid("a message's tool_calls must each be {\"type\": \"function\", \"function\": "
+                      "{\"name\", \"arguments\"}}", param="messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    elif not isinstance(arguments, dict):
+        raise invalid("a tool call's function.arguments must be JSON text", param="messages")
+    out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -180,20 +268,131 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise invalid("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise invalid(f"response_format {self.response_format.type!r} is not supported", param="response_format")
+    def tool_plan(self, parser: ToolParser | None, enable_auto: bool) -> ToolPlan | None:
+        """The request's tools and what it allows of them; None when the model is to see
+        no tools (none given, or ``tool_choice: "none"``). ``parser``/``enable_auto``: the
+        gateway's ``--tool-call-parser`` / ``--enable-auto-tool-choice``."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise invalid("tool_choice needs tools", param="tool_choice")
+            return None
+        tools = _function_tools(self.tools)
+        choice, function = _tool_choice(self.tool_choice, {t.name for t in tools})
+        if choice == "none":
+            return None
+        if choice == "auto" and (parser is None or not enable_auto):
+            default = " (the default when tools are given)" if self.tool_choice is None else ""
+            raise invalid(f'tool_choice "auto"{default} needs a gateway started with --enable-auto-tool-choice '
+                          'and --tool-call-parser; send tool_choice "required", a named function or "none"',
+                          param="tool_choice")
+        if parser is None:
+            what = "a named function" if function is not None else '"required"'
+            raise invalid(f"tool_choice {what} needs a gateway started with --tool-call-parser", param="tool_choice")
+        if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable
+            for i, tool in enumerate(tools):
+                if function in (None, tool.name):
+                    try:
+                        check_schema(tool.parameters)
+                    except ValueError as e:
+                        raise invalid(f"tools[{i}] ({tool.name}): function.parameters: {e}", param="tools") from e
+        return ToolPlan(tuple(tools), choice, self.parallel_tool_calls, parser, function)
+
+    def to_sampling_params(self, tools: ToolPlan | None = None, end_of_turn: str | None = None) -> SamplingParams:
+        """``tools``: from ``tool_plan``; ``end_of_turn``: the tokenizer's end-of-turn token
+        (the constraint of parallel tool calls ends with it)."""
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        structured = self.output_constraint()
+        forced = tools.structured_outputs(end_of_turn) if tools is not None else None
+        if forced is not None:
+            if structured is not None:
+                raise invalid("a tool_choice that forces tool calls cannot be combined with response_format or "
+                              "structured_outputs", param="tool_choice")
+            structured = forced
+        return self._sampling_params(max_tokens, logprobs, structured)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
 
+
+def structured_outputs_from_json(spec: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's ``structured_outputs`` object: one of json (a schema, or its JSON text),
+    regex, choice, grammar, json_object (true) or structural_tag (an object or its JSON
+    text). A 400 naming the problem otherwise."""
+    unknown = sorted(k for k in spec if k not in KINDS)
+    if unknown:
+        raise invalid(f"structured_outputs: {', '.join(repr(k)[:60] for k in unknown[:5])} is not supported; "
+                      f"give one of {', '.join(KINDS)}", param="structured_outputs")
+    kw = {k: v for k, v in spec.items() if v is not None}
+    if isinstance(kw.get("json"), (dict, bool)):  # a schema; text is passed as it is
+        kw["json"] = json.dumps(kw["json"], ensure_ascii=False)
+    if isinstance(kw.get("structural_tag"), dict):
+        kw["structural_tag"] = json.dumps(kw["structural_tag"], ensure_ascii=False)
+    if "json_object" in kw and kw["json_object"] is not True:
+        raise invalid("structured_outputs.json_object must be true", param="structured_outputs")
+    if isinstance(kw.get("choice"), list):
+        kw["choice"] = tuple(kw["choice"])
+    return _structured(StructuredOutputsParams, "structured_outputs", **kw)
+
+
+def _structured(cls: type[StructuredOutputsParams], param: str, **kw: Any) -> StructuredOutputsParams:
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise invalid(f"{param}: {e}", param=param) from e
+
+
+def _function_tools(tools: list[dict[str, Any]]) -> list[FunctionTool]:
+    """OpenAI's ``tools``: function tools with unique names; a 400 naming the bad one."""
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"at most {MAX_TOOLS} tools per request, got {len(tools)}", param="tools")
+    out: list[FunctionTool] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(f"{where}: only function tools are supported ({{\"type\": \"function\", \"function\": "
+                          f"{{...}}}}), got type {tool.get('type')!r:.40}", param="tools")
+        fn = tool["function"]
+        name, description, parameters, strict = (fn.get("name"), fn.get("description"), fn.get("parameters"),
+                                                 fn.get("strict"))
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TOOL_NAME_CHARS:
+            raise invalid(f"{where}.function.name must be a string of 1 to {MAX_TOOL_NAME_CHARS} characters",
+                          param="tools")
+        if any(t.name == name for t in out):
+            raise invalid(f"{where}: the function name {name!r} is used twice", param="tools")
+        if description is not None and not isinstance(description, str):
+            raise invalid(f"{where}.function.description must be a string", param="tools")
+        if parameters is None:  # OpenAI: no parameters is an empty parameter list
+            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(parameters, dict):
+            raise invalid(f"{where}.function.parameters must be a JSON schema object", param="tools")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid(f"{where}.function.strict must be a boolean", param="tools")
+        out.append(FunctionTool(name, parameters, description, strict))
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required", None), or ("function", the name of the function to
+    call: one of ``names``)."""
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(f"tool_choice {choice!r:.40} is not supported; use none, auto, required or "
+                          '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        return choice, None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid('a named tool_choice is {"type": "function", "function": {"name": ...}}', param="tool_choice")
+    if name not in names:
+        raise invalid(f"tool_choice names the function {name!r:.80}, which is not among the tools "
+                      f"({', '.join(sorted(names))[:400]})", param="tool_choice")
+    return "function", name

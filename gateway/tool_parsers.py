@@ -11,8 +11,9 @@ A request's ``ToolPlan`` says what it allows (``tool_choice``):
 
     auto       the model writes freely; calls are parsed out of the text afterwards (no constraint)
     required   the engine's grammar forces at least one call of any of the tools, each call's
-               arguments matching that tool's ``parameters`` schema
-    NAME       the grammar forces exactly one call of that function
+               arguments matching that tool's ``parameters`` schema (one call only without
+               ``parallel_tool_calls``)
+    function   (a named function) the grammar forces exactly one call of that function
 
 The constraint is an xgrammar structural tag (``StructuredOutputsParams.structural_tag``):
 ``tags_with_separator`` of one ``tag`` per allowed function, whose ``begin`` is the call's
@@ -243,13 +244,14 @@ def get_parser(name: str) -> ToolParser:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """A chat request's tools and what it allows of them (``choice``: "auto", "required" or
-    the name of the one function to call)."""
+    """A chat request's tools and what it allows of them: ``choice`` "auto", "required",
+    or "function" (exactly one call of ``function``)."""
 
     tools: tuple[FunctionTool, ...]
     choice: str
     parallel: bool
     parser: ToolParser
+    function: str | None = None
 
     def structured_outputs(self, end_of_turn: str | None) -> StructuredOutputsParams | None:
         """The constraint that enforces ``required`` or a named function (None for auto)."""
@@ -257,14 +259,14 @@ class ToolPlan:
             return None
         if self.choice == "required":
             return self.parser.constraint(self.tools, self.parallel, end_of_turn)
-        named = [t for t in self.tools if t.name == self.choice]
+        named = [t for t in self.tools if t.name == self.function]
         return self.parser.constraint(named, parallel=False, end_of_turn=end_of_turn)
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [t.template_dict() for t in self.tools]
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.parser, self.parallel)
+        return ToolCallStream(self.parser, self.parallel and self.choice != "function")
 
     def parse(self, text: str) -> ParsedMessage:
         """The whole answer's content and calls (what a stream of it sends, assembled)."""
