@@ -14,8 +14,14 @@ The matcher follows the request's own tokens: ``num_accepted`` of them are in it
 ``poll`` accepts the rest. So a token sampled elsewhere (the decode tier receives the
 first token from the prefill tier) is accepted when the decode tier first polls, a
 token is never accepted twice, and a request recomputed after preemption keeps its
-matcher (its output tokens did not change). A grammar completes without a stop token
-(``terminate_without_stop_token``): the request finishes as soon as its output is whole.
+matcher (its output tokens did not change).
+
+Ending: where the grammar may end, its mask allows the model's stop tokens beside any
+continuation, so the model decides (``[a-z]+`` runs as long as the model writes
+letters); the request is DONE when the matcher took a stop token, or as soon as the
+mask allows nothing but stop tokens (the output is whole: a closed JSON object, the
+last choice's last token), without spending a step on the stop token. ``poll`` computes
+the next mask to see that, and keeps it for ``fill``.
 
 Compilation is bounded by ``max_compile_seconds`` from the request's arrival (or from
 when the compiler became ready, the first time: it loads the tokenizer): past that
@@ -60,6 +66,7 @@ class _RequestGrammar:
     matcher: Any = None
     num_accepted: int = 0
     error: str | None = None
+    mask: torch.Tensor | None = None  # [ceil(V / 32)] int32: the next token's, after num_accepted tokens
 
 
 @dataclass
@@ -162,7 +169,7 @@ class GrammarManager:
                 return Poll.ERROR, g.error
             import xgrammar as xgr
 
-            g.matcher = xgr.GrammarMatcher(g.future.result(), terminate_without_stop_token=True)
+            g.matcher = xgr.GrammarMatcher(g.future.result())
         out = req.output_token_ids
         while g.num_accepted < len(out):
             token = out[g.num_accepted]
@@ -170,16 +177,36 @@ class GrammarManager:
                 g.error = f"token {token} at output position {g.num_accepted} does not match the constraint"
                 return Poll.ERROR, g.error
             g.num_accepted += 1
-        return (Poll.DONE, "") if g.matcher.is_terminated() else (Poll.READY, "")
+            g.mask = None
+        if g.matcher.is_terminated():
+            return Poll.DONE, ""
+        if g.mask is None:
+            g.mask = self._next_mask(g.matcher)
+        return (Poll.DONE, "") if self._only_stop_tokens(g.mask) else (Poll.READY, "")
 
-    def fill(self, requests: Sequence[Request]) -> torch.Tensor:
-        """[len(requests), ceil(V / 32)] int32 next-token bitmasks (each request polled READY)."""
+    def _next_mask(self, matcher: Any) -> torch.Tensor:
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        for i, req in enumerate(requests):
-            self._requests[req.request_id].matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bitmask[0]
+
+    def _only_stop_tokens(self, mask: torch.Tensor) -> bool:
+        """The mask allows one or more stop tokens and nothing else (a mask allowing nothing
+        at all is not whole output: it goes to the sampler, which fails the row)."""
+        rest = mask.clone()
+        allowed_stop = False
+        for t in self.stop_token_ids:
+            if 0 <= t < self.vocab_size:
+                word, bit = divmod(t, 32)
+                allowed_stop = allowed_stop or bool((int(rest[word]) >> bit) & 1)
+                rest[word] = int(rest[word]) & ~(1 << bit) if bit < 31 else int(rest[word]) & 0x7FFFFFFF
+        return allowed_stop and not bool(rest.any())
+
+    def fill(self, requests: Sequence[Request]) -> torch.Tensor:
+        """[len(requests), ceil(V / 32)] int32 next-token bitmasks (each request polled READY
+        since its last token: the mask ``poll`` computed)."""
+        return torch.stack([self._requests[req.request_id].mask for req in requests])
 
     def _compile_ended(self, _: Future) -> None:
         if self.on_compiled is not None:

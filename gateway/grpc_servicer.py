@@ -10,6 +10,10 @@ answers when its own deserializer raises. A message longer than
 ``--max-request-body`` gets RESOURCE_EXHAUSTED. With ``--api-key`` both
 methods need ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED
 otherwise); health and reflection stay open.
+
+``sampling.structured_outputs`` is checked as the HTTP API's constraints are (a
+bad one: INVALID_ARGUMENT naming it); a request that ends with finish_reason
+"error" has the reason in the last message's ``finish_message``.
 """
 from __future__ import annotations
 
@@ -150,7 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool) -> gateway_pb2.GenerateResponse:
     msg = gateway_pb2.GenerateResponse(request_id=req.request_id, token_ids=delta.token_ids, text=delta.text,
-                                       finish_reason=delta.finish_reason or "", logprobs=delta.logprobs)
+                                       finish_reason=delta.finish_reason or "", logprobs=delta.logprobs,
+                                       finish_message=delta.finish_message)
     if first:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
     if delta.usage is not None:

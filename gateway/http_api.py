@@ -107,15 +107,17 @@ def create_app(service: GatewayService, api_key: str | None = None,
         trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
         try:
             service.inputs.check_model(body.model)
-            sampling = body.to_sampling_params()
+            tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
+            sampling = body.to_sampling_params(tools, service.inputs.end_of_turn)
             with trace.span("tokenize"):
-                ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt)
+                ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
+                                                       tools.template_tools() if tools is not None else None)
             req = _prepare(service, request, ids, sampling, "chatcmpl", trace)
         except BaseException as e:
             trace.finish(error=e)
             raise
         fmt = ChatFormatter(req.request_id, service.served_model_name, service.token_text,
-                            body.include_usage, sampling.logprobs is not None)
+                            body.include_usage, sampling.logprobs is not None, tools=tools)
         return await _respond(service, request, req, fmt, body.stream)
 
     app.include_router(v1)

@@ -4,6 +4,13 @@ One formatter per request: ``stream_start()`` / ``stream_delta()`` give the
 chunk objects of a streamed response (``stream_end()`` the trailing usage
 chunk when ``stream_options.include_usage``), ``response()`` the body of a
 non-streamed one. Token strings in logprobs are the single-token decode.
+
+A chat request with tools (``ToolPlan``) has its text parsed for tool calls: the
+message carries ``tool_calls`` (``content`` is the text before them, or null) and a
+natural end is ``finish_reason: "tool_calls"``; streamed, ``delta.tool_calls`` carries
+each call's ``index``, then ``id``, ``type`` and ``function.name`` on its first chunk and
+``function.arguments`` in pieces. A request that ends with ``finish_reason: "error"``
+(no token met its constraint) has the reason in the choice's ``stop_reason``.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.output_processor import GenerationDelta, Usage
+from gateway.tool_parsers import ToolPlan
 from pdserve.v1 import common_pb2
 
 TokenText = Callable[[int], str]
@@ -68,6 +76,14 @@ class ResponseFormatter:
         return chunk
 
 
+def _finish_fields(choice: dict[str, Any], d: GenerationDelta, finish_reason: str | None) -> dict[str, Any]:
+    """The choice's ``finish_reason``, and with "error" its reason in ``stop_reason``."""
+    choice["finish_reason"] = finish_reason
+    if d.finish_reason == "error":
+        choice["stop_reason"] = d.finish_message
+    return choice
+
+
 class CompletionFormatter(ResponseFormatter):
     """/v1/completions: ``text_completion`` objects."""
 
@@ -94,15 +110,15 @@ class CompletionFormatter(ResponseFormatter):
             self._usage = d.usage
         if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs):
             return []
-        choice = {"index": 0, "text": d.text, "logprobs": self._logprobs(d.logprobs),
-                  "finish_reason": d.finish_reason}
+        choice = _finish_fields({"index": 0, "text": d.text, "logprobs": self._logprobs(d.logprobs)}, d,
+                                d.finish_reason)
         return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
         lps = [lp for d in deltas for lp in d.logprobs]
-        choice = {"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(lps),
-                  "finish_reason": last.finish_reason}
+        choice = _finish_fields({"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(lps)},
+                                last, last.finish_reason)
         body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_json(last.usage) if last.usage else None
         return body
@@ -113,6 +129,15 @@ class ChatFormatter(ResponseFormatter):
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tools = tools
+        self._tool_stream = tools.stream() if tools is not None else None
+
+    @staticmethod
+    def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+        return "tool_calls" if reason == "stop" and num_calls else reason
 
     def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
@@ -129,8 +154,10 @@ class ChatFormatter(ResponseFormatter):
         return {"content": content, "refusal": None}
 
     def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               finish_reason: str | None) -> dict[str, Any]:
+               finish_reason: str | None, d: GenerationDelta | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if d is not None:
+            _finish_fields(choice, d, finish_reason)
         return self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))
 
     def stream_start(self) -> list[dict[str, Any]]:
@@ -139,17 +166,31 @@ class ChatFormatter(ResponseFormatter):
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
-        if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs):
+        content, calls, num_calls = d.text, [], 0
+        if self._tool_stream is not None:
+            content, calls = self._tool_stream.feed(d.text, final=bool(d.finish_reason))
+            num_calls = self._tool_stream.num_calls
+        if not content and not calls and not d.finish_reason and not (self._want_logprobs and d.logprobs):
             return []
-        delta = {"content": d.text} if d.text else {}
-        return [self._chunk(delta, self._logprobs(d.logprobs), d.finish_reason)]
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [c.to_json() for c in calls]
+        return [self._chunk(delta, self._logprobs(d.logprobs), self._finish_reason(d.finish_reason, num_calls), d)]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        choice = {"index": 0, "message": message,
-                  "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs]),
-                  "finish_reason": last.finish_reason}
+        text = "".join(d.text for d in deltas)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason = last.finish_reason
+        if self._tools is not None:
+            parsed = self._tools.parse(text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [c.to_json() for c in parsed.tool_calls]
+            finish_reason = self._finish_reason(finish_reason, len(parsed.tool_calls))
+        choice = _finish_fields({"index": 0, "message": message,
+                                 "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs])},
+                                last, finish_reason)
         body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_json(last.usage) if last.usage else None
         return body

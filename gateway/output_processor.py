@@ -39,13 +39,15 @@ class Usage:
 @dataclass
 class GenerationDelta:
     """What is new since the previous delta. The last one has
-    ``finish_reason`` ("stop" | "length" | "abort") and ``usage``."""
+    ``finish_reason`` ("stop" | "length" | "abort" | "error") and ``usage``;
+    with "error", ``finish_message`` says why (no token met the constraint)."""
 
     token_ids: list[int]
     text: str
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    finish_message: str = ""
 
 
 class OutputProcessor:
@@ -76,7 +78,7 @@ class OutputProcessor:
                 if chunk.finish_reason:
                     text += self._detok.finish()
                     reason = "stop" if self._detok.is_stopped else chunk.finish_reason
-                    yield self._final(ids, lps, text, reason)
+                    yield self._final(ids, lps, text, reason, chunk.finish_message if reason == "error" else "")
                     return
                 if ids or text:
                     yield GenerationDelta(ids, text, lps)
@@ -110,10 +112,10 @@ class OutputProcessor:
         self._num_output_tokens += num_tokens
 
     def _final(self, ids: list[int], lps: list[common_pb2.TokenLogprob], text: str,
-               reason: str) -> GenerationDelta:
+               reason: str, message: str = "") -> GenerationDelta:
         usage = Usage(len(self._req.prompt_token_ids), self._num_output_tokens, self._num_cached_tokens)
         self._metrics.on_finished(reason, usage.prompt_tokens, time.monotonic() - self._req.arrival)
-        return GenerationDelta(ids, text, lps, reason, usage)
+        return GenerationDelta(ids, text, lps, reason, usage, message)
 
     @property
     def num_output_tokens(self) -> int:

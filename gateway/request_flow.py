@@ -13,6 +13,12 @@ cancelled, which makes the engine servers free the request's blocks.
 
 A decode server that refuses the request (UNAVAILABLE, RESOURCE_EXHAUSTED)
 before anything was streamed is retried on the next healthy decode server.
+A request the engine servers refuse as invalid (INVALID_ARGUMENT: e.g. a
+structured-output constraint that does not compile) is never retried nor
+recomputed elsewhere: it fails the same way everywhere. A prefill server's
+FAILED_PRECONDITION (no first token meets the request's constraint) is the
+request's end, finish_reason "error" with the server's reason, as the decode
+server streams it for later tokens.
 Text, stop strings and usage are not this module's business: see
 ``output_processor``.
 """
@@ -63,6 +69,7 @@ class TokenChunk:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     num_cached_tokens: int = 0
+    finish_message: str = ""  # finish_reason "error": why
 
 
 class _Refused(Exception):
@@ -71,6 +78,15 @@ class _Refused(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class _FinishedInPrefill(Exception):
+    """The prefill server ended the request as a finish (finish_reason "error"): no first
+    token meets its constraint."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _PrefillFailed(Exception):
@@ -197,7 +213,12 @@ class RequestFlow:
                 reserved = self._reserved(msg, decode)
                 span.add_event("reserved", {"pdserve.kv.blocks": len(reserved.block_ids),
                                             "pdserve.cached_tokens": reserved.num_cached_tokens})
-                first = await self._prefill(prefill, decode, reserved)
+                try:
+                    first = await self._prefill(prefill, decode, reserved, call)
+                except _FinishedInPrefill as e:
+                    done = True
+                    yield TokenChunk([], finish_reason="error", finish_message=e.message)
+                    return
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
                                  num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
                 async for chunk in self._relay(call, decode, skip=1, refusable=False):
@@ -214,8 +235,8 @@ class RequestFlow:
                                f"request with {msg.WhichOneof('kind')!r} instead of 'reserved'")
         return msg.reserved
 
-    async def _prefill(self, prefill: Instance, decode: Instance,
-                       reserved: engine_pb2.Reserved) -> engine_pb2.PrefillResponse:
+    async def _prefill(self, prefill: Instance, decode: Instance, reserved: engine_pb2.Reserved,
+                       decode_call: Any) -> engine_pb2.PrefillResponse:
         req = self._req
         block_size = decode.block_size
         # Leading blocks the decode server already holds (its own prefix-cache
@@ -233,7 +254,12 @@ class RequestFlow:
             try:
                 result = await call
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise _FinishedInPrefill(e.details() or "no token meets the request's constraint") from None
                 error = self._prefill_error(e, prefill)
+                invalid = await self._invalid_on_decode(decode_call, decode)
+                if invalid is not None:  # the decode server refused the request meanwhile: that is why
+                    raise invalid from None
                 if e.code() == grpc.StatusCode.UNAVAILABLE and self._req.remaining() > 0:
                     # The prefill server is gone or draining and nothing was streamed yet: another one
                     # (or, with none left, the decode server itself) takes the request afresh.
@@ -265,12 +291,21 @@ class RequestFlow:
             if chunk.finish_reason:
                 return
 
+    async def _invalid_on_decode(self, call: Any, decode: Instance) -> GatewayError | None:
+        """The decode call's INVALID_ARGUMENT when it has already ended with one (a
+        constraint it could not compile), else None. A prefill failing after that (its
+        KV hand-off found no reservation) must not be retried: the request is at fault."""
+        if not call.done() or await call.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            return None
+        return self._rpc_error(grpc.StatusCode.INVALID_ARGUMENT, await call.details(),
+                               f"decode server {decode.address}", decode)
+
     @staticmethod
     def _chunk(delta: engine_pb2.TokenDelta, skip: int) -> TokenChunk:
         """A decode delta as a chunk, without its first ``skip`` tokens."""
         n = min(skip, len(delta.token_ids))
         return TokenChunk(list(delta.token_ids)[n:], list(delta.logprobs)[n:], delta.finish_reason,
-                          delta.num_cached_tokens)
+                          delta.num_cached_tokens, delta.finish_message if delta.finish_reason == "error" else "")
 
     async def _read(self, call: Any, decode: Instance, refusable: bool) -> engine_pb2.DecodeResponse:
         try:

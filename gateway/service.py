@@ -12,6 +12,9 @@ writes its log line (unless ``--disable-log-requests``)::
 
     request cmpl-1f.. : prompt_tokens=12 cached_tokens=0 output_tokens=16 ttft=0.081s e2e=0.412s
         decode=127.0.0.1:50071 prefill=127.0.0.1:50061 finish=length trace=4bf92f35...
+
+(a request that finished with "error" has its reason after it: ``finish=error (request ...:
+no token meets the structured-output constraint at output position 3)``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from gateway.request_flow import PreparedRequest, RequestFlow
 from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.tokenization import InputProcessor
+from gateway.tool_parsers import ToolParser
 from rpc import tracing
 
 logger = logging.getLogger(__name__)
@@ -44,8 +48,11 @@ class GatewayService:
 
     def __init__(self, inputs: InputProcessor, registry: InstanceRegistry, metrics: GatewayMetrics,
                  request_timeout: float, max_queued_requests: int | None = None,
-                 log_requests: bool = True, router: Router | None = None) -> None:
+                 log_requests: bool = True, router: Router | None = None,
+                 tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False) -> None:
         self.inputs = inputs
+        self.tool_parser = tool_parser  # --tool-call-parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.registry = registry
         self.metrics = metrics
         self.router = router or Router(registry)
@@ -104,13 +111,13 @@ class GatewayService:
         handle = self.active.add(req, flow)
         self.metrics.set_in_flight(len(self.active))
         output = OutputProcessor(self.inputs.tokenizer, req, self.metrics)
-        outcome = "cancelled"
+        outcome, message = "cancelled", ""
         error: BaseException | str | None = "cancelled"
         try:
             async with aclosing(output.process(flow.stream())) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason:
-                        outcome, error = delta.finish_reason, None
+                        outcome, message, error = delta.finish_reason, delta.finish_message, None
                         flow.is_finished = True
                     yield delta
         except GatewayError as e:
@@ -119,11 +126,12 @@ class GatewayService:
         finally:
             self.active.remove(handle)
             self.metrics.set_in_flight(len(self.active))
-            self._finish(req, flow, output, outcome, error)
+            self._finish(req, flow, output, outcome, error, message)
 
     def _finish(self, req: PreparedRequest, flow: RequestFlow, output: OutputProcessor, outcome: str,
-                error: BaseException | str | None) -> None:
-        """A request's end: phase metrics, its trace's root span, its log line."""
+                error: BaseException | str | None, message: str = "") -> None:
+        """A request's end: phase metrics, its trace's root span, its log line
+        (``message``: why a request finished with "error")."""
         e2e = time.monotonic() - req.arrival
         ttft = output.first_token_time - req.arrival if output.first_token_time is not None else None
         prefill = flow.prefill_result
@@ -141,7 +149,8 @@ class GatewayService:
             "gen_ai.usage.output_tokens": output.num_output_tokens,
             "pdserve.cached_tokens": output.num_cached_tokens, "pdserve.e2e_ms": round(e2e * 1e3, 3),
             "pdserve.kv.bytes": kv.num_bytes if kv else None,
-            "pdserve.route.decode": flow.decode_address, "pdserve.route.prefill": flow.prefill_address}, error)
+            "pdserve.route.decode": flow.decode_address, "pdserve.route.prefill": flow.prefill_address,
+            "pdserve.finish_message": message or None}, error)
         if self.log_requests:
             internal = f" ({req.internal_id})" if req.internal_id != req.request_id else ""
             route = flow.route
@@ -152,7 +161,8 @@ class GatewayService:
                         output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
                         flow.decode_address or "-",
                         flow.prefill_address or ("local" if flow.decode_address else "-"),
-                        route.reason if route is not None else "-", matched, outcome,
+                        route.reason if route is not None else "-", matched,
+                        f"{outcome} ({message})" if message else outcome,
                         f" trace={req.trace.trace_id}" if req.trace.trace_id else "")
 
     def cluster_json(self) -> dict[str, Any]:

@@ -17,6 +17,11 @@ so one huge prompt never stalls the short ones behind it. ``max_prompt_chars``
 is ``max_model_len`` times the longest vocabulary entry (in characters) times
 2: a prompt longer than that has more tokens than the context holds, so it is
 refused without tokenizing. A full pool answers RESOURCE_EXHAUSTED (429).
+
+The chat template is the model's, or the one ``--chat-template`` gives instead. Tools
+reach the template as its ``tools`` variable; a template that never reads ``tools``
+cannot show them to the model, so a request with tools is refused there (400) rather
+than served as if the model knew them.
 """
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import json
+
 from engine.sampling_params import SamplingParams, check_unicode
-from engine.tokenizer import apply_chat_template, encode_prompt
+from engine.tokenizer import encode_prompt
 from gateway.errors import ErrorKind, GatewayError, invalid
 
 LONG_PROMPT_CHARS = 16_384
@@ -35,7 +42,7 @@ MAX_PENDING_SHORT = 512
 MAX_PENDING_LONG = 8
 MAX_MESSAGES = 1024
 # Roles the chat template is given; "developer" (OpenAI's newer name) is rendered as "system".
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
 
 
@@ -54,8 +61,11 @@ class InputProcessor:
     """Owns the tokenizer (encode side) and the limits a prompt must respect."""
 
     def __init__(self, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
-                 long_prompt_chars: int = LONG_PROMPT_CHARS) -> None:
+                 long_prompt_chars: int = LONG_PROMPT_CHARS, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # The template chats are rendered with (--chat-template, else the model's own; None: no chat).
+        self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None) or None
+        self.renders_tools = self.chat_template is not None and template_reads_tools(self.chat_template)
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -94,18 +104,32 @@ class InputProcessor:
         ids = await self._run(len(text), encode_prompt, text)
         return self.check_token_ids(ids)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render ``messages`` with the model's chat template and tokenize.
-        Each message is ``{"role", "content"}`` (plus an optional string
-        ``name``); roles other than CHAT_ROLES are refused."""
+    @property
+    def end_of_turn(self) -> str | None:
+        """The token that ends the model's turn (the tokenizer's eos token), if it has one."""
+        return getattr(self.tokenizer, "eos_token", None) or None
+
+    async def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render ``messages`` (and ``tools``, OpenAI function tools) with the chat
+        template and tokenize. Each message is ``{"role", "content"}`` (plus an optional
+        string ``name``; an assistant's ``tool_calls``, a tool result's ``tool_call_id``);
+        roles other than CHAT_ROLES are refused, and tools when the template does not
+        render them."""
         if not messages:
             raise invalid("messages must not be empty", param="messages")
         if len(messages) > MAX_MESSAGES:
             raise invalid(f"at most {MAX_MESSAGES} messages per request, got {len(messages)}", param="messages")
+        if tools and not self.renders_tools:
+            raise invalid(f"the chat template of {self.served_model_name} does not render tools, so the model "
+                          "would never see them; start the gateway with --chat-template FILE, a template that "
+                          "does (for ChatML models with Hermes-style tool calls: "
+                          "deploy/chat_templates/hermes_tools.jinja)", param="tools")
         clean = [_template_message(i, m) for i, m in enumerate(messages)]
-        num_chars = sum(len(m["content"]) for m in clean)
+        num_chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in clean)
+        num_chars += len(json.dumps(tools)) if tools else 0
         try:
-            ids = await self._run(num_chars, apply_chat_template, clean, add_generation_prompt)
+            ids = await self._run(num_chars, render_chat, self.chat_template, clean, add_generation_prompt, tools)
         except GatewayError:
             raise
         except ValueError as e:
@@ -167,9 +191,36 @@ def _check_text(text: str, field_name: str) -> None:
         raise invalid(str(e), param=field_name) from e
 
 
+def template_reads_tools(template: str) -> bool:
+    """Whether a chat template reads its ``tools`` variable (and so can render tools)."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:  # tags of transformers' own environment: look at the text
+        return "tools" in template
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
+def render_chat(tokenizer: Any, template: str | None, messages: Sequence[dict[str, Any]],
+                add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids of the conversation rendered with ``template`` (runs on a pool's thread)."""
+    if not template:
+        raise ValueError("this model has no chat template; send a plain prompt instead, or start the gateway "
+                         "with --chat-template FILE")
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        chat_template=template, **kw)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def _template_message(index: int, message: Any) -> dict[str, Any]:
     """One message as the chat template sees it: a known role, string content
-    (valid Unicode) and, if given, a string ``name``."""
+    (valid Unicode), if given a string ``name``, an assistant's ``tool_calls``
+    (a list of calls) and a tool result's ``tool_call_id`` (a string)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object with role and content", param="messages")
@@ -190,4 +241,16 @@ def _template_message(index: int, message: Any) -> dict[str, Any]:
             raise invalid(f"{where}.name must be a string of at most 256 characters", param="messages")
         _check_text(name, f"{where}.name")
         out["name"] = name
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise invalid(f"{where}.tool_calls must be a list, on an assistant message", param="messages")
+        _check_text(json.dumps(tool_calls, ensure_ascii=False), f"{where}.tool_calls")
+        out["tool_calls"] = tool_calls
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id is not None:
+        if not isinstance(tool_call_id, str) or len(tool_call_id) > 256:
+            raise invalid(f"{where}.tool_call_id must be a string of at most 256 characters", param="messages")
+        _check_text(tool_call_id, f"{where}.tool_call_id")
+        out["tool_call_id"] = tool_call_id
     return out
