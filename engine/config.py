@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.kv_cache_dtype import (FP8_E4M3, KV_CACHE_DTYPES, check_fp8_support, element_bytes, kv_torch_dtype,
                                    resolve_cache_dtype)
+from engine.speculative import SpeculativeConfig
 from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig, resolve_quantization, uses_fp8
 
 logger = logging.getLogger(__name__)
@@ -295,6 +296,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
     async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
     enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
+    speculative: SpeculativeConfig | None = None  # --speculative-config (None: plain decoding)
     tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)
     max_grammar_compile_seconds: float = 10.0  # a constraint that compiles longer fails its request
 
@@ -318,7 +320,8 @@ class EngineConfig:
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
                 f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
-                f"enable_expert_parallel={self.enable_expert_parallel}")
+                f"enable_expert_parallel={self.enable_expert_parallel} "
+                f"speculative={self.speculative.describe() if self.speculative else None}")
 
 
 @dataclass
@@ -349,6 +352,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     tokenizer: str | None = None
     max_grammar_compile_seconds: float = 10.0
+    speculative_config: str | dict | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -408,6 +412,11 @@ class EngineArgs:
                        help="mixture-of-experts models: place num_experts / --tensor-parallel-size whole experts "
                             "on each rank (each reads only its own experts' weights) instead of slicing every "
                             "expert over all ranks; attention stays tensor-parallel")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (prompt lookup: proposals copied from '
+                            'where the sequence\'s last tokens occurred before, verified by the model in one step; '
+                            'greedy output unchanged, sampled output keeps its distribution)')
         g.add_argument("--tokenizer", default=None,
                        help="the tokenizer's directory (default: the model's), which structured outputs "
                             "compile their grammars against")
@@ -475,6 +484,9 @@ class EngineArgs:
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
                                 max_queued_requests=self.max_queued_requests)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError("--speculative-config: method draft_model is not supported yet (use ngram)")
         from engine.parallel import check_tp_size
 
         check_tp_size(self.tensor_parallel_size, model.num_heads, model.num_kv_heads)
@@ -503,5 +515,6 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
                             async_scheduling=self.async_scheduling,
                             enable_expert_parallel=self.enable_expert_parallel,
+                            speculative=speculative,
                             tokenizer=Path(self.tokenizer) if self.tokenizer else None,
                             max_grammar_compile_seconds=self.max_grammar_compile_seconds)

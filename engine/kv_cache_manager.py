@@ -145,6 +145,23 @@ class KVCacheManager:
         self.num_dead_blocks[rid] = dead
         return dead - start
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the request's trailing blocks past the first ``num_tokens`` tokens: blocks
+        a speculative step took for proposals that were rejected (never registered; their
+        KV is never read, the next steps write over the positions). Returns how many."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0
+        keep = max(self.blocks_needed(num_tokens), self.num_cached_blocks.get(rid, 0))
+        extra = blocks[keep:]
+        if not extra:
+            return 0
+        del blocks[keep:]
+        del self.req_block_ids[rid][keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference to (its table less the released ones)."""
         return len(self.req_blocks.get(request_id, ())) - self.num_dead_blocks.get(request_id, 0)

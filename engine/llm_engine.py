@@ -42,6 +42,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import ngram_propose
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarManager
@@ -125,6 +126,11 @@ class LLMEngine:
         # Closed by close(), or when the engine is dropped or the process ends.
         self._close_tp = weakref.finalize(self, _close_tensor_parallel, self.runner, self._workers)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        spec = config.speculative
+        if spec is not None:  # n-gram proposals, from the request's own tokens (engine/speculative.py)
+            self.scheduler.speculator = lambda req, k: ngram_propose(req.all_token_ids, k, spec.prompt_lookup_min,
+                                                                     spec.prompt_lookup_max)
+            self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         mc, sc = config.model, config.scheduler
         capacity = self.runner.num_blocks * config.cache.block_size
         logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s)", self.runner.num_blocks, capacity,

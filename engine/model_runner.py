@@ -62,7 +62,7 @@ from engine.model_loader import load_model
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear import LinearBase
 from engine.parallel import TPGroup
-from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device
+from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device, verify_async
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -404,9 +404,11 @@ class ModelRunner:
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         total = int(qsl[-1])
+        # A speculating row's inputs: its pending token, then the proposals to verify.
         ids = np.fromiter(itertools.chain.from_iterable(
-            s.request.all_token_ids[a:b] for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())),
-            dtype=np.int64, count=total)
+            (s.request.all_token_ids[a:b] if not s.draft_token_ids else
+             itertools.chain(s.request.all_token_ids[a:a + 1], s.draft_token_ids))
+            for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())), dtype=np.int64, count=total)
         row = np.repeat(np.arange(n), counts)  # each token's request
         positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
         widths = [len(s.block_ids) for s in scheduled]
@@ -414,7 +416,9 @@ class ModelRunner:
         for i, (s, w) in enumerate(zip(scheduled, widths)):
             tables[i, :w] = s.block_ids
         slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_idx = (qsl[1:] - 1)[[s.samples for s in scheduled]].tolist()
+        # The last position of each sampling row; every position of a speculating row.
+        sample_idx = [p for i, s in enumerate(scheduled) if s.samples
+                      for p in (range(int(qsl[i]), int(qsl[i + 1])) if s.draft_token_ids else (int(qsl[i + 1]) - 1,))]
         dev = self.device
 
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -560,5 +564,52 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_idx])
         if before_sampling is not None:
             before_sampling(out)
-        res = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
-        return _per_row(res, which, len(out.scheduled))
+        if not any(out.scheduled[i].draft_token_ids for i in which):
+            res = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
+            return _per_row(res, which, len(out.scheduled))
+        return self._sample_with_proposals(out, which, logits)
+
+    def _sample_with_proposals(self, out: SchedulerOutput, which: list[int], logits: torch.Tensor
+                               ) -> tuple[list, list | None]:
+        """A step with speculating rows: the plain rows sampled as usual, each speculating
+        row's positions verified (engine/sampler.py ``verify_async``); a speculating row's
+        result is its accepted proposals and then the target's token, as a list."""
+        plain, spec_rows, drafts, at, spans = [], [], [], 0, []
+        for i in which:
+            s = out.scheduled[i]
+            n = 1 + len(s.draft_token_ids)
+            if not s.draft_token_ids:
+                plain.append((i, at))
+            else:
+                r, past = s.request, list(s.request.output_token_ids)
+                for j in range(n):  # position j sees the proposals before it as output
+                    spec_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, past + s.draft_token_ids[:j],
+                                                 r.eos_token_ids))
+                drafts += s.draft_token_ids + [-1]
+                spans.append((i, at, len(spec_rows) - n))
+            at += n
+        spec_idx = [at_ + j for i, at_, _ in spans for j in range(1 + len(out.scheduled[i].draft_token_ids))]
+        verified = verify_async(logits[spec_idx], spec_rows, drafts)
+        sampled: list = [None] * len(out.scheduled)
+        logprobs: list | None = None
+        if plain:
+            res = self.sampler.sample(logits[[p for _, p in plain]], [_sampling_row(out.scheduled[i]) for i, _ in plain])
+            for (i, _), tok in zip(plain, res.token_ids):
+                sampled[i] = tok
+            if any(lp is not None for lp in res.logprobs):
+                logprobs = [None] * len(out.scheduled)
+                for (i, _), lp in zip(plain, res.logprobs):
+                    logprobs[i] = lp
+        results = verified.result()
+        for i, _, first in spans:
+            d = len(out.scheduled[i].draft_token_ids)
+            tokens = []
+            for j in range(d + 1):
+                ok, tok = results[first + j]
+                if j < d and ok:
+                    tokens.append(out.scheduled[i].draft_token_ids[j])
+                    continue
+                tokens.append(tok)
+                break
+            sampled[i] = tokens
+        return sampled, logprobs

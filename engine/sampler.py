@@ -177,6 +177,58 @@ class Sampler:
         return PendingSample(token_ids, rows, _pack_logprobs(token_ids, raw_logprobs, rows))
 
 
+class PendingVerify:
+    """A verification queued on the device: ``result()`` reads, per position, whether its
+    proposal was accepted and the token the target drew there."""
+
+    def __init__(self, packed: torch.Tensor) -> None:  # [P, 2] int64: accepted, token
+        self._pending = PendingSample(packed, [])
+
+    def result(self) -> list[tuple[bool, int]]:
+        return [(bool(a), int(t)) for a, t in self._pending.result().token_ids]
+
+
+def verify_async(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequence[int]) -> PendingVerify:
+    """Speculative verification, queued on ``logits``' device (engine/speculative.py).
+
+    logits [P, V]: the target's logits at P positions; ``rows[j]`` samples position j (its
+    output tokens include the proposals before it, so penalties, min_tokens and seeds see
+    the sequence as it would be); ``drafts[j]`` is the proposal there, or -1 at the last
+    position of a row (nothing proposed: its token is the bonus). Per position:
+
+        greedy   accepted = (argmax == draft); token = argmax
+        sampled  with p the row's filtered distribution: accepted with probability
+                 p(draft) / sum(p) (a uniform of its own stream); token = a draw from p
+                 with the draft removed (the residual of a one-hot proposal), or from p at
+                 the bonus position
+
+    The caller keeps the proposals up to the first rejection and the token there: the
+    greedy output is plain decoding's, the sampled one has the target's distribution."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows) or len(drafts) != len(rows):
+        raise ValueError(f"logits must be [{len(rows)}, V] with one draft per row, got {tuple(logits.shape)}")
+    device, vocab = logits.device, logits.shape[1]
+    logits = _apply_min_tokens(_apply_penalties(logits.float(), rows), rows)
+    draft = to_device(torch.tensor(list(drafts), dtype=torch.long), device)  # [P]
+    has_draft = draft >= 0
+    greedy_tok = logits.argmax(dim=-1)  # [P]
+    accepted = has_draft & (greedy_tok == draft)
+    token = greedy_tok
+    random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_idx:
+        idx = to_device(torch.tensor(random_idx), device)
+        sub = [rows[i] for i in random_idx]
+        probs = _filtered_probs(logits[idx], sub)  # [R, V]
+        d = draft[idx]
+        p_draft = probs.gather(1, d.clamp(min=0).unsqueeze(1)).squeeze(1).double() / probs.sum(-1).double()
+        accept_r = (d >= 0) & (_uniforms(sub, device, stream=1) < p_draft)
+        residual = probs.scatter(1, d.clamp(min=0).unsqueeze(1), 0.0)
+        residual = torch.where((d >= 0).unsqueeze(1), residual, probs)
+        accepted = accepted.index_copy(0, idx, accept_r)
+        token = token.index_copy(0, idx, _draw(residual, _uniforms(sub, device)))
+    token = _guard(token, logits)
+    return PendingVerify(torch.stack([accepted.long(), token], dim=1))
+
+
 def _guard(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """[B] ids -> the same, with SAMPLE_FAILED where the id is outside the
     vocabulary or its (penalised, masked) logit is NaN or -inf (a row whose
@@ -268,6 +320,12 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row. [R, V] -> [R]."""
+    return _draw(_filtered_probs(logits, rows), _uniforms(rows, logits.device))
+
+
+def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p: each row's distribution [R, V], not renormalised
+    after min-p (``_draw`` scales by the total)."""
     device, vocab = logits.device, logits.shape[1]
 
     def column(values: list[float]) -> torch.Tensor:  # [R, 1]
@@ -294,22 +352,31 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if any(r.params.min_p > 0.0 for r in rows):
         floor = column([r.params.min_p for r in rows]) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
-    # Inverse CDF. x is in (0, total], so the pick has cdf >= x > cdf of the
-    # previous token: a token of probability 0 can never be it.
+    return probs
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row of ``probs`` [R, V] with ``uniforms`` [R] in [0, 1).
+    x is in (0, total], so the pick has cdf >= x > cdf of the previous token: a token
+    of probability 0 can never be it. A row without a distribution gets V (out of
+    range: ``_guard`` marks it failed)."""
+    vocab = probs.shape[1]
     cdf = probs.double().cumsum(dim=-1)  # [R, V], non-decreasing
     total = cdf[:, -1:]  # [R, 1]; NaN or 0 when the row has no distribution
-    x = (1.0 - _uniforms(rows, device)).unsqueeze(1) * total  # [R, 1]
+    x = (1.0 - uniforms).unsqueeze(1) * total  # [R, 1]
     picked = torch.searchsorted(cdf, x).squeeze(1)  # [R]
     no_distribution = ~(total.squeeze(1) > 0) | total.squeeze(1).isinf()
-    return picked.masked_fill(no_distribution, vocab)  # out of range: _guard marks it failed
+    return picked.masked_fill(no_distribution, vocab)
 
 
-def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-    """[R] float64 in [0, 1); a seeded row's depends only on (seed, step)."""
+def _uniforms(rows: Sequence[SamplingRow], device: torch.device, stream: int = 0) -> torch.Tensor:
+    """[R] float64 in [0, 1); a seeded row's depends only on (seed, step, stream): stream 0
+    draws tokens, others are independent draws of the same step (speculative acceptance)."""
     num_unseeded = sum(row.params.seed is None for row in rows)
     unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64).tolist())  # CPU: no sync
     values = [next(unseeded) if row.params.seed is None
-              else _seeded_uniform(row.params.seed, row.step) for row in rows]
+              else _seeded_uniform(row.params.seed if not stream else _mix64(row.params.seed ^ (stream * _GOLDEN64)),
+                                   row.step) for row in rows]
     return to_device(torch.tensor(values, dtype=torch.float64), device)
 
 

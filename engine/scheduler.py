@@ -35,11 +35,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestError, RequestStatus
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding's counts (vLLM's metric names): rows that verified proposals,
+    the proposals, the accepted ones, and acceptances by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
 
 
 class Grammars(Protocol):
@@ -69,12 +89,16 @@ class ScheduledRequest:
     # A constrained row that samples: its next-token bitmask ([ceil(V / 32)] int32, set by the
     # engine before sampling; see engine/grammar.py).
     bitmask: Any = None
+    # A speculating decode row: tokens proposed after its pending one, verified this step
+    # (num_new_tokens = 1 + len; engine/speculative.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so its
-        last position's logits give the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        last position's logits give the next token (a speculating row: every position's)."""
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass
@@ -107,6 +131,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
         self.max_waiting: int | None = None  # bound of ``waiting`` for add_request (servers set it)
         self.grammars: Grammars | None = None  # set by the engine when a request has a constraint
+        # Speculative decoding: proposals for a decoding request (request, at most k) -> tokens
+        self.speculator: Callable[[Request, int], list[int]] | None = None
+        self.num_speculative_tokens = 0
+        self.spec = SpecStats()
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
@@ -277,8 +305,13 @@ class Scheduler:
             if self._held_by_constraint(req, out):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, num_new, out, scheduled):
-                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            drafts = self._proposals(req, budget) if num_new == 1 else []
+            if drafts and self.kv.allocate_slots(req, num_new + len(drafts)) is None:
+                drafts = []  # no room for the proposals: a plain step (proposals never preempt)
+            if drafts or self._allocate_or_preempt(req, num_new, out, scheduled):
+                num_new += len(drafts)
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id),
+                                                      draft_token_ids=drafts))
                 scheduled.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
@@ -344,6 +377,18 @@ class Scheduler:
             if r is not req and r.request_id not in scheduled:
                 return r
         return None
+
+    def _proposals(self, req: Request, budget: int) -> list[int]:
+        """Tokens to verify after a decoding request's pending one: none without a speculator,
+        for rows whose outputs it cannot verify position by position (a constraint's mask,
+        logprobs) or that never decode here (held for a KV send), and never past max_tokens
+        or the step's budget."""
+        p = req.sampling_params
+        if (self.speculator is None or req.hold_kv_on_finish or p.structured_outputs is not None
+                or p.logprobs is not None):
+            return []
+        k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        return self.speculator(req, k)[:k] if k > 0 else []
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         deferred: list[Request] = []  # constraints still compiling: they keep their place
@@ -414,11 +459,25 @@ class Scheduler:
             req = s.request
             if req.status != S.RUNNING:  # aborted or expired since the schedule
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            tok = sampled[i]
+            if s.draft_token_ids:  # the accepted proposals, then the target's token
+                tokens = list(tok)
+                self.spec.record(len(s.draft_token_ids), len(tokens) - 1)
+                req.num_computed_tokens += len(tokens)  # the pending token and the accepted ones have KV
+                tok = tokens.pop()
+                for t in tokens:
+                    self._append_token(req, t, None)
+                    if req.status != S.RUNNING:
+                        break
+                self.kv.trim(req, req.num_computed_tokens + 1)  # blocks only rejected positions took
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
             self.kv.free_dead_blocks(req)
-            tok = sampled[i]
             if tok is None:
+                continue
+            if req.status != S.RUNNING:  # finished inside its accepted proposals
+                updated.append(req)
                 continue
             if tok < 0:  # the sampler's guard (SAMPLE_FAILED): this request alone fails
                 if req.sampling_params.structured_outputs is not None:

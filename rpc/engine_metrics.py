@@ -45,6 +45,20 @@ class _SchedulerCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran (or queued) a forward pass.", s.num_steps_total)
         yield counter("engine_steps_ahead", "Of those, decode steps scheduled and queued while the step before "
                       "still ran (--async-scheduling).", s.num_steps_ahead_total)
+        spec = self.engine.scheduler.spec if self.engine.config.speculative is not None else None
+        if spec is not None:  # vLLM's speculative-decoding counters
+            yield counter("spec_decode_num_drafts", "Decode steps of a request that verified proposals.",
+                          spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)
+            c = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                    "Proposed tokens accepted, by their position in the proposal (0: first).",
+                                    labels=names + ["position"])
+            k = self.engine.config.speculative.num_speculative_tokens
+            per_pos = spec.accepted_per_position + [0] * (k - len(spec.accepted_per_position))
+            for pos, n in enumerate(per_pos[:k]):
+                c.add_metric(values + [str(pos)], n)
+            yield c
         load = self.engine.expert_load()
         if load.numel():  # mixture-of-experts models: one series per (layer, expert)
             c = CounterMetricFamily("pdserve:moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",

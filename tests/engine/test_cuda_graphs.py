@@ -150,7 +150,7 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
     runner.graphs.prepare, runner.graphs.replay = checked_prepare, checked_replay
     steps = []
     execute = runner.execute
-    runner.execute = lambda out: steps.append(len(out.scheduled)) or execute(out)
+    runner.execute = lambda out, **kw: steps.append(len(out.scheduled)) or execute(out, **kw)
     graphed = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     lp_g, lp_e = graphed[2].outputs[0].logprobs, eager[2].outputs[0].logprobs

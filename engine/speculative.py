@@ -1,0 +1,103 @@
+"""Speculative decoding's configuration (``--speculative-config``, vLLM's JSON) and the
+n-gram proposer. Torch-free: the gateway and the config read it.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4}
+
+A decode row that speculates computes, in one step, its pending token and up to k
+proposed ones (``num_speculative_tokens``); the target's logits at each of those
+positions verify the proposals (engine/sampler.py, ``verify``): greedy rows keep the
+proposals the target would have picked itself and then the target's own next token,
+so the output is token for token what plain decoding gives; sampled rows accept a
+proposal d with probability p(d) (the proposers here are deterministic: q is one-hot)
+and otherwise draw from p with d removed, which keeps the target's distribution.
+
+n-gram (prompt lookup): the longest suffix of the request's tokens, of
+``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, that occurred earlier in
+them (the latest such occurrence) proposes the tokens that followed it there. Free,
+and good wherever the output copies its input (quoting, editing code).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: Path | None = None  # draft_model: a directory sharing the target's tokenizer
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo}, {hi}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("--speculative-config: a draft_model needs \"model\" (a directory), ngram takes none")
+
+    @staticmethod
+    def parse(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From the flag's JSON (or a dict, as YAML config files give it); None: off."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r:.80}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("--speculative-config needs \"method\" and \"num_speculative_tokens\"")
+        model = value.get("model")
+        return SpeculativeConfig(method=value["method"], num_speculative_tokens=value["num_speculative_tokens"],
+                                 prompt_lookup_min=value.get("prompt_lookup_min", 1),
+                                 prompt_lookup_max=value.get("prompt_lookup_max", 4),
+                                 model=Path(model) if model is not None else None)
+
+    def describe(self) -> str:
+        what = (f"n-gram lookup of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens" if self.method == "ngram"
+                else f"draft model {self.model}")
+        return f"{self.method} ({what}), {self.num_speculative_tokens} tokens ahead"
+
+    def record(self) -> str:
+        """What a KV pair's two sides must agree on (the decode tier verifies with it)."""
+        return json.dumps({"method": self.method, "k": self.num_speculative_tokens,
+                           "model": str(self.model) if self.model else None}, sort_keys=True)
+
+
+def ngram_propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` (``lookup_max`` down to ``lookup_min`` tokens long); [] when no
+    suffix occurred before."""
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    arr = np.asarray(tokens, dtype=np.int64)
+    n = arr.shape[0]
+    for size in range(min(lookup_max, n - 1), lookup_min - 1, -1):
+        # windows starting at 0 .. n - size - 1: every occurrence before the suffix itself
+        windows = sliding_window_view(arr[:n - 1], size)
+        hits = np.flatnonzero((windows == arr[n - size:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + size
+            return arr[start:start + k].tolist()
+    return []

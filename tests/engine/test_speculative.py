@@ -1,0 +1,139 @@
+"""Speculative decoding with n-gram proposals, on CPU through the offline API: greedy
+output is token for token plain decoding's (with stop tokens, max_tokens landing inside
+an accepted run, penalties, min_tokens and preemption), verification keeps the target's
+distribution when sampling (a chi-square test over many seeds), rejected positions'
+blocks go back to the pool, and the configuration is checked."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from engine.sampler import SamplingRow, verify_async
+from engine.speculative import SpeculativeConfig, ngram_propose
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.slow
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+ENGINE = dict(kv_cache_memory="16MiB", max_model_len=512, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # A random model repeats itself greedily: n-gram proposals are often right.
+    return make_tiny_model(tmp_path_factory.mktemp("spec") / "model", seed=3)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    phrase = torch.randint(3, 384, (6,), generator=g).tolist()
+    return [phrase * 3 + torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 4, 9, 2)]
+
+
+def _run(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+
+
+def test_ngram_proposals():
+    assert ngram_propose([1, 2, 3, 4, 1, 2, 3], 3, 1, 4) == [4, 1, 2]  # longest suffix first, what followed it
+    assert ngram_propose([5, 9, 5, 8, 5], 2, 1, 4) == [8, 5]  # the latest occurrence wins
+    assert ngram_propose([1, 2, 3, 4, 5], 3, 1, 4) == []
+    assert ngram_propose([1, 2, 3, 1, 2], 3, 3, 3) == []  # shorter than prompt_lookup_min: nothing
+
+
+def test_greedy_output_is_plain_decodings(model_dir):
+    prompts = _prompts()
+    plain = LLM(str(model_dir), **ENGINE)
+    eos = _run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0][0][7]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # lands inside an accepted run
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[eos]),  # a stop token mid-run
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4, min_tokens=5)]
+    want = _run(plain, prompts, params)
+    spec = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)  # the n-gram proposer
+    assert _run(spec, prompts, params) == want
+    assert spec.engine.scheduler.spec.num_drafts > 5
+    # Proposals that are mostly right (plain decoding's own continuation, every fifth token
+    # wrong): long accepted runs, max_tokens and the stop token landing inside them.
+    continuation = {tuple(p): toks for p, (toks, _) in zip(prompts, want)}
+
+    def oracle(req, k: int) -> list[int]:
+        done = req.num_output_tokens
+        right = continuation[tuple(req.prompt_token_ids)][done:done + k]
+        return [0 if (done + j) % 5 == 4 else t for j, t in enumerate(right)]
+
+    for llm in (LLM(str(model_dir), **ENGINE, speculative_config=SPEC),
+                # preemption in the middle of speculative steps
+                LLM(str(model_dir), num_gpu_blocks_override=24, max_model_len=512, block_size=4,
+                    max_num_batched_tokens=48, speculative_config=SPEC)):
+        llm.engine.scheduler.speculator = oracle
+        assert _run(llm, prompts, params) == want
+        stats = llm.engine.scheduler.spec
+        assert stats.num_accepted_tokens > 40 and stats.accepted_per_position[3] > 3, stats
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_rejected_positions_give_their_blocks_back(model_dir):
+    # Every proposal a wrong guess: each step takes blocks for 1 + 4 positions and keeps
+    # only what one accepted token needs.
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
+    llm.engine.scheduler.speculator = lambda req, k: [0] * k  # token 0 is never the argmax here
+    req = llm.engine.add_request("r", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True))
+    while not req.is_finished:
+        llm.engine.step()
+        if not req.is_finished:
+            held = llm.engine.scheduler.kv.num_held_blocks(req.request_id)
+            assert held == -(-(req.num_computed_tokens + 1) // 4)
+    assert llm.engine.scheduler.spec.num_accepted_tokens == 0 and len(req.output_token_ids) == 12
+
+
+def test_verification_keeps_the_target_distribution():
+    # One position, a proposal d: accept with p(d), else draw from p without d. Over many
+    # seeds the emitted token is distributed as p (chi-square, 7 degrees of freedom; the
+    # bound 40 is exceeded by chance with probability below 1e-5).
+    vocab, n = 8, 20000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.3])
+    p = torch.softmax(logits, 0)
+    for draft in (0, 3):  # the likeliest token, and an unlikely one
+        rows = [SamplingRow(SamplingParams(temperature=1.0, seed=s), [1], [], frozenset()) for s in range(n)]
+        out = verify_async(logits.repeat(n, 1), rows, [draft] * n).result()
+        tokens = torch.tensor([draft if ok else tok for ok, tok in out])
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        expected = p.double() * n
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 40, (draft, chi2, counts.tolist())
+        accepted = sum(ok for ok, _ in out) / n
+        assert math.isclose(accepted, float(p[draft]), abs_tol=0.015)
+    # The same seeds give the same verification (deterministic).
+    rows = [SamplingRow(SamplingParams(temperature=1.0, seed=s), [1], [], frozenset()) for s in range(50)]
+    assert verify_async(logits.repeat(50, 1), rows, [3] * 50).result() == \
+        verify_async(logits.repeat(50, 1), rows, [3] * 50).result()
+
+
+def test_sampled_output_is_seeded(model_dir):
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(prompts))]
+    a = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
+    b = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
+    assert _run(a, prompts, params) == _run(b, prompts, params)
+
+
+def test_configuration_is_checked(model_dir):
+    assert SpeculativeConfig.parse(None) is None
+    for bad, message in [('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of"),
+                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+                         ('{"method": "ngram"}', 'needs "method" and "num_speculative_tokens"'),
+                         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown keys"),
+                         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                          '"prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+                         ("{nope", "not valid JSON")]:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=str(model_dir), device="cpu", speculative_config=bad).create_engine_config()
