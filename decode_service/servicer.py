@@ -37,6 +37,15 @@ def delta_to_proto(d: Delta) -> engine_pb2.DecodeResponse:
         finish_reason=d.finish_reason or "", num_cached_tokens=d.num_cached_tokens, finish_message=message))
 
 
+def _spec_attributes(spec: tuple[int, int]) -> dict:
+    """Speculative decoding's figures of one request, for its decode span (none without)."""
+    proposed, accepted = spec
+    if not proposed:
+        return {}
+    return {"pdserve.spec.draft_tokens": proposed, "pdserve.spec.accepted_tokens": accepted,
+            "pdserve.spec.acceptance_rate": round(accepted / proposed, 4)}
+
+
 class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     """The decode tier's gRPC service; answers UNAVAILABLE until attached."""
 
@@ -103,7 +112,8 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
                     "num_output_tokens": last.num_output_tokens, "finish_reason": last.finish_reason or "abort",
                     "kv_bytes": kv.get("num_bytes"), "kv_blocks": kv.get("num_blocks"),
                     "kv_seconds": kv.get("seconds"), "kv_backend": kv.get("backend"),
-                    "kv_parts": kv.get("parts") if len(kv.get("parts") or ()) > 1 else None})
+                    "kv_parts": kv.get("parts") if len(kv.get("parts") or ()) > 1 else None,
+                    **_spec_attributes(last.spec)})
 
     async def Abort(self, request: common_pb2.AbortRequest, context) -> common_pb2.AbortResponse:
         rid = request.request_id

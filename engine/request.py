@@ -106,6 +106,8 @@ class Request:
         self.is_sending = False  # prefill tier: a KV send reads the held blocks now
         self.kv_transfer: dict | None = None  # decode tier: figures of the transfer that brought its KV
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
+        self.num_draft_tokens = 0  # speculative decoding: tokens proposed for it, and accepted
+        self.num_accepted_draft_tokens = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
         limits = [x for x in (sampling_params.max_tokens, budget) if x is not None]

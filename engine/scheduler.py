@@ -463,6 +463,8 @@ class Scheduler:
             if s.draft_token_ids:  # the accepted proposals, then the target's token
                 tokens = list(tok)
                 self.spec.record(len(s.draft_token_ids), len(tokens) - 1)
+                req.num_draft_tokens += len(s.draft_token_ids)
+                req.num_accepted_draft_tokens += len(tokens) - 1
                 req.num_computed_tokens += len(tokens)  # the pending token and the accepted ones have KV
                 tok = tokens.pop()
                 for t in tokens:

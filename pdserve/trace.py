@@ -278,6 +278,17 @@ def render_waterfall(t: Trace, width: int = 40) -> str:
     return "\n".join(lines)
 
 
+def render_speculation(t: Trace) -> str:
+    """Speculative decoding's acceptance on the decode server, when it speculated ("" else)."""
+    for s in t.spans:
+        a = s.attributes
+        if "pdserve.spec.draft_tokens" in a:
+            return (f"speculative decoding: {a.get('pdserve.spec.accepted_tokens', 0)} of "
+                    f"{a['pdserve.spec.draft_tokens']} proposed tokens accepted "
+                    f"({100 * float(a.get('pdserve.spec.acceptance_rate', 0.0)):.1f}%)")
+    return ""
+
+
 def render_incomplete(t: Trace) -> str:
     """A note when the trace looks incomplete (see ``Trace.missing``), else ""."""
     missing = t.missing
@@ -448,6 +459,8 @@ def main(args: argparse.Namespace) -> int:
     if note := render_incomplete(t):
         print(note)
     print(render_breakdown(t))
+    if spec := render_speculation(t):
+        print(spec)
     if args.html:
         _write_html(args.html, [t])
     return 0

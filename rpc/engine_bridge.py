@@ -52,6 +52,7 @@ class Delta:
     is_held: bool = False  # prefill tier: HELD_FOR_SEND, blocks in block_ids
     times: RequestTimes | None = None  # the request's milestones (written by the engine thread only)
     kv_transfer: dict | None = None  # decode tier: the figures of the KV transfer it came with
+    spec: tuple[int, int] = (0, 0)  # speculative decoding so far: (tokens proposed, accepted)
 
 
 class _DeltaQueue(asyncio.Queue):
@@ -142,7 +143,8 @@ class EngineBridge:
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
                      req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens,
                      block_ids=self.engine.get_block_ids(req.request_id) if held else [],
-                     error=req.error, is_held=held, times=req.times, kv_transfer=req.kv_transfer)
+                     error=req.error, is_held=held, times=req.times, kv_transfer=req.kv_transfer,
+                     spec=(req.num_draft_tokens, req.num_accepted_draft_tokens))
 
     def _on_step(self, out: StepOutput) -> None:
         for req in out.reserved:
