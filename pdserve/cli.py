@@ -39,6 +39,7 @@ BENCH = {
     "kernels": ("bench.kernels", "each Triton kernel on the GPU against the copy bandwidth (needs CUDA)"),
     "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
     "quant-quality": ("bench.quant_quality", "KL divergence and greedy agreement of FP8 KV / W8A8 against 16 bits"),
+    "spec-decode": ("bench.spec_decode", "speculative decoding against plain decoding: tokens/s, acceptance"),
     "soak": ("bench.soak", "bounded soak: many requests, some cancelled, a decode server killed; no leaks"),
 }
 
