@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import parse_size
+from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -57,6 +58,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "(gRPC: RESOURCE_EXHAUSTED)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    add_chat_args(g)
     r = parser.add_argument_group("KV-aware routing")
     r.add_argument("--redis-url", default=None,
                    help="read the prefix index from Redis, e.g. redis://127.0.0.1:6379/0 (the engine servers "
@@ -74,6 +76,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "tokens are missing from its prefix cache (0: always use a prefill server)")
     tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
+
+
+def add_chat_args(g: argparse._ArgumentGroup) -> None:
+    """The chat-template and tool-calling flags (vLLM's names; `pdserve up` passes them on)."""
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's "
+                        "own, e.g. deploy/chat_templates/hermes_tools.jinja for tool calls on a ChatML model")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, "
+                        "Qwen3) or llama3_json (Llama 3 JSON calls); needed for tool_choice required, a named "
+                        "function, and auto")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools): the model decides, '
+                        "its calls are parsed out of its answer (needs --tool-call-parser)")
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,9 @@ class GatewayConfig:
     local_prefill_threshold: int = 0
     kv_load_failure_policy: str = "fail"
     max_request_body: int = 4 * 1024 * 1024  # bytes
+    chat_template: str | None = None  # a file, or the template itself
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -133,6 +152,11 @@ class GatewayConfig:
             raise ValueError(f"--kv-overlap-score-weight must be non-negative, got {self.kv_overlap_score_weight}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"--local-prefill-threshold must be non-negative, got {self.local_prefill_threshold}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one of "
+                             f"{', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
@@ -150,7 +174,10 @@ class GatewayConfig:
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
                    local_prefill_threshold=args.local_prefill_threshold,
                    kv_load_failure_policy=args.kv_load_failure_policy,
-                   max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)))
+                   max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)),
+                   chat_template=getattr(args, "chat_template", None),
+                   tool_call_parser=getattr(args, "tool_call_parser", None),
+                   enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
 
 
 DNS_PREFIX = "dns:"  # dns:NAME:PORT, every address NAME resolves to

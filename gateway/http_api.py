@@ -108,7 +108,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
         try:
             service.inputs.check_model(body.model)
             tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
-            sampling = body.to_sampling_params(tools, service.inputs.end_of_turn)
+            sampling = body.to_sampling_params(tools)
             with trace.span("tokenize"):
                 ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
                                                        tools.template_tools() if tools is not None else None)

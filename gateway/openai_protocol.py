@@ -76,8 +76,7 @@ class ResponseFormat(BaseModel):
                           "json_schema", param="response_format")
         if self.json_schema is None or self.json_schema.json_schema is None:
             raise invalid('response_format type "json_schema" needs json_schema.schema', param="response_format")
-        return _structured(StructuredOutputsParams, "response_format",
-                           json=json.dumps(self.json_schema.json_schema, ensure_ascii=False))
+        return _structured("response_format", json=json.dumps(self.json_schema.json_schema, ensure_ascii=False))
 
 
 class _SamplingRequest(BaseModel):
@@ -301,15 +300,14 @@ class ChatCompletionRequest(_SamplingRequest):
                         raise invalid(f"tools[{i}] ({tool.name}): function.parameters: {e}", param="tools") from e
         return ToolPlan(tuple(tools), choice, self.parallel_tool_calls, parser, function)
 
-    def to_sampling_params(self, tools: ToolPlan | None = None, end_of_turn: str | None = None) -> SamplingParams:
-        """``tools``: from ``tool_plan``; ``end_of_turn``: the tokenizer's end-of-turn token
-        (the constraint of parallel tool calls ends with it)."""
+    def to_sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
+        """``tools``: from ``tool_plan`` (its constraint, for required or a named function)."""
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured = self.output_constraint()
-        forced = tools.structured_outputs(end_of_turn) if tools is not None else None
+        forced = tools.structured_outputs() if tools is not None else None
         if forced is not None:
             if structured is not None:
                 raise invalid("a tool_choice that forces tool calls cannot be combined with response_format or "
@@ -338,14 +336,16 @@ def structured_outputs_from_json(spec: dict[str, Any]) -> StructuredOutputsParam
         raise invalid("structured_outputs.json_object must be true", param="structured_outputs")
     if isinstance(kw.get("choice"), list):
         kw["choice"] = tuple(kw["choice"])
-    return _structured(StructuredOutputsParams, "structured_outputs", **kw)
+    return _structured("structured_outputs", **kw)
 
 
-def _structured(cls: type[StructuredOutputsParams], param: str, **kw: Any) -> StructuredOutputsParams:
+def _structured(param: str, **kw: Any) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**kw), its ValueError a 400 naming ``param``."""
     try:
-        return cls(**kw)
+        return StructuredOutputsParams(**kw)
     except ValueError as e:
-        raise invalid(f"{param}: {e}", param=param) from e
+        message = str(e) if str(e).startswith("structured_outputs") else f"{param}: {e}"
+        raise invalid(message, param=param) from e
 
 
 def _function_tools(tools: list[dict[str, Any]]) -> list[FunctionTool]:

@@ -214,7 +214,7 @@ class RequestFlow:
                 span.add_event("reserved", {"pdserve.kv.blocks": len(reserved.block_ids),
                                             "pdserve.cached_tokens": reserved.num_cached_tokens})
                 try:
-                    first = await self._prefill(prefill, decode, reserved, call)
+                    first = await self._prefill(prefill, decode, reserved)
                 except _FinishedInPrefill as e:
                     done = True
                     yield TokenChunk([], finish_reason="error", finish_message=e.message)
@@ -235,8 +235,8 @@ class RequestFlow:
                                f"request with {msg.WhichOneof('kind')!r} instead of 'reserved'")
         return msg.reserved
 
-    async def _prefill(self, prefill: Instance, decode: Instance, reserved: engine_pb2.Reserved,
-                       decode_call: Any) -> engine_pb2.PrefillResponse:
+    async def _prefill(self, prefill: Instance, decode: Instance,
+                       reserved: engine_pb2.Reserved) -> engine_pb2.PrefillResponse:
         req = self._req
         block_size = decode.block_size
         # Leading blocks the decode server already holds (its own prefix-cache
@@ -257,9 +257,6 @@ class RequestFlow:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise _FinishedInPrefill(e.details() or "no token meets the request's constraint") from None
                 error = self._prefill_error(e, prefill)
-                invalid = await self._invalid_on_decode(decode_call, decode)
-                if invalid is not None:  # the decode server refused the request meanwhile: that is why
-                    raise invalid from None
                 if e.code() == grpc.StatusCode.UNAVAILABLE and self._req.remaining() > 0:
                     # The prefill server is gone or draining and nothing was streamed yet: another one
                     # (or, with none left, the decode server itself) takes the request afresh.
@@ -290,15 +287,6 @@ class RequestFlow:
             yield chunk
             if chunk.finish_reason:
                 return
-
-    async def _invalid_on_decode(self, call: Any, decode: Instance) -> GatewayError | None:
-        """The decode call's INVALID_ARGUMENT when it has already ended with one (a
-        constraint it could not compile), else None. A prefill failing after that (its
-        KV hand-off found no reservation) must not be retried: the request is at fault."""
-        if not call.done() or await call.code() != grpc.StatusCode.INVALID_ARGUMENT:
-            return None
-        return self._rpc_error(grpc.StatusCode.INVALID_ARGUMENT, await call.details(),
-                               f"decode server {decode.address}", decode)
 
     @staticmethod
     def _chunk(delta: engine_pb2.TokenDelta, skip: int) -> TokenChunk:

@@ -34,6 +34,7 @@ from gateway.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixInde
 from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
+from gateway.tool_parsers import get_parser
 from pdserve.v1 import gateway_pb2
 from rpc import tls, tracing
 from rpc.server import RpcServer
@@ -83,8 +84,31 @@ def load_input_processor(cfg: GatewayConfig) -> InputProcessor:
     if max_len > model.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                          f"{model.max_position_embeddings}")
-    logger.info("gateway: model=%s path=%s max_model_len=%d", name, path, max_len)
-    return InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size)
+    template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
+    inputs = InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size, chat_template=template)
+    logger.info("gateway: model=%s path=%s max_model_len=%d chat_template=%s (renders tools: %s)", name, path,
+                max_len, cfg.chat_template or "the model's", "yes" if inputs.renders_tools else "no")
+    return inputs
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template; a
+    ValueError naming the flag when it is neither or does not parse as Jinja."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {value!r} is not a valid Jinja template: line {e.lineno}: "
+                         f"{e.message}") from None
+    return text
 
 
 def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixIndex:
@@ -103,8 +127,9 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     index = make_prefix_index(cfg, registry)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
                     cfg.kv_load_failure_policy)
+    parser = get_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
-                             cfg.max_queued_requests, cfg.log_requests, router)
+                             cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice)
     rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE], internal=False)
     add_gateway_servicer(GatewayServicer(service, cfg.api_key, cfg.max_request_body), rpc.server)
     sock = _bind(cfg.host, cfg.http_port)

@@ -104,11 +104,6 @@ class InputProcessor:
         ids = await self._run(len(text), encode_prompt, text)
         return self.check_token_ids(ids)
 
-    @property
-    def end_of_turn(self) -> str | None:
-        """The token that ends the model's turn (the tokenizer's eos token), if it has one."""
-        return getattr(self.tokenizer, "eos_token", None) or None
-
     async def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render ``messages`` (and ``tools``, OpenAI function tools) with the chat

@@ -19,9 +19,9 @@ The constraint is an xgrammar structural tag (``StructuredOutputsParams.structur
 ``tags_with_separator`` of one ``tag`` per allowed function, whose ``begin`` is the call's
 fixed text up to the arguments (the name included, so a call cannot name another
 function), whose content is the function's parameters schema and whose ``end`` closes
-the call. The engine ends a request as soon as its grammar *may* end; where parallel
-calls are allowed the grammar therefore ends with the model's end-of-turn token, so
-after each call the model chooses between another call and the end.
+the call; ``stop_after_first`` unless parallel calls are allowed. After each call the
+grammar may end, and the engine lets the model choose there between the separator (one
+more call) and its stop token.
 
 Parsing (``ToolCallStream``) is one pure function of the text generated so far,
 ``split(text, final)``: the content before the first call and each call's name and
@@ -130,19 +130,15 @@ class ToolParser(ABC):
 
     name: str = ""
 
-    def constraint(self, tools: Sequence[FunctionTool], parallel: bool,
-                   end_of_turn: str | None) -> StructuredOutputsParams:
+    def constraint(self, tools: Sequence[FunctionTool], parallel: bool) -> StructuredOutputsParams:
         """The structural tag that makes the model call one of ``tools`` (at least once;
-        once only unless ``parallel``). ``end_of_turn`` is the tokenizer's end-of-turn
-        token: with ``parallel`` the grammar ends with it (module docstring)."""
+        once only unless ``parallel``)."""
         tags = [{"type": "tag", "begin": self._call_begin(t.name),
                  "content": {"type": "json_schema", "json_schema": t.parameters,
                              "max_whitespace_cnt": _ARGUMENTS_MAX_WHITESPACE},
                  "end": self._call_end} for t in tools]
-        calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": self._separator,
-                                 "at_least_one": True, "stop_after_first": not parallel}
-        if parallel and end_of_turn:
-            calls = {"type": "sequence", "elements": [calls, {"type": "token", "token": end_of_turn}]}
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": self._separator,
+                 "at_least_one": True, "stop_after_first": not parallel}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls},
                                                                  ensure_ascii=False))
 
@@ -253,14 +249,13 @@ class ToolPlan:
     parser: ToolParser
     function: str | None = None
 
-    def structured_outputs(self, end_of_turn: str | None) -> StructuredOutputsParams | None:
+    def structured_outputs(self) -> StructuredOutputsParams | None:
         """The constraint that enforces ``required`` or a named function (None for auto)."""
         if self.choice == "auto":
             return None
         if self.choice == "required":
-            return self.parser.constraint(self.tools, self.parallel, end_of_turn)
-        named = [t for t in self.tools if t.name == self.function]
-        return self.parser.constraint(named, parallel=False, end_of_turn=end_of_turn)
+            return self.parser.constraint(self.tools, self.parallel)
+        return self.parser.constraint([t for t in self.tools if t.name == self.function], parallel=False)
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [t.template_dict() for t in self.tools]

@@ -27,6 +27,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from gateway.config import add_chat_args
 from prefill_service.flags import add_kv_send_args
 from rpc import tls, tracing
 from rpc.health_probe import is_serving
@@ -74,6 +75,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
+    add_chat_args(p.add_argument_group("chat template and tool calls (gateway)"))
     pg = p.add_argument_group("prefill servers")
     add_kv_send_args(pg)
     pg.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -174,6 +176,8 @@ class Cluster:
         n_prefill = 0 if args.prefill_mode == "local" else args.prefill
         if args.decode < 1:
             raise ValueError("--decode must be at least 1")
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls)")
         self.prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(n_prefill)]
         self.decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -212,23 +216,30 @@ class Cluster:
                          [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *extra,
                           *tls.tls_flags(a)], threads,
                          self.trace_env, width)
-        gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
-              "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
-        for flag in ("--model", "--served-model-name", "--max-model-len"):
-            value = getattr(a, flag[2:].replace("-", "_"))
-            if value is not None:
-                gw += [flag, str(value)]
-        gw += tls.tls_flags(a)
         gw_env = dict(self.trace_env)
         if a.api_key:  # through the environment: a command line is visible to everyone in ps
             gw_env["PDSERVE_API_KEY"] = a.api_key
+        self._launch("gateway", "gateway", "gateway", self.gateway_argv(), 1, gw_env, width)
+
+    def gateway_argv(self) -> list[str]:
+        """The gateway's command line (``pdserve gateway ...``) in front of this cluster."""
+        a = self.args
+        gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
+              "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
+        for flag in ("--model", "--served-model-name", "--max-model-len", "--chat-template", "--tool-call-parser"):
+            value = getattr(a, flag[2:].replace("-", "_"))
+            if value is not None:
+                gw += [flag, str(value)]
+        if a.enable_auto_tool_choice:
+            gw.append("--enable-auto-tool-choice")
+        gw += tls.tls_flags(a)
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
                "--local-prefill-threshold", str(a.local_prefill_threshold)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
-        self._launch("gateway", "gateway", "gateway", gw, 1, gw_env, width)
+        return gw
 
     def _launch(self, label: str, name: str, kind: str, argv: list[str], threads: int | None,
                 env: dict[str, str], width: int, index: int | None = None) -> None:

@@ -162,10 +162,24 @@ def test_flags_and_defaults(monkeypatch):
     (("--decode", "a:1,a:1"), "listed twice"),
     (("--decode", "a:1", "--request-timeout", "0"), "--request-timeout"),
     (("--decode", "a:1", "--http-port", "9", "--grpc-port", "9"), "must differ"),
+    (("--decode", "a:1", "--enable-auto-tool-choice"), "needs --tool-call-parser"),
 ])
 def test_bad_flags(argv, fragment, monkeypatch):
     with pytest.raises(ValueError, match=fragment):
         _parse(*argv)
+
+
+def test_chat_and_tool_flags_reach_the_gateway_through_pdserve_up():
+    from pdserve.cli import build_parser
+    from pdserve.up import Cluster
+
+    flags = ["--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
+    argv = Cluster(build_parser("up").parse_args(["up", *flags])).gateway_argv()
+    cfg = _parse(*argv[1:])
+    assert (cfg.chat_template, cfg.tool_call_parser, cfg.enable_auto_tool_choice) == ("t.jinja", "llama3_json", True)
+    assert "--enable-auto-tool-choice" not in Cluster(build_parser("up").parse_args(["up"])).gateway_argv()
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        Cluster(build_parser("up").parse_args(["up", "--enable-auto-tool-choice"]))
 
 
 def test_address_helpers():

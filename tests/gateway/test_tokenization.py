@@ -72,3 +72,32 @@ def test_model_name_check(inputs):
         inputs.check_model("gpt-4")
     assert e.value.kind is ErrorKind.NOT_FOUND and e.value.code == "model_not_found"
     assert e.value.to_openai()["error"]["type"] == "invalid_request_error"
+
+
+def test_tools_need_a_template_that_renders_them(inputs, tokenizer):
+    from gateway.server import read_chat_template
+    from tests.processes import REPO
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "What time is it?"}]
+    with pytest.raises(GatewayError) as e:  # the model's own template never reads `tools`
+        asyncio.run(inputs.encode_chat(messages, tools=tools))
+    assert e.value.param == "tools" and "--chat-template" in e.value.message
+    template = read_chat_template(str(REPO / "deploy" / "chat_templates" / "hermes_tools.jinja"))
+    hermes = InputProcessor(tokenizer, "SmolLM2-135M-Instruct", max_model_len=1000, vocab_size=49152,
+                            chat_template=template)
+    try:
+        history = messages + [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+            {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}]
+        text = tokenizer.decode(asyncio.run(hermes.encode_chat(history, tools=tools)))
+    finally:
+        hermes.close()
+    assert '<tools>\n{"type": "function", "function": {"name": "get_time"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n'
+            "<|im_start|>tool\n<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    with pytest.raises(ValueError, match="no such file"):
+        read_chat_template("/nonexistent/template.jinja")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        read_chat_template("{% if %}")

@@ -279,9 +279,13 @@ REFUSED_FIELDS = [
     ("prediction", "/v1/chat/completions", {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}),
     ("modalities", "/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}),
-    ("response_format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}),
-    ("response_format", "/v1/chat/completions",
-     {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+    ("response_format", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}}),
+    ("response_format", "/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}}),
+    ("structured_outputs", "/v1/completions", {"prompt": "hi", "structured_outputs": {"whitespace_pattern": " "}}),
+    ("tool_choice", "/v1/completions", {"prompt": "hi", "tool_choice": "required"}),
+    ("tool_choice", "/v1/chat/completions",  # this gateway has no --tool-call-parser
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
 ]
 
 
