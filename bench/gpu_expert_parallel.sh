@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism against tensor parallelism and one GPU, Qwen3-30B-A3B shape (two GPUs):
 #   bash bench/gpu_expert_parallel.sh       (repo root, a machine with two CUDA GPUs)
-set -u
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-$PWD/.gpucache}
-py=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
 common=(bench decode-step --model-shape qwen3-30b-a3b --batch-sizes 1,32,128 --context-len 1024 --steps 10
         --max-model-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 128)
 for variant in ep2 tp2 one; do

@@ -4,13 +4,7 @@
 # Sections: tests, kernels, moe-step, moe-peer, dense-step, dense-peer, moe-offline.
 # Results (JSON) go to $OUT (or ./gpu-out); PDSERVE_CACHE_DIR keeps the fused-MoE tuning
 # between sections.
-set -u
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-$PWD/.gpucache}
-py=${PYTHON:-python3}
-run() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; local t=$SECONDS
-        timeout "$limit" "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
+source "$(dirname "$0")/gpu_common.sh"
 for section in "$@"; do
   case $section in
     tests) run 220 $py -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fused_moe.py \

@@ -10,13 +10,7 @@
 #   gemm        the FP8 GEMM against bf16 at the projection shapes (bench/fp8_gemm.py)
 #   offline     256 x (512 -> 128) offline, bf16 and FP8 W8A8 + FP8 KV
 # Results (JSON) go to $OUT (or ./gpu-out).
-set -u
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-$PWD/.gpucache}
-py=${PYTHON:-python3}
-run() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; local t=$SECONDS
-        timeout "$limit" "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
+source "$(dirname "$0")/gpu_common.sh"
 step() { local name=$1 sizes=$2; shift 2
          run 150 $py -m pdserve.cli bench decode-step --model-shape llama-3.1-8b --batch-sizes "$sizes" \
            --context-len 1024 --steps 10 --max-model-len 2048 --max-num-batched-tokens 16384 \

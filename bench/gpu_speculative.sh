@@ -8,13 +8,7 @@
 # Real acceptance (n-gram on copy-heavy prompts) needs the default model's weights, which do not
 # travel to the GPU machine: measure it on CPU (pdserve bench spec-decode --proposer ngram).
 # Results (JSON) go to $OUT (or ./gpu-out).
-set -u
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-run() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; local t=$SECONDS
-        timeout "$limit" "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
+source "$(dirname "$0")/gpu_common.sh"
 oracle() { local name=$1 sizes=$2 k=$3; shift 3
            run 240 $py -m pdserve.cli bench spec-decode --model-shape llama-3.1-8b --proposer oracle \
              --num-speculative-tokens "$k" --batch-sizes "$sizes" --prompt-len 1024 --output-len 64 \

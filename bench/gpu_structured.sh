@@ -11,14 +11,8 @@
 #            constrained rows, batch 256 with 0 and 64
 #   compile  grammar compile and mask times (bench/grammar_engines.py: a 50-field schema)
 # Results (JSON) go to $OUT (or ./gpu-out).
-set -u
-out=${OUT:-gpu-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_common.sh"
 wheels=.gpucache/wheels
-run() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; local t=$SECONDS
-        timeout "$limit" "$@"; echo "== rc=$? in $((SECONDS - t)) s"; }
 # The image lacks xgrammar and pydantic: installed from the carried wheels into /tmp/site.
 need_xgrammar() { $py -c "import xgrammar" 2>/dev/null && return
                   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
