@@ -1,6 +1,6 @@
 """The grammar engines a structured-output server could use, on this project's tokenizers:
-xgrammar (what pdserve uses) and llguidance, when it is installed (it is not a
-dependency: ``pip install llguidance`` to compare).
+xgrammar (what pdserve uses) and llguidance, when it is installed (an optional extra:
+``pip install '.[compare]'``; ``make test`` installs it).
 
 For each tokenizer (the default model's, and any ``--tokenizer DIR``) and schema (a flat
 object of N fields of mixed types, and a nested one), the time to compile the grammar

@@ -38,8 +38,14 @@ def _pins() -> dict[str, str]:
     return pins
 
 
+def _optional_features() -> dict[str, Requirement]:
+    """The extras other than "test": features imported only where a flag or a bench asks."""
+    groups = set(_project()["optional-dependencies"]) - {"test"}
+    return {n: r for g in sorted(groups) for n, r in _declared(g).items()}
+
+
 def test_every_pin_is_declared_and_inside_its_range():
-    declared = {**_declared(), **_declared("test"), **_declared("plot")}
+    declared = {**_declared(), **_declared("test"), **_optional_features()}
     pins = _pins()
     assert set(pins) <= set(declared), set(pins) - set(declared)
     outside = {n: (pins[n], str(declared[n].specifier)) for n in pins
@@ -71,8 +77,8 @@ def _third_party_imports() -> set[str]:
 
 
 def test_every_imported_distribution_is_a_runtime_dependency():
-    # ... or of the optional "plot" extra, imported only where --plot asks for it.
-    runtime = set(_declared()) | set(_declared("plot"))
+    # ... or of an optional extra ("plot" for --plot, "compare" for bench.grammar_engines).
+    runtime = set(_declared()) | set(_optional_features())
     owners = importlib.metadata.packages_distributions()
     missing = {}
     for module in sorted(_third_party_imports()):
