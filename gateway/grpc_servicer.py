@@ -14,10 +14,19 @@ otherwise); health and reflection stay open.
 ``sampling.structured_outputs`` is checked as the HTTP API's constraints are (a
 bad one: INVALID_ARGUMENT naming it); a request that ends with finish_reason
 "error" has the reason in the last message's ``finish_message``.
+
+A chat's ``tools``, ``tool_choice`` (or ``tool_choice_function``) and
+``parallel_tool_calls`` go through the HTTP API's checks as OpenAI's fields
+would (``openai_protocol.tool_plan``), and assistant ``tool_calls`` and tool
+``tool_call_id`` messages render as they do there. With tools, each response's
+``text`` is the answer's content only and ``tool_calls`` carries the parsed calls
+in pieces (``ToolCallStream``), and a natural end after a call is
+finish_reason "tool_calls".
 """
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -27,10 +36,13 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.openai_protocol import ChatMessage, tool_plan, with_tool_constraint
 from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
 from gateway.request_trace import RequestTrace, trace_headers
 from gateway.service import GatewayService
+from gateway.tool_parsers import ToolCallStream, ToolPlan
+from gateway.tool_parsers import finish_reason as tool_finish_reason
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.convert import sampling_from_proto
 
@@ -101,14 +113,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 auth = self._auth_error(context)
                 if auth is not None:
                     raise auth
-                req = await self._prepare(request, trace, context.time_remaining())
+                req, tools = await self._prepare(request, trace, context.time_remaining())
             except BaseException as e:
                 trace.finish(error=e)
                 raise
             first = True
+            calls = tools.stream() if tools is not None else None
             async with aclosing(self._service.generate(req)) as deltas:
                 async for delta in deltas:
-                    yield _to_response(req, delta, first)
+                    yield _to_response(req, delta, first, calls)
                     first = False
         except GatewayError as e:
             self._service.on_error(e)
@@ -128,7 +141,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return common_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,
-                       timeout: float | None) -> PreparedRequest:
+                       timeout: float | None) -> tuple[PreparedRequest, ToolPlan | None]:
         inputs = self._service.inputs
         inputs.check_model(request.model)
         try:
@@ -138,24 +151,64 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not request.sampling.HasField("max_tokens"):
             sampling.max_tokens = None  # proto default: up to the context length
         kind = request.WhichOneof("prompt")
+        tools = None
+        if kind == "chat":
+            tools = _tool_plan(request.chat, self._service)
+            sampling.structured_outputs = with_tool_constraint(sampling.structured_outputs, tools)
         with trace.span("tokenize"):
             if kind == "text":
                 ids = await inputs.encode_text(request.text)
             elif kind == "chat":
-                ids = await inputs.encode_chat([{"role": m.role, "content": m.content}
-                                                for m in request.chat.messages])
+                ids = await inputs.encode_chat([_template_message(m) for m in request.chat.messages], True,
+                                               tools.template_tools() if tools is not None else None)
             elif kind == "token_ids":
                 ids = inputs.check_token_ids(request.token_ids.ids)
             else:
                 raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout)
+        return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout), tools
 
 
-def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool) -> gateway_pb2.GenerateResponse:
-    msg = gateway_pb2.GenerateResponse(request_id=req.request_id, token_ids=delta.token_ids, text=delta.text,
-                                       finish_reason=delta.finish_reason or "", logprobs=delta.logprobs,
+def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolPlan | None:
+    """The chat's tools as OpenAI's fields, through the HTTP API's checks."""
+    tools = []
+    for i, t in enumerate(chat.tools):
+        function: dict[str, Any] = {"name": t.name}
+        if t.description:
+            function["description"] = t.description
+        if t.parameters_json:
+            try:
+                function["parameters"] = json.loads(t.parameters_json)
+            except ValueError as e:
+                raise invalid(f"tools[{i}].parameters_json is not JSON: {e}", param="tools") from e
+        tools.append({"type": "function", "function": function})
+    choice: str | dict[str, Any] | None = chat.tool_choice or None
+    if chat.tool_choice_function:
+        if choice is not None:
+            raise invalid("give tool_choice or tool_choice_function, not both", param="tool_choice")
+        choice = {"type": "function", "function": {"name": chat.tool_choice_function}}
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    return tool_plan(tools, choice, parallel, service.tool_parser, service.enable_auto_tool_choice)
+
+
+def _template_message(m: gateway_pb2.ChatMessage) -> dict[str, Any]:
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+             for c in m.tool_calls]
+    return ChatMessage(role=m.role, content=m.content, tool_calls=calls or None,
+                       tool_call_id=m.tool_call_id or None).to_template_dict()
+
+
+def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool,
+                 calls: ToolCallStream | None) -> gateway_pb2.GenerateResponse:
+    text, finish_reason, tool_calls = delta.text, delta.finish_reason or "", []
+    if calls is not None:  # the text's content, and its calls parsed out
+        text, tool_calls = calls.feed(delta.text, final=bool(finish_reason))
+        finish_reason = tool_finish_reason(finish_reason, calls.num_calls) or ""
+    msg = gateway_pb2.GenerateResponse(request_id=req.request_id, token_ids=delta.token_ids, text=text,
+                                       finish_reason=finish_reason, logprobs=delta.logprobs,
                                        finish_message=delta.finish_message)
+    msg.tool_calls.extend(gateway_pb2.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "",
+                                                    arguments=c.arguments) for c in tool_calls)
     if first:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
     if delta.usage is not None:

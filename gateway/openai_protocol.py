@@ -272,33 +272,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
 
     def tool_plan(self, parser: ToolParser | None, enable_auto: bool) -> ToolPlan | None:
-        """The request's tools and what it allows of them; None when the model is to see
-        no tools (none given, or ``tool_choice: "none"``). ``parser``/``enable_auto``: the
-        gateway's ``--tool-call-parser`` / ``--enable-auto-tool-choice``."""
-        if not self.tools:
-            if self.tool_choice not in (None, "none"):
-                raise invalid("tool_choice needs tools", param="tool_choice")
-            return None
-        tools = _function_tools(self.tools)
-        choice, function = _tool_choice(self.tool_choice, {t.name for t in tools})
-        if choice == "none":
-            return None
-        if choice == "auto" and (parser is None or not enable_auto):
-            default = " (the default when tools are given)" if self.tool_choice is None else ""
-            raise invalid(f'tool_choice "auto"{default} needs a gateway started with --enable-auto-tool-choice '
-                          'and --tool-call-parser; send tool_choice "required", a named function or "none"',
-                          param="tool_choice")
-        if parser is None:
-            what = "a named function" if function is not None else '"required"'
-            raise invalid(f"tool_choice {what} needs a gateway started with --tool-call-parser", param="tool_choice")
-        if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable
-            for i, tool in enumerate(tools):
-                if function in (None, tool.name):
-                    try:
-                        check_schema(tool.parameters)
-                    except ValueError as e:
-                        raise invalid(f"tools[{i}] ({tool.name}): function.parameters: {e}", param="tools") from e
-        return ToolPlan(tuple(tools), choice, self.parallel_tool_calls, parser, function)
+        """The request's ``tools``/``tool_choice``/``parallel_tool_calls`` (``tool_plan``)."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser, enable_auto)
 
     def to_sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
         """``tools``: from ``tool_plan`` (its constraint, for required or a named function)."""
@@ -306,17 +281,54 @@ class ChatCompletionRequest(_SamplingRequest):
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        structured = self.output_constraint()
-        forced = tools.structured_outputs() if tools is not None else None
-        if forced is not None:
-            if structured is not None:
-                raise invalid("a tool_choice that forces tool calls cannot be combined with response_format or "
-                              "structured_outputs", param="tool_choice")
-            structured = forced
-        return self._sampling_params(max_tokens, logprobs, structured)
+        return self._sampling_params(max_tokens, logprobs, with_tool_constraint(self.output_constraint(), tools))
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel: bool,
+              parser: ToolParser | None, enable_auto: bool) -> ToolPlan | None:
+    """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked into what the
+    request allows; None when the model is to see no tools (none given, or ``tool_choice:
+    "none"``). ``parser``/``enable_auto``: the gateway's ``--tool-call-parser`` /
+    ``--enable-auto-tool-choice``. HTTP and gRPC requests both come through here."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise invalid("tool_choice needs tools", param="tool_choice")
+        return None
+    functions = _function_tools(tools)
+    choice, function = _tool_choice(tool_choice, {t.name for t in functions})
+    if choice == "none":
+        return None
+    if choice == "auto" and (parser is None or not enable_auto):
+        default = " (the default when tools are given)" if tool_choice is None else ""
+        raise invalid(f'tool_choice "auto"{default} needs a gateway started with --enable-auto-tool-choice '
+                      'and --tool-call-parser; send tool_choice "required", a named function or "none"',
+                      param="tool_choice")
+    if parser is None:
+        what = "a named function" if function is not None else '"required"'
+        raise invalid(f"tool_choice {what} needs a gateway started with --tool-call-parser", param="tool_choice")
+    if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable
+        for i, tool in enumerate(functions):
+            if function in (None, tool.name):
+                try:
+                    check_schema(tool.parameters)
+                except ValueError as e:
+                    raise invalid(f"tools[{i}] ({tool.name}): function.parameters: {e}", param="tools") from e
+    return ToolPlan(tuple(functions), choice, parallel, parser, function)
+
+
+def with_tool_constraint(structured: StructuredOutputsParams | None,
+                         tools: ToolPlan | None) -> StructuredOutputsParams | None:
+    """The request's own constraint, or the one that forces its tool calls (not both)."""
+    forced = tools.structured_outputs() if tools is not None else None
+    if forced is None:
+        return structured
+    if structured is not None:
+        raise invalid("a tool_choice that forces tool calls cannot be combined with response_format or "
+                      "structured_outputs", param="tool_choice")
+    return forced
 
 
 def structured_outputs_from_json(spec: dict[str, Any]) -> StructuredOutputsParams:

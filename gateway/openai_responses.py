@@ -20,6 +20,7 @@ from typing import Any
 
 from gateway.output_processor import GenerationDelta, Usage
 from gateway.tool_parsers import ToolPlan
+from gateway.tool_parsers import finish_reason as tool_finish_reason
 from pdserve.v1 import common_pb2
 
 TokenText = Callable[[int], str]
@@ -135,10 +136,6 @@ class ChatFormatter(ResponseFormatter):
         self._tools = tools
         self._tool_stream = tools.stream() if tools is not None else None
 
-    @staticmethod
-    def _finish_reason(reason: str | None, num_calls: int) -> str | None:
-        return "tool_calls" if reason == "stop" and num_calls else reason
-
     def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -175,7 +172,7 @@ class ChatFormatter(ResponseFormatter):
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [c.to_json() for c in calls]
-        return [self._chunk(delta, self._logprobs(d.logprobs), self._finish_reason(d.finish_reason, num_calls), d)]
+        return [self._chunk(delta, self._logprobs(d.logprobs), tool_finish_reason(d.finish_reason, num_calls), d)]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
@@ -187,7 +184,7 @@ class ChatFormatter(ResponseFormatter):
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [c.to_json() for c in parsed.tool_calls]
-            finish_reason = self._finish_reason(finish_reason, len(parsed.tool_calls))
+            finish_reason = tool_finish_reason(finish_reason, len(parsed.tool_calls))
         choice = _finish_fields({"index": 0, "message": message,
                                  "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs])},
                                 last, finish_reason)

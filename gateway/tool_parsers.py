@@ -312,6 +312,11 @@ class ToolCallStream:
         return content, deltas
 
 
+def finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """A natural end after a call is OpenAI's "tool_calls"."""
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
 def _read_call(body: str, complete: bool) -> _Call | None:
     """The call in ``body`` (a call object, possibly cut short). None: ``body`` is complete
     and is no call object."""

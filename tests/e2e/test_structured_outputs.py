@@ -8,7 +8,7 @@ What it proves: ``.parse(response_format=Model)`` returns the parsed object for 
 models; JSON mode, regex, choice and grammar hold through the prefill -> decode hand-off
 and the local path, also at ``max_tokens: 1`` and for a grammar complete after its first
 token; ``tool_choice`` required and named return calls the client parses, streamed (in
-pieces) and not; ``auto`` parses a block the model wrote; a request no token can satisfy
+pieces) and not, through HTTP and gRPC; ``auto`` parses a block the model wrote; a request no token can satisfy
 finishes with "error" and its reason (in the prefill tier or the decode tier); bad
 constraints are 400 / INVALID_ARGUMENT naming the problem, and are not retried; random
 schemas (hypothesis-jsonschema) hold at temperature 1 and finish within a max_tokens
@@ -313,6 +313,59 @@ def test_auto_parses_the_block_the_model_wrote(cluster):
     # With tool_choice none the tools are neither shown nor parsed: the same text is content.
     plain = _chat(cluster.http_url, **{**body, "tool_choice": "none", "max_tokens": 8}).json()["choices"][0]
     assert plain["message"]["content"].startswith("<tool") and "tool_calls" not in plain["message"], plain
+
+
+def _grpc_tools() -> list:
+    return [gateway_pb2.FunctionTool(name=t["function"]["name"], description=t["function"]["description"],
+                                     parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+
+
+def test_grpc_tool_calls(cluster):
+    """The same tools through gRPC: calls arrive parsed in ToolCallDelta pieces (id and name
+    on the first), the text is the content only, and the end is "tool_calls"; a conversation
+    carrying a call and its result renders; bad tools are INVALID_ARGUMENT naming them."""
+    messages = [gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in WEATHER]
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=150)
+    with grpc.insecure_channel(cluster.grpc_address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        def generate(**chat: Any) -> list:
+            chat = gateway_pb2.ChatMessages(messages=chat.pop("messages", messages), tools=_grpc_tools(), **chat)
+            return list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+
+        for choice in [{"tool_choice": "required"}, {"tool_choice_function": "get_time"},
+                       {"tool_choice": "required", "parallel_tool_calls": False}]:
+            msgs = generate(**choice)
+            assert msgs[-1].finish_reason == "tool_calls" and not "".join(m.text for m in msgs), (choice, msgs[-1])
+            pieces = [c for m in msgs for c in m.tool_calls]
+            starts = [p for p in pieces if p.id]
+            assert starts and all(p.id.startswith("call_") and p.name for p in starts), pieces
+            assert all(not p.name for p in pieces if not p.id) and len(pieces) > len(starts), pieces
+            for start in starts:
+                arguments = "".join(p.arguments for p in pieces if p.index == start.index)
+                (GetTime if start.name == "get_time" else GetWeather).model_validate_json(arguments)
+            if "tool_choice_function" in choice:
+                assert [p.name for p in starts] == ["get_time"], starts
+            if "parallel_tool_calls" in choice:
+                assert len(starts) == 1, starts
+        # The call and its result, sent back: the model answers in text.
+        call = gateway_pb2.ToolCall(id=starts[0].id, name=starts[0].name, arguments=arguments)
+        history = [*messages, gateway_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+                   gateway_pb2.ChatMessage(role="tool", content='{"temperature": 21}', tool_call_id=call.id)]
+        msgs = generate(messages=history, tool_choice="none")
+        assert msgs[-1].finish_reason in ("stop", "length") and "".join(m.text for m in msgs), msgs[-1]
+        for bad, named in [({"tool_choice_function": "nope"}, "'nope', which is not among the tools"),
+                           ({"tool_choice": "sometimes"}, "tool_choice 'sometimes' is not supported"),
+                           ({"tool_choice": "required", "tool_choice_function": "get_time"},
+                            "tool_choice or tool_choice_function, not both")]:
+            with pytest.raises(grpc.RpcError) as e:
+                generate(**bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), e.value
+        chat = gateway_pb2.ChatMessages(messages=messages, tool_choice="required",
+                                        tools=[gateway_pb2.FunctionTool(name="f", parameters_json="{not json")])
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].parameters_json" in e.value.details()
 
 
 # ---- random schemas ---------------------------------------------------------------------------------------------
