@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "LLMEngine", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "LLMEngine", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 _LAZY = {
     "LLM": "engine.llm",
@@ -18,6 +18,7 @@ _LAZY = {
     "LLMEngine": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "LoRARequest": "engine.lora.config",
 }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.kv_cache_dtype import (FP8_E4M3, KV_CACHE_DTYPES, check_fp8_support, element_bytes, kv_torch_dtype,
                                    resolve_cache_dtype)
+from engine.lora.config import LoRAConfig, parse_lora_module
 from engine.speculative import SpeculativeConfig
 from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig, resolve_quantization, uses_fp8
 
@@ -299,6 +300,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: plain decoding)
     tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)
     max_grammar_compile_seconds: float = 10.0  # a constraint that compiles longer fails its request
+    lora: LoRAConfig | None = None  # --enable-lora (None: no adapters)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_grammar_compile_seconds <= 3600:
@@ -321,7 +323,8 @@ class EngineConfig:
                 f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
                 f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
                 f"enable_expert_parallel={self.enable_expert_parallel} "
-                f"speculative={self.speculative.describe() if self.speculative else None}")
+                f"speculative={self.speculative.describe() if self.speculative else None} "
+                f"lora={self.lora.describe() if self.lora else None}")
 
 
 @dataclass
@@ -353,6 +356,11 @@ class EngineArgs:
     tokenizer: str | None = None
     max_grammar_compile_seconds: float = 10.0
     speculative_config: str | dict | None = None
+    enable_lora: bool = False
+    lora_modules: list[str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -424,6 +432,19 @@ class EngineArgs:
                        help="structured outputs: a JSON schema, regex or grammar that takes longer to compile "
                             "fails its request with INVALID_ARGUMENT (compiling runs off the engine loop; "
                             "compiled grammars are cached)")
+        g.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                       help="serve LoRA adapters (PEFT directories) on the base model, chosen per request by "
+                            "the adapter's name in the request's model field")
+        g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help='adapters to load at start: name=path or {"name": ..., "path": ...} each '
+                            "(more can be loaded at run time: POST /v1/load_lora_adapter)")
+        g.add_argument("--max-loras", type=int, default=1,
+                       help="adapters in device memory at once, and so in one step")
+        g.add_argument("--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank; adapters of a higher rank are refused")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters whose weights are kept in host memory (default: --max-loras); the rest "
+                            "are read again from their directory when a request needs them")
         return parser
 
     @classmethod
@@ -487,6 +508,14 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and speculative.method == "draft_model":
             raise ValueError("--speculative-config: method draft_model is not supported yet (use ngram)")
+        lora = None
+        if self.enable_lora:
+            lora = LoRAConfig(tuple(parse_lora_module(m) for m in self.lora_modules or ()), self.max_loras,
+                              self.max_lora_rank, self.max_cpu_loras)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        elif self.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
         from engine.parallel import check_tp_size
 
         check_tp_size(self.tensor_parallel_size, model.num_heads, model.num_kv_heads)
@@ -515,6 +544,6 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
                             async_scheduling=self.async_scheduling,
                             enable_expert_parallel=self.enable_expert_parallel,
-                            speculative=speculative,
+                            speculative=speculative, lora=lora,
                             tokenizer=Path(self.tokenizer) if self.tokenizer else None,
                             max_grammar_compile_seconds=self.max_grammar_compile_seconds)

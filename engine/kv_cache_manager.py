@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.block_hash import NONE_HASH, hash_block_tokens
+from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
@@ -51,7 +51,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, request.all_token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else NONE_HASH
+            parent = hashes[-1] if hashes else request.cache_root
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 

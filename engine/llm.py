@@ -13,6 +13,7 @@ from typing import Any, Sequence, Union
 from engine.config import EngineArgs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
+from engine.lora.config import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -40,7 +41,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """``lora_request``: the adapter of every prompt, or one (or None) per prompt; an
+        adapter not loaded yet is loaded from its ``lora_path`` (needs ``enable_lora=True``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -50,11 +54,18 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one object or one per prompt")
+        for lr in {lr for lr in loras if lr is not None}:
+            self._ensure_lora(lr)
         encoded = [self._encode(p) for p in prompts]
         tracks: list[_Track] = []
         try:
-            for (text, ids), sp in zip(encoded, params):
-                req = self.engine.add_request(str(next(self._ids)), ids, sp)
+            for (text, ids), sp, lr in zip(encoded, params, loras):
+                req = self.engine.add_request(str(next(self._ids)), ids, sp,
+                                              lora_name=lr.lora_name if lr is not None else None)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None
                 tracks.append(_Track(req, text, detok))
             by_id = {t.request.request_id: t for t in tracks}
@@ -79,6 +90,16 @@ class LLM:
                 if not t.request.is_finished:
                     self.engine.abort_request(t.request.request_id)
         return [t.output() for t in tracks]
+
+    def _ensure_lora(self, lr: LoRARequest) -> None:
+        lora = self.engine.lora
+        if lora is None:
+            raise ValueError("lora_request needs an LLM made with enable_lora=True")
+        info = lora.get(lr.lora_name)
+        if info is None or (lr.lora_path and info.path != lr.lora_path):
+            if not lr.lora_path:
+                raise ValueError(f"LoRA adapter {lr.lora_name!r} is not loaded and the request has no lora_path")
+            lora.register(lr.lora_name, lr.lora_path)
 
     def _on_tokens(self, t: "_Track") -> None:
         if t.detok is None:

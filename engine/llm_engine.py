@@ -46,6 +46,8 @@ from engine.speculative import ngram_propose
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarManager
+    from engine.lora.config import LoRAInfo
+    from engine.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 _EXPIRY_CHECK_S = 0.02  # deadlines are noticed at most this late (plus the step in progress)
@@ -131,6 +133,8 @@ class LLMEngine:
             self.scheduler.speculator = lambda req, k: ngram_propose(req.all_token_ids, k, spec.prompt_lookup_min,
                                                                      spec.prompt_lookup_max)
             self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+        if self.runner.lora is not None:
+            self.scheduler.max_loras = self.runner.lora.max_loras
         mc, sc = config.model, config.scheduler
         capacity = self.runner.num_blocks * config.cache.block_size
         logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s)", self.runner.num_blocks, capacity,
@@ -237,9 +241,12 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     arrival_time: float | None = None, deadline: float | None = None) -> Request:
+                     arrival_time: float | None = None, deadline: float | None = None,
+                     lora_name: str | None = None) -> Request:
         """Validate and build a request (not yet queued). ``deadline`` is a
-        time.monotonic() instant after which the request is aborted."""
+        time.monotonic() instant after which the request is aborted; ``lora_name``: the
+        adapter it runs under (LoRAError when it is not loaded here)."""
+        lora = self.lora_info(lora_name) if lora_name else None
         max_len = self.config.scheduler.max_model_len
         n = len(prompt_token_ids)
         if n == 0:
@@ -256,8 +263,27 @@ class LLMEngine:
             self._grammar_manager()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time)
         req.deadline = deadline
+        req.lora = lora
         self.scheduler.check_fits(req)
         return req
+
+    # ---- LoRA adapters ---------------------------------------------------------
+    @property
+    def lora(self) -> LoRAManager | None:
+        """The adapters (None without --enable-lora). ``register``/``unregister`` may run on
+        any thread: they read and check files, and never touch the device."""
+        return self.runner.lora
+
+    def lora_info(self, name: str) -> LoRAInfo:
+        from engine.lora.adapter import LoRAError
+
+        if self.runner.lora is None:
+            raise LoRAError(f"LoRA adapter {name!r} requested, but this server was not started with --enable-lora")
+        info = self.runner.lora.get(name)
+        if info is None:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded here (loaded: "
+                            f"{', '.join(i.name for i in self.runner.lora.list()) or 'none'})")
+        return info
 
     def _grammar_manager(self) -> GrammarManager:
         """The structured outputs' grammars (made once; ValueError when there is no tokenizer)."""
@@ -282,30 +308,31 @@ class LLMEngine:
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    arrival_time: float | None = None, deadline: float | None = None) -> Request:
+                    arrival_time: float | None = None, deadline: float | None = None,
+                    lora_name: str | None = None) -> Request:
         """Compute the request here, prompt and output (offline, colocated)."""
-        req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline)
+        req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline, lora_name)
         self.scheduler.add_request(req)
         return self._constrain(req)
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                            deadline: float | None = None) -> Request:
+                            deadline: float | None = None, lora_name: str | None = None) -> Request:
         """Prefill tier: compute the prompt and sample the first token, then
         hold the blocks (HELD_FOR_SEND) until ``begin_send`` ...
         ``release_after_send``."""
-        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline)
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name)
         req.max_tokens = 1
         req.hold_kv_on_finish = True
         self.scheduler.add_request(req)
         return self._constrain(req)
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                deadline: float | None = None) -> Request:
+                deadline: float | None = None, lora_name: str | None = None) -> Request:
         """Decode tier: queue a request whose prompt KV will arrive by
         transfer. Its blocks are reserved first come first served; the step
         that does it lists the request in ``StepOutput.reserved``. Raises
         ValueError (invalid) or OverflowError (the queue is full)."""
-        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline)
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name)
         self.scheduler.add_reservation(req)
         return self._constrain(req)
 

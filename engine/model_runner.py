@@ -61,6 +61,8 @@ from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear import LinearBase
+from engine.lora.config import LoRAConfig
+from engine.lora.manager import LoRAManager
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device, verify_async
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -190,6 +192,9 @@ class ModelRunner:
         self.kv_dtype: torch.dtype = getattr(torch, config.kv_dtype)
         self.kv_scales: KVScales | None = self._set_kv_scales()  # None unless the cache is FP8
         self._configure_moe()
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots beside every linear layer
+        if config.lora is not None:
+            self.lora = self._make_lora(config.lora)
         graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
         if graphs_eager:
             logger.warning("%s=eager: CUDA graphs are off; decode steps run the graph path eagerly "
@@ -247,6 +252,16 @@ class ModelRunner:
         if moe:  # every MoE layer has the same shape and config: one warm-up serves all
             moe[0].method.warm_up(moe[0], self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)
         torch.cuda.synchronize(dev)
+
+    def _make_lora(self, lc: LoRAConfig) -> LoRAManager:
+        """The adapter slots (device memory taken before the KV cache is sized) and the
+        adapters of --lora-modules, read and checked now."""
+        mc = self.config.model
+        lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, lc.cpu_loras,
+                           self.config.scheduler.max_num_batched_tokens, self.device, mc.torch_dtype, self.ops)
+        for name, path in lc.modules:
+            lora.register(name, path)
+        return lora
 
     def _set_kv_scales(self) -> KVScales | None:
         """An FP8 cache: each attention layer's k_scale and v_scale, the checkpoint's or 1.0,
@@ -424,6 +439,8 @@ class ModelRunner:
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
 
+        if self.lora is not None:
+            self.lora.set_step([s.request.lora for s in scheduled], counts)
         meta = AttentionMetadata(slot_mapping=to_dev(slots, torch.long), block_tables=to_dev(tables, torch.int32),
                                  query_start_loc=to_dev(qsl, torch.int32), seq_lens=to_dev(ends, torch.int32))
         return to_dev(ids, torch.long), to_dev(positions, torch.long), meta, sample_idx
@@ -521,8 +538,8 @@ class ModelRunner:
         (those ``Scheduler.schedule_ahead`` put a step ahead). ``before_sampling(out)`` runs on
         the host once the forward pass is queued, before the sampling that needs it (the
         constraints' bitmasks: computed while the device runs the forward)."""
-        if self.graphs is None:
-            return None
+        if self.graphs is None or (self.lora is not None and any(s.request.lora is not None for s in out.scheduled)):
+            return None  # steps with adapters run eagerly
         ahead = sum(1 for s in out.scheduled if s.lookahead)
         if ahead and (in_flight is None or len(in_flight.out.scheduled) < ahead
                       or any(s.lookahead for s in out.scheduled[ahead:])

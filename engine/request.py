@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from engine.block_hash import NONE_HASH
 from engine.sampling_params import SamplingParams
 
 
@@ -106,12 +107,18 @@ class Request:
         self.is_sending = False  # prefill tier: a KV send reads the held blocks now
         self.kv_transfer: dict | None = None  # decode tier: figures of the transfer that brought its KV
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
+        self.lora = None  # engine.lora.config.LoRAInfo: the adapter it runs under (None: the base model)
         self.num_draft_tokens = 0  # speculative decoding: tokens proposed for it, and accepted
         self.num_accepted_draft_tokens = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
         limits = [x for x in (sampling_params.max_tokens, budget) if x is not None]
         self.max_tokens: int = min(limits) if limits else 1 << 30
+
+    @property
+    def cache_root(self) -> int:
+        """The parent hash of its first KV block: the base model's, or its adapter's own."""
+        return self.lora.root_hash if self.lora is not None else NONE_HASH
 
     @property
     def num_tokens(self) -> int:

@@ -134,6 +134,7 @@ class Scheduler:
         # Speculative decoding: proposals for a decoding request (request, at most k) -> tokens
         self.speculator: Callable[[Request, int], list[int]] | None = None
         self.num_speculative_tokens = 0
+        self.max_loras: int | None = None  # --max-loras: distinct adapters per step (None: no LoRA)
         self.spec = SpecStats()
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
@@ -296,13 +297,14 @@ class Scheduler:
         self._reserve_waiting(out)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()  # ids in out.scheduled, kept alongside it (no rebuild per request)
+        loras: set[str] = set()  # the step's adapters (at most max_loras)
         # Decode-first: stable sort puts requests with one token to compute first.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
                 break
             if req.status != S.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._held_by_constraint(req, out):
+            if self._held_by_constraint(req, out) or not self._lora_fits(req, loras):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._proposals(req, budget) if num_new == 1 else []
@@ -315,8 +317,18 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
-            self._schedule_waiting(budget, out)
+            self._schedule_waiting(budget, out, loras)
         return out
+
+    def _lora_fits(self, req: Request, loras: set[str]) -> bool:
+        """Whether ``req``'s adapter can join the step's (``loras``, added to when it can): a
+        step runs at most ``max_loras`` adapters; a request under another waits its turn."""
+        if req.lora is None or self.max_loras is None or req.lora.name in loras:
+            return True
+        if len(loras) >= self.max_loras:
+            return False
+        loras.add(req.lora.name)
+        return True
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """The next step, scheduled while ``in_flight`` (a pure-decode step whose sampled
@@ -333,6 +345,8 @@ class Scheduler:
         (Blocks taken for the rows before a None are kept: their requests need them the step
         after.)"""
         rows = [s.request for s in in_flight.scheduled]
+        if any(r.lora is not None for r in self.running):  # steps with adapters run one at a time
+            return None
         if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish
                or r.sampling_params.structured_outputs is not None for r in rows):
             return None
@@ -390,10 +404,13 @@ class Scheduler:
         k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
         return self.speculator(req, k)[:k] if k > 0 else []
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        deferred: list[Request] = []  # constraints still compiling: they keep their place
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, loras: set[str]) -> None:
+        deferred: list[Request] = []  # constraints still compiling, adapters past max_loras: they keep their place
         while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._lora_fits(req, loras):
+                deferred.append(self.waiting.popleft())
+                continue
             if self._held_by_constraint(req, out):
                 if self.waiting and self.waiting[0] is req:  # still waiting (not failed)
                     deferred.append(self.waiting.popleft())

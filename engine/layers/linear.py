@@ -227,6 +227,8 @@ class LinearBase(nn.Module):
         self.bias = None
         if bias:
             self.bias = self.add_param("bias", torch.zeros(out_local), out_dim=0)
+        # engine/lora/layers.py: adds each row's adapter to the output (None: no LoRA)
+        self.lora = None
 
     @property
     def output_sizes(self) -> list[int]:
@@ -264,7 +266,8 @@ class LinearBase(nn.Module):
         return param
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -302,6 +305,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.method.apply(self, x, self.bias)
-        out = self.tp.all_reduce(self.method.apply(self, x, None))
+            return super().forward(x)
+        out = self.method.apply(self, x, None)
+        if self.lora is not None:  # this rank's share of x A^T, summed with the rest below
+            out = self.lora.add(x, out)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
