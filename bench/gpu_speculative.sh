@@ -5,6 +5,9 @@
 #   oracle   Llama-3.1-8B shape, proposals = the target's own greedy continuation (100% accepted),
 #            k = 4, batch 1, 8, 32, 128: verify steps against plain steps, tokens/s
 #   k-sweep  the same at batch 1 and 32 for k = 1, 2, 4, 8 (where speculation stops paying)
+#   oracle32 the oracle at batch 1 and 8 in float32: in bf16 a verify step's rounding flips
+#            near-tied greedy choices of random weights (the JSON's greedy_match), so the
+#            100%-acceptance mechanics are read where the choices do not tie
 # Real acceptance (n-gram on copy-heavy prompts) needs the default model's weights, which do not
 # travel to the GPU machine: measure it on CPU (pdserve bench spec-decode --proposer ngram).
 # Results (JSON) go to $OUT (or ./gpu-out).
@@ -17,6 +20,7 @@ for section in "$@"; do
   case $section in
     oracle) oracle oracle-k4 1,8,32,128 4 ;;
     k-sweep) for k in 1 2 8; do oracle "oracle-k$k" 1,32 "$k"; done ;;
+    oracle32) oracle oracle-k4-fp32 1,8 4 --dtype float32 ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done
