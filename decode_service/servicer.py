@@ -25,7 +25,7 @@ from decode_service.kv_receiver import KVReceivers
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc import tracing
-from rpc.engine_server import EngineServicerBase, deadline_of, error_status
+from rpc.engine_server import EngineServicerBase, admission_status, deadline_of, error_status
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +84,18 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         finished, last = False, None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
+            lora_name = request.lora_name or None
             try:
-                await bridge.run(lambda e: (e.reserve if remote else e.add_request)(
-                    rid, prompt, params, deadline=deadline))
-            except OverflowError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                req = await bridge.run(lambda e: (e.reserve if remote else e.add_request)(
+                    rid, prompt, params, deadline=deadline, lora_name=lora_name))
+            except (OverflowError, ValueError) as exc:
+                await context.abort(admission_status(exc), str(exc))
+            fingerprint = req.lora.fingerprint if req.lora is not None else ""
             while not finished:
                 d = await queue.get()
                 if d.event == "reserved":
                     yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
-                        block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens))
+                        block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens, lora_fingerprint=fingerprint))
                     continue
                 finished, last = bool(d.finish_reason), d
                 if d.error is not None and d.finish_reason != "error":  # "error": a finish, with its message

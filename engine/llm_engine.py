@@ -275,15 +275,24 @@ class LLMEngine:
         return self.runner.lora
 
     def lora_info(self, name: str) -> LoRAInfo:
-        from engine.lora.adapter import LoRAError
+        from engine.lora.adapter import LoRANotLoaded
 
         if self.runner.lora is None:
-            raise LoRAError(f"LoRA adapter {name!r} requested, but this server was not started with --enable-lora")
+            raise LoRANotLoaded(f"LoRA adapter {name!r} requested, but this server was not started with "
+                                "--enable-lora")
         info = self.runner.lora.get(name)
         if info is None:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded here (loaded: "
+            raise LoRANotLoaded(f"LoRA adapter {name!r} is not loaded here (loaded: "
                             f"{', '.join(i.name for i in self.runner.lora.list()) or 'none'})")
         return info
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """The adapters of running requests and of waiting ones (sorted names; racy reads)."""
+        sched = self.scheduler
+        running = {r.lora.name for r in list(sched.running) if r.lora is not None}
+        waiting = {r.lora.name for q in (list(sched.waiting), list(sched.block_waiting), list(sched.reserved.values()))
+                   for r in q if r.lora is not None}
+        return sorted(running), sorted(waiting - running)
 
     def _grammar_manager(self) -> GrammarManager:
         """The structured outputs' grammars (made once; ValueError when there is no tokenizer)."""

@@ -257,8 +257,9 @@ class ModelRunner:
         """The adapter slots (device memory taken before the KV cache is sized) and the
         adapters of --lora-modules, read and checked now."""
         mc = self.config.model
+        sc = self.config.scheduler
         lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, lc.cpu_loras,
-                           self.config.scheduler.max_num_batched_tokens, self.device, mc.torch_dtype, self.ops)
+                           max(sc.max_num_batched_tokens, sc.max_num_seqs), self.device, mc.torch_dtype, self.ops)
         for name, path in lc.modules:
             lora.register(name, path)
         return lora
@@ -309,7 +310,13 @@ class ModelRunner:
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, kv_cache, meta))
+        if self.lora is None:
+            return self.model.compute_logits(self.model(input_ids, positions, kv_cache, meta))
+        self.lora.batch.begin(input_ids.shape[0])  # a decode graph: its rows' slots are in the buffer
+        try:
+            return self.model.compute_logits(self.model(input_ids, positions, kv_cache, meta))
+        finally:
+            self.lora.batch.active = False  # eager steps set their own
 
     def build_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         """The decode-graph runner over this runner's model and KV cache, not
@@ -538,8 +545,8 @@ class ModelRunner:
         (those ``Scheduler.schedule_ahead`` put a step ahead). ``before_sampling(out)`` runs on
         the host once the forward pass is queued, before the sampling that needs it (the
         constraints' bitmasks: computed while the device runs the forward)."""
-        if self.graphs is None or (self.lora is not None and any(s.request.lora is not None for s in out.scheduled)):
-            return None  # steps with adapters run eagerly
+        if self.graphs is None:
+            return None
         ahead = sum(1 for s in out.scheduled if s.lookahead)
         if ahead and (in_flight is None or len(in_flight.out.scheduled) < ahead
                       or any(s.lookahead for s in out.scheduled[ahead:])
@@ -552,6 +559,8 @@ class ModelRunner:
         self._count_forward()
         if self.tp is not None:
             self._share_graph_step(step)
+        if self.lora is not None:
+            self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
         logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
         if before_sampling is not None:
             before_sampling(out)

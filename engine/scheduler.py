@@ -345,7 +345,8 @@ class Scheduler:
         (Blocks taken for the rows before a None are kept: their requests need them the step
         after.)"""
         rows = [s.request for s in in_flight.scheduled]
-        if any(r.lora is not None for r in self.running):  # steps with adapters run one at a time
+        loras: set[str] = set()
+        if not all(self._lora_fits(r, loras) for r in self.running):  # more adapters than one step takes
             return None
         if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish
                or r.sampling_params.structured_outputs is not None for r in rows):

@@ -27,6 +27,7 @@ import grpc
 
 from engine.kv_transfer import KVTransferError
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoRAMismatch
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
 from prefill_service.flags import KV_SEND_MODES, PAIRS_PER_DECODE
@@ -35,7 +36,7 @@ from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc import tls, tracing
-from rpc.engine_server import EngineServicerBase, deadline_of, error_status
+from rpc.engine_server import EngineServicerBase, admission_status, deadline_of, error_status
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,9 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             if self.layerwise is not None and skip >= 0:
                 self.layerwise.expect(rid, request.decode_address, dst, skip)
             try:
-                await bridge.run(lambda e: e.add_prefill_request(rid, prompt, params, deadline=deadline))
-            except OverflowError as exc:  # the waiting queue (or the engine's command queue) is full
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await bridge.run(lambda e: _add_prefill(e, request, prompt, params, deadline))
+            except (OverflowError, ValueError) as exc:
+                await context.abort(admission_status(exc), str(exc))
             d = await self._wait_held(queue, request.decode_address, context)
             t_first = time.time()
             meta = {"first_token": d.token_ids[0],
@@ -232,3 +231,16 @@ def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int, 
         attrs.update(kv_blocks=stats.num_blocks, kv_bytes=stats.num_bytes, kv_seconds=stats.seconds,
                      kv_backend=stats.backend, kv_parts=stats.parts or None)
     tracing.record_engine_spans("prefill", rid, trace_ctx, times, attrs)
+
+
+def _add_prefill(engine: LLMEngine, request: engine_pb2.PrefillRequest, prompt: list[int], params,
+                 deadline: float | None) -> None:
+    """Queue the prompt (engine thread); under an adapter, only if this server's copy of it is
+    the one the decode server reserved with."""
+    name = request.lora_name or None
+    if name is not None and request.lora_fingerprint:
+        mine = engine.lora_info(name).fingerprint
+        if mine != request.lora_fingerprint:
+            raise LoRAMismatch(f"LoRA adapter {name!r} differs between this prefill server (fingerprint {mine}) and "
+                               f"the decode server ({request.lora_fingerprint}): load the same files on both")
+    engine.add_prefill_request(request.request_id, prompt, params, deadline=deadline, lora_name=name)

@@ -75,3 +75,9 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> Logprobs:
 
 def logprobs_to_proto(lps: Sequence[Logprobs | None]) -> list[common_pb2.TokenLogprob]:
     return [logprob_to_proto(lp) for lp in lps if lp is not None]
+
+
+def lora_to_proto(info, in_slot: bool = False) -> common_pb2.LoRAAdapter:
+    """An engine.lora.config.LoRAInfo as the API reports it."""
+    return common_pb2.LoRAAdapter(name=info.name, path=info.path, rank=info.rank, fingerprint=info.fingerprint,
+                                  base_model=info.base_model or "", root_hash=info.root_hash, in_slot=in_slot)

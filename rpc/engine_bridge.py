@@ -26,6 +26,7 @@ from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import Request, RequestError, RequestStatus, RequestTimes
 from rpc.engine_metrics import EngineMetrics
 from pdserve.v1 import common_pb2
+from rpc.convert import lora_to_proto
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -168,4 +169,12 @@ class EngineBridge:
             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
             max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished,
-            cache_namespace=self.cache_namespace, instance_id=self.instance_id)
+            cache_namespace=self.cache_namespace, instance_id=self.instance_id,
+            lora_adapters=self._lora_adapters(), max_loras=cfg.lora.max_loras if cfg.lora is not None else 0)
+
+    def _lora_adapters(self) -> list[common_pb2.LoRAAdapter]:
+        lora = self.engine.lora
+        if lora is None:
+            return []
+        held = set(lora.held())
+        return [lora_to_proto(i, i.name in held) for i in lora.list()]

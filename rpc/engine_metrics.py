@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -59,6 +61,14 @@ class _SchedulerCollector(Collector):
             for pos, n in enumerate(per_pos[:k]):
                 c.add_metric(values + [str(pos)], n)
             yield c
+        lora = self.engine.lora
+        if lora is not None:  # vLLM's: the adapters of running and waiting requests, in labels
+            running, waiting = self.engine.lora_requests()
+            g = GaugeMetricFamily("pdserve:lora_requests_info", "LoRA adapters of running and waiting requests "
+                                  "(value: when sampled, Unix seconds).",
+                                  labels=names + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric(values + [str(lora.max_loras), ",".join(running), ",".join(waiting)], time.time())
+            yield g
         load = self.engine.expert_load()
         if load.numel():  # mixture-of-experts models: one series per (layer, expert)
             c = CounterMetricFamily("pdserve:moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",

@@ -14,8 +14,10 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoRAError, LoRAMismatch, LoRANotLoaded
 from engine.request import RequestError
-from pdserve.v1 import engine_pb2_grpc
+from pdserve.v1 import common_pb2, engine_pb2_grpc
+from rpc.convert import lora_to_proto
 from rpc.cache_feed import CacheEventFeed, CacheEventsServicer
 from rpc.engine_bridge import EngineBridge
 from rpc.prefix_index import RedisIndexPublisher
@@ -77,6 +79,17 @@ _ERROR_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "kv_transfer": gr
                 "constraint": grpc.StatusCode.FAILED_PRECONDITION}
 
 
+def admission_status(exc: Exception) -> grpc.StatusCode:
+    """The status of a request the engine refused to admit."""
+    if isinstance(exc, OverflowError):  # the waiting queue (or the engine's command queue) is full
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, LoRANotLoaded):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, LoRAMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
 def error_status(error: RequestError) -> tuple[grpc.StatusCode, str]:
     """How a request the engine ended by a failure is reported to the caller."""
     return _ERROR_CODES.get(error.kind, grpc.StatusCode.INTERNAL), error.message
@@ -107,6 +120,37 @@ class EngineServicerBase:
     def close(self) -> None:
         if self.bridge is not None:
             self.bridge.stop()
+
+    # ---- LoRA adapters (both tiers) ----------------------------------------
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoRAAdapter:
+        """Read, check and serve an adapter; the files are read off the engine loop."""
+        lora = await self._lora(context)
+        if not request.lora_name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadLoRAAdapter needs lora_name and lora_path")
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(None, lora.register, request.lora_name,
+                                                                    request.lora_path)
+        except LoRAError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return lora_to_proto(info, info.name in lora.held())
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoRAAdapterResponse:
+        """New requests can no longer name it; running ones finish under it."""
+        lora = await self._lora(context)
+        try:
+            lora.unregister(request.lora_name)
+        except LoRAError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return common_pb2.UnloadLoRAAdapterResponse()
+
+    async def _lora(self, context: grpc.aio.ServicerContext):
+        lora = (await self._ready(context)).engine.lora
+        if lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this {self.role} server was not started with --enable-lora")
+        return lora
 
 
 class EngineService(Protocol):

@@ -34,6 +34,14 @@ class LoRAError(ValueError):
     """An adapter that cannot be served here; the message says why."""
 
 
+class LoRANotLoaded(LoRAError):
+    """A request names an adapter this engine does not hold."""
+
+
+class LoRAMismatch(LoRAError):
+    """Two servers of one request hold different contents under an adapter's name."""
+
+
 @dataclass(frozen=True)
 class ModuleShape:
     """A checkpoint module the model can adapt: its input and output widths."""

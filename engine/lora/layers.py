@@ -38,12 +38,23 @@ class LoRABatch:
         self.num_tokens = 0
 
     def set(self, token_slots: np.ndarray | None) -> None:
-        """This step's slots per token (None or all -1: no LoRA work in this step)."""
+        """An eager step's slots per token (None or all -1: no LoRA work in this step)."""
         if token_slots is None or not (token_slots >= 0).any():
             self.active = False
             return
-        n = len(token_slots)
-        self.token_slots[:n].copy_(torch.from_numpy(token_slots.astype(np.int32)), non_blocking=True)
+        self.upload(token_slots)
+        self.begin(len(token_slots))
+
+    def upload(self, token_slots: np.ndarray) -> None:
+        """Queue the copy of the step's slots into the device buffer (stream-ordered, no host wait)."""
+        host = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int32))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.token_slots[:len(token_slots)].copy_(host, non_blocking=True)
+
+    def begin(self, n: int) -> None:
+        """The step's first n rows read their slots from the buffer: grouped here, on the device
+        (a decode graph captures this with the layers, and replays it over each step's slots)."""
         self.sorted_ids, self.slot_starts = self.ops.lora_group(self.token_slots[:n], self.num_slots)
         self.num_tokens, self.active = n, True
 

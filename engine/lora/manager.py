@@ -129,11 +129,22 @@ class LoRAManager:
             self._slot_use.move_to_end(slot)
         return out
 
-    def set_step(self, row_infos: list[LoRAInfo | None], counts: np.ndarray) -> None:
-        """The step's rows (their adapters, None: the base model) and token counts."""
+    def row_slots(self, row_infos: list[LoRAInfo | None]) -> np.ndarray | None:
+        """Each row's slot (-1: the base model), its adapters placed in slots; None: no adapter."""
         if not any(i is not None for i in row_infos):
-            self.batch.set(None)
-            return
+            return None
         slots = self.activate([i for i in row_infos if i is not None])
-        per_row = np.array([-1 if i is None else slots[i.name] for i in row_infos], dtype=np.int32)
-        self.batch.set(np.repeat(per_row, counts))
+        return np.array([-1 if i is None else slots[i.name] for i in row_infos], dtype=np.int32)
+
+    def set_step(self, row_infos: list[LoRAInfo | None], counts: np.ndarray) -> None:
+        """An eager step's rows (their adapters, None: the base model) and token counts."""
+        per_row = self.row_slots(row_infos)
+        self.batch.set(None if per_row is None else np.repeat(per_row, counts))
+
+    def set_graph_step(self, row_infos: list[LoRAInfo | None], size: int) -> None:
+        """A decode graph's rows (one token each), padded to ``size`` rows of no adapter."""
+        slots = np.full(size, -1, dtype=np.int32)
+        per_row = self.row_slots(row_infos)
+        if per_row is not None:
+            slots[:len(per_row)] = per_row
+        self.batch.upload(slots)

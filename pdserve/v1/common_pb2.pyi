@@ -99,7 +99,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadInfo(_message.Message):
-    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished", "cache_namespace", "instance_id")
+    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished", "cache_namespace", "instance_id", "lora_adapters", "max_loras")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class LoadInfo(_message.Message):
     NUM_REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     metrics_url: str
@@ -126,7 +128,45 @@ class LoadInfo(_message.Message):
     num_requests_finished: int
     cache_namespace: str
     instance_id: str
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    max_loras: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., instance_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "fingerprint", "base_model", "root_hash", "in_slot")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_HASH_FIELD_NUMBER: _ClassVar[int]
+    IN_SLOT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    fingerprint: str
+    base_model: str
+    root_hash: int
+    in_slot: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., base_model: _Optional[str] = ..., root_hash: _Optional[int] = ..., in_slot: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

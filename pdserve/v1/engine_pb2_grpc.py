@@ -61,6 +61,16 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.LoadInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/LoadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.LoRAAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/UnloadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -95,6 +105,19 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """--enable-lora: read, check and serve an adapter (NOT_FOUND / INVALID_ARGUMENT say why not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +135,16 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.LoadInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.LoRAAdapter.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +249,60 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/LoadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.LoRAAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/UnloadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -250,6 +337,16 @@ class DecodeStub:
                 '/pdserve.v1.Decode/PrefillStarted',
                 request_serializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Decode/LoadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.LoRAAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Decode/UnloadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -290,6 +387,18 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +426,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.PrefillStarted,
                     request_deserializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.LoRAAdapter.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -454,6 +573,60 @@ class Decode:
             '/pdserve.v1.Decode/PrefillStarted',
             pdserve_dot_v1_dot_engine__pb2.PrefillStartedRequest.SerializeToString,
             pdserve_dot_v1_dot_engine__pb2.PrefillStartedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/LoadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.LoRAAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/UnloadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,3 +108,41 @@ class GenerateResponse(_message.Message):
     finish_message: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_message: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelCard(_message.Message):
+    __slots__ = ("id", "parent", "root")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    parent: str
+    root: str
+    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelCard]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class LoRAServerResult(_message.Message):
+    __slots__ = ("address", "role", "ok", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    ok: bool
+    error: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResults(_message.Message):
+    __slots__ = ("servers",)
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedCompositeFieldContainer[LoRAServerResult]
+    def __init__(self, servers: _Optional[_Iterable[_Union[LoRAServerResult, _Mapping]]] = ...) -> None: ...

@@ -47,6 +47,21 @@ class GatewayStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/pdserve.v1.Gateway/ListModels',
+                request_serializer=pdserve_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Gateway/LoadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Gateway/UnloadLoRAAdapter',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -66,6 +81,27 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The served model and its LoRA adapters (parent: the base model), as /v1/models.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoRAAdapter(self, request, context):
+        """Load or unload a LoRA adapter on every engine server the gateway knows, as
+        POST /v1/load_lora_adapter and /v1/unload_lora_adapter; the answer is per server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +114,21 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=pdserve_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +187,87 @@ class Gateway:
             '/pdserve.v1.Gateway/Abort',
             pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/ListModels',
+            pdserve_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/LoadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/UnloadLoRAAdapter',
+            pdserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.LoRAAdapterResults.FromString,
             options,
             channel_credentials,
             insecure,

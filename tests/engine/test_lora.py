@@ -44,8 +44,13 @@ def _requests(adapters) -> list[LoRARequest]:
     return [LoRARequest(f"ad{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3"])
-def test_mixed_batch_matches_peft(setups, name):
+@pytest.mark.parametrize("name, graphs", [("qwen3", False), ("phi3", False), ("qwen3", True)],
+                         ids=["qwen3", "phi3", "qwen3-graph-path"])
+def test_mixed_batch_matches_peft(setups, name, graphs, monkeypatch):
+    """``graphs``: decode steps take the CUDA-graph path (run eagerly on CPU: the same
+    buffers, the slots uploaded per replay and grouped inside the forward)."""
+    if graphs:
+        monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
     base, adapters = setups[name]
     prompts = random_prompts(LENGTHS * 2, seed=7)
     loras = (_requests(adapters) + [None]) * 2  # every prompt length under each adapter and the base model
@@ -63,6 +68,8 @@ def test_mixed_batch_matches_peft(setups, name):
             assert_greedy_match(refs[lr.lora_path if lr else None], [p], [w], [g])
         pool = llm.engine.scheduler.kv.pool
         assert pool.num_free_blocks == pool.num_blocks
+        if graphs:
+            assert llm.engine.runner.graphs.num_replays > 0
         if max_loras == 2:  # the third adapter took the slot of one whose requests had finished
             assert llm.engine.lora.num_slot_loads >= 3 and len(llm.engine.lora.held()) == 2
 
