@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -67,6 +68,7 @@ class _RequestGrammar:
     num_accepted: int = 0
     error: str | None = None
     mask: torch.Tensor | None = None  # [ceil(V / 32)] int32: the next token's, after num_accepted tokens
+    only_stop: bool = False  # the mask allows stop tokens and nothing else (set with mask)
 
 
 @dataclass
@@ -87,6 +89,8 @@ class GrammarManager:
     # Called (in a compile thread) when a compile ends: whoever drives the engine may be idle
     # waiting for work, and a request can run now.
     on_compiled: Callable[[], None] | None = None
+    _stop_words: np.ndarray | None = None  # [ceil(V / 32)] int32: the stop tokens' bits
+    _batch_matcher: Any = None  # xgrammar's BatchGrammarMatcher: masks of many rows on threads
 
     # ---- compiling ------------------------------------------------------------------------------
     def _get_compiler(self):
@@ -181,27 +185,57 @@ class GrammarManager:
         if g.matcher.is_terminated():
             return Poll.DONE, ""
         if g.mask is None:
-            g.mask = self._next_mask(g.matcher)
-        return (Poll.DONE, "") if self._only_stop_tokens(g.mask) else (Poll.READY, "")
+            self._set_masks([g])
+        return (Poll.DONE, "") if g.only_stop else (Poll.READY, "")
 
-    def _next_mask(self, matcher: Any) -> torch.Tensor:
+    def _set_masks(self, grammars: list[_RequestGrammar]) -> None:
+        """Each one's next mask (one batched fill on xgrammar's threads) and whether it
+        allows nothing but stop tokens."""
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        return bitmask[0]
+        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        if len(grammars) == 1:
+            grammars[0].matcher.fill_next_token_bitmask(bitmask, 0)
+        else:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        only_stop = self._only_stop_tokens(bitmask).tolist()
+        for g, mask, only in zip(grammars, bitmask, only_stop):
+            g.mask, g.only_stop = mask, only
 
-    def _only_stop_tokens(self, mask: torch.Tensor) -> bool:
-        """The mask allows one or more stop tokens and nothing else (a mask allowing nothing
-        at all is not whole output: it goes to the sampler, which fails the row)."""
-        rest = mask.clone()
-        allowed_stop = False
-        for t in self.stop_token_ids:
-            if 0 <= t < self.vocab_size:
-                word, bit = divmod(t, 32)
-                allowed_stop = allowed_stop or bool((int(rest[word]) >> bit) & 1)
-                rest[word] = int(rest[word]) & ~(1 << bit) if bit < 31 else int(rest[word]) & 0x7FFFFFFF
-        return allowed_stop and not bool(rest.any())
+    def _only_stop_tokens(self, masks: torch.Tensor) -> torch.Tensor:
+        """[N] bool: each mask ([N, W]) allows one or more stop tokens and nothing else (a
+        mask allowing nothing at all is not whole output: it goes to the sampler, which
+        fails the row)."""
+        if self._stop_words is None:
+            words = np.zeros(masks.shape[1], dtype=np.uint32)
+            for t in self.stop_token_ids:
+                if 0 <= t < self.vocab_size:
+                    words[t // 32] |= np.uint32(1 << (t % 32))
+            self._stop_words = words.view(np.int32)  # bit 31 is the sign bit, as in the masks
+        m, stop = masks.numpy(), self._stop_words  # numpy: no intra-op threads for a few kB
+        return torch.from_numpy(((m & stop) != 0).any(axis=1) & ((m & ~stop) == 0).all(axis=1))
+
+    def prefetch(self, pairs: Sequence[tuple[Request, int]]) -> None:
+        """Before a step's tokens are taken one by one (``poll``): accept each request's new
+        ``token`` into its matcher and fill all their next masks in one batch. A token the
+        matcher refuses is left for ``poll`` to report."""
+        ready = []
+        for req, token in pairs:
+            g = self._requests.get(req.request_id)
+            if g is None or g.matcher is None or g.error is not None:
+                continue
+            if g.num_accepted != req.num_output_tokens or g.matcher.is_terminated():
+                continue  # behind (poll catches it up), or ended
+            if not g.matcher.accept_token(token):
+                continue
+            g.num_accepted += 1
+            g.mask = None
+            if not g.matcher.is_terminated():
+                ready.append(g)
+        if ready:
+            self._set_masks(ready)
 
     def fill(self, requests: Sequence[Request]) -> torch.Tensor:
         """[len(requests), ceil(V / 32)] int32 next-token bitmasks (each request polled READY

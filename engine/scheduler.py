@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -64,9 +64,12 @@ class SpecStats:
 
 class Grammars(Protocol):
     """The engine's structured-output grammars (engine/grammar.py), as the scheduler asks them:
-    ``poll(req)`` -> (state, message), state ``.name`` one of WAIT, READY, DONE, ERROR."""
+    ``poll(req)`` -> (state, message), state ``.name`` one of WAIT, READY, DONE, ERROR;
+    ``prefetch`` takes a step's new tokens in one batch before they are polled one by one."""
 
     def poll(self, req: Request) -> tuple[Any, str]: ...
+
+    def prefetch(self, pairs: Sequence[tuple[Request, int]]) -> None: ...
 
     def free(self, request_id: str) -> None: ...
 
@@ -473,6 +476,10 @@ class Scheduler:
         is the new token of ``out.scheduled[i]`` or None for a partial chunk.
         Returns the requests that got a token (finished ones included)."""
         updated = []
+        if self.grammars is not None:  # constrained rows' next masks, in one batch
+            self.grammars.prefetch([(s.request, tok) for s, tok in zip(out.scheduled, sampled)
+                                    if isinstance(tok, int) and tok >= 0 and s.request.status == S.RUNNING
+                                    and s.request.sampling_params.structured_outputs is not None])
         for i, s in enumerate(out.scheduled):
             req = s.request
             if req.status != S.RUNNING:  # aborted or expired since the schedule

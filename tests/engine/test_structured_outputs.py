@@ -208,3 +208,28 @@ def test_the_matcher_takes_each_token_once(llm):
     assert result[0] == Poll.ERROR and "does not match the constraint" in result[1]
     for r in (late, wrong):
         grammars.free(r.request_id)
+
+
+def test_only_stop_tokens_is_read_from_the_bits():
+    """The vectorised check of "this mask allows stop tokens and nothing else" against a
+    naive one, on random masks with stop tokens at word edges (bit 31 is the sign bit)."""
+    from pathlib import Path
+
+    from engine.grammar import GrammarManager
+
+    vocab, stops = 200, (31, 32, 63, 199)
+    gm = GrammarManager(Path("."), vocab, stops)
+    g = torch.Generator().manual_seed(0)
+    words = -(-vocab // 32)
+    masks = torch.zeros(64, words, dtype=torch.int32)
+    for i in range(64):
+        allowed = {t for t in stops if torch.rand(1, generator=g) < 0.5}
+        if i % 3 == 0:
+            allowed.add(int(torch.randint(0, vocab, (1,), generator=g)))
+        for t in allowed:
+            masks[i, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+    got = gm._only_stop_tokens(masks).tolist()
+    for row, have in zip(masks, got):
+        allowed = {t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1}
+        assert have == (bool(allowed) and allowed <= set(stops)), (allowed, have)
+    gm.close()
