@@ -12,6 +12,7 @@ from kernels.fp8_gemm import fp8_gemm, fp8_quantize
 from kernels.fused_moe import fused_moe
 from kernels.int4_gemm import int4_gemm
 from kernels.kv_cache import store_kv_cache
+from kernels.lora import lora_expand, lora_group, lora_shrink
 from kernels.moe_routing import moe_route
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -23,6 +24,9 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "int4_gemm",
+    "lora_expand",
+    "lora_group",
+    "lora_shrink",
     "moe_route",
     "paged_attention",
     "reference",

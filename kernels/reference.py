@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE  # an FP8 KV cache: e4m3, per-tensor scales
-# The quantized GEMMs keep their references in their own modules (the layouts are documented there).
+# The quantized GEMMs and multi-LoRA keep their references in their own modules (the layouts are documented there).
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
+from kernels.lora_reference import lora_expand, lora_group, lora_shrink  # noqa: F401
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

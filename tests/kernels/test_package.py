@@ -66,7 +66,7 @@ def test_modules_import_only_torch_triton_and_stdlib():
 def test_public_api():
     launchers = {
         "store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-        "fused_moe", "moe_route", "int4_gemm", "fp8_gemm", "fp8_quantize",
+        "fused_moe", "moe_route", "int4_gemm", "fp8_gemm", "fp8_quantize", "lora_group", "lora_shrink", "lora_expand",
     }
     assert launchers | {"reference"} == set(kernels.__all__)
     for name in launchers:
