@@ -17,6 +17,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Sequence
 
 from bench.results import write_result
 from engine.config import EngineArgs
@@ -85,10 +86,12 @@ _ENDLESS = "root ::= [a-z]+ (\" \" [a-z]+)*"
 
 
 def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int = 0,
-            constrained: list[int] | None = None) -> dict:
+            constrained: list[int] | None = None, lora_rows: list[int] | None = None,
+            lora_names: Sequence[str] = ()) -> dict:
     """Median decode-step times of ``engine`` at each batch size (sequences of ``context_len``
     random tokens, prefilled first, then ``steps`` timed steps), as ``main`` reports them;
-    ``constrained[i]`` rows of batch ``sizes[i]`` decode under a grammar."""
+    ``constrained[i]`` rows of batch ``sizes[i]`` decode under a grammar, ``lora_rows[i]``
+    under the LoRA adapters ``lora_names`` in turn."""
     from engine.sampling_params import SamplingParams
     from engine.structured_outputs import StructuredOutputsParams
 
@@ -100,7 +103,7 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
     print(f"decode steps: {'CUDA graphs, batch sizes ' + ','.join(map(str, graphs.sizes)) if graphs else 'eager'}",
           flush=True)
     budget = engine.config.scheduler.max_num_batched_tokens
-    for b, num_constrained in zip(sizes, constrained or [0] * len(sizes)):
+    for b, num_constrained, num_lora in zip(sizes, constrained or [0] * len(sizes), lora_rows or [0] * len(sizes)):
         # Requests prefilled first decode while the rest prefill (decode first): give them enough
         # tokens that none finishes before the timed steps, then abort them all.
         prefill_steps = -(-b * context_len // budget) + b
@@ -110,7 +113,8 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
                                  structured_outputs=StructuredOutputsParams(grammar=_ENDLESS))
         for i in range(b):
             engine.add_request(f"b{b}-{i}", [rng.randrange(100, vocab) for _ in range(context_len)],
-                               grammar if i < num_constrained else sp)
+                               grammar if i < num_constrained else sp,
+                               lora_name=lora_names[i % len(lora_names)] if i < num_lora else None)
         while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
             if not engine.step().did_work:  # prefill (constraints compile first)
                 engine.wait_for_background(0.05)
@@ -139,13 +143,16 @@ def measure(engine, sizes: list[int], context_len: int, steps: int, profile: int
         if set(rows) != {b}:
             print(f"warning: batch {b}: the timed steps ran {sorted(set(rows))} rows", flush=True)
         key = b if not num_constrained else f"{b}+{num_constrained}c"  # one batch size with and without
+        if num_lora:
+            key = f"{key}+{num_lora}lora"
         result["steps"][key] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                               "mean_ms": 1e3 * mean, "constrained_rows": num_constrained,
                               "rows": sorted(set(rows)), "context": [min(contexts), max(contexts)],
-                              "graph_replays": replayed}
+                              "graph_replays": replayed, "lora_rows": num_lora}
         if profiled:
             result["steps"][key]["profile"] = profiled
-        print(f"batch {b:4d}{f' ({num_constrained} constrained)' if num_constrained else ''}: decode step median "
+        print(f"batch {b:4d}{f' ({num_constrained} constrained)' if num_constrained else ''}"
+              f"{f' ({num_lora} under {min(num_lora, len(lora_names))} adapters)' if num_lora else ''}: decode step median "
               f"{result['steps'][key]['median_ms']:.2f} ms "
               f"(min {result['steps'][key]['min_ms']:.2f}, mean {1e3 * mean:.2f}; "
               f"context {min(contexts)}-{max(contexts)} tokens; "

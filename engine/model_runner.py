@@ -248,6 +248,15 @@ class ModelRunner:
             if key is not None and key not in warmed:
                 warmed.add(key)
                 layer.method.warm_up(layer, self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)
+        if self.lora is not None:  # the adapters' shrink and expand, once per layer shape
+            from kernels.lora import warm_up as lora_warm_up
+
+            shapes = set()
+            for lora in self.lora.layers.values():
+                key = (tuple(lora.a.shape), tuple(lora.b.shape), lora.part_offsets)
+                if key not in shapes:
+                    shapes.add(key)
+                    lora_warm_up(lora.a, lora.b, lora.part_offsets, self.config.scheduler.max_num_batched_tokens)
         moe = self.model.moe_layers()
         if moe:  # every MoE layer has the same shape and config: one warm-up serves all
             moe[0].method.warm_up(moe[0], self.config.scheduler.max_num_batched_tokens, mc.torch_dtype)

@@ -7,9 +7,17 @@ without a deserializer) and are parsed here: bytes that are not a valid
 message (truncated, wrong wire types, invalid UTF-8 in a string) get
 INVALID_ARGUMENT with the parser's reason, not the UNKNOWN that grpcio
 answers when its own deserializer raises. A message longer than
-``--max-request-body`` gets RESOURCE_EXHAUSTED. With ``--api-key`` both
-methods need ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED
+``--max-request-body`` gets RESOURCE_EXHAUSTED. With ``--api-key`` every
+method needs ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED
 otherwise); health and reflection stay open.
+
+LoRA: ``GenerateRequest.model`` selects an adapter as the HTTP API's ``model``
+does. ``ListModels`` answers the base model (``parent`` empty, ``root`` its
+name) and every known adapter (``parent`` the served model name, ``root`` its
+directory); ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter`` act on every engine
+server and answer one ``LoRAServerResult`` per server when all succeed, else
+the status code of the HTTP API's error with the same message (a deadline
+shorter than the gateway's own bounds the engine calls).
 
 ``sampling.structured_outputs`` is checked as the HTTP API's constraints are (a
 bad one: INVALID_ARGUMENT naming it); a request that ends with finish_reason
@@ -28,7 +36,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -36,6 +44,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.lora import ServerResult
 from gateway.openai_protocol import ChatMessage, tool_plan, with_tool_constraint
 from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
@@ -56,12 +65,19 @@ def add_gateway_servicer(servicer: "GatewayServicer", server: grpc.aio.Server) -
             servicer.generate_raw, response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
             servicer.abort_raw, response_serializer=common_pb2.AbortResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.list_models_raw, response_serializer=gateway_pb2.ListModelsResponse.SerializeToString),
+        "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.load_lora_adapter_raw, response_serializer=gateway_pb2.LoRAAdapterResults.SerializeToString),
+        "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.unload_lora_adapter_raw,
+            response_serializer=gateway_pb2.LoRAAdapterResults.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Gateway", handlers),))
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Generate and Abort on top of GatewayService."""
+    """Generate, Abort, ListModels and the LoRA adapter methods on top of GatewayService."""
 
     def __init__(self, service: GatewayService, api_key: str | None = None,
                  max_request_bytes: int | None = None) -> None:
@@ -77,6 +93,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def abort_raw(self, data: bytes, context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
         return await self.Abort(await self._parse(common_pb2.AbortRequest, data, context), context)
+
+    async def list_models_raw(self, data: bytes,
+                              context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        return await self.ListModels(await self._parse(gateway_pb2.ListModelsRequest, data, context), context)
+
+    async def load_lora_adapter_raw(self, data: bytes,
+                                    context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:
+        request = await self._parse(common_pb2.LoadLoRAAdapterRequest, data, context)
+        return await self.LoadLoRAAdapter(request, context)
+
+    async def unload_lora_adapter_raw(self, data: bytes,
+                                      context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:
+        request = await self._parse(common_pb2.UnloadLoRAAdapterRequest, data, context)
+        return await self.UnloadLoRAAdapter(request, context)
 
     async def _parse(self, cls: Any, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         """Check the key and the size, then parse; aborts the call on failure."""
@@ -134,16 +164,55 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
+        await self._check_auth(context)
+        return common_pb2.AbortResponse(found=self._service.abort(request.request_id))
+
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        await self._check_auth(context)
+        name = self._service.served_model_name
+        out = gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelCard(id=name, root=name)])
+        out.models.extend(gateway_pb2.ModelCard(id=a.name, parent=name, root=a.path)
+                          for a in self._service.lora_adapters().values())
+        return out
+
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:
+        await self._check_auth(context)
+        return await self._lora_results(context, self._service.load_lora_adapter(
+            request.lora_name, request.lora_path, context.time_remaining()))
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:
+        await self._check_auth(context)
+        return await self._lora_results(context, self._service.unload_lora_adapter(
+            request.lora_name, context.time_remaining()))
+
+    async def _lora_results(self, context: grpc.aio.ServicerContext,
+                            work: Awaitable[list[ServerResult]]) -> gateway_pb2.LoRAAdapterResults:
+        try:
+            results = await work
+        except GatewayError as e:
+            self._service.on_error(e)
+            await context.abort(e.kind.grpc_status, e.message)
+        except Exception as e:  # a bug: say so instead of a bare UNKNOWN
+            logger.exception("LoRA adapter call failed")
+            error = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+            self._service.on_error(error)
+            await context.abort(error.kind.grpc_status, error.message)
+        return gateway_pb2.LoRAAdapterResults(servers=[
+            gateway_pb2.LoRAServerResult(address=r.address, role=r.role, ok=r.ok, error=r.error) for r in results])
+
+    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         auth = self._auth_error(context)
         if auth is not None:
             self._service.on_error(auth)
             await context.abort(auth.kind.grpc_status, auth.message)
-        return common_pb2.AbortResponse(found=self._service.abort(request.request_id))
 
     async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,
                        timeout: float | None) -> tuple[PreparedRequest, ToolPlan | None]:
         inputs = self._service.inputs
-        inputs.check_model(request.model)
+        lora = self._service.resolve_model(request.model)
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -166,7 +235,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             else:
                 raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout), tools
+        return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout,
+                                     lora_name=lora), tools
 
 
 def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolPlan | None:

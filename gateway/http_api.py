@@ -2,7 +2,17 @@
 ``GatewayService``.
 
     GET  /v1/models              POST /v1/completions    POST /v1/chat/completions
+    POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter
     GET  /health  (200 when a decode server is healthy)  GET /metrics  GET /cluster
+
+A request's ``model`` is the served model name or a LoRA adapter some engine
+server lists (``GatewayService.resolve_model``); responses carry that name.
+/v1/models lists the base model (``parent`` null) and one card per known
+adapter (``root``: its directory, ``parent``: the served model name). The
+adapter endpoints take vLLM's bodies (``{"lora_name", "lora_path"}``,
+``{"lora_name"}``), act on every engine server and answer
+``{"lora_name", "servers": [{"address", "role", "ok", "error"}]}`` when all
+succeed, else the error gateway/lora.py derives from the failures.
 
 Streaming: the first delta is awaited before the response starts, so errors
 that happen before any token (no decode server, queue full, prefill failure)
@@ -35,13 +45,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import ErrorKind, GatewayError, invalid
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.lora import ServerResult
+from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                     UnloadLoRAAdapterRequest)
 from gateway.openai_responses import ChatFormatter, CompletionFormatter, ResponseFormatter
 from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
 from gateway.request_trace import RequestTrace, trace_headers
 from gateway.service import GatewayService
 from gateway.sse import SSE_DONE, SSE_MEDIA_TYPE, sse_event
+from pdserve.v1 import common_pb2
 
 T = TypeVar("T")
 
@@ -77,28 +90,37 @@ def create_app(service: GatewayService, api_key: str | None = None,
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(service)]}
+        adapters = service.lora_adapters().values()
+        return {"object": "list", "data": [_model_card(service), *(_model_card(service, a) for a in adapters)]}
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        service.inputs.check_model(model_id)
-        return _model_card(service)
+        lora = service.resolve_model(model_id)
+        return _model_card(service, service.lora_adapters().get(lora) if lora is not None else None)
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, Any]:
+        return _lora_results(body.lora_name, await service.load_lora_adapter(body.lora_name, body.lora_path))
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
+        return _lora_results(body.lora_name, await service.unload_lora_adapter(body.lora_name))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         trace = service.start_trace("text_completion", trace_headers(request.headers.items()), "http")
         try:
-            service.inputs.check_model(body.model)
+            lora = service.resolve_model(body.model)
             sampling = body.to_sampling_params()
             prompt = body.single_prompt()
             with trace.span("tokenize"):
                 ids = (await service.inputs.encode_text(prompt) if isinstance(prompt, str)
                        else service.inputs.check_token_ids(prompt))
-            req = _prepare(service, request, ids, sampling, "cmpl", trace)
+            req = _prepare(service, request, ids, sampling, "cmpl", trace, lora)
         except BaseException as e:
             trace.finish(error=e)
             raise
-        fmt = CompletionFormatter(req.request_id, service.served_model_name, service.token_text,
+        fmt = CompletionFormatter(req.request_id, service.model_name(lora), service.token_text,
                                   body.include_usage, sampling.logprobs is not None)
         return await _respond(service, request, req, fmt, body.stream)
 
@@ -106,17 +128,17 @@ def create_app(service: GatewayService, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
         try:
-            service.inputs.check_model(body.model)
+            lora = service.resolve_model(body.model)
             tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
             sampling = body.to_sampling_params(tools)
             with trace.span("tokenize"):
                 ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
                                                        tools.template_tools() if tools is not None else None)
-            req = _prepare(service, request, ids, sampling, "chatcmpl", trace)
+            req = _prepare(service, request, ids, sampling, "chatcmpl", trace, lora)
         except BaseException as e:
             trace.finish(error=e)
             raise
-        fmt = ChatFormatter(req.request_id, service.served_model_name, service.token_text,
+        fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
                             body.include_usage, sampling.logprobs is not None, tools=tools)
         return await _respond(service, request, req, fmt, body.stream)
 
@@ -140,14 +162,23 @@ def create_app(service: GatewayService, api_key: str | None = None,
     return app
 
 
-def _model_card(service: GatewayService) -> dict[str, Any]:
-    return {"id": service.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pdserve", "root": service.served_model_name, "max_model_len": service.inputs.max_model_len}
+def _model_card(service: GatewayService, adapter: common_pb2.LoRAAdapter | None = None) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's (as vLLM shapes them)."""
+    if adapter is not None:
+        return {"id": adapter.name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
+                "root": adapter.path, "parent": service.served_model_name}
+    return {"id": service.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
+            "root": service.served_model_name, "parent": None, "max_model_len": service.inputs.max_model_len}
+
+
+def _lora_results(lora_name: str, results: list[ServerResult]) -> dict[str, Any]:
+    return {"lora_name": lora_name, "servers": [r.to_json() for r in results]}
 
 
 def _prepare(service: GatewayService, request: Request, ids: list[int], sampling: Any,
-             prefix: str, trace: RequestTrace) -> PreparedRequest:
-    return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace)
+             prefix: str, trace: RequestTrace, lora_name: str | None) -> PreparedRequest:
+    return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace,
+                           lora_name=lora_name)
 
 
 async def _respond(service: GatewayService, request: Request, req: PreparedRequest, fmt: ResponseFormatter,

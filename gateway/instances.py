@@ -17,6 +17,13 @@ just before the removal (and has not reached it yet, e.g. a prefill waiting
 for its decode reservation) can still use it; its channel closes when the
 last reference goes. An address listed again while draining comes back as
 the same Instance. Listeners (the in-memory prefix index) hear of both.
+
+LoRA: a server started with --enable-lora lists the adapters it serves in its
+``LoadInfo`` (``lora_adapters``, each with its fingerprint, root hash and
+whether it is in a device slot now; ``max_loras`` slots). ``lora_adapter`` and
+``needs_lora_swap`` read that for routing (gateway/lora.py, gateway/router.py);
+``InstanceRegistry.poll_once(instances)`` refreshes it at once after a load or
+unload.
 """
 from __future__ import annotations
 
@@ -85,6 +92,24 @@ class Instance:
     def block_size(self) -> int | None:
         return self.load.block_size if self.load and self.load.block_size > 0 else None
 
+    def lora_adapter(self, name: str) -> common_pb2.LoRAAdapter | None:
+        """LoRA adapter ``name`` as this server last listed it (None: it does not serve it)."""
+        if self.load is None:
+            return None
+        return next((a for a in self.load.lora_adapters if a.name == name), None)
+
+    def needs_lora_swap(self, name: str | None) -> bool:
+        """Whether a request under adapter ``name`` would first have to take another
+        adapter's device slot here (and, while that one is in use, wait for it):
+        ``name`` is not in a slot and every slot (``max_loras``) is taken. False for
+        the base model (None) and wherever ``name`` is not listed."""
+        if name is None or self.load is None:
+            return False
+        adapter = self.lora_adapter(name)
+        if adapter is None or adapter.in_slot:
+            return False
+        return sum(a.in_slot for a in self.load.lora_adapters) >= self.load.max_loras
+
     async def poll(self, timeout: float) -> None:
         """Refresh load and health; never raises."""
         try:
@@ -119,7 +144,10 @@ class Instance:
         return {"role": self.role, "address": self.address, "metrics_url": load.metrics_url,
                 "healthy": self.is_healthy, "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
-                "error": self.error, "draining": self.is_draining, "num_in_flight": self.num_in_flight}
+                "error": self.error, "draining": self.is_draining, "num_in_flight": self.num_in_flight,
+                "max_loras": load.max_loras,
+                "lora_adapters": [{"name": a.name, "in_slot": a.in_slot, "fingerprint": a.fingerprint}
+                                  for a in load.lora_adapters]}
 
     async def close(self) -> None:
         await self.channel.close()
@@ -197,8 +225,9 @@ class InstanceRegistry:
         await self.poll_once()
         self._task = asyncio.create_task(self._poll_forever(), name="instance-poller")
 
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(i.poll(self.poll_timeout) for i in self))
+    async def poll_once(self, instances: Iterable[Instance] | None = None) -> None:
+        """Poll ``instances`` (default: every routable one) now."""
+        await asyncio.gather(*(i.poll(self.poll_timeout) for i in (self if instances is None else instances)))
 
     async def _poll_forever(self) -> None:
         while True:

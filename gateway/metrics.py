@@ -5,7 +5,8 @@ every series carries ``model_name``. Only values the gateway itself observes
 live here: latencies as the client sees them, token counts, and per request
 the phases the prefill server reports in its answer (queue and prefill time,
 KV transfer seconds and bytes; observed only for requests prefilled on a
-prefill server). KV usage and prefix-cache counters are the engine servers'
+prefill server), and requests per LoRA adapter (``pdserve:lora_requests_total``,
+labelled ``lora_name``). KV usage and prefix-cache counters are the engine servers'
 metrics.
 """
 from __future__ import annotations
@@ -52,6 +53,8 @@ class GatewayMetrics:
                                labels + ["status"], registry=r)
         self._in_flight = Gauge("pdserve:gateway_requests_in_flight",
                                 "Requests the gateway is currently serving.", labels, registry=r).labels(model_name)
+        self._lora_requests = Counter("pdserve:lora_requests", "Requests under a LoRA adapter, by adapter.",
+                                      labels + ["lora_name"], registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
@@ -106,6 +109,10 @@ class GatewayMetrics:
 
     def on_error(self, http_status: int) -> None:
         self._errors.labels(self._model_name, str(http_status)).inc()
+
+    def on_lora_request(self, lora_name: str) -> None:
+        """A request under LoRA adapter ``lora_name`` started (one series per adapter ever used)."""
+        self._lora_requests.labels(self._model_name, lora_name).inc()
 
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)

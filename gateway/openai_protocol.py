@@ -1,5 +1,6 @@
-"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as
-pydantic models, and their mapping onto the engine's SamplingParams.
+"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``, and
+vLLM's ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) as pydantic
+models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
 change the meaning of a request and that pdserve does not implement (echo,
@@ -408,3 +409,19 @@ def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[
         raise invalid(f"tool_choice names the function {name!r:.80}, which is not among the tools "
                       f"({', '.join(sorted(names))[:400]})", param="tool_choice")
     return "function", name
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): the name requests will give as
+    ``model``, and the adapter's directory as the engine servers see it."""
+
+    model_config = _STRICT
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; its ``lora_int_id`` is ignored)."""
+
+    model_config = _STRICT
+    lora_name: str

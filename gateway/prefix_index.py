@@ -17,6 +17,9 @@ One interface, two backends:
 A match is the number of leading full blocks of the prompt an instance
 holds, by the engine's own rule: at most ``(n - 1) // block_size`` blocks
 (the last prompt token is always computed) and only an unbroken prefix.
+Blocks of a request under a LoRA adapter chain from the adapter's root hash
+(``prompt_block_hashes(..., parent_hash=root_hash)``), so they never match the
+base model's blocks nor another adapter's; the index itself does not care.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from typing import Protocol
 
 import grpc
 
-from engine.block_hash import hash_request_blocks
+from engine.block_hash import NONE_HASH, hash_request_blocks
 from gateway.instances import Instance
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.prefix_index import ALIVE_TTL_S, address_of, alive_key, block_key
@@ -37,11 +40,13 @@ logger = logging.getLogger(__name__)
 _REDIS_RETRY_S = 1.0
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = NONE_HASH) -> list[int]:
     """The chained hashes of the blocks a prefix-cache hit can cover
-    (CPU-bound, ~1 µs a block: run it off the event loop)."""
+    (CPU-bound, ~1 µs a block: run it off the event loop). ``parent_hash`` is
+    block 0's parent: ``NONE_HASH`` for the base model, the adapter's
+    ``root_hash`` for a request under a LoRA adapter (as the engine hashes it)."""
     num_blocks = (len(token_ids) - 1) // block_size
-    return hash_request_blocks(token_ids[:num_blocks * block_size], block_size)
+    return hash_request_blocks(token_ids[:num_blocks * block_size], block_size, parent_hash=parent_hash)
 
 
 def leading_matches(holders_per_block: Iterable[Iterable[str]], candidates: Iterable[str]) -> dict[str, int]:

@@ -19,6 +19,17 @@ recomputed elsewhere: it fails the same way everywhere. A prefill server's
 FAILED_PRECONDITION (no first token meets the request's constraint) is the
 request's end, finish_reason "error" with the server's reason, as the decode
 server streams it for later tokens.
+
+LoRA: a request under an adapter carries its name to both servers
+(``DecodeRequest.lora_name``, ``PrefillRequest.lora_name``), and the prefill
+server gets the fingerprint the decode server holds it with
+(``Reserved.lora_fingerprint`` -> ``PrefillRequest.lora_fingerprint``). A
+prefill server known to hold another copy is not called; one that refuses
+because of the adapter (its copy differs, or it no longer holds it) is
+retried like a prefill server that is gone: another one, else the decode
+server prefills. A decode server that refuses because of the adapter before
+any output is retried on the next one that serves it.
+
 Text, stop strings and usage are not this module's business: see
 ``output_processor``.
 """
@@ -37,8 +48,9 @@ from opentelemetry.trace import Span, SpanKind
 from engine.sampling_params import SamplingParams
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance
+from gateway.lora import is_adapter_refusal
 from gateway.request_trace import RequestTrace, set_error
-from gateway.router import Route, Router, in_flight
+from gateway.router import BlockHashes, Route, Router, in_flight
 from pdserve.v1 import common_pb2, engine_pb2
 from rpc.convert import sampling_to_proto
 
@@ -56,6 +68,7 @@ class PreparedRequest:
     arrival: float  # time.monotonic()
     deadline: float  # time.monotonic()
     trace: RequestTrace = field(default_factory=RequestTrace.disabled)
+    lora_name: str | None = None  # the LoRA adapter the request runs under (None: the base model)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -147,7 +160,7 @@ class RequestFlow:
         tried: list[str] = []  # decode servers that refused
         failed_prefill: list[str] = []  # prefill servers that failed (a retry prefills elsewhere, or locally)
         last: GatewayError | None = None
-        hashes: list[int] | None = None
+        hashes: BlockHashes | None = None
         while True:
             attempt = len(tried) + len(failed_prefill)
             # Each attempt is a new request to the engine servers: the last one's id may still be
@@ -156,7 +169,8 @@ class RequestFlow:
             with self._req.trace.span("route", **{"pdserve.route.attempt": attempt + 1}) as span:
                 try:
                     route, hashes = await self._router.route(self._req.prompt_token_ids, tried, hashes,
-                                                             exclude_prefill=failed_prefill)
+                                                             exclude_prefill=failed_prefill,
+                                                             lora_name=self._req.lora_name)
                 except GatewayError:
                     if last is not None:
                         raise last from None
@@ -192,7 +206,8 @@ class RequestFlow:
         with in_flight(decode), _ending(span, lambda: done or self.is_finished):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
-                                         sampling=self._sampling, remote_prefill=prefill is not None),
+                                         sampling=self._sampling, remote_prefill=prefill is not None,
+                                         lora_name=req.lora_name or ""),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:
@@ -228,6 +243,18 @@ class RequestFlow:
                 call.cancel()  # a no-op once the call has finished
                 self._calls.discard(call)
 
+    def _check_adapter_copy(self, prefill: Instance, decode: Instance, reserved: engine_pb2.Reserved) -> None:
+        """Raise _PrefillFailed, without calling it, when ``prefill`` is known to hold
+        another copy of the request's adapter than the one ``decode`` reserved with."""
+        name = self._req.lora_name
+        adapter = prefill.lora_adapter(name) if name else None
+        if adapter is None or not reserved.lora_fingerprint or adapter.fingerprint == reserved.lora_fingerprint:
+            return
+        raise _PrefillFailed(GatewayError(
+            ErrorKind.UNAVAILABLE, f"prefill server {prefill.address} holds LoRA adapter `{name}` with fingerprint "
+            f"{adapter.fingerprint}, decode server {decode.address} with {reserved.lora_fingerprint}",
+            code="prefill_failed"), prefill)
+
     @staticmethod
     def _reserved(msg: engine_pb2.DecodeResponse, decode: Instance) -> engine_pb2.Reserved:
         if msg.WhichOneof("kind") != "reserved":
@@ -242,18 +269,27 @@ class RequestFlow:
         # Leading blocks the decode server already holds (its own prefix-cache
         # hit) need no transfer.
         num_skip = reserved.num_cached_tokens // block_size if block_size else 0
+        self._check_adapter_copy(prefill, decode, reserved)
         span = _client_span(req.trace, "pdserve.v1.Prefill/Prefill", prefill)
         uncached = len(req.prompt_token_ids) - (self.route.cached_tokens(prefill) if self.route else 0)
         with in_flight(prefill, tokens=uncached), _ending(span):
             call = prefill.stub.Prefill(
                 engine_pb2.PrefillRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                           sampling=self._sampling, decode_address=decode.address,
-                                          dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip),
+                                          dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip,
+                                          lora_name=req.lora_name or "",
+                                          lora_fingerprint=reserved.lora_fingerprint),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:
                 result = await call
             except grpc.aio.AioRpcError as e:
+                if req.lora_name and is_adapter_refusal(e.code(), e.details()):
+                    # Its copy of the adapter differs from the decode server's, or it no longer holds it:
+                    # another prefill server (or the decode server itself) takes the request afresh.
+                    raise _PrefillFailed(GatewayError(
+                        ErrorKind.UNAVAILABLE, f"prefill server {prefill.address} refused LoRA adapter "
+                        f"`{req.lora_name}`: {e.code().name}: {e.details()}", code="prefill_failed"), prefill) from None
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise _FinishedInPrefill(e.details() or "no token meets the request's constraint") from None
                 error = self._prefill_error(e, prefill)
@@ -311,6 +347,9 @@ class RequestFlow:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return GatewayError(ErrorKind.RESOURCE_EXHAUSTED,
                                 f"{where} is at capacity ({details}); retry later", code="server_overloaded")
+        if self._req.lora_name and is_adapter_refusal(code, details):  # retried on another one that serves it
+            return GatewayError(ErrorKind.UNAVAILABLE, f"{where} refused LoRA adapter `{self._req.lora_name}`: "
+                                f"{code.name}: {details}", code="no_healthy_decode_server")
         return self._rpc_error(code, details, where, decode)
 
     def _prefill_error(self, e: grpc.aio.AioRpcError, prefill: Instance) -> GatewayError:

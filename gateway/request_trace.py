@@ -16,7 +16,8 @@ The root carries the GenAI attributes (``gen_ai.operation.name``,
 ``gen_ai.response.id``, ``gen_ai.response.finish_reasons``,
 ``gen_ai.usage.input_tokens|output_tokens``) and ours under ``pdserve.*``:
 ``request_id`` (what ``pdserve trace`` looks up), ``internal_request_id``,
-``cached_tokens``, ``ttft_ms``, ``e2e_ms``, ``kv.bytes``.
+``cached_tokens``, ``ttft_ms``, ``e2e_ms``, ``kv.bytes``, ``lora_name`` (a request under a LoRA
+adapter).
 
 Spans are parented explicitly, never through the current context: a
 request's work spans several asyncio tasks and async generators, where
@@ -109,12 +110,15 @@ class RequestTrace:
             return tuple(tracing.inject_metadata(trace.set_span_in_context(span)))
         return tuple(self._headers.items()) or None
 
-    def on_prepared(self, request_id: str, internal_id: str, num_prompt_tokens: int, sampling: Any) -> None:
+    def on_prepared(self, request_id: str, internal_id: str, num_prompt_tokens: int, sampling: Any,
+                    lora_name: str | None = None) -> None:
         if not self.is_recording:
             return
         attrs: dict[str, Any] = {"gen_ai.response.id": request_id, "pdserve.request_id": request_id,
                                  "pdserve.internal_request_id": internal_id,
                                  "gen_ai.usage.input_tokens": num_prompt_tokens}
+        if lora_name:
+            attrs["pdserve.lora_name"] = lora_name
         for key, value in (("max_tokens", sampling.max_tokens), ("temperature", sampling.temperature),
                            ("top_p", sampling.top_p), ("seed", getattr(sampling, "seed", None))):
             if value is not None:

@@ -23,6 +23,25 @@ the request itself and no KV moves.
 A request whose KV hand-off failed is, by ``--kv-load-failure-policy``,
 either failed ("fail", the default) or sent again to be prefilled by a decode
 server ("recompute"; ``RequestFlow`` excludes every prefill server).
+
+LoRA (a request under adapter ``X``; the base model is unaffected):
+
+- Candidates: only servers whose LoadInfo lists ``X``, decode and prefill
+  alike. No healthy decode server lists it: UNAVAILABLE naming ``X``. A
+  prefill server is a candidate only if it holds ``X`` with the chosen decode
+  server's fingerprint (another copy would send KV of other weights); none
+  left: the decode server prefills (reason "no-prefill-server").
+- Slots: a server where ``X`` is in a device slot, or where a slot is free
+  (in-slot adapters < ``max_loras``), always beats one where ``X`` would first
+  have to take another adapter's slot (``Instance.needs_lora_swap``; the
+  engine runs at most ``max_loras`` adapters a step, so that may mean waiting):
+  it is the first key of both costs above, which then decide among equals.
+  Always, not weighed: a swap's cost is unknown here, and the polled view is
+  at most a poll old; one server keeping ``X`` in a slot may therefore draw
+  all of ``X``'s requests while the others' slots are full.
+- Prefix: the prompt's block hashes chain from ``X``'s ``root_hash`` (block
+  0's parent, as the engine hashes them), which depends on the copy's
+  fingerprint: servers are matched per root hash, each with its own chain.
 """
 from __future__ import annotations
 
@@ -32,9 +51,14 @@ import logging
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from engine.block_hash import NONE_HASH
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance, InstanceRegistry
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+
+# A prompt's block hashes by block 0's parent (NONE_HASH, or an adapter copy's root hash),
+# computed once per request and handed back to ``route`` on a retry.
+BlockHashes = dict[int, list[int]]
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +91,12 @@ class Router:
         self._num_routed: dict[str, int] = {}
 
     async def route(self, prompt_token_ids: Sequence[int], exclude: Collection[str] = (),
-                    hashes: list[int] | None = None,
-                    exclude_prefill: Collection[str] = ()) -> tuple[Route, list[int] | None]:
-        """Pick the decode and prefill servers for a prompt, never one in
-        ``exclude`` / ``exclude_prefill`` (addresses that failed this request);
-        also returns the prompt's block hashes (pass them back on a retry)."""
+                    hashes: BlockHashes | None = None, exclude_prefill: Collection[str] = (),
+                    lora_name: str | None = None) -> tuple[Route, BlockHashes | None]:
+        """Pick the decode and prefill servers for a prompt (under LoRA adapter
+        ``lora_name``, None: the base model), never one in ``exclude`` /
+        ``exclude_prefill`` (addresses that failed this request); also returns
+        the prompt's block hashes (pass them back on a retry)."""
         decodes = self._healthy(self._registry.decode, exclude)
         if not decodes:
             configured = ", ".join(i.address for i in self._registry.decode) or "none found yet"
@@ -80,29 +105,69 @@ class Router:
                                f"no healthy decode server is available{tried}; configured: {configured}",
                                code="no_healthy_decode_server")
         prefills = self._healthy(self._registry.prefill, exclude_prefill)
+        if lora_name is not None:
+            decodes = self._holding(decodes, lora_name, exclude)
+            prefills = [i for i in prefills if i.lora_adapter(lora_name) is not None]
         matched, block_size = {}, 0
         if self.index is not None:
             namespace, block_size = _namespace(decodes + prefills)
             if namespace and block_size:
-                if hashes is None:
-                    hashes = await asyncio.get_running_loop().run_in_executor(
-                        None, prompt_block_hashes, list(prompt_token_ids), block_size)
-                blocks = await self.index.match(namespace, hashes)
-                matched = {addr: n * block_size for addr, n in blocks.items()}
+                matched, hashes = await self._match(namespace, block_size, prompt_token_ids, decodes + prefills,
+                                                    lora_name, hashes)
         n = len(prompt_token_ids)
-        decode = self._pick(decodes, lambda i: (i.num_requests - min(1.0, matched.get(i.address, 0) / n),
+        decode = self._pick(decodes, lambda i: (i.needs_lora_swap(lora_name),
+                                                i.num_requests - min(1.0, matched.get(i.address, 0) / n),
                                                 i.kv_usage))
         route = Route(decode, None, block_size, matched, "no-prefill-server")
+        if lora_name is not None:
+            fingerprint = decode.lora_adapter(lora_name).fingerprint
+            prefills = [i for i in prefills if i.lora_adapter(lora_name).fingerprint == fingerprint]
         if not prefills:
             return route, hashes
         if n - matched.get(decode.address, 0) <= self.local_prefill_threshold:
             route.reason = "local"
             return route, hashes
         w = self.overlap_weight
-        route.prefill = self._pick(prefills, lambda i: (w * (n - matched.get(i.address, 0)) + i.num_queued_tokens,
+        route.prefill = self._pick(prefills, lambda i: (i.needs_lora_swap(lora_name),
+                                                        w * (n - matched.get(i.address, 0)) + i.num_queued_tokens,
                                                         i.num_requests, i.kv_usage))
         route.reason = "prefix" if matched.get(route.prefill.address) else "load"
         return route, hashes
+
+    def _holding(self, decodes: list[Instance], lora_name: str, exclude: Collection[str]) -> list[Instance]:
+        """The healthy decode servers that serve ``lora_name``; UNAVAILABLE naming it when none does."""
+        holding = [i for i in decodes if i.lora_adapter(lora_name) is not None]
+        if holding:
+            return holding
+        elsewhere = [i.address for i in self._registry.decode if i.lora_adapter(lora_name) is not None]
+        held = (f"it is listed only by decode servers that are unhealthy or failed this request: "
+                f"{', '.join(elsewhere)}" if elsewhere else "no decode server lists it")
+        tried = f" (tried {', '.join(exclude)})" if exclude else ""
+        raise GatewayError(ErrorKind.UNAVAILABLE, f"no healthy decode server serves LoRA adapter `{lora_name}`"
+                           f"{tried}: {held}; healthy decode servers: {', '.join(i.address for i in decodes)}",
+                           code="no_healthy_decode_server")
+
+    async def _match(self, namespace: str, block_size: int, prompt_token_ids: Sequence[int],
+                     candidates: list[Instance], lora_name: str | None,
+                     hashes: BlockHashes | None) -> tuple[dict[str, int], BlockHashes]:
+        """Cached prompt tokens per address. Under an adapter, servers are grouped by its
+        root hash there (one group when every copy agrees): each group is matched with the
+        chain from its own root and credited only with that."""
+        groups: dict[int, set[str] | None] = {NONE_HASH: None}  # root -> addresses (None: any)
+        if lora_name is not None:
+            groups = {}
+            for inst in candidates:
+                root = inst.lora_adapter(lora_name).root_hash
+                groups.setdefault(root, set()).add(inst.address)
+        hashes = dict(hashes or {})
+        matched: dict[str, int] = {}
+        for root, members in groups.items():
+            if root not in hashes:
+                hashes[root] = await asyncio.get_running_loop().run_in_executor(
+                    None, prompt_block_hashes, list(prompt_token_ids), block_size, root)
+            blocks = await self.index.match(namespace, hashes[root])
+            matched.update({addr: k * block_size for addr, k in blocks.items() if members is None or addr in members})
+        return matched, hashes
 
     @property
     def prefill_instances(self) -> list[Instance]:

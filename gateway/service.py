@@ -14,7 +14,14 @@ writes its log line (unless ``--disable-log-requests``)::
         decode=127.0.0.1:50071 prefill=127.0.0.1:50061 finish=length trace=4bf92f35...
 
 (a request that finished with "error" has its reason after it: ``finish=error (request ...:
-no token meets the structured-output constraint at output position 3)``).
+no token meets the structured-output constraint at output position 3)``; one under a LoRA
+adapter ends with ``lora=NAME``).
+
+LoRA adapters: ``resolve_model`` turns a request's ``model`` into the adapter it
+selects (the served model name: the base model, None; a name some engine server
+lists: that adapter; anything else: 404 ``model_not_found``); ``lora_adapters`` are
+the known ones (for /v1/models); ``load_lora_adapter`` / ``unload_lora_adapter`` fan
+out to every engine server (gateway/lora.py).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from engine.sampling_params import SamplingParams
 from gateway.active_requests import ActiveRequests
 from gateway.errors import GatewayError, invalid
 from gateway.instances import InstanceRegistry
+from gateway.lora import LoRAAdmin, ServerResult, known_adapters
 from gateway.metrics import GatewayMetrics
 from gateway.output_processor import GenerationDelta, OutputProcessor
 from gateway.request_flow import PreparedRequest, RequestFlow
@@ -36,6 +44,7 @@ from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.tokenization import InputProcessor
 from gateway.tool_parsers import ToolParser
+from pdserve.v1 import common_pb2
 from rpc import tracing
 
 logger = logging.getLogger(__name__)
@@ -59,6 +68,7 @@ class GatewayService:
         self.active = ActiveRequests(max_queued_requests)
         self.request_timeout = request_timeout
         self.log_requests = log_requests
+        self.lora = LoRAAdmin(registry, inputs.served_model_name)
         self._tracer = tracing.get_tracer("pdserve.gateway")
 
     @property
@@ -69,6 +79,27 @@ class GatewayService:
     def is_ready(self) -> bool:
         """The cluster can serve: not draining and a decode server is healthy."""
         return not self.active.is_draining and self.registry.has_healthy_decode
+
+    def lora_adapters(self) -> dict[str, common_pb2.LoRAAdapter]:
+        """Every LoRA adapter some routable engine server lists, by name (decode servers' listings first)."""
+        return known_adapters([*self.registry.decode, *self.registry.prefill])
+
+    def resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects (None: the base model); 404 when it names neither."""
+        return self.inputs.check_model(model, self.lora_adapters())
+
+    def model_name(self, lora_name: str | None) -> str:
+        """The ``model`` responses carry: the adapter's name, else the served model name."""
+        return lora_name or self.served_model_name
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout: float | None = None) -> list[ServerResult]:
+        """Load an adapter on every engine server; GatewayError unless all succeed."""
+        return await self.lora.load(lora_name, lora_path, timeout)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> list[ServerResult]:
+        """Unload an adapter from every engine server; GatewayError unless all succeed."""
+        return await self.lora.unload(lora_name, timeout)
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (for logprobs)."""
@@ -81,10 +112,12 @@ class GatewayService:
         return RequestTrace(operation, self.served_model_name, headers, api, self._tracer)
 
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None,
-                id_prefix: str, trace: RequestTrace | None = None, timeout: float | None = None) -> PreparedRequest:
+                id_prefix: str, trace: RequestTrace | None = None, timeout: float | None = None,
+                lora_name: str | None = None) -> PreparedRequest:
         """Check the token budget and admission; assign ids and the deadline
         (``--request-timeout``, or ``timeout`` if shorter: a gRPC client's own
-        deadline). ``sampling.max_tokens`` None means the rest of the context."""
+        deadline). ``sampling.max_tokens`` None means the rest of the context;
+        ``lora_name``: the adapter ``resolve_model`` chose (None: the base model)."""
         self.active.check_admission()
         self.inputs.check_sampling(sampling)  # the one range check for HTTP and gRPC
         sampling.max_tokens = self.inputs.resolve_max_tokens(len(prompt_token_ids), sampling.max_tokens)
@@ -100,9 +133,10 @@ class GatewayService:
         now = time.monotonic()
         timeout = self.request_timeout if timeout is None else min(timeout, self.request_timeout)
         trace = trace or RequestTrace.disabled()
-        trace.on_prepared(request_id, internal_id, len(prompt_token_ids), sampling)
+        trace.on_prepared(request_id, internal_id, len(prompt_token_ids), sampling, lora_name)
         return PreparedRequest(request_id=request_id, internal_id=internal_id, prompt_token_ids=prompt_token_ids,
-                               sampling=sampling, arrival=now, deadline=now + timeout, trace=trace)
+                               sampling=sampling, arrival=now, deadline=now + timeout, trace=trace,
+                               lora_name=lora_name)
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas of one request until the one with a finish_reason. Raises
@@ -110,6 +144,8 @@ class GatewayService:
         flow = RequestFlow(req, self.router)
         handle = self.active.add(req, flow)
         self.metrics.set_in_flight(len(self.active))
+        if req.lora_name:
+            self.metrics.on_lora_request(req.lora_name)
         output = OutputProcessor(self.inputs.tokenizer, req, self.metrics)
         outcome, message = "cancelled", ""
         error: BaseException | str | None = "cancelled"
@@ -156,14 +192,15 @@ class GatewayService:
             route = flow.route
             matched = route.cached_tokens(route.prefill or route.decode) if route is not None else 0
             logger.info("request %s%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
-                        "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s",
+                        "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s%s",
                         req.request_id, internal, len(req.prompt_token_ids), output.num_cached_tokens,
                         output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
                         flow.decode_address or "-",
                         flow.prefill_address or ("local" if flow.decode_address else "-"),
                         route.reason if route is not None else "-", matched,
                         f"{outcome} ({message})" if message else outcome,
-                        f" trace={req.trace.trace_id}" if req.trace.trace_id else "")
+                        f" trace={req.trace.trace_id}" if req.trace.trace_id else "",
+                        f" lora={req.lora_name}" if req.lora_name else "")
 
     def cluster_json(self) -> dict[str, Any]:
         """The /cluster body: every instance's load and health, and with the in-memory prefix

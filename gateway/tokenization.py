@@ -1,8 +1,9 @@
 """Prompts in, validated token ids out: the model's tokenizer and chat
-template, the served-model-name check, the context-length check, and the
-checks every prompt and sampling parameter passes whichever front end it
-came through (text is valid Unicode, token ids inside the vocabulary, chat
-roles known, messages bounded in count).
+template, the model-name check (the served model, or a LoRA adapter an engine
+server lists), the context-length check, and the checks every prompt and
+sampling parameter passes whichever front end it came through (text is
+valid Unicode, token ids inside the vocabulary, chat roles known, messages
+bounded in count).
 
 Encoding runs off the event loop on two single-thread pools, each with its
 own copy of the tokenizer (Hugging Face fast tokenizers must not be used
@@ -29,6 +30,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any, Sequence
 
 import json
@@ -41,6 +43,7 @@ LONG_PROMPT_CHARS = 16_384
 MAX_PENDING_SHORT = 512
 MAX_PENDING_LONG = 8
 MAX_MESSAGES = 1024
+_MAX_LISTED_ADAPTERS = 20  # in a model_not_found message
 # Roles the chat template is given; "developer" (OpenAI's newer name) is rendered as "system".
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
@@ -81,12 +84,21 @@ class InputProcessor:
         for pool in (self._short, self._long):
             pool.executor.shutdown(wait=False, cancel_futures=True)
 
-    def check_model(self, model: str | None) -> None:
-        """Raise NOT_FOUND unless ``model`` is empty or the served model name."""
-        if model and model != self.served_model_name:
-            raise GatewayError(ErrorKind.NOT_FOUND,
-                               f"The model `{model:.200}` does not exist. This server serves "
-                               f"`{self.served_model_name}`.", code="model_not_found", param="model")
+    def check_model(self, model: str | None, lora_adapters: Collection[str] = ()) -> str | None:
+        """The LoRA adapter ``model`` selects: None for the base model (``model``
+        empty or the served model name, which wins over an adapter of that name),
+        ``model`` when it is one of ``lora_adapters``; NOT_FOUND otherwise."""
+        if not model or model == self.served_model_name:
+            return None
+        if model in lora_adapters:
+            return model
+        names = sorted(lora_adapters)
+        shown = ", ".join(f"`{n:.100}`" for n in names[:_MAX_LISTED_ADAPTERS])
+        more = f" and {len(names) - _MAX_LISTED_ADAPTERS} more" if len(names) > _MAX_LISTED_ADAPTERS else ""
+        adapters = f" and the LoRA adapters {shown}{more}" if names else ""
+        raise GatewayError(ErrorKind.NOT_FOUND,
+                           f"The model `{model:.200}` does not exist. This server serves "
+                           f"`{self.served_model_name}`{adapters}.", code="model_not_found", param="model")
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling parameter in range (SamplingParams.validate, with

@@ -7,6 +7,13 @@ prefill's "KV transfer" just wakes the decode request waiting for it. Knobs
 (``FakeEngine.knobs``) change behaviour between tests; observations
 (``active``, ``cancelled``, ``decode_requests``, ...) let tests assert that
 the gateway freed everything.
+
+LoRA: each server has its own ``FakeLoRA`` (``FakeState.lora[role]``; LoRA
+off, ``max_loras`` 0, by default): GetLoad lists its adapters, Load/Unload
+change them (a path under ``/adapters/`` is a valid adapter, anything else
+INVALID_ARGUMENT), a request under an adapter the server does not hold is
+refused, Reserved carries the decode server's fingerprint and the prefill
+server refuses another one (FAILED_PRECONDITION), as the real servers do.
 """
 from __future__ import annotations
 
@@ -18,10 +25,64 @@ from typing import Any
 
 import grpc
 
+from engine.block_hash import hash_block_tokens
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.server import RpcServer
 
 BLOCK_SIZE = 16
+ADAPTERS_DIR = "/adapters/"  # the fake's valid adapter paths start here
+
+
+def lora_adapter(name: str, path: str = "", fingerprint: str | None = None,
+                 in_slot: bool = True) -> common_pb2.LoRAAdapter:
+    """An adapter as a server lists it; the fingerprint defaults to one of the path, the
+    root hash is derived from name and fingerprint as the engine derives it."""
+    path = path or ADAPTERS_DIR + name
+    fingerprint = fingerprint if fingerprint is not None else f"fp:{path}"
+    return common_pb2.LoRAAdapter(name=name, path=path, rank=8, fingerprint=fingerprint, base_model="fake",
+                                  root_hash=hash_block_tokens(0, list(f"lora:{name}:{fingerprint}".encode())),
+                                  in_slot=in_slot)
+
+
+@dataclass
+class FakeLoRA:
+    """One fake server's adapters (``max_loras`` 0: not started with --enable-lora)."""
+
+    max_loras: int = 0
+    adapters: dict[str, common_pb2.LoRAAdapter] = field(default_factory=dict)
+    load_delay: float = 0.0
+    calls: list[str] = field(default_factory=list)  # "load NAME PATH" | "unload NAME"
+
+    def add(self, adapter: common_pb2.LoRAAdapter) -> None:
+        self.adapters[adapter.name] = adapter
+        self.max_loras = max(self.max_loras, 1)
+
+    async def load(self, req: common_pb2.LoadLoRAAdapterRequest, context: Any) -> common_pb2.LoRAAdapter:
+        self.calls.append(f"load {req.lora_name} {req.lora_path}")
+        if self.load_delay:
+            await asyncio.sleep(self.load_delay)
+        if self.max_loras <= 0:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is not enabled on this server (start it with --enable-lora)")
+        if not req.lora_path.startswith(ADAPTERS_DIR):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{req.lora_path}: no adapter_config.json (not a PEFT adapter directory)")
+        in_slot = sum(a.in_slot for a in self.adapters.values()) < self.max_loras
+        self.adapters[req.lora_name] = lora_adapter(req.lora_name, req.lora_path, in_slot=in_slot)
+        return self.adapters[req.lora_name]
+
+    async def unload(self, req: common_pb2.UnloadLoRAAdapterRequest,
+                     context: Any) -> common_pb2.UnloadLoRAAdapterResponse:
+        self.calls.append(f"unload {req.lora_name}")
+        if self.max_loras <= 0:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is not enabled on this server (start it with --enable-lora)")
+        if self.adapters.pop(req.lora_name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {req.lora_name!r} is not loaded")
+        return common_pb2.UnloadLoRAAdapterResponse()
+
+    def load_info(self) -> dict[str, Any]:
+        return {"lora_adapters": list(self.adapters.values()), "max_loras": self.max_loras}
 
 
 @dataclass
@@ -51,6 +112,7 @@ class FakeState:
     prefill_requests: list[engine_pb2.PrefillRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     kv_arrived: dict[str, asyncio.Future[int]] = field(default_factory=dict)
+    lora: dict[str, FakeLoRA] = field(default_factory=lambda: {"prefill": FakeLoRA(), "decode": FakeLoRA()})
 
 
 def _logprob(token_id: int, n: int) -> common_pb2.TokenLogprob:
@@ -81,6 +143,9 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
         s.metadata.append({k: v for k, v in context.invocation_metadata()})
         if s.knobs.queue_full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode queue is full (fake)")
+        adapter = s.lora["decode"].adapters.get(req.lora_name) if req.lora_name else None
+        if req.lora_name and adapter is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {req.lora_name!r} is not loaded")
         s.active.add(req.request_id)
         finished = False
         try:
@@ -90,7 +155,8 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
                 s.kv_arrived[req.request_id] = fut
                 n = -(-len(req.prompt_token_ids) // BLOCK_SIZE)
                 yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
-                    block_ids=list(range(100, 100 + n)), num_cached_tokens=s.knobs.num_cached_tokens))
+                    block_ids=list(range(100, 100 + n)), num_cached_tokens=s.knobs.num_cached_tokens,
+                    lora_fingerprint=adapter.fingerprint if adapter is not None else ""))
                 out[0] = await fut  # the token the prefill server sampled
             want_lp = req.sampling.HasField("logprobs")
             chunks = [out[:1]] + [out[i:i + s.knobs.tokens_per_delta]
@@ -124,10 +190,17 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
     async def GetLoad(self, req: Any, context: Any) -> common_pb2.LoadInfo:
         return common_pb2.LoadInfo(role="decode", address=self.address, metrics_url="http://fake/metrics",
                                    num_running=len(self.s.active), kv_blocks_used=len(self.s.active),
-                                   kv_blocks_total=1000, block_size=BLOCK_SIZE, model="fake")
+                                   kv_blocks_total=1000, block_size=BLOCK_SIZE, model="fake",
+                                   **self.s.lora["decode"].load_info())
 
     async def Abort(self, req: common_pb2.AbortRequest, context: Any) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=False)
+
+    async def LoadLoRAAdapter(self, req: Any, context: Any) -> common_pb2.LoRAAdapter:
+        return await self.s.lora["decode"].load(req, context)
+
+    async def UnloadLoRAAdapter(self, req: Any, context: Any) -> common_pb2.UnloadLoRAAdapterResponse:
+        return await self.s.lora["decode"].unload(req, context)
 
 
 class FakePrefill(engine_pb2_grpc.PrefillServicer):
@@ -142,6 +215,13 @@ class FakePrefill(engine_pb2_grpc.PrefillServicer):
             await asyncio.sleep(s.knobs.prefill_delay)
         if s.knobs.prefill_error is not None:
             await context.abort(s.knobs.prefill_error, "KV transfer failed (fake)")
+        if req.lora_name:
+            adapter = s.lora["prefill"].adapters.get(req.lora_name)
+            if adapter is None or adapter.fingerprint != req.lora_fingerprint:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"LoRA adapter {req.lora_name!r}: this server holds "
+                                    f"{adapter.fingerprint if adapter else 'no copy'}, the decode server "
+                                    f"{req.lora_fingerprint or 'none'}")
         first = s.script[0] if s.script else s.eos
         fut = s.kv_arrived.get(req.request_id)
         if fut is None:
@@ -152,7 +232,13 @@ class FakePrefill(engine_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, req: Any, context: Any) -> common_pb2.LoadInfo:
         return common_pb2.LoadInfo(role="prefill", address=self.address, kv_blocks_total=1000,
-                                   block_size=BLOCK_SIZE, model="fake")
+                                   block_size=BLOCK_SIZE, model="fake", **self.s.lora["prefill"].load_info())
+
+    async def LoadLoRAAdapter(self, req: Any, context: Any) -> common_pb2.LoRAAdapter:
+        return await self.s.lora["prefill"].load(req, context)
+
+    async def UnloadLoRAAdapter(self, req: Any, context: Any) -> common_pb2.UnloadLoRAAdapterResponse:
+        return await self.s.lora["prefill"].unload(req, context)
 
 
 class FakeEngine:
@@ -196,6 +282,7 @@ class FakeEngine:
 
     def reset(self) -> None:
         self.state.knobs = Knobs()
+        self.state.lora = {"prefill": FakeLoRA(), "decode": FakeLoRA()}
         self.state.cancelled.clear()
         self.state.decode_requests.clear()
         self.state.prefill_requests.clear()

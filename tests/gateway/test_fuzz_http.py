@@ -52,6 +52,9 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
     ("/v1/completions", "POST", POSITIVE), ("/v1/completions", "POST", NEGATIVE),
     ("/v1/chat/completions", "POST", POSITIVE), ("/v1/chat/completions", "POST", NEGATIVE),
     ("/v1/models/{model_id}", "GET", POSITIVE),  # GETs without a body: nothing to break but the path
+    # The fake servers run without --enable-lora: every load or unload fails there (a 400 naming them).
+    ("/v1/load_lora_adapter", "POST", POSITIVE), ("/v1/load_lora_adapter", "POST", NEGATIVE),
+    ("/v1/unload_lora_adapter", "POST", POSITIVE),
 ])
 def test_schema_fuzz(cluster, path, method, mode):
     operation = SCHEMA[path][method]
