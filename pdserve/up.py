@@ -103,6 +103,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):  # nargs="+" (--lora-modules)
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out

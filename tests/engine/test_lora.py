@@ -151,3 +151,26 @@ def test_moe_attention_adapts_and_experts_are_refused(tmp_path):
     save_file(tensors, str(experts / "adapter_model.safetensors"))
     with pytest.raises(LoRAError, match="no adaptable module 'model.layers.0.mlp.experts.0.gate_proj'"):
         llm.engine.lora.register("moe", str(experts))
+
+
+def test_lora_flags_parse_and_travel(tmp_path):
+    """vLLM's flag forms, the errors of bad ones, and `pdserve up` handing them to the servers."""
+    import argparse
+
+    from engine.config import EngineArgs
+    from engine.lora.config import parse_lora_module
+    from pdserve.up import engine_flags
+
+    assert parse_lora_module("sql=/models/sql-lora") == ("sql", "/models/sql-lora")
+    assert parse_lora_module('{"name": "sql", "path": "/m/sql", "base_model_name": "x"}') == ("sql", "/m/sql")
+    for bad, reason in [("sql", "expected name=path"), ("=x", "needs a name and a path"), ("{bad", "not valid JSON")]:
+        with pytest.raises(ValueError, match=reason):
+            parse_lora_module(bad)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "4"])
+    assert ns.lora_modules == ["a=/x", "b=/y"]
+    assert engine_flags(ns) == ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "4"]
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        EngineArgs(model=None, lora_modules=["a=/x"], device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        EngineArgs(model=None, enable_lora=True, max_loras=4, max_cpu_loras=2, device="cpu").create_engine_config()
