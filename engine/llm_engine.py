@@ -343,6 +343,8 @@ class LLMEngine:
         ValueError (invalid) or OverflowError (the queue is full)."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name)
         self.scheduler.add_reservation(req)
+        if req.lora is not None:  # its adapter into a free slot while the prompt is prefilled elsewhere
+            self.runner.lora.prefetch(req.lora)
         return self._constrain(req)
 
     # ---- KV hand-off -----------------------------------------------------

@@ -98,8 +98,8 @@ class LoRALayer:
             if w is not None:
                 wa, wb = w
                 lo, hi = (layer.in_part.lo, layer.in_part.hi) if layer.in_part is not None else (0, layer.in_size)
-                a[:wa.shape[0]].copy_(wa[:, lo:hi])
-                b[:, :wb.shape[1]].copy_(wb)
+                a[:wa.shape[0]].copy_(wa[:, lo:hi], non_blocking=True)
+                b[:, :wb.shape[1]].copy_(wb, non_blocking=True)
             return
         fused = adapter.weights.get(self.fused) if self.fused is not None else None
         row, full_row = 0, 0
@@ -112,8 +112,8 @@ class LoRALayer:
             else:
                 wa = None
             if wa is not None:
-                a[k * R:k * R + wa.shape[0]].copy_(wa)
-                b[row:row + part.size, :wb.shape[1]].copy_(wb)
+                a[k * R:k * R + wa.shape[0]].copy_(wa, non_blocking=True)
+                b[row:row + part.size, :wb.shape[1]].copy_(wb, non_blocking=True)
             row, full_row = row + part.size, full_row + part.full
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

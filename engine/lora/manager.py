@@ -38,6 +38,7 @@ class LoRAManager:
             raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} must be >= 1, and "
                              f"--max-cpu-loras {max_cpu_loras} >= --max-loras")
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.dtype = dtype
         self.batch = LoRABatch(max_tokens, max_loras, device, ops)
         self.layers: dict[str, LoRALayer] = attach_lora(model, self.batch, max_rank, dtype)
         self.modules: dict[str, ModuleShape] = {m: s for layer in self.layers.values()
@@ -54,7 +55,7 @@ class LoRAManager:
     def register(self, name: str, path: str) -> LoRAInfo:
         """Read and check the adapter at ``path`` and serve it as ``name``; LoRAError says why not.
         Registering a name again replaces its contents (later requests see the new ones)."""
-        adapter = load_adapter(name, path, self.modules, self.max_rank)
+        adapter = self._read(name, path)
         info = LoRAInfo(name, str(path), adapter.rank, adapter.fingerprint, adapter.base_model)
         with self._lock:
             self._registered[name] = info
@@ -83,6 +84,16 @@ class LoRAManager:
         """Adapters in device slots now."""
         return [n for n in self._slots if n is not None]
 
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter from its directory, in the model dtype (pinned for a GPU: slot copies
+        then do not make the engine loop wait)."""
+        adapter = load_adapter(name, path, self.modules, self.max_rank)
+        pin = self.batch.device.type == "cuda"
+        for module, (a, b) in adapter.weights.items():
+            a, b = a.to(self.dtype), b.to(self.dtype)
+            adapter.weights[module] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
+        return adapter
+
     def _remember(self, adapter: LoRAAdapter) -> None:
         self._host[adapter.name] = adapter
         self._host.move_to_end(adapter.name)
@@ -95,7 +106,7 @@ class LoRAManager:
             if adapter is not None and adapter.fingerprint == info.fingerprint:
                 self._host.move_to_end(info.name)
                 return adapter
-        adapter = load_adapter(info.name, info.path, self.modules, self.max_rank)
+        adapter = self._read(info.name, info.path)
         if adapter.fingerprint != info.fingerprint:
             raise LoRAError(f"LoRA adapter {info.name!r}: the files at {info.path} changed since it was loaded; "
                             "load it again")
@@ -104,6 +115,32 @@ class LoRAManager:
         return adapter
 
     # ---- slots (engine loop) -----------------------------------------------
+    def _slot_of(self, info: LoRAInfo) -> int | None:
+        for slot, (held, fp) in enumerate(zip(self._slots, self._slot_fingerprints)):
+            if held == info.name and fp == info.fingerprint:
+                return slot
+        return None
+
+    def _load_slot(self, slot: int, info: LoRAInfo) -> None:
+        adapter = self._host_adapter(info)
+        for layer in self.layers.values():
+            layer.set_slot(slot, adapter)
+        self._slots[slot], self._slot_fingerprints[slot] = info.name, info.fingerprint
+        self.num_slot_loads += 1
+
+    def prefetch(self, info: LoRAInfo) -> None:
+        """Copy ``info`` into a slot ahead of its first step (a decode server, while the prompt
+        is prefilled elsewhere) if a slot is free: never evicts an adapter in use."""
+        if self._slot_of(info) is not None:
+            return
+        with self._lock:
+            registered = {(i.name, i.fingerprint) for i in self._registered.values()}
+        free = [s for s, (n, fp) in enumerate(zip(self._slots, self._slot_fingerprints))
+                if n is None or (n, fp) not in registered]
+        if free:
+            self._load_slot(free[0], info)
+            self._slot_use.move_to_end(free[0])
+
     def activate(self, infos: list[LoRAInfo]) -> dict[str, int]:
         """A slot for each adapter of a step (at most ``max_loras`` distinct ones)."""
         want = {i.name: i for i in infos}
@@ -111,19 +148,15 @@ class LoRAManager:
             raise RuntimeError(f"a step with {len(want)} LoRA adapters; --max-loras is {self.max_loras}")
         out: dict[str, int] = {}
         for name, info in want.items():
-            for slot, held in enumerate(self._slots):
-                if held == name and self._slot_fingerprints[slot] == info.fingerprint:
-                    out[name] = slot
+            slot = self._slot_of(info)
+            if slot is not None:
+                out[name] = slot
         for name, info in want.items():
             if name in out:
                 continue
             taken = set(out.values())
             slot = next(s for s in self._slot_use if s not in taken)
-            adapter = self._host_adapter(info)
-            for layer in self.layers.values():
-                layer.set_slot(slot, adapter)
-            self._slots[slot], self._slot_fingerprints[slot] = name, info.fingerprint
-            self.num_slot_loads += 1
+            self._load_slot(slot, info)
             out[name] = slot
         for slot in out.values():
             self._slot_use.move_to_end(slot)
