@@ -23,8 +23,13 @@ freezes every tensor address and shape, so:
 - the logits are a static output, read by the sampler after the replay.
 
 Only pure decode steps (every scheduled request computes its one last
-token) replay a graph; prefill and mixed steps run eagerly. The runner owns
-this object; nothing else touches its buffers.
+token) replay a graph; prefill and mixed steps run eagerly. With speculative
+decoding (``verify_len`` = k + 1) the small sizes also get verify graphs: every
+row is k + 1 query tokens, its pending token and its proposals, padded at its
+end with tokens that write nowhere (slot -1) and whose outputs are thrown away;
+a row's seq_len counts its padding, so its real queries keep their causal
+positions (the attention places a row's queries at the end of its keys). The
+runner owns this object; nothing else touches its buffers.
 
 Padded batch of a replay (``n`` real requests, size ``b``)::
 
@@ -101,22 +106,27 @@ class DecodeInputs:
     """
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
-        m, w = max_num_seqs, max_blocks_per_seq
+                 device: torch.device, max_query_len: int = 1) -> None:
+        m, w, q = max_num_seqs, max_blocks_per_seq, max_query_len
         self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
+        self.max_query_len = q
         self.device = device
         pin = device.type == "cuda"
-        self._staging = [(torch.zeros(3, m, dtype=torch.int64, pin_memory=pin),
+        self._staging = [(torch.zeros(3, m * q, dtype=torch.int64, pin_memory=pin),
                           torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         # each staging's last upload (an event never recorded is complete)
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pin else None
         self._turn = 0
         self._use_staging(0)
-        self.i64 = torch.zeros(3, m, dtype=torch.int64, device=device)
+        self.i64 = torch.zeros(3, m * q, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(m + m * w, dtype=torch.int32, device=device)
         self.i32[:m] = 1
+        # query_start_loc of rows of one query (0, 1, ..., M), and of verify rows of q
         self.qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(m, w, dtype=torch.int32, device=device)
+        self.qsl_verify = self.qsl * q
+        # A verify row's padding reaches up to q - 1 positions past the last real one: the
+        # extra columns keep its (discarded) block lookups inside the buffer.
+        self.tables = torch.zeros(m, w + -(-(q - 1) // block_size), dtype=torch.int32, device=device)
         self.i64[2] = -1  # before any fill: every row is padding
 
     def _use_staging(self, turn: int) -> None:
@@ -125,13 +135,16 @@ class DecodeInputs:
         self._h64 = self.host_i64.numpy()  # shares memory
         self._h32 = self.host_i32.numpy()
 
-    def views(self, size: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                        AttentionMetadata]:
-        """(input_ids, positions, metadata) of a padded batch of ``size`` rows."""
-        meta = AttentionMetadata(slot_mapping=self.i64[2, :size], block_tables=self.tables[:size],
-                                 query_start_loc=self.qsl[:size + 1], seq_lens=self.i32[:size],
+    def views(self, size: int, num_splits: int | None = None, query_len: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a padded batch of ``size`` rows of ``query_len``
+        tokens each (1, or the verify length)."""
+        n = size * query_len
+        qsl = self.qsl if query_len == 1 else self.qsl_verify
+        meta = AttentionMetadata(slot_mapping=self.i64[2, :n], block_tables=self.tables[:size],
+                                 query_start_loc=qsl[:size + 1], seq_lens=self.i32[:size],
                                  num_splits=num_splits)
-        return self.i64[0, :size], self.i64[1, :size], meta
+        return self.i64[0, :n], self.i64[1, :n], meta
 
     def fill(self, scheduled: Sequence[ScheduledRequest], size: int) -> int:
         """Write a pure-decode batch, padded to ``size`` rows, into the host
@@ -158,6 +171,38 @@ class DecodeInputs:
         h64[2, n:size] = -1
         h32[:n] = pos + 1
         h32[n:size] = 1
+        tables = h32[m:m + size * width].reshape(size, width)
+        tables.fill(0)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.block_ids)] = s.block_ids
+        return width
+
+    def fill_verify(self, scheduled: Sequence[ScheduledRequest], size: int) -> int:
+        """Write a verify batch (each row: its pending token, then its proposals) padded to
+        ``size`` rows of ``max_query_len`` tokens into the host buffers; the table width."""
+        n, m, bs, q = len(scheduled), self.max_num_seqs, self.block_size, self.max_query_len
+        if not 1 <= n <= size <= m:
+            raise ValueError(f"batch of {n} does not fit a padded size of {size} (at most {m})")
+        width = max(len(s.block_ids) for s in scheduled)
+        self._use_staging(1 - self._turn)
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()
+        h64, h32 = self._h64, self._h32
+        ids = np.zeros((size, q), dtype=np.int64)
+        pos = np.zeros((size, q), dtype=np.int64)
+        slots = np.full((size, q), -1, dtype=np.int64)
+        lens = np.full(size, q, dtype=np.int32)  # padding rows: q queries over keys 0..q-1 of block 0
+        for i, s in enumerate(scheduled):
+            p0, drafts = s.request.num_computed_tokens, s.draft_token_ids
+            real = 1 + len(drafts)
+            ids[i, 0] = s.request.all_token_ids[p0]
+            ids[i, 1:real] = drafts
+            pos[i] = np.arange(p0, p0 + q)
+            where = pos[i, :real]
+            slots[i, :real] = np.asarray(s.block_ids, dtype=np.int64)[where // bs] * bs + where % bs
+            lens[i] = p0 + q
+        h64[0, :size * q], h64[1, :size * q], h64[2, :size * q] = ids.ravel(), pos.ravel(), slots.ravel()
+        h32[:size] = lens
         tables = h32[m:m + size * width].reshape(size, width)
         tables.fill(0)
         for i, s in enumerate(scheduled):
@@ -193,6 +238,13 @@ class GraphStep(NamedTuple):
     size: int
     splits: int | None
     width: int
+    query_len: int = 1  # tokens a row: 1, or the verify length
+
+
+def is_verify_step(scheduled: Sequence[ScheduledRequest], verify_len: int) -> bool:
+    """Every row decodes its pending token, with at most ``verify_len - 1`` proposals."""
+    return all(not s.lookahead and s.num_new_tokens == 1 + len(s.draft_token_ids) < verify_len + 1
+               and s.request.num_computed_tokens + 1 == s.request.num_tokens for s in scheduled)
 
 
 # (input_ids [B], positions [B], kv_cache, metadata) -> logits [B, V] float32
@@ -210,38 +262,42 @@ class DecodeGraphs:
 
     def __init__(self, forward: ForwardFn, kv_cache: torch.Tensor, inputs: DecodeInputs,
                  sizes: Sequence[int], variants: dict[int, list[tuple[int, int | None]]] | None = None,
-                 use_graphs: bool = True, other_threads_may_use_cuda: bool = False) -> None:
+                 use_graphs: bool = True, other_threads_may_use_cuda: bool = False,
+                 verify_sizes: Sequence[int] = ()) -> None:
         """``variants[size]``: [(longest context, attention splits)], ascending by context; a
         batch replays the first whose context holds its longest. Default: one graph a size,
-        the kernel's own split choice."""
+        the kernel's own split choice. ``verify_sizes``: the sizes that also get a verify
+        graph (rows of ``inputs.max_query_len`` tokens; the kernel's split choice)."""
         if max(sizes) > inputs.max_num_seqs:
             raise ValueError(f"capture size {max(sizes)} exceeds the buffers' {inputs.max_num_seqs} rows")
         self.forward, self.kv_cache, self.inputs = forward, kv_cache, inputs
         self.sizes = sorted(sizes)
+        self.verify_len = inputs.max_query_len
+        self.verify_sizes = sorted(verify_sizes) if self.verify_len > 1 else []
         unbounded = inputs.max_blocks_per_seq * inputs.block_size
         self.variants = {s: sorted((variants or {}).get(s) or [(unbounded, None)]) for s in self.sizes}
         self.use_graphs = use_graphs
         # A capture fails when any thread makes an unsafe CUDA call meanwhile ("global" mode);
         # with collectives inside the graphs, NCCL's own threads may: only this thread counts.
         self._capture_mode = "thread_local" if other_threads_may_use_cuda else "global"
-        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}  # (size, splits)
+        self.graphs: dict[tuple[int, int | None, int], torch.cuda.CUDAGraph] = {}  # (size, splits, query_len)
         self.last_splits: int | None = None  # the variant the last run used (for tests and logs)
         self.logits: torch.Tensor | None = None  # static output [max size, V] float32, shared by all sizes
         self.num_replays = 0
         self.memory_bytes = 0  # device memory the capture took (pool + graphs), measured
 
-    def _forward(self, size: int, splits: int | None) -> torch.Tensor:
-        ids, positions, meta = self.inputs.views(size, splits)
+    def _forward(self, size: int, splits: int | None, query_len: int = 1) -> torch.Tensor:
+        ids, positions, meta = self.inputs.views(size, splits, query_len)
         return self.forward(ids, positions, self.kv_cache, meta)
 
-    def _forward_into_output(self, size: int, splits: int | None) -> None:
+    def _forward_into_output(self, size: int, splits: int | None, query_len: int = 1) -> None:
         # One shared output outside the graphs' pool: per-size outputs would
         # each stay allocated (hundreds of MiB at a 128k vocabulary).
-        logits = self._forward(size, splits)
+        logits = self._forward(size, splits, query_len)
         if self.logits is None:
-            self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=torch.float32,
-                                      device=logits.device)
-        self.logits[:size].copy_(logits)
+            rows = max(self.sizes[-1], max(self.verify_sizes, default=0) * self.verify_len)
+            self.logits = torch.empty((rows, logits.shape[1]), dtype=torch.float32, device=logits.device)
+        self.logits[:size * query_len].copy_(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -258,21 +314,25 @@ class DecodeGraphs:
         # on this engine's GPU: torch.cuda.graph's default capture stream is made once per
         # process, on the device current then (another engine's, in a process with two)
         stream = torch.cuda.Stream(dev)
-        for size in reversed(self.sizes):
-            for _, splits in self.variants[size]:
-                self._forward_into_output(size, splits)  # warm-up outside the graph: Triton compiles here
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
-                    self._forward_into_output(size, splits)
-                self.graphs[(size, splits)] = graph
+        shapes = [(size, splits, 1) for size in reversed(self.sizes) for _, splits in self.variants[size]]
+        shapes += [(size, None, self.verify_len) for size in reversed(self.verify_sizes)]
+        for size, splits, q in sorted(shapes, key=lambda x: -x[0] * x[2]):  # largest first: one pool
+            self._forward_into_output(size, splits, q)  # warm-up outside the graph: Triton compiles here
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
+                self._forward_into_output(size, splits, q)
+            self.graphs[(size, splits, q)] = graph
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the warm-ups' blocks; the graphs' pool stays
         used = free_before - torch.cuda.mem_get_info(dev)[0]
         self.memory_bytes = used
-        logger.info("captured %d decode graphs (batch sizes %s; attention splits by longest context %s) "
+        logger.info("captured %d decode graphs (batch sizes %s; attention splits by longest context %s%s) "
                     "in %.1f s, %.0f MiB", len(self.graphs), ",".join(map(str, self.sizes)),
-                    {s: self.variants[s] for s in self.sizes}, time.perf_counter() - t0, used / 2**20)
+                    {s: self.variants[s] for s in self.sizes},
+                    f"; verify graphs of {self.verify_len} tokens a row at sizes "
+                    f"{','.join(map(str, self.verify_sizes))}" if self.verify_sizes else "",
+                    time.perf_counter() - t0, used / 2**20)
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """Logits [n, V] of a pure-decode batch of n requests (a view of the
@@ -301,14 +361,25 @@ class DecodeGraphs:
         self.inputs.upload(size, width, ahead_ids)
         return GraphStep(size, splits, width)
 
-    def replay(self, size: int, splits: int | None) -> torch.Tensor:
-        """Run the graph of (size, splits) on the inputs already in the device buffers;
-        the static logits [max size, V]."""
+    def prepare_verify(self, scheduled: Sequence[ScheduledRequest]) -> GraphStep | None:
+        """Fill and upload a verify step (``is_verify_step``); None when it must run eagerly."""
+        size = padded_size(self.verify_sizes, len(scheduled))
+        if size is None or not is_verify_step(scheduled, self.verify_len):
+            return None
+        if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
+            return None
+        width = self.inputs.fill_verify(scheduled, size)
+        self.inputs.upload(size, width)
+        return GraphStep(size, None, width, self.verify_len)
+
+    def replay(self, size: int, splits: int | None, query_len: int = 1) -> torch.Tensor:
+        """Run the graph of (size, splits, query_len) on the inputs already in the device
+        buffers; the static logits [rows, V] (row i's query j at i * query_len + j)."""
         self.last_splits = splits
         if self.use_graphs:
-            self.graphs[(size, splits)].replay()
+            self.graphs[(size, splits, query_len)].replay()
         else:
-            self._forward_into_output(size, splits)
+            self._forward_into_output(size, splits, query_len)
         self.num_replays += 1
         assert self.logits is not None
         return self.logits

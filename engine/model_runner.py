@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "PDSERVE_KERNELS"
 GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
+_MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
 KERNEL_CHOICES = ("auto", "triton", "reference")
@@ -267,8 +268,10 @@ class ModelRunner:
         adapters of --lora-modules, read and checked now."""
         mc = self.config.model
         sc = self.config.scheduler
+        spec = self.config.speculative
+        rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))  # verify graphs
         lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, lc.cpu_loras,
-                           max(sc.max_num_batched_tokens, sc.max_num_seqs), self.device, mc.torch_dtype, self.ops)
+                           max(sc.max_num_batched_tokens, rows), self.device, mc.torch_dtype, self.ops)
         for name, path in lc.modules:
             lora.register(name, path)
         return lora
@@ -334,7 +337,8 @@ class ModelRunner:
         mc, sc = self.config.model, self.config.scheduler
         sizes = self.graph_sizes or capture_sizes(sc.max_num_seqs)
         max_blocks = cdiv(sc.max_model_len, self.block_size)
-        inputs = DecodeInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device)
+        verify_len, verify_sizes = self._verify_graph_shape(sizes)
+        inputs = DecodeInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device, verify_len)
         variants: dict[int, list[tuple[int, int | None]]] = {}
         if self.ops.__name__ == "kernels":
             from kernels.paged_attention import paged_attention_num_splits
@@ -347,7 +351,16 @@ class ModelRunner:
                                                               ctx, self.device) for ctx in (short, longest))
                 variants[b] = [(longest, s_long)] if s_short == s_long else [(short, s_short), (longest, s_long)]
         return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs,
-                            other_threads_may_use_cuda=self.tp is not None)
+                            other_threads_may_use_cuda=self.tp is not None, verify_sizes=verify_sizes)
+
+    def _verify_graph_shape(self, sizes: Sequence[int]) -> tuple[int, list[int]]:
+        """Speculative decoding: the tokens of a verify row (k + 1) and the batch sizes that get
+        verify graphs (up to _MAX_VERIFY_GRAPH_SIZE: past it a step is compute-bound and
+        speculation stops paying); (1, []) without speculation or with tensor parallelism."""
+        spec = self.config.speculative
+        if spec is None or self.tp is not None:
+            return 1, []
+        return 1 + spec.num_speculative_tokens, [b for b in sizes if b <= _MAX_VERIFY_GRAPH_SIZE]
 
     @property
     def block_bytes(self) -> int:
@@ -422,7 +435,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         max_blocks = cdiv(sc.max_model_len, self.block_size)
         buffers = 2 * m * max_blocks * 4 + 3 * m * 8
-        return int(1.25 * activations) + m * mc.vocab_size * 4 + buffers + 64 * 2**20
+        verify_len, verify_sizes = self._verify_graph_shape(capture_sizes(m))
+        logits_rows = max(m, max(verify_sizes, default=0) * verify_len)
+        return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """The step's flat inputs. Per request a slice or a row; per token only vectorised
@@ -588,8 +603,21 @@ class ModelRunner:
             launched = self.launch(out, before_sampling=before_sampling)
             if launched is not None:  # a pure decode step: its graph
                 return launched.result()
-        self._count_forward()
         which = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if on_layer is None and self.graphs is not None and self.graphs.verify_sizes and \
+                any(s.draft_token_ids for s in out.scheduled):
+            step = self.graphs.prepare_verify(out.scheduled)
+            if step is not None:  # a verify step on its graph
+                self._count_forward()
+                if self.lora is not None:
+                    self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size, step.query_len)
+                logits = self.graphs.replay(step.size, None, step.query_len)
+                q = step.query_len
+                idx = [i * q + j for i in which for j in range(1 + len(out.scheduled[i].draft_token_ids))]
+                if before_sampling is not None:
+                    before_sampling(out)
+                return self._sample_with_proposals(out, which, logits[idx])
+        self._count_forward()
         input_ids, positions, meta, sample_idx = self._prepare(out)
         if self.tp is not None:
             self._broadcast_step(input_ids, positions, meta, sample_idx)

@@ -174,10 +174,10 @@ class LoRAManager:
         per_row = self.row_slots(row_infos)
         self.batch.set(None if per_row is None else np.repeat(per_row, counts))
 
-    def set_graph_step(self, row_infos: list[LoRAInfo | None], size: int) -> None:
-        """A decode graph's rows (one token each), padded to ``size`` rows of no adapter."""
+    def set_graph_step(self, row_infos: list[LoRAInfo | None], size: int, query_len: int = 1) -> None:
+        """A decode graph's rows (``query_len`` tokens each), padded to ``size`` rows of no adapter."""
         slots = np.full(size, -1, dtype=np.int32)
         per_row = self.row_slots(row_infos)
         if per_row is not None:
             slots[:len(per_row)] = per_row
-        self.batch.upload(slots)
+        self.batch.upload(np.repeat(slots, query_len))

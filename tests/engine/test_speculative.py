@@ -137,3 +137,38 @@ def test_configuration_is_checked(model_dir):
                          ("{nope", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(model=str(model_dir), device="cpu", speculative_config=bad).create_engine_config()
+
+
+def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch):
+    """Verify steps replay verify graphs (k + 1 tokens a row, a row's missing proposals
+    padded with tokens that write nowhere), run eagerly on CPU over the same buffers: the
+    greedy tokens are plain decoding's, with rows of every proposal count (none, one,
+    all k; right and wrong) in one batch."""
+    prompts = _prompts() * 2
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = _run(LLM(str(model_dir), **ENGINE), prompts, params)
+    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC, max_num_seqs=8)
+    graphs = llm.engine.runner.graphs
+    assert graphs.verify_len == 5 and graphs.verify_sizes == [1, 2, 4, 8]
+    replays = []
+    replay = graphs.replay
+
+    def counted(size, splits, query_len=1):
+        replays.append(query_len)
+        return replay(size, splits, query_len)
+
+    graphs.replay = counted
+    continuation = {tuple(p): toks for p, (toks, _) in zip(prompts, want)}
+    proposals = iter(range(10**6))
+
+    def oracle(req, k: int) -> list[int]:  # right, wrong, short and empty proposals in turn
+        done, turn = req.num_output_tokens, next(proposals) % 4
+        right = continuation[tuple(req.prompt_token_ids)][done:done + k]
+        return [right, [0] * k, right[:1], []][turn]
+
+    llm.engine.scheduler.speculator = oracle
+    assert _run(llm, prompts, params) == want
+    assert replays.count(5) > 5 and llm.engine.scheduler.spec.num_accepted_tokens > 10
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
