@@ -277,6 +277,16 @@ def test_required_tool_calls_are_parsed_by_the_client(oai):
                for c in calls), calls
 
 
+def test_required_tool_calls_stream_for_the_client(oai):
+    with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
+                                     temperature=0, tool_choice="required") as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    assert all(isinstance(c.function.parsed_arguments, GetWeather if c.function.name == "get_weather" else GetTime)
+               for c in choice.message.tool_calls), choice.message.tool_calls
+
+
 def test_named_tool_call_streams_in_pieces(oai):
     with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
                                      temperature=0, tool_choice={"type": "function", "function": {"name": "get_time"}}
@@ -320,13 +330,16 @@ def _grpc_tools() -> list:
                                      parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS]
 
 
-def test_grpc_tool_calls(cluster):
-    """The same tools through gRPC: calls arrive parsed in ToolCallDelta pieces (id and name
-    on the first), the text is the content only, and the end is "tool_calls"; a conversation
-    carrying a call and its result renders; bad tools are INVALID_ARGUMENT naming them."""
+@pytest.mark.parametrize("mode", ["disaggregated", "local"])
+def test_grpc_tool_calls(cluster, mode):
+    """The same tools through gRPC, on both gateways: calls arrive parsed in ToolCallDelta
+    pieces (id and name on the first), the text is the content only, and the end is
+    "tool_calls"; a conversation carrying a call and its result renders; bad tools are
+    INVALID_ARGUMENT naming them."""
     messages = [gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in WEATHER]
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=150)
-    with grpc.insecure_channel(cluster.grpc_address) as ch:
+    address = cluster.grpc_address if mode == "disaggregated" else cluster.local.grpc_address
+    with grpc.insecure_channel(address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
 
         def generate(**chat: Any) -> list:
