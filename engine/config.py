@@ -512,8 +512,6 @@ class EngineArgs:
         if self.enable_lora:
             lora = LoRAConfig(tuple(parse_lora_module(m) for m in self.lora_modules or ()), self.max_loras,
                               self.max_lora_rank, self.max_cpu_loras)
-            if self.tensor_parallel_size > 1:
-                raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
         elif self.lora_modules:
             raise ValueError("--lora-modules needs --enable-lora")
         from engine.parallel import check_tp_size

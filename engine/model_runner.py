@@ -46,6 +46,7 @@ environment turns it on: an inherited variable cannot crash a cluster.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from types import ModuleType
@@ -61,7 +62,7 @@ from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear import LinearBase
-from engine.lora.config import LoRAConfig
+from engine.lora.config import LoRAConfig, LoRAInfo
 from engine.lora.manager import LoRAManager
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device, verify_async
@@ -129,7 +130,8 @@ def _forward_fault_budget() -> int | None:
     return _armed_forward_fault
 
 
-_STOP, _STEP, _GRAPH = 0, 1, 2  # tensor parallel: what rank 0 broadcasts to the other ranks each step
+# tensor parallel: what rank 0 broadcasts to the other ranks (each step; _LORA_SLOT when it fills a slot)
+_STOP, _STEP, _GRAPH, _LORA_SLOT = 0, 1, 2, 3
 
 
 class LaunchedStep:
@@ -272,8 +274,11 @@ class ModelRunner:
         rows = sc.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))  # verify graphs
         lora = LoRAManager(self.model, lc.max_loras, lc.max_lora_rank, lc.cpu_loras,
                            max(sc.max_num_batched_tokens, rows), self.device, mc.torch_dtype, self.ops)
-        for name, path in lc.modules:
-            lora.register(name, path)
+        if self.tp is not None and self.tp.rank == 0:
+            lora.on_slot_filled = self._share_lora_slot
+        if self.tp is None or self.tp.rank == 0:  # the other ranks follow rank 0's slots
+            for name, path in lc.modules:
+                lora.register(name, path)
         return lora
 
     def _set_kv_scales(self) -> KVScales | None:
@@ -487,6 +492,10 @@ class ModelRunner:
         self.tp.broadcast(header)
         parts = [input_ids, positions, meta.slot_mapping, meta.block_tables.flatten(), meta.query_start_loc,
                  meta.seq_lens, torch.tensor(sample_idx, dtype=torch.int64, device=self.device)]
+        if self.lora is not None:  # each token's adapter slot (-1 throughout: none)
+            batch = self.lora.batch
+            parts.append(batch.token_slots[:input_ids.shape[0]] if batch.active
+                         else torch.full_like(input_ids, -1))
         self.tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
     def _share_graph_step(self, step: GraphStep) -> None:
@@ -494,15 +503,25 @@ class ModelRunner:
         place the block tables themselves). The header goes up from pinned memory: a pageable
         copy would wait for the step in flight."""
         assert self.tp is not None and self.graphs is not None
-        size, splits, width = step
+        size, splits, width = step.size, step.splits, step.width
         header = torch.tensor([_GRAPH, size, -1 if splits is None else splits, width, 0], dtype=torch.int64)
         self.tp.broadcast(to_device(header, self.device))
         self._broadcast_graph_inputs(size, width)
 
+    def _share_lora_slot(self, slot: int, info: LoRAInfo) -> None:
+        """Rank 0 filled ``slot`` with ``info``: every other rank does the same (before any step
+        that reads it: broadcasts keep their order)."""
+        data = json.dumps({"name": info.name, "path": info.path, "fingerprint": info.fingerprint}).encode()
+        self.tp.broadcast(torch.tensor([_LORA_SLOT, slot, len(data), 0, 0], dtype=torch.int64, device=self.device))
+        self.tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+
+    def _receive_bytes(self, n: int) -> bytes:
+        return bytes(self.tp.broadcast(torch.empty(n, dtype=torch.uint8, device=self.device)).cpu().tolist())
+
     def _replay_shared_graph_step(self, size: int, splits: int, width: int) -> None:
         """Ranks > 0: the inputs rank 0 shares into this rank's buffers, then the same graph."""
         assert self.graphs is not None
-        self._broadcast_graph_inputs(size, width)
+        self._broadcast_graph_inputs(size, width)  # (the adapter slots land in the buffer the graph reads)
         self.graphs.inputs.place_tables(size, width)
         self.graphs.replay(size, None if splits < 0 else splits)
 
@@ -512,6 +531,8 @@ class ModelRunner:
         inputs = self.graphs.inputs
         self.tp.broadcast(inputs.i64)
         self.tp.broadcast(inputs.staged_i32(size, width))
+        if self.lora is not None:  # the rows' adapter slots, which the graph reads
+            self.tp.broadcast(self.lora.batch.token_slots[:size])
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -526,10 +547,17 @@ class ModelRunner:
             if cmd == _GRAPH:
                 self._replay_shared_graph_step(t, b, w)
                 continue
-            payload = self.tp.broadcast(torch.empty(3 * t + b * w + 2 * b + 1 + s, dtype=torch.int64, device=dev))
-            ids, pos, slots, tables, qsl, lens, idx = payload.split([t, t, t, b * w, b + 1, b, s])
+            if cmd == _LORA_SLOT:  # rank 0 filled slot t: the same adapter into this rank's slot
+                self.lora.follow_slot(t, self._receive_bytes(b))
+                continue
+            lora_t = t if self.lora is not None else 0
+            payload = self.tp.broadcast(torch.empty(3 * t + b * w + 2 * b + 1 + s + lora_t, dtype=torch.int64,
+                                                    device=dev))
+            ids, pos, slots, tables, qsl, lens, idx, lora_slots = payload.split([t, t, t, b * w, b + 1, b, s, lora_t])
             meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32),
                                      query_start_loc=qsl.to(torch.int32), seq_lens=lens.to(torch.int32))
+            if self.lora is not None:
+                self.lora.batch.set_device(lora_slots.to(torch.int32))
             hidden = self.model(ids, pos, self.kv_cache, meta)
             if s:
                 self.model.compute_logits(hidden[idx])  # takes part in the gather
@@ -581,10 +609,10 @@ class ModelRunner:
         if step is None:
             return None
         self._count_forward()
+        if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
+            self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
         if self.tp is not None:
             self._share_graph_step(step)
-        if self.lora is not None:
-            self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
         logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
         if before_sampling is not None:
             before_sampling(out)

@@ -52,6 +52,15 @@ class LoRABatch:
             host = host.pin_memory()
         self.token_slots[:len(token_slots)].copy_(host, non_blocking=True)
 
+    def set_device(self, token_slots: torch.Tensor) -> None:
+        """An eager step's slots already on the device (tensor parallelism, ranks > 0: as rank
+        0 sent them; all -1: no LoRA work)."""
+        n = token_slots.shape[0]
+        self.token_slots[:n].copy_(token_slots)
+        self.active = bool((token_slots >= 0).any())
+        if self.active:
+            self.begin(n)
+
     def begin(self, n: int) -> None:
         """The step's first n rows read their slots from the buffer: grouped here, on the device
         (a decode graph captures this with the layers, and replays it over each step's slots)."""

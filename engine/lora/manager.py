@@ -15,10 +15,12 @@ loop.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
 from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,6 +52,8 @@ class LoRAManager:
         self._slot_fingerprints: list[str | None] = [None] * max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU
         self.num_slot_loads = 0
+        # Tensor parallelism, rank 0: told each time it fills a slot (the other ranks follow).
+        self.on_slot_filled: Callable[[int, LoRAInfo], None] | None = None
 
     # ---- registry (any thread) ---------------------------------------------
     def register(self, name: str, path: str) -> LoRAInfo:
@@ -123,10 +127,22 @@ class LoRAManager:
 
     def _load_slot(self, slot: int, info: LoRAInfo) -> None:
         adapter = self._host_adapter(info)
+        if self.on_slot_filled is not None:
+            self.on_slot_filled(slot, info)
         for layer in self.layers.values():
             layer.set_slot(slot, adapter)
         self._slots[slot], self._slot_fingerprints[slot] = info.name, info.fingerprint
         self.num_slot_loads += 1
+
+    def follow_slot(self, slot: int, message: bytes) -> None:
+        """Tensor parallelism, ranks > 0: rank 0 filled ``slot`` (its message: the adapter's
+        name, path and fingerprint); fill this rank's share of it the same way."""
+        spec = json.loads(message)
+        info = LoRAInfo(spec["name"], spec["path"], 0, spec["fingerprint"], None)
+        with self._lock:
+            if self._registered.get(info.name) != info:
+                self._registered[info.name] = info
+        self._load_slot(slot, info)
 
     def prefetch(self, info: LoRAInfo) -> None:
         """Copy ``info`` into a slot ahead of its first step (a decode server, while the prompt

@@ -74,6 +74,28 @@ def test_mixed_batch_matches_peft(setups, name, graphs, monkeypatch):
             assert llm.engine.lora.num_slot_loads >= 3 and len(llm.engine.lora.held()) == 2
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_tensor_parallel_ranks_follow_rank_zeros_slots(setups, graphs, monkeypatch):
+    """TP 2 on CPU (gloo): each rank holds its share of every adapter (column layers B's
+    rows, row layers A's columns), rank 0's slot fills and each step's token slots reach
+    the other rank; two slots for three adapters make the slots turn over."""
+    if graphs:
+        monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    base, adapters = setups["qwen3"]
+    prompts = random_prompts(LENGTHS, seed=11)
+    loras = [*_requests(adapters), None]
+    refs = {None: hf_model(base)} | {str(p): peft_model(base, p) for p in adapters}
+    want = [hf_greedy(refs[lr.lora_path if lr else None], [p], MAX_TOKENS)[0] for p, lr in zip(prompts, loras)]
+    llm = LLM(str(base), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_cpu_loras=3,
+              kv_cache_memory="8MiB", block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras)]
+    for p, w, g, lr in zip(prompts, want, got, loras):
+        assert_greedy_match(refs[lr.lora_path if lr else None], [p], [w], [g])
+    assert llm.engine.lora.num_slot_loads >= 3
+    llm.engine.close()
+
+
 def test_prefix_cache_is_per_adapter(setups):
     base, adapters = setups["qwen3"]
     llm = LLM(str(base), enable_lora=True, max_loras=2, kv_cache_memory="8MiB", block_size=4)
