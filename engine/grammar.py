@@ -51,6 +51,9 @@ from engine.structured_outputs import MAX_WHITESPACE, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _MAX_CACHED = 256  # compiled grammars kept (LRU)
+# Masks of this many rows or more are filled on xgrammar's threads, fewer one by one: on the
+# H200 machine one by one was faster at 32 rows, the threads at 64 (docs/benchmarks.md).
+_BATCH_FILL_ROWS, _BATCH_FILL_THREADS = 64, "auto"
 
 
 class Poll(enum.Enum):
@@ -194,12 +197,13 @@ class GrammarManager:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        if len(grammars) == 1:
-            grammars[0].matcher.fill_next_token_bitmask(bitmask, 0)
-        else:
+        if len(grammars) >= _BATCH_FILL_ROWS:
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_BATCH_FILL_THREADS)
             self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        else:
+            for i, g in enumerate(grammars):
+                g.matcher.fill_next_token_bitmask(bitmask, i)
         only_stop = self._only_stop_tokens(bitmask).tolist()
         for g, mask, only in zip(grammars, bitmask, only_stop):
             g.mask, g.only_stop = mask, only
