@@ -9,10 +9,13 @@ adapter on the prefill server, the rest on the decode server); requests for an
 adapter go only to servers that hold it; the prefix cache is shared within an
 adapter and never across (``cached_tokens``); ``/v1/models`` lists the adapters with
 their parent; unknown names are 404; a bad adapter is refused with its reason by
-every server; an unloaded adapter is gone; every server ends with no blocks held."""
+every server; adapters load and unload while requests run (a request under an
+adapter being unloaded ends whole), and an unloaded adapter is gone; every server
+ends with no blocks held."""
 from __future__ import annotations
 
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,11 +62,11 @@ def cluster(setup):
             e.wait_idle()
 
 
-def _generate(address: str, prompt: list[int], model: str = "") -> list[int]:
+def _generate(address: str, prompt: list[int], model: str = "", max_tokens: int = MAX_TOKENS) -> list[int]:
     with grpc.insecure_channel(address) as ch:
         req = gateway_pb2.GenerateRequest(
             model=model, token_ids=gateway_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         return [t for m in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120) for t in m.token_ids]
 
 
@@ -112,9 +115,21 @@ def test_adapters_through_both_tiers(setup, cluster):
     r = httpx.post(cluster.http_url + "/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(wide)},
                    timeout=60)
     assert r.status_code == 400 and "rank 32 is above --max-lora-rank 16" in r.json()["error"]["message"], r.text
+    # Loaded while requests run (a copy of a under another name: its blocks are its own), and
+    # b unloaded while a request under it decodes: that request ends whole.
+    with ThreadPoolExecutor(2) as pool:
+        under_b = pool.submit(_generate, cluster.grpc_address, prompts[1], "b", 200)
+        base_run = pool.submit(_generate, cluster.grpc_address, prompts[2], "", 200)
+        while not any(e.load().num_running for e in (decode_a, decode_plain)) and not under_b.done():
+            time.sleep(0.01)
+        r = httpx.post(cluster.http_url + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(a)},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(cluster.http_url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(under_b.result()) == 200 and len(base_run.result()) == 200
+    assert _generate(cluster.grpc_address, prompts[0], "a2") == got[0]  # a's tokens under its copy
     # Unloaded, b is gone.
-    r = httpx.post(cluster.http_url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
-    assert r.status_code == 200, r.text
     assert "b" not in {m["id"] for m in httpx.get(cluster.http_url + "/v1/models", timeout=10).json()["data"]}
     r = httpx.post(cluster.http_url + "/v1/completions", json={"model": "b", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404, r.text

@@ -96,6 +96,21 @@ def test_tensor_parallel_ranks_follow_rank_zeros_slots(setups, graphs, monkeypat
     llm.engine.close()
 
 
+def test_default_model_under_an_adapter_matches_peft(default_model_dir, tmp_path):
+    """The embedded default model (SmolLM2-135M, Llama family, tied embeddings) with a PEFT
+    adapter on every projection: greedy tokens are PEFT's."""
+    adapter = make_adapter(default_model_dir, tmp_path / "smol", seed=5, r=8, alpha=16, scale=0.5)
+    ref = peft_model(default_model_dir, adapter)
+    prompts = random_prompts([6, 19], vocab=49152, seed=12)
+    want = hf_greedy(ref, prompts, MAX_TOKENS)
+    assert want != hf_greedy(hf_model(default_model_dir), prompts, MAX_TOKENS)  # the adapter matters
+    llm = LLM(None, enable_lora=True, kv_cache_memory="32MiB", max_model_len=256)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        lora_request=LoRARequest("smol", 1, str(adapter)))]
+    assert_greedy_match(ref, prompts, want, got)
+
+
 def test_prefix_cache_is_per_adapter(setups):
     base, adapters = setups["qwen3"]
     llm = LLM(str(base), enable_lora=True, max_loras=2, kv_cache_memory="8MiB", block_size=4)
