@@ -10,6 +10,7 @@ environment variables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -506,8 +507,10 @@ class EngineArgs:
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
                                 max_queued_requests=self.max_queued_requests)
         speculative = SpeculativeConfig.parse(self.speculative_config)
-        if speculative is not None and speculative.method == "draft_model":
-            raise ValueError("--speculative-config: method draft_model is not supported yet (use ngram)")
+        if speculative is not None and speculative.model is not None:
+            from engine.model_files import resolve_model_path
+
+            speculative = dataclasses.replace(speculative, model=resolve_model_path(str(speculative.model)))
         lora = None
         if self.enable_lora:
             lora = LoRAConfig(tuple(parse_lora_module(m) for m in self.lora_modules or ()), self.max_loras,

@@ -45,6 +45,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import ngram_propose
 
 if TYPE_CHECKING:
+    from engine.draft_model import DraftProposer
     from engine.grammar import GrammarManager
     from engine.lora.config import LoRAInfo
     from engine.lora.manager import LoRAManager
@@ -124,14 +125,28 @@ class LLMEngine:
         logger.info("engine config: %s", config.describe())
         self.config = config
         self.tp, self._workers = self._start_tensor_parallel(config)
-        self.runner = ModelRunner(config, self.tp)
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from engine.draft_model import draft_block_bytes, draft_model_config
+
+            draft = draft_model_config(config)
+        # A draft model's cache has a block for each of the target's: sized together.
+        self.runner = ModelRunner(config, self.tp,
+                                  extra_block_bytes=draft_block_bytes(config, draft) if draft is not None else 0)
         # Closed by close(), or when the engine is dropped or the process ends.
         self._close_tp = weakref.finalize(self, _close_tensor_parallel, self.runner, self._workers)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
-        spec = config.speculative
-        if spec is not None:  # n-gram proposals, from the request's own tokens (engine/speculative.py)
+        self.drafter: DraftProposer | None = None
+        if draft is not None:  # a draft model's proposals, a step's rows at once (engine/draft_model.py)
+            from engine.draft_model import DraftProposer
+
+            self.drafter = DraftProposer(config, draft, self.runner.num_blocks)
+            self.scheduler.batch_speculator = self.drafter.propose
+        elif spec is not None:  # n-gram proposals, from the request's own tokens (engine/speculative.py)
             self.scheduler.speculator = lambda req, k: ngram_propose(req.all_token_ids, k, spec.prompt_lookup_min,
                                                                      spec.prompt_lookup_max)
+        if spec is not None:
             self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
         if self.runner.lora is not None:
             self.scheduler.max_loras = self.runner.lora.max_loras
@@ -192,6 +207,8 @@ class LLMEngine:
         self._workers = []
         if self.grammars is not None:
             self.grammars.close()
+        if self.drafter is not None:
+            self.drafter.close()
 
     def expert_load(self):  # -> torch.Tensor
         """[MoE layers, experts] int64 on the host: tokens routed to each expert since the

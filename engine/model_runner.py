@@ -173,7 +173,10 @@ def _sampling_row(s: ScheduledRequest) -> SamplingRow:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, extra_block_bytes: int = 0) -> None:
+        """``extra_block_bytes``: what each KV block costs beside this cache's own (a draft
+        model's block for each of ours), counted when the number of blocks is chosen."""
+        self.extra_block_bytes = extra_block_bytes
         self._forwards_before_fault = _forward_fault_budget()
         self.config = config
         self.device = torch.device(config.device)
@@ -386,7 +389,7 @@ class ModelRunner:
             budget = int(total * cc.gpu_memory_utilization) - peak - graphs
             logger.info("memory profile: peak %.2f GiB (weights + activations), CUDA graphs %.2f GiB, "
                         "KV budget %.2f GiB", peak / 2**30, graphs / 2**30, budget / 2**30)
-        num_blocks = budget // self.block_bytes
+        num_blocks = budget // (self.block_bytes + self.extra_block_bytes)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
                              f"{self.block_bytes}); raise --gpu-memory-utilization or --kv-cache-memory")

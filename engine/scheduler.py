@@ -134,8 +134,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
         self.max_waiting: int | None = None  # bound of ``waiting`` for add_request (servers set it)
         self.grammars: Grammars | None = None  # set by the engine when a request has a constraint
-        # Speculative decoding: proposals for a decoding request (request, at most k) -> tokens
+        # Speculative decoding: proposals for a decoding request (request, at most k) -> tokens;
+        # or, for a proposer that runs a model (a draft), for a step's rows at once:
+        # [(request, k, its block table)] -> {request id: tokens}, blocks for the k taken first
         self.speculator: Callable[[Request, int], list[int]] | None = None
+        self.batch_speculator: Callable[[list[tuple[Request, int, list[int]]]], dict[str, list[int]]] | None = None
         self.num_speculative_tokens = 0
         self.max_loras: int | None = None  # --max-loras: distinct adapters per step (None: no LoRA)
         self.spec = SpecStats()
@@ -301,6 +304,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()  # ids in out.scheduled, kept alongside it (no rebuild per request)
         loras: set[str] = set()  # the step's adapters (at most max_loras)
+        drafted = self._batch_proposals(budget) if self.batch_speculator is not None else {}
         # Decode-first: stable sort puts requests with one token to compute first.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
@@ -310,7 +314,7 @@ class Scheduler:
             if self._held_by_constraint(req, out) or not self._lora_fits(req, loras):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._proposals(req, budget) if num_new == 1 else []
+            drafts = self._proposals(req, budget, drafted) if num_new == 1 else []
             if drafts and self.kv.allocate_slots(req, num_new + len(drafts)) is None:
                 drafts = []  # no room for the proposals: a plain step (proposals never preempt)
             if drafts or self._allocate_or_preempt(req, num_new, out, scheduled):
@@ -350,6 +354,8 @@ class Scheduler:
         rows = [s.request for s in in_flight.scheduled]
         loras: set[str] = set()
         if not all(self._lora_fits(r, loras) for r in self.running):  # more adapters than one step takes
+            return None
+        if self._may_speculate(self.running):  # a step with proposals is scheduled after the tokens are read
             return None
         if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish
                or r.sampling_params.structured_outputs is not None for r in rows):
@@ -396,17 +402,49 @@ class Scheduler:
                 return r
         return None
 
-    def _proposals(self, req: Request, budget: int) -> list[int]:
-        """Tokens to verify after a decoding request's pending one: none without a speculator,
-        for rows whose outputs it cannot verify position by position (a constraint's mask,
-        logprobs) or that never decode here (held for a KV send), and never past max_tokens
-        or the step's budget."""
+    def _speculates(self, req: Request) -> bool:
+        """Whether a decoding request may get proposals: not rows whose outputs cannot be
+        verified position by position (a constraint's mask, logprobs), nor rows that never
+        decode here (held for a KV send)."""
         p = req.sampling_params
-        if (self.speculator is None or req.hold_kv_on_finish or p.structured_outputs is not None
-                or p.logprobs is not None):
+        return not (req.hold_kv_on_finish or p.structured_outputs is not None or p.logprobs is not None)
+
+    def _proposals(self, req: Request, budget: int, drafted: dict[str, list[int]]) -> list[int]:
+        """Tokens to verify after a decoding request's pending one (none without a
+        speculator), never past max_tokens or the step's budget."""
+        if (self.speculator is None and self.batch_speculator is None) or not self._speculates(req):
             return []
         k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
-        return self.speculator(req, k)[:k] if k > 0 else []
+        if k <= 0:
+            return []
+        if self.batch_speculator is not None:
+            return drafted.get(req.request_id, [])[:k]
+        return self.speculator(req, k)[:k]
+
+    def _may_speculate(self, reqs: list[Request]) -> bool:
+        """Whether some of ``reqs`` would get proposals next step: any that may, with a draft
+        model; with n-gram, any whose known tokens give a proposal now (the next token is
+        still in flight: a guess, which only decides whether the step waits for it)."""
+        if self.batch_speculator is not None:
+            return any(self._speculates(r) for r in reqs)
+        if self.speculator is None:
+            return False
+        k = self.num_speculative_tokens
+        return any(self._speculates(r) and r.max_tokens - r.num_output_tokens > 2 and self.speculator(r, k)
+                   for r in reqs)
+
+    def _batch_proposals(self, budget: int) -> dict[str, list[int]]:
+        """The batch speculator's proposals for the running rows that decode this step (their
+        blocks for the proposals taken first: a draft model writes its KV there); a row with
+        no room for them gets none."""
+        batch = []
+        for req in self.running:
+            if req.status != S.RUNNING or req.num_tokens - req.num_computed_tokens != 1 or not self._speculates(req):
+                continue
+            k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+            if k > 0 and self.kv.allocate_slots(req, 1 + k) is not None:
+                batch.append((req, k, self.kv.get_block_ids(req.request_id)))
+        return self.batch_speculator(batch) if batch else {}
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, loras: set[str]) -> None:
         deferred: list[Request] = []  # constraints still compiling, adapters past max_loras: they keep their place

@@ -172,3 +172,41 @@ def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch
     assert replays.count(5) > 5 and llm.engine.scheduler.spec.num_accepted_tokens > 10
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_draft_model_keeps_greedy_output(model_dir, tmp_path, graphs, monkeypatch):
+    """A draft model proposes: the target itself as its own draft (every proposal right)
+    and a second, different checkpoint of the same vocabulary (mostly wrong); greedy
+    output is plain decoding's either way, with stop tokens, max_tokens inside an
+    accepted run and preemption, and the blocks all come back."""
+    if graphs:
+        monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    prompts = _prompts()
+    plain = LLM(str(model_dir), **ENGINE)
+    eos = _run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0][0][7]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[eos]),
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, repetition_penalty=1.3, min_tokens=5)]
+    want = _run(plain, prompts, params)
+    other = make_tiny_model(tmp_path / "draft", seed=9, num_hidden_layers=1, hidden_size=48, intermediate_size=96,
+                            num_attention_heads=4, num_key_value_heads=2)
+    for draft, engine in [(model_dir, ENGINE), (other, ENGINE),
+                          (model_dir, dict(num_gpu_blocks_override=24, max_model_len=512, block_size=4,
+                                           max_num_batched_tokens=48))]:  # preemption mid-speculation
+        spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % draft
+        llm = LLM(str(model_dir), **engine, speculative_config=spec)
+        assert _run(llm, prompts, params) == want
+        assert llm.engine.scheduler.spec.num_draft_tokens > 20
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    # Its own draft, on plain greedy rows (no penalties to make the target choose otherwise):
+    # the proposals are the target's own tokens.
+    spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % model_dir
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=spec)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert _run(llm, prompts, greedy) == _run(plain, prompts, greedy)
+    stats = llm.engine.scheduler.spec
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 50, stats
