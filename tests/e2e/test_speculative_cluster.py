@@ -73,3 +73,31 @@ def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
     assert sum(a["pdserve.spec.accepted_tokens"] for a in per_request) == accepted
     assert all(a["pdserve.spec.acceptance_rate"] == round(a["pdserve.spec.accepted_tokens"]
                                                           / a["pdserve.spec.draft_tokens"], 4) for a in per_request)
+
+
+def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
+    """`pdserve up` with a draft model (the target as its own draft): the decode server
+    runs the draft's prefill of each prompt whose KV arrived from the prefill server, then
+    drafts every step; the tokens are plain decoding's and nearly every proposal is
+    accepted."""
+    d = make_tiny_model(tmp_path / "model", seed=4)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / f, d / f)
+    spec = json.dumps({"method": "draft_model", "model": str(d), "num_speculative_tokens": 3})
+    up, ports = start_cluster(d, "--speculative-config", spec)
+    try:
+        prompts = _prompts()
+        want = [o.outputs[0].token_ids for o in LLM(str(d), kv_cache_memory="16MiB", block_size=4).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: _generate(f"127.0.0.1:{ports['grpc']}", p), prompts))
+        assert got == want
+        text = httpx.get(f"http://127.0.0.1:{ports['decode'] + 1000}/metrics", timeout=10).text
+
+        def value(name: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+        proposed = value("pdserve:spec_decode_num_draft_tokens_total")
+        assert proposed > 0 and value("pdserve:spec_decode_num_accepted_tokens_total") >= 0.9 * proposed
+    finally:
+        up.stop()
