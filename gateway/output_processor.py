@@ -62,6 +62,7 @@ class OutputProcessor:
         self._per_token = bool(req.sampling.stop)
         self._num_output_tokens = 0
         self._num_cached_tokens = 0
+        self.spec = (0, 0)  # speculative decoding: (tokens proposed, accepted), as the decode server counts
         self.first_token_time: float | None = None  # time.monotonic()
         self.last_token_time: float | None = None
 
@@ -70,6 +71,7 @@ class OutputProcessor:
         async with aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:
                 self._num_cached_tokens = max(self._num_cached_tokens, chunk.num_cached_tokens)
+                self.spec = max(self.spec, chunk.spec)
                 ids, lps, text = self._detokenize(chunk)
                 self._observe(len(ids))
                 if self._detok.is_stopped:

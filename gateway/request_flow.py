@@ -83,6 +83,7 @@ class TokenChunk:
     finish_reason: str = ""
     num_cached_tokens: int = 0
     finish_message: str = ""  # finish_reason "error": why
+    spec: tuple[int, int] = (0, 0)  # speculative decoding so far: (tokens proposed, accepted)
 
 
 class _Refused(Exception):
@@ -329,7 +330,8 @@ class RequestFlow:
         """A decode delta as a chunk, without its first ``skip`` tokens."""
         n = min(skip, len(delta.token_ids))
         return TokenChunk(list(delta.token_ids)[n:], list(delta.logprobs)[n:], delta.finish_reason,
-                          delta.num_cached_tokens, delta.finish_message if delta.finish_reason == "error" else "")
+                          delta.num_cached_tokens, delta.finish_message if delta.finish_reason == "error" else "",
+                          (delta.num_draft_tokens, delta.num_accepted_draft_tokens))
 
     async def _read(self, call: Any, decode: Instance, refusable: bool) -> engine_pb2.DecodeResponse:
         try:

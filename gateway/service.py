@@ -15,7 +15,8 @@ writes its log line (unless ``--disable-log-requests``)::
 
 (a request that finished with "error" has its reason after it: ``finish=error (request ...:
 no token meets the structured-output constraint at output position 3)``; one under a LoRA
-adapter ends with ``lora=NAME``).
+adapter ends with ``lora=NAME``, and one that speculated with ``spec_accepted=A/P``: of its P
+proposed tokens, A were accepted).
 
 LoRA adapters: ``resolve_model`` turns a request's ``model`` into the adapter it
 selects (the served model name: the base model, None; a name some engine server
@@ -192,7 +193,7 @@ class GatewayService:
             route = flow.route
             matched = route.cached_tokens(route.prefill or route.decode) if route is not None else 0
             logger.info("request %s%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
-                        "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s%s",
+                        "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s%s%s",
                         req.request_id, internal, len(req.prompt_token_ids), output.num_cached_tokens,
                         output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
                         flow.decode_address or "-",
@@ -200,7 +201,8 @@ class GatewayService:
                         route.reason if route is not None else "-", matched,
                         f"{outcome} ({message})" if message else outcome,
                         f" trace={req.trace.trace_id}" if req.trace.trace_id else "",
-                        f" lora={req.lora_name}" if req.lora_name else "")
+                        f" lora={req.lora_name}" if req.lora_name else "",
+                        f" spec_accepted={output.spec[1]}/{output.spec[0]}" if output.spec[0] else "")
 
     def cluster_json(self) -> dict[str, Any]:
         """The /cluster body: every instance's load and health, and with the in-memory prefix

@@ -78,8 +78,8 @@ def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
 def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
     """`pdserve up` with a draft model (the target as its own draft): the decode server
     runs the draft's prefill of each prompt whose KV arrived from the prefill server, then
-    drafts every step; the tokens are plain decoding's and nearly every proposal is
-    accepted."""
+    drafts every step; the tokens are plain decoding's, nearly every proposal is
+    accepted, and each request's acceptance is in the gateway's request log line."""
     d = make_tiny_model(tmp_path / "model", seed=4)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / f, d / f)
@@ -99,5 +99,8 @@ def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
 
         proposed = value("pdserve:spec_decode_num_draft_tokens_total")
         assert proposed > 0 and value("pdserve:spec_decode_num_accepted_tokens_total") >= 0.9 * proposed
+        # each request's acceptance in the gateway's request log line
+        logged = [line for line in up.logs().splitlines() if " spec_accepted=" in line]
+        assert len(logged) == len(prompts), up.logs()[-3000:]
     finally:
         up.stop()
