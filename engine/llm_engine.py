@@ -480,11 +480,24 @@ class LLMEngine:
         one in flight into ``result``. True when a step is in flight again."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
-        ahead = self.scheduler.schedule_ahead(in_flight.out)  # never a constrained row (its mask needs the token)
+        ahead = self.scheduler.schedule_ahead(in_flight.out)
+        taken: list[Request] | None = None  # the in-flight step's outcome, if taken inside the launch
         if ahead is not None:
             result.reserved += ahead.reserved
-            self._in_flight = self.runner.launch(ahead, in_flight)
-        result.updated += self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+            before_sampling = None
+            if self._bitmasks_of(ahead) is not None:
+                # Constrained rows: once the step ahead's forward is queued, read the tokens in
+                # flight (their sampling is queued before it), take them, and fill the masks
+                # the step ahead samples with; the device runs the forward meanwhile.
+                def before_sampling(step: SchedulerOutput) -> None:
+                    nonlocal taken
+                    taken = self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+                    for s in step.scheduled:  # those tokens are known now: none is pending for the sampler
+                        s.lookahead = 0
+                    self._fill_ready_masks(step)
+            self._in_flight = self.runner.launch(ahead, in_flight, before_sampling=before_sampling)
+        result.updated += taken if taken is not None else \
+            self.scheduler.update_from_output(in_flight.out, *in_flight.result())
         if self._in_flight is None:
             return False
         assert ahead is not None
@@ -529,6 +542,17 @@ class LLMEngine:
             for s, mask in zip(rows, grammars.fill([s.request for s in rows])):
                 s.bitmask = mask
         return fill
+
+    def _fill_ready_masks(self, step: SchedulerOutput) -> None:
+        """The masks of a step scheduled ahead, after the tokens before it were taken: for its
+        constrained rows still running with a mask ready (a row the tokens finished samples
+        unmasked, and its token is thrown away)."""
+        assert self.grammars is not None
+        rows = [s for s in step.scheduled if s.samples and s.request.sampling_params.structured_outputs is not None
+                and s.request.status == RequestStatus.RUNNING
+                and self.grammars.poll(s.request)[0].name == "READY"]
+        for s, mask in zip(rows, self.grammars.fill([s.request for s in rows]) if rows else []):
+            s.bitmask = mask
 
     def wait_for_background(self, timeout: float) -> None:
         """After a step that did no work: wait (at most ``timeout`` s) for background work that

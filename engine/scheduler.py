@@ -327,6 +327,13 @@ class Scheduler:
             self._schedule_waiting(budget, out, loras)
         return out
 
+    def _grammar_ready(self, req: Request) -> bool:
+        """An unconstrained request, or one whose grammar has its next mask (not compiling,
+        not complete: those wait for ``schedule``)."""
+        if req.sampling_params.structured_outputs is None:
+            return True
+        return self.grammars is not None and self.grammars.poll(req)[0].name == "READY"
+
     def _lora_fits(self, req: Request, loras: set[str]) -> bool:
         """Whether ``req``'s adapter can join the step's (``loras``, added to when it can): a
         step runs at most ``max_loras`` adapters; a request under another waits its turn."""
@@ -346,9 +353,10 @@ class Scheduler:
         schedule could differ from the one ``schedule()`` makes after reading the tokens:
         a row of ``in_flight`` no longer running, a running request with more than one token
         to compute, waiting requests and room for them, a row with penalties (they read the
-        tokens) or a structured-output constraint (its next mask follows from the token in
-        flight, on the host) or held for a KV send, the budget, or blocks that would take a
-        preemption.
+        tokens) or held for a KV send, a constrained request not in flight whose grammar is
+        not ready, the budget, or blocks that would take a preemption. A constrained row
+        in flight may go ahead: its next mask follows from the token in flight, which the
+        engine takes before the step ahead samples (``LLMEngine._step_ahead``).
         (Blocks taken for the rows before a None are kept: their requests need them the step
         after.)"""
         rows = [s.request for s in in_flight.scheduled]
@@ -357,13 +365,11 @@ class Scheduler:
             return None
         if self._may_speculate(self.running):  # a step with proposals is scheduled after the tokens are read
             return None
-        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish
-               or r.sampling_params.structured_outputs is not None for r in rows):
+        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish for r in rows):
             return None
         ahead = {r.request_id for r in rows}
         others = [r for r in self.running if r.request_id not in ahead]
-        if any(r.num_tokens - r.num_computed_tokens != 1 or r.sampling_params.structured_outputs is not None
-               for r in others):
+        if any(r.num_tokens - r.num_computed_tokens != 1 or not self._grammar_ready(r) for r in others):
             return None
         if self.waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             return None
