@@ -153,14 +153,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for delta in deltas:
                     yield _to_response(req, delta, first, calls)
                     first = False
-        except GatewayError as e:
-            self._service.on_error(e)
-            await context.abort(e.kind.grpc_status, e.message)
-        except Exception as e:  # a bug: say so instead of a bare UNKNOWN
-            logger.exception("Generate failed")
-            error = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
-            self._service.on_error(error)
-            await context.abort(error.kind.grpc_status, error.message)
+        except Exception as e:
+            await self._abort(context, e, "Generate")
 
     async def Abort(self, request: common_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> common_pb2.AbortResponse:
@@ -192,16 +186,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             work: Awaitable[list[ServerResult]]) -> gateway_pb2.LoRAAdapterResults:
         try:
             results = await work
-        except GatewayError as e:
-            self._service.on_error(e)
-            await context.abort(e.kind.grpc_status, e.message)
-        except Exception as e:  # a bug: say so instead of a bare UNKNOWN
-            logger.exception("LoRA adapter call failed")
-            error = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
-            self._service.on_error(error)
-            await context.abort(error.kind.grpc_status, error.message)
+        except Exception as e:
+            await self._abort(context, e, "LoRA adapter call")
         return gateway_pb2.LoRAAdapterResults(servers=[
             gateway_pb2.LoRAServerResult(address=r.address, role=r.role, ok=r.ok, error=r.error) for r in results])
+
+    async def _abort(self, context: grpc.aio.ServicerContext, e: Exception, what: str) -> None:
+        """End the call with ``e`` as its status: a GatewayError's own, any other exception (a
+        bug) INTERNAL saying so instead of a bare UNKNOWN."""
+        if not isinstance(e, GatewayError):
+            logger.exception("%s failed", what)
+            e = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+        self._service.on_error(e)
+        await context.abort(e.kind.grpc_status, e.message)
 
     async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         auth = self._auth_error(context)

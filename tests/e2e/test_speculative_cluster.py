@@ -10,6 +10,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -40,9 +41,9 @@ def _prompts() -> list[list[int]]:
     return [phrase * 4 + torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 3, 7)]
 
 
-def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
-    d, ports, traces = cluster
-    prompts = _prompts()
+def _served_as_plain(d: Path, ports: dict[str, int], prompts: list[list[int]]) -> Callable[[str], float]:
+    """Assert the cluster streams the offline engine's plain greedy tokens for ``prompts``
+    (concurrently); then the decode server's metric values by name."""
     want = [o.outputs[0].token_ids for o in LLM(str(d), kv_cache_memory="16MiB", block_size=4).generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -53,6 +54,13 @@ def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
     def value(name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
+    return value
+
+
+def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
+    d, ports, traces = cluster
+    prompts = _prompts()
+    value = _served_as_plain(d, ports, prompts)
     assert value("pdserve:spec_decode_num_drafts_total") > 0
     proposed, accepted = value("pdserve:spec_decode_num_draft_tokens_total"), \
         value("pdserve:spec_decode_num_accepted_tokens_total")
@@ -87,16 +95,7 @@ def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
     up, ports = start_cluster(d, "--speculative-config", spec)
     try:
         prompts = _prompts()
-        want = [o.outputs[0].token_ids for o in LLM(str(d), kv_cache_memory="16MiB", block_size=4).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: _generate(f"127.0.0.1:{ports['grpc']}", p), prompts))
-        assert got == want
-        text = httpx.get(f"http://127.0.0.1:{ports['decode'] + 1000}/metrics", timeout=10).text
-
-        def value(name: str) -> float:
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
+        value = _served_as_plain(d, ports, prompts)
         proposed = value("pdserve:spec_decode_num_draft_tokens_total")
         assert proposed > 0 and value("pdserve:spec_decode_num_accepted_tokens_total") >= 0.9 * proposed
         # each request's acceptance in the gateway's request log line
