@@ -19,17 +19,36 @@ token throughput, and goodput: requests/s that met every target of
 ``--goodput ttft:MS tpot:MS e2e:MS`` (vLLM's syntax; default ttft:2000
 tpot:200). ``--plot FILE.png`` draws TTFT/TPOT/E2E percentiles and the
 latency of every request against its start time (needs matplotlib).
+
+A rate sweep: ``--request-rate 4,8,12,16`` runs each rate in turn against
+the same server and writes one JSON: ``{"model", "request_rates",
+"goodput_targets_s", "sweep": [one entry per rate], "args"}``, each entry
+what a one-rate run's JSON holds (less ``args``) plus ``request_rate``
+(offered), ``num_prompts``, ``seed``, ``arrival_rate_per_s`` (as sent),
+``goodput_fraction`` (of the prompts sent) and ``settle`` (the wait before
+it; null for the first). Rate i draws its prompts and arrival gaps from
+``--seed`` + i: the same distribution, new prompts (repeats would hit the
+prefix cache). ``--duration S`` sends S x rate prompts at each finite rate
+instead of ``--num-prompts``. Before each rate after the first the sweep
+waits until the server has been idle for ``--settle-seconds`` in a row
+(pdserve's ``/cluster``: nothing running, waiting or in flight on any
+healthy instance, no KV block held; a server without ``/cluster`` gets a
+plain pause of that long). ``--plot`` then draws goodput and completed rate,
+and the TTFT and TPOT percentiles, against the offered rate. One rate runs
+and writes exactly as before.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+
 from bench.results import write_result
 
 
@@ -40,7 +59,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf = burst")
+    p.add_argument("--request-rate", type=parse_rates, default="inf", metavar="RATE[,RATE...]",
+                   help="req/s (Poisson); inf = burst; several (4,8,12,16): a sweep, one rate after another")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="send S x rate prompts at each finite rate instead of --num-prompts (a sweep of "
+                        "S-second runs)")
+    p.add_argument("--settle-seconds", type=float, default=2.0,
+                   help="sweep: before each next rate, the server must be idle this long (/cluster)")
+    p.add_argument("--settle-timeout", type=float, default=120.0,
+                   help="sweep: go on to the next rate after this many seconds even if the server is busy")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--dataset", choices=("random", "sharegpt", "shared-prefix"), default="random")
     p.add_argument("--max-input-len", type=int, default=4096, help="sharegpt: longest prompt")
@@ -52,11 +79,39 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "metrics ttft, tpot, e2e; default ttft:2000 tpot:200)")
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds (same as --goodput ttft:MS)")
     p.add_argument("--tpot-slo", type=float, default=None, help="seconds per output token (--goodput tpot:MS)")
-    p.add_argument("--plot", default=None, help="write a PNG of the latency percentiles and per-request latency")
+    p.add_argument("--plot", default=None, help="write a PNG of the latency percentiles and per-request latency "
+                                                "(a sweep: goodput and latency against the offered rate)")
     p.add_argument("--vocab-low", type=int, default=100)
     p.add_argument("--vocab-high", type=int, default=40000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+
+
+def parse_rates(text: str | float) -> list[float]:
+    """--request-rate: one rate or a comma list, each > 0 req/s or inf."""
+    rates = []
+    for item in str(text).split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a rate (req/s, or inf)") from None
+        if not rate > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"request rates must be > 0 req/s (or inf), got {item.strip()!r}")
+        rates.append(rate)
+    return rates
+
+
+def request_rates(args: argparse.Namespace) -> list[float]:
+    """The rates asked for (a Namespace built by hand may hold one number)."""
+    rate = args.request_rate
+    return [float(rate)] if isinstance(rate, (int, float)) else list(rate)
+
+
+def num_prompts(args: argparse.Namespace, rate: float) -> int:
+    """Prompts to send at ``rate``: --duration x rate where both are finite, else --num-prompts."""
+    if args.duration is not None and math.isfinite(rate):
+        return max(1, round(args.duration * rate))
+    return args.num_prompts
 
 
 def parse_goodput(args: argparse.Namespace) -> dict[str, float]:
@@ -145,10 +200,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def within_targets(samples: list[Sample], targets: dict[str, float]) -> list[Sample]:
+    """The completed requests that met every goodput target."""
+    return [s for s in samples if s.ok and all(getattr(s, name) <= limit for name, limit in targets.items())]
+
+
 def summarize(samples: list[Sample], wall: float, args: argparse.Namespace) -> dict:
     ok = [s for s in samples if s.ok]
     targets = parse_goodput(args)
-    good = [s for s in ok if all(getattr(s, name) <= limit for name, limit in targets.items())]
+    good = within_targets(samples, targets)
 
     def stats(xs: list[float]) -> dict:
         return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
@@ -162,72 +222,174 @@ def summarize(samples: list[Sample], wall: float, args: argparse.Namespace) -> d
             "e2e": stats([s.e2e for s in ok]), "errors": sorted({s.error for s in samples if s.error})[:5]}
 
 
-async def run(args: argparse.Namespace) -> dict:
+def _bodies(args: argparse.Namespace, model: str, rng: random.Random, n: int) -> list[dict]:
+    prompts = make_prompts(argparse.Namespace(**{**vars(args), "num_prompts": n}), rng)
+    return [{"model": model, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "temperature": 0,
+             "stream": True, "stream_options": {"include_usage": True}} for prompt, out_len in prompts]
+
+
+async def _drive(client, bodies: list[dict], rate: float, args: argparse.Namespace, rng: random.Random,
+                 headers: dict) -> tuple[list[Sample], float, float]:
+    """Send ``bodies`` at ``rate`` (Poisson gaps from ``rng``); the samples, the wall time from the
+    first send to the last answer, and the seconds from the first send to the last."""
+    sem = asyncio.Semaphore(args.max_concurrency)
+    t0 = time.perf_counter()
+
+    async def limited(body: dict) -> Sample:
+        async with sem:
+            start = time.perf_counter() - t0
+            sample = await one_request(client, "/v1/completions", body, headers)
+            sample.start, sample.input_tokens = start, len(body["prompt"])
+            return sample
+
+    tasks, last_send = [], 0.0
+    for body in bodies:
+        last_send = time.perf_counter() - t0
+        tasks.append(asyncio.create_task(limited(body)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    samples = list(await asyncio.gather(*tasks))
+    return samples, time.perf_counter() - t0, last_send
+
+
+def _samples_json(samples: list[Sample]) -> list[dict]:
+    return [{"start": s.start, "ok": s.ok, "ttft": s.ttft, "tpot": s.tpot, "e2e": s.e2e,
+             "input_tokens": s.input_tokens, "output_tokens": s.output_tokens} for s in samples]
+
+
+async def _model(client, args: argparse.Namespace, headers: dict) -> str:
+    return args.model or (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
+
+
+async def run(args: argparse.Namespace, rate: float | None = None) -> dict:
+    """One run at ``rate`` (default: the one --request-rate)."""
     import httpx
 
+    if rate is None:
+        rates = request_rates(args)
+        if len(rates) != 1:
+            raise ValueError(f"run() takes one request rate, got {rates}: sweep() runs several")
+        rate = rates[0]
     parse_goodput(args)  # bad targets fail before any request
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url) as client:
-        model = args.model or (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"]
-        bodies = [{"model": model, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "temperature": 0,
-                   "stream": True, "stream_options": {"include_usage": True}}
-                  for prompt, out_len in make_prompts(args, rng)]
-        sem = asyncio.Semaphore(args.max_concurrency)
-        t0 = time.perf_counter()
-
-        async def limited(body: dict) -> Sample:
-            async with sem:
-                start = time.perf_counter() - t0
-                sample = await one_request(client, "/v1/completions", body, headers)
-                sample.start, sample.input_tokens = start, len(body["prompt"])
-                return sample
-
-        tasks = []
-        for body in bodies:
-            tasks.append(asyncio.create_task(limited(body)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        samples = list(await asyncio.gather(*tasks))
-        result = summarize(samples, time.perf_counter() - t0, args)
-        result["samples"] = [{"start": s.start, "ok": s.ok, "ttft": s.ttft, "tpot": s.tpot, "e2e": s.e2e,
-                              "input_tokens": s.input_tokens, "output_tokens": s.output_tokens} for s in samples]
+        bodies = _bodies(args, await _model(client, args, headers), rng, num_prompts(args, rate))
+        samples, wall, _ = await _drive(client, bodies, rate, args, rng, headers)
+        result = summarize(samples, wall, args)
+        result["samples"] = _samples_json(samples)
         return result
 
 
-def plot(result: dict, path: str) -> None:
-    """Percentiles of TTFT/TPOT/E2E as bars, and each request's TTFT and E2E
-    against its start time (queueing shows as a rising band)."""
-    try:
-        import matplotlib
+def _busy(instances: list[dict]) -> list[str]:
+    """The healthy instances (of a /cluster body) that run, queue or hold anything, as text."""
+    return [f"{i.get('role')} {i.get('address')}: {i.get('num_running', 0)} running, {i.get('num_waiting', 0)} "
+            f"waiting, {i.get('num_in_flight', 0)} in flight, {i.get('kv_blocks_used', 0)} KV blocks"
+            for i in instances if i.get("healthy", True)
+            and (i.get("num_running") or i.get("num_waiting") or i.get("num_in_flight") or i.get("kv_blocks_used"))]
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from exc
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names, pcts = ("ttft", "tpot", "e2e"), ("p50", "p90", "p99")
-    for i, pct in enumerate(pcts):
-        left.bar([j + 0.27 * (i - 1) for j in range(len(names))], [result[n][pct] * 1e3 for n in names], 0.27,
-                 label=pct)
-    left.set_xticks(range(len(names)), [n.upper() for n in names])
-    left.set_yscale("log")
-    left.set_ylabel("ms")
-    left.set_title(f"{result['completed']} requests, {result['output_tokens_per_s']:.0f} output tok/s")
-    left.legend()
-    ok = [s for s in result["samples"] if s["ok"]]
-    right.scatter([s["start"] for s in ok], [s["e2e"] * 1e3 for s in ok], s=6, label="end to end")
-    right.scatter([s["start"] for s in ok], [s["ttft"] * 1e3 for s in ok], s=6, label="TTFT")
-    right.set_xlabel("request start (s)")
-    right.set_ylabel("ms")
-    right.set_title("latency of each request")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+
+async def settle(client, headers: dict, quiet_s: float, timeout_s: float) -> dict:
+    """Wait until the server has been idle for ``quiet_s`` seconds in a row, by pdserve's
+    /cluster (polled every 0.1 s; its load figures are the gateway's last poll of each
+    instance, every 0.5 s by default, and ``num_in_flight`` is live). A server without
+    /cluster gets a plain pause of ``quiet_s``. Gives up after ``timeout_s`` (``idle``
+    false, with what was still busy)."""
+    t0 = time.perf_counter()
+    idle_since: float | None = None
+    for polls in itertools.count():
+        try:
+            r = await client.get("/cluster", headers=headers, timeout=10)
+            instances = r.json().get("instances") if r.status_code == 200 else None
+        except Exception:  # not JSON, or the connection failed
+            instances = None
+        now = time.perf_counter()
+        if instances is None and polls == 0:  # not a pdserve gateway
+            await asyncio.sleep(quiet_s)
+            return {"seconds": time.perf_counter() - t0, "idle": None}
+        busy = _busy(instances) if instances is not None else ["/cluster did not answer"]
+        if busy:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        if idle_since is not None and now - idle_since >= quiet_s:
+            return {"seconds": now - t0, "idle": True}
+        if now - t0 >= timeout_s:
+            return {"seconds": now - t0, "idle": False, "busy": busy}
+        await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+async def sweep(args: argparse.Namespace) -> dict:
+    """Every --request-rate in turn against one server, idle in between (``settle``)."""
+    import httpx
+
+    targets = parse_goodput(args)
+    rates = request_rates(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    runs = []
+    async with httpx.AsyncClient(base_url=args.base_url) as client:
+        model = await _model(client, args, headers)
+        for i, rate in enumerate(rates):
+            settled: dict | None = None  # nothing ran before the first rate
+            if i:
+                settled = await settle(client, headers, args.settle_seconds, args.settle_timeout)
+                if settled["idle"] is False:
+                    print(f"warning: still busy after {settled['seconds']:.0f} s, going on to {rate:g} req/s: "
+                          + "; ".join(settled["busy"]), flush=True)
+            rng = random.Random(args.seed + i)
+            n = num_prompts(args, rate)
+            samples, wall, last_send = await _drive(client, _bodies(args, model, rng, n), rate, args, rng, headers)
+            summary = summarize(samples, wall, args)
+            good = len(within_targets(samples, targets))
+            runs.append({"request_rate": rate, "num_prompts": n, "seed": args.seed + i,
+                         "arrival_rate_per_s": (n - 1) / last_send if n > 1 and last_send > 0 else float("inf"),
+                         "goodput_fraction": good / n, "settle": settled, **summary,
+                         "samples": _samples_json(samples)})
+            r = runs[-1]
+            print(f"{rate:g} req/s offered: {r['completed']}/{n} done, {r['failed']} failed, "
+                  f"{r['request_throughput']:.2f} req/s completed, goodput {r['goodput_requests_per_s']:.2f} "
+                  f"req/s, TTFT p50 {r['ttft']['p50'] * 1e3:.0f} ms, TPOT p50 {r['tpot']['p50'] * 1e3:.1f} ms",
+                  flush=True)
+    return {"model": model, "request_rates": rates, "goodput_targets_s": targets, "sweep": runs}
+
+
+def _targets_text(targets: dict[str, float]) -> str:
+    return ", ".join(f"{name.upper()} <= {limit * 1e3:g} ms" for name, limit in targets.items())
+
+
+def sweep_table(result: dict) -> str:
+    """The sweep as a Markdown table, one row per rate."""
+    def ms(stats: dict) -> str:
+        return " / ".join(f"{stats[p] * 1e3:.0f}" if stats[p] >= 0.1 else f"{stats[p] * 1e3:.1f}"
+                          for p in ("p50", "p90", "p99"))
+
+    rows = [f"| offered req/s | sent req/s | done req/s | failed | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
+            f"| goodput req/s ({_targets_text(result['goodput_targets_s'])}) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["sweep"]:
+        rows.append(f"| {r['request_rate']:g} | {r['arrival_rate_per_s']:.2f} | {r['request_throughput']:.2f} | "
+                    f"{r['failed']} | {ms(r['ttft'])} | {ms(r['tpot'])} | {r['goodput_requests_per_s']:.2f} "
+                    f"({100 * r['goodput_fraction']:.0f}%) |")
+    return "\n".join(rows)
 
 
 def main(args: argparse.Namespace) -> int:
+    from bench import serve_plot
+
+    rates = request_rates(args)
+    parse_goodput(args)
+    if args.plot:
+        serve_plot.pyplot()  # no matplotlib: say so before the benchmark, not after it
+    if len(rates) > 1:
+        result = asyncio.run(sweep(args))
+        result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+        print(sweep_table(result))
+        write_result(result, "serve-sweep", args.output_json)
+        if args.plot:
+            serve_plot.plot_sweep(result, args.plot)
+        return 0 if all(r["failed"] == 0 for r in result["sweep"]) else 1
+    args.request_rate = rates[0]  # the JSON's args hold the one number, as before sweeps
     result = asyncio.run(run(args))
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(json.dumps({k: result[k] for k in ("completed", "failed", "request_throughput", "output_tokens_per_s",
@@ -235,5 +397,5 @@ def main(args: argparse.Namespace) -> int:
                                               "e2e")}, indent=2))
     write_result(result, "serve", args.output_json)
     if args.plot:
-        plot(result, args.plot)
+        serve_plot.plot_run(result, args.plot)
     return 0 if result["failed"] == 0 else 1
