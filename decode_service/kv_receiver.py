@@ -56,6 +56,7 @@ class KVReceivers:
         self.bridge = bridge
         engine = bridge.engine
         self.kv_cache: torch.Tensor = engine.kv_cache  # rank 0's share of the heads under TP
+        self.draft_cache: torch.Tensor | None = engine.draft_kv_cache  # a draft model's (one rank only)
         # The model's layout (every KV head), whatever share of them this process holds.
         self.layout = engine.kv_layout
         self.host = host
@@ -199,7 +200,7 @@ class KVReceivers:
         """Receive one transfer (one part of a request's KV) into ``heads`` (this cache, or its
         share of the KV heads). False when the pair is done (closed or broken)."""
         go, stats = receive_part(receiver, heads, num_parts, f"KV transfer from {peer}", self._parts.admit,
-                                 self._parts.ended, self._parts.refused)
+                                 self._parts.ended, self._parts.refused, draft_cache=self.draft_cache)
         if stats is not None and self.on_transfer is not None:
             self.on_transfer(stats)
         return go

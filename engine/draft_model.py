@@ -17,6 +17,16 @@ round for a batch of rows:
 after which the draft KV is valid up to T + k - 1 if every proposal is accepted;
 the next round starts from min(that, the target's computed tokens), which is where
 the accepted proposals end. The scheduler takes blocks for all k positions first.
+
+Across the tiers the draft's prefill is the prefill server's: there the draft runs
+every prompt chunk the target runs (``prefill``, before the target's forward pass, so
+the draft's KV is written when the target's last layer is), into the same block ids,
+and each KV transfer moves the same blocks of both caches (``KVLayout.draft``). A
+decode server whose prompt KV came whole from such a transfer starts its first
+proposal round with the draft's KV of the prompt in place; one that had a cached
+prefix of the prompt (not sent) computes the draft's KV of the whole prompt itself,
+since a cached block's draft KV may trail its target KV by the positions a finished
+request's last round never drafted.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ import logging
 from collections.abc import Sequence
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_transfer.protocol import KVLayout
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -37,10 +48,11 @@ class _DraftRow:
     """What the draft's runner reads of a request: its tokens (growing by the proposals)
     and how many of them have draft KV."""
 
-    def __init__(self, req: Request) -> None:
+    def __init__(self, req: Request, num_computed_tokens: int | None = None) -> None:
         self.request_id = req.request_id
         self.all_token_ids = list(req.all_token_ids)
-        self.num_computed_tokens = min(req.num_draft_computed, req.num_computed_tokens)
+        self.num_computed_tokens = (min(req.num_draft_computed, req.num_computed_tokens)
+                                    if num_computed_tokens is None else num_computed_tokens)
         self.prompt_token_ids: list[int] = []
         self.output_token_ids: list[int] = []
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -81,11 +93,37 @@ class DraftProposer:
         logger.info("speculative decoding: draft model %s (%d layers) beside the target, %d KV blocks",
                     draft.path, draft.num_layers, num_blocks)
         self.num_rounds = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions the draft computed here (its prefill)
+
+    @property
+    def kv_cache(self):  # -> torch.Tensor, the target's layout with the draft's layers and heads
+        return self.runner.kv_cache
+
+    def kv_layout(self) -> KVLayout:
+        """The draft's part of a KV pair's layout (``KVLayout.draft``)."""
+        mc, s = self.config.model, self.runner.kv_scales
+        scales = ((), ()) if s is None else (s.k, s.v)
+        return KVLayout.of(self.runner.kv_cache, mc.path.name, scales, mc.dtype)
+
+    def prefill(self, rows: Sequence[ScheduledRequest]) -> None:
+        """Compute the draft's KV of the prompt chunks the target computes this step (the
+        prefill tier: rows whose KV is sent), into the same blocks. The prefill tier's cached
+        blocks all came through here, so a row's draft KV is valid wherever its target's is."""
+        step = SchedulerOutput(scheduled=[ScheduledRequest(_DraftRow(s.request, s.request.num_computed_tokens),  # type: ignore[arg-type]
+                                                           s.num_new_tokens, s.block_ids) for s in rows])
+        if not step.scheduled:
+            return
+        self.runner.execute(step)
+        for s in rows:
+            s.request.num_draft_computed = s.request.num_computed_tokens + s.num_new_tokens
+        self.num_prompt_tokens_computed += step.num_batched_tokens
 
     def propose(self, batch: Sequence[tuple[Request, int, list[int]]]) -> dict[str, list[int]]:
         """Up to k greedy proposals for each (request, k, its block table), by request id."""
         rows = [(_DraftRow(req), k, blocks, req) for req, k, blocks in batch if k > 0]
         out: dict[str, list[int]] = {row.request_id: [] for row, *_ in rows}
+        self.num_prompt_tokens_computed += sum(max(0, req.num_prompt_tokens - row.num_computed_tokens)
+                                               for row, _, _, req in rows)
         active = rows
         while active:
             step = SchedulerOutput(scheduled=[ScheduledRequest(row, row.num_tokens - row.num_computed_tokens,  # type: ignore[arg-type]

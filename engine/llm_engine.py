@@ -246,8 +246,15 @@ class LLMEngine:
         cache's dtype and scales, the model's dtype and the weight quantization."""
         mc = self.config.model
         weights = mc.quantization.describe() if mc.quantization is not None else ""
-        layout = KVLayout.of(self.kv_cache, mc.served_model_name, self.kv_scales, mc.dtype, weights)
+        draft = self.drafter.kv_layout() if self.drafter is not None else None
+        layout = KVLayout.of(self.kv_cache, mc.served_model_name, self.kv_scales, mc.dtype, weights, draft)
         return dataclasses.replace(layout, num_kv_heads=mc.num_kv_heads)
+
+    @property
+    def draft_kv_cache(self):  # -> torch.Tensor | None
+        """A draft model's KV cache (``--speculative-config`` method draft_model), whose blocks
+        travel with the target's; None without one."""
+        return self.drafter.kv_cache if self.drafter is not None else None
 
     @property
     def kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -461,6 +468,8 @@ class LLMEngine:
         if not out.is_empty:
             result.num_batched_tokens = out.num_batched_tokens
             self.num_steps_total += 1
+            if self.drafter is not None:  # the prefill tier: the draft's KV of the prompts it sends
+                self.drafter.prefill([s for s in out.scheduled if s.request.hold_kv_on_finish])
             if self.config.async_scheduling and self.layerwise_sink is None:
                 self._in_flight = self.runner.launch(out, before_sampling=self._bitmasks_of(out))  # None: eager
             if self._in_flight is None:

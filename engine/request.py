@@ -109,6 +109,7 @@ class Request:
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
         self.lora = None  # engine.lora.config.LoRAInfo: the adapter it runs under (None: the base model)
         self.num_draft_computed = 0  # draft_model: positions whose draft-model KV is valid (engine/draft_model.py)
+        self.kv_skipped_blocks = 0  # decode tier: leading blocks of the prompt cached here, not received
         self.num_draft_tokens = 0  # speculative decoding: tokens proposed for it, and accepted
         self.num_accepted_draft_tokens = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())

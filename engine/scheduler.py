@@ -222,6 +222,7 @@ class Scheduler:
             raise ValueError(f"request {request_id}: KV sent to blocks {dst_block_ids}, reserved {have} "
                              f"({req.num_cached_tokens} tokens cached here)")
         req.status = S.RECEIVING_KV
+        req.kv_skipped_blocks = skipped
         req.times.kv_recv_start = time.time()
         req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
 
@@ -239,6 +240,8 @@ class Scheduler:
         del self.reserved[request_id]
         req.times.kv_recv_end = time.time()
         req.kv_transfer = transfer
+        if transfer and transfer.get("draft") and req.kv_skipped_blocks == 0:
+            req.num_draft_computed = req.num_prompt_tokens  # the draft's KV of the prompt came too
         req.num_computed_tokens = req.num_prompt_tokens
         req.times.first_scheduled = req.times.first_scheduled or time.time()
         self.kv.cache_blocks(req, req.num_computed_tokens)

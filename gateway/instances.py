@@ -98,6 +98,12 @@ class Instance:
             return None
         return next((a for a in self.load.lora_adapters if a.name == name), None)
 
+    @property
+    def draft_model(self) -> str:
+        """The draft model this server speculates with (or, a prefill server, computes the KV
+        of), as it last said; "" for none."""
+        return self.load.draft_model if self.load is not None else ""
+
     def needs_lora_swap(self, name: str | None) -> bool:
         """Whether a request under adapter ``name`` would first have to take another
         adapter's device slot here (and, while that one is in use, wait for it):
@@ -145,7 +151,7 @@ class Instance:
                 "healthy": self.is_healthy, "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
                 "error": self.error, "draining": self.is_draining, "num_in_flight": self.num_in_flight,
-                "max_loras": load.max_loras,
+                "max_loras": load.max_loras, "draft_model": load.draft_model or None,
                 "lora_adapters": [{"name": a.name, "in_slot": a.in_slot, "fingerprint": a.fingerprint}
                                   for a in load.lora_adapters]}
 

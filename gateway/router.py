@@ -42,6 +42,13 @@ LoRA (a request under adapter ``X``; the base model is unaffected):
 - Prefix: the prompt's block hashes chain from ``X``'s ``root_hash`` (block
   0's parent, as the engine hashes them), which depends on the copy's
   fingerprint: servers are matched per root hash, each with its own chain.
+
+Speculative decoding with a draft model: the prefill tier computes the draft's
+KV of each prompt and sends it with the target's, so a prefill server is a
+candidate only if it runs the chosen decode server's draft model (LoadInfo's
+``draft_model``; "" on both sides without one). None left: the decode server
+prefills (reason "no-prefill-server"). n-gram speculation needs nothing of the
+prefill tier.
 """
 from __future__ import annotations
 
@@ -122,6 +129,9 @@ class Router:
         if lora_name is not None:
             fingerprint = decode.lora_adapter(lora_name).fingerprint
             prefills = [i for i in prefills if i.lora_adapter(lora_name).fingerprint == fingerprint]
+        # A draft model's KV moves with the target's: only a prefill server with the decode
+        # server's draft (or, for one without, none) can feed it; else it prefills itself.
+        prefills = [i for i in prefills if i.draft_model == decode.draft_model]
         if not prefills:
             return route, hashes
         if n - matched.get(decode.address, 0) <= self.local_prefill_threshold:

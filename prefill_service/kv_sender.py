@@ -101,10 +101,12 @@ class RankPairs:
 
 class KVSenders:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, draft_cache: torch.Tensor | None = None) -> None:
         """``layout``: the model's (every KV head); ``tp``: the engine's tensor-parallel group,
-        whose ranks each send their own heads (None: this process holds them all)."""
+        whose ranks each send their own heads (None: this process holds them all);
+        ``draft_cache``: a draft model's cache (``layout.draft``), sent beside the target's."""
         self.kv_cache = kv_cache
+        self.draft_cache = draft_cache
         self.layout = layout
         self.my_address = my_address
         self.timeout = timeout
@@ -187,17 +189,24 @@ class KVSenders:
         reused = self.has_pair(decode_address)
         sender = self.pair(decode_address)
         try:
-            return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
+            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta)
         except KVTransferError as exc:
             if not self.settle_failure(decode_address, sender, reused):
                 raise
             logger.info("KV pair to %s broke (%s); opening a new one", decode_address, exc)
         sender = self.pair(decode_address, reuse=False)
         try:
-            return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
+            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta)
         except KVTransferError:
             self.settle_failure(decode_address, sender, reused=False)
             raise
+
+    def _send_on(self, sender: KVSender | RankPairs, request_id: str, src_block_ids: list[int],
+                 dst_block_ids: list[int], meta: dict) -> TransferStats:
+        if isinstance(sender, RankPairs):  # a draft model runs at one rank only (engine/draft_model.py)
+            return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
+        return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta,
+                           draft_cache=self.draft_cache)
 
     def settle_failure(self, decode_address: str, sender: KVSender | RankPairs, reused: bool,
                        slot: int = 0) -> bool:

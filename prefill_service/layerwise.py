@@ -140,7 +140,8 @@ class LayerwiseSends:
         sender = self.senders.pair(s.decode_address, slot=s.slot)
         header_sent = False
         try:
-            transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache, overlap=True)
+            transfer = sender.begin(s.request_id, src, s.dst_block_ids, self.senders.kv_cache, overlap=True,
+                                    draft_cache=self.senders.draft_cache)
             header_sent = True
             s.wake_every = transfer.chunk_layers
             return self._stream(s, transfer, deadline)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from engine.speculative import SpeculativeConfig
 from prefill_service.flags import add_kv_send_args
 from prefill_service.servicer import PrefillServicer
 from rpc.engine_server import add_server_args, configure_logging, serve_engine
@@ -20,11 +21,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("prefill")
-    if getattr(args, "speculative_config", None):
-        # The prefill tier computes prompts and first tokens: nothing to propose (a draft
-        # model's own prompt KV is computed on the decode server).
-        logging.getLogger(__name__).info("--speculative-config is for decode servers: this prefill server "
-                                         "does not speculate (and loads no draft model)")
+    try:
+        spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+    except ValueError:  # reported by the engine's configuration
+        spec = None
+    if spec is not None and spec.method != "draft_model":
+        # The prefill tier computes prompts and first tokens: nothing to propose. (With a draft
+        # model it computes the draft's KV of each prompt too, sent beside the target's.)
+        logging.getLogger(__name__).info("--speculative-config %s is for decode servers: this prefill server "
+                                         "has nothing to do for it", spec.method)
         args.speculative_config = None
     return asyncio.run(serve_engine(args, "prefill", PrefillServicer(args.kv_send, args.kv_pairs_per_decode)))
 

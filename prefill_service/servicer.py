@@ -72,7 +72,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
         layout = engine.kv_layout
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
-                                 engine.tp)
+                                 engine.tp, engine.draft_kv_cache)
         if self.kv_send == "layerwise":
             self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers,
                                                                     self.pairs_per_decode)

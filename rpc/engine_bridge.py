@@ -170,7 +170,8 @@ class EngineBridge:
             model=cfg.model.served_model_name, block_size=cfg.cache.block_size,
             max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished,
             cache_namespace=self.cache_namespace, instance_id=self.instance_id,
-            lora_adapters=self._lora_adapters(), max_loras=cfg.lora.max_loras if cfg.lora is not None else 0)
+            lora_adapters=self._lora_adapters(), max_loras=cfg.lora.max_loras if cfg.lora is not None else 0,
+            draft_model=self.engine.drafter.kv_layout().model if self.engine.drafter is not None else "")
 
     def _lora_adapters(self) -> list[common_pb2.LoRAAdapter]:
         lora = self.engine.lora

@@ -61,6 +61,10 @@ class _SchedulerCollector(Collector):
             for pos, n in enumerate(per_pos[:k]):
                 c.add_metric(values + [str(pos)], n)
             yield c
+        if self.engine.drafter is not None:
+            yield counter("spec_decode_draft_prompt_tokens", "Prompt tokens the draft model computed here (on a "
+                          "prefill server, every prompt's; on a decode server, those whose draft KV did not "
+                          "come with the prompt's KV).", self.engine.drafter.num_prompt_tokens_computed)
         lora = self.engine.lora
         if lora is not None:  # vLLM's: the adapters of running and waiting requests, in labels
             running, waiting = self.engine.lora_requests()

@@ -39,7 +39,9 @@ from engine.kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, 
 from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
-SENDER_SEED, RECEIVER_SEED = 1, 2
+SENDER_SEED, RECEIVER_SEED, DRAFT_SEED = 1, 2, 3
+# A draft model's cache beside SMALL's: the same blocks, other layers and heads.
+DRAFT = dict(num_layers=2, num_blocks=20, block_size=4, num_kv_heads=1, head_dim=4)
 
 
 def make_cache(seed: int, dtype: str, num_layers: int, num_blocks: int, block_size: int,
@@ -67,6 +69,7 @@ def _peer_main(conn: Any) -> None:
     """Prefill side. Commands: (name, *args); replies ("ok", value) or ("err", type, message)."""
     senders: dict[str, KVSender] = {}
     caches: dict[str, torch.Tensor] = {}
+    drafts: dict[str, torch.Tensor | None] = {}  # a draft model's cache, sent beside the pair's
     while True:
         cmd, *args = conn.recv()
         try:
@@ -74,8 +77,9 @@ def _peer_main(conn: Any) -> None:
             if cmd == "stop":
                 break
             if cmd == "connect":  # heads: send only these KV heads of the cache (a view), or None
-                pair, port, layout, spec, dtype, device, backend, timeout, heads = args
+                pair, port, layout, spec, dtype, device, backend, timeout, heads, *more = args
                 caches[pair] = make_cache(SENDER_SEED, dtype, **spec).to(device)
+                drafts[pair] = make_cache(DRAFT_SEED, dtype, **more[0]).to(device) if more and more[0] else None
                 if heads is not None:
                     caches[pair] = caches[pair][..., heads[0]:heads[1], :]
                 senders[pair] = KVSender.connect("127.0.0.1", port, KVLayout.from_dict(layout),
@@ -85,7 +89,7 @@ def _peer_main(conn: Any) -> None:
                 pair, requests, plan = args
                 plan = WirePlan(*plan) if plan else None
                 result = [asdict(senders[pair].send(rid, src, dst, caches[pair], meta={"first_token": len(src)},
-                                                    plan=plan))
+                                                    plan=plan, draft_cache=drafts[pair]))
                           for rid, src, dst in requests]
             elif cmd == "send_concurrent":
                 pair, requests = args
@@ -106,7 +110,7 @@ def _peer_main(conn: Any) -> None:
             elif cmd == "abort_midway":  # prefill fails after layer 0
                 pair, (rid, src, dst) = args
                 try:
-                    with senders[pair].begin(rid, src, dst, caches[pair]) as transfer:
+                    with senders[pair].begin(rid, src, dst, caches[pair], draft_cache=drafts[pair]) as transfer:
                         transfer.send_layer(0)
                         raise RuntimeError("prefill failed")
                 except RuntimeError as e:
@@ -174,22 +178,29 @@ class Pair:
     def __init__(self, peer: Peer, name: str, spec: dict[str, Any], dtype: str,
                  sender_device: str = "cpu", receiver_device: str = "cpu", backend: str = "auto",
                  timeout: float = 20.0, heads: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                 receiver_spec: dict[str, Any] | None = None) -> None:
+                 receiver_spec: dict[str, Any] | None = None, draft_spec: dict[str, Any] | None = None) -> None:
         """``heads``: (the sender's heads, the receiver's heads) of the two caches that the pair
         moves (as between tensor-parallel ranks holding different shares of the KV heads); the
-        receiver's cache is ``receiver_spec`` (default ``spec``)."""
+        receiver's cache is ``receiver_spec`` (default ``spec``). ``draft_spec``: both sides
+        also hold a draft model's cache of that shape, whose same blocks every transfer moves."""
         self.peer, self.name, self.spec = peer, name, spec
         (s0, s1), (r0, r1) = heads or ((0, spec["num_kv_heads"]), (0, spec["num_kv_heads"]))
         layout = layout_for(dict(spec, num_kv_heads=s1 - s0), dtype)
+        if draft_spec is not None:
+            layout = KVLayout(**{**layout.to_dict(), "draft": layout_for(draft_spec, dtype)})
         self.receiver, port = KVReceiver.listen("127.0.0.1", layout, backend=backend,
                                                 device=receiver_device, timeout=timeout)
         self.backend = peer.call("connect", name, port, layout.to_dict(), spec, dtype, sender_device, backend,
-                                 timeout, heads and heads[0])
+                                 timeout, heads and heads[0], draft_spec)
         self.receiver.wait_connected()
         assert self.receiver.backend == self.backend  # both sides settled the same backend
         self.sent = make_cache(SENDER_SEED, dtype, **spec).to(receiver_device)[..., s0:s1, :]
         self.whole = make_cache(RECEIVER_SEED, dtype, **(receiver_spec or spec)).to(receiver_device)
         self.cache = self.whole[..., r0:r1, :]  # the whole cache when heads is None
+        self.draft_sent = self.draft = None
+        if draft_spec is not None:
+            self.draft_sent = make_cache(DRAFT_SEED, dtype, **draft_spec).to(receiver_device)
+            self.draft = make_cache(RECEIVER_SEED, dtype, **draft_spec).to(receiver_device)
 
     def transfer(self, requests: list[tuple[str, list[int], list[int]]],
                  plan: tuple[bool, int] | None = None) -> list[tuple[Any, ...]]:
@@ -199,10 +210,15 @@ class Pair:
         for rid, src, dst in requests:
             expected = self.whole.clone()
             expected[:, dst, ..., self._heads(), :] = self.sent[:, src]
-            got_rid, got_dst, stats, meta = self.receiver.recv(self.cache, timeout=20.0)
+            if self.draft is not None:
+                expected_draft = self.draft.clone()
+                expected_draft[:, dst] = self.draft_sent[:, src]
+            got_rid, got_dst, stats, meta = self.receiver.recv(self.cache, timeout=20.0, draft_cache=self.draft)
             assert (got_rid, got_dst) == (rid, dst)
             assert meta == {"first_token": len(src)}  # the header's meta travels with the blocks
             assert torch.equal(self.whole, expected)  # the dst blocks' heads exactly, nothing else touched
+            if self.draft is not None:
+                assert torch.equal(self.draft, expected_draft)  # and the same blocks of the draft's cache
             results.append(stats)
         return list(zip(results, self.peer.reply()))
 
@@ -530,6 +546,78 @@ def test_fp8_scales_that_differ_are_refused_on_both_sides(peer: Peer) -> None:
     receiver.close()
 
 
+@pytest.mark.parametrize("plan", [None, (True, 1), (True, 2), (False, 3)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_draft_models_blocks_travel_in_the_same_transfer(peer: Peer, plan: tuple[bool, int] | None,
+                                                           dtype: str) -> None:
+    """Speculative decoding with a draft model: every transfer moves the same blocks of the
+    draft's cache (other layers, heads and head size) after the target's, in the one
+    transfer whose trailer ends it; both land exactly and the bytes count both."""
+    pair = Pair(peer, f"draft-{dtype}-{plan}", SMALL, dtype, draft_spec=DRAFT)
+    try:
+        rng = random.Random(f"{dtype}{plan}")
+        requests = [("shuffled", rng.sample(range(20), 7), rng.sample(range(20), 7)),
+                    ("runs", [5, 6, 7, 8], [2, 3, 9, 10]), ("empty", [], [])]
+        size = torch.finfo(getattr(torch, dtype)).bits // 8
+        per_block = 3 * 2 * 4 * 2 * 8 * size + 2 * 2 * 4 * 1 * 4 * size
+        for (_, src, _), (rstats, sstats) in zip(requests, pair.transfer(requests, plan)):
+            assert rstats.num_bytes == sstats["num_bytes"] == len(src) * per_block
+    finally:
+        pair.receiver.close()
+
+
+def test_a_rejected_or_aborted_transfer_with_a_draft_keeps_the_pair_in_step(peer: Peer) -> None:
+    """Refused by the decode side: neither cache changes; aborted by the prefill side midway:
+    the receiver hears it; either way the next transfer lands in both caches."""
+    pair = Pair(peer, "draft-rejected", SMALL, "float32", draft_spec=DRAFT)
+    try:
+        pair.peer.post("send", pair.name, [("bad", [0, 1, 2], [5, 6, 7])], None)
+        before, draft_before = pair.cache.clone(), pair.draft.clone()
+
+        def refuse(request_id: str, dst: list[int]) -> None:
+            raise ValueError(f"blocks {dst} are not reserved for {request_id}")
+        with pytest.raises(ValueError, match="not reserved for bad"):
+            pair.receiver.recv(pair.cache, refuse, timeout=20.0, draft_cache=pair.draft)
+        assert torch.equal(pair.cache, before) and torch.equal(pair.draft, draft_before)
+        pair.peer.reply()
+        pair.peer.post("abort_midway", pair.name, ("doomed", [0, 1], [2, 3]))
+        with pytest.raises(KVTransferError, match="aborted"):
+            pair.receiver.recv(pair.cache, timeout=20.0, draft_cache=pair.draft)
+        assert pair.peer.reply() == "prefill failed"
+        pair.transfer([("after", [4, 5], [2, 3])])
+        with pytest.raises(ValueError, match="give draft_cache"):  # this pair's transfers carry a draft
+            pair.receiver.recv(pair.cache, timeout=1.0)
+    finally:
+        pair.receiver.close()
+
+
+@pytest.mark.parametrize("prefill_draft, decode_draft, diff", [
+    (None, DRAFT, "draft model none != (tiny: 2 layers x 1 KV heads x 4, float32, blocks of 4) (speculative "
+                  "decoding with a draft model needs it on both tiers: the prefill server computes the draft's "
+                  "KV of the prompt)"),
+    (DRAFT, None, "draft model (tiny: 2 layers x 1 KV heads x 4, float32, blocks of 4) != none (speculative "
+                  "decoding with a draft model needs it on both tiers: the prefill server computes the draft's "
+                  "KV of the prompt)"),
+    (dict(DRAFT, num_layers=3), DRAFT, "draft.num_layers 3 != 2"),
+])
+def test_a_draft_model_on_one_side_only_or_another_draft_is_refused(peer: Peer, prefill_draft: Any,
+                                                                    decode_draft: Any, diff: str) -> None:
+    """The pair's handshake compares the drafts too: a decode server that drafts needs the
+    draft's KV of every prompt, and a prefill server's draft KV is only good for its draft."""
+    def layout(draft: Any) -> KVLayout:
+        base = layout_for(SMALL, "float32")
+        return KVLayout(**{**base.to_dict(), "draft": layout_for(draft, "float32") if draft else None})
+    receiver, port = KVReceiver.listen("127.0.0.1", layout(decode_draft), timeout=20.0)
+    with pytest.raises(PeerError) as sender_side:
+        peer.call("connect", f"draft-mismatch-{diff[:12]}", port, layout(prefill_draft).to_dict(), SMALL,
+                  "float32", "cpu", "auto", 20.0, None, prefill_draft)
+    with pytest.raises(KVTransferError) as receiver_side:
+        receiver.wait_connected()
+    for message in (sender_side.value.message, str(receiver_side.value)):
+        assert message == "KV layout mismatch between prefill and decode: " + diff
+    receiver.close()
+
+
 def test_sender_close_ends_receiver(peer: Peer) -> None:
     pair = Pair(peer, "closing", SMALL, "float32")
     peer.call("close", "closing")
@@ -646,13 +734,14 @@ def test_listen_without_sender_times_out() -> None:
 # Throughput is measured by bench/kv_transfer.py, not here.
 
 GPU_SPEC = dict(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=8, head_dim=64)  # 8 MiB in bf16
+GPU_DRAFT = dict(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=32)
 
 
 def _gpu_round_trip(peer: Peer, name: str, sender_device: str, receiver_device: str, backend: str,
-                    plans: tuple[tuple[bool, int] | None, ...] = (None,)) -> None:
-    """Every plan moves exact bytes. The receiver closes first while the peer's sender lives
-    on: closing must not wait for the peer."""
-    pair = Pair(peer, name, GPU_SPEC, "bfloat16", sender_device, receiver_device)
+                    plans: tuple[tuple[bool, int] | None, ...] = (None,), draft: dict | None = None) -> None:
+    """Every plan moves exact bytes (of a draft model's cache too, with ``draft``). The
+    receiver closes first while the peer's sender lives on: closing must not wait for the peer."""
+    pair = Pair(peer, name, GPU_SPEC, "bfloat16", sender_device, receiver_device, draft_spec=draft)
     try:
         assert pair.backend == backend  # settled from the GPUs' UUIDs ("auto" on both sides)
         rng = random.Random(name)
@@ -674,6 +763,7 @@ def _gpu_round_trip(peer: Peer, name: str, sender_device: str, receiver_device: 
 def test_gpu_same_device_host_staged(peer: Peer) -> None:
     _gpu_round_trip(peer, "staged", "cuda:0", "cuda:0", "gloo", plans=(None, (True, 3)))
     _gpu_round_trip(peer, "cpu-to-gpu", "cpu", "cuda:0", "gloo", plans=(None, (True, 2)))
+    _gpu_round_trip(peer, "staged-draft", "cuda:0", "cuda:0", "gloo", plans=(None, (True, 3)), draft=GPU_DRAFT)
 
 
 @pytest.mark.gpu
@@ -683,6 +773,8 @@ def test_gpu_nccl_between_two_devices(peer: Peer, sender_device: str, receiver_d
     # In place, one group; packed in chunks of 1, 3 (uneven) and all layers; the sender's own choice.
     plans = (None, (False, 4), (False, 1), (True, 1), (True, 3), (True, 4))
     _gpu_round_trip(peer, f"nccl-{sender_device[-1]}", sender_device, receiver_device, "nccl", plans)
+    _gpu_round_trip(peer, f"nccl-draft-{sender_device[-1]}", sender_device, receiver_device, "nccl", plans[:4],
+                    draft=GPU_DRAFT)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directly (no init_process_group)
 
 # 2: backend from GPU UUIDs, chunked message plan; 3: meta in the trailer; 4: the layout has the KV
-# scales and the model's dtype
-PROTOCOL_VERSION = 4
+# scales and the model's dtype; 5: a draft model's cache (``KVLayout.draft``) travels in the same
+# transfer, its chunks after the target's (the header's "draft" plan)
+PROTOCOL_VERSION = 5
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
@@ -57,7 +58,13 @@ class KVLayout:
     float32 model hold the same kind of bytes, but the servers do not run the same model.
     ``weights`` is the weight quantization the KV was computed with ("" for the model
     dtype's weights; else engine/quantization's description of it): a prefill server with
-    FP8 or int4 weights computes other K and V than a 16-bit decode server would."""
+    FP8 or int4 weights computes other K and V than a 16-bit decode server would.
+
+    ``draft``: speculative decoding with a draft model (``--speculative-config`` method
+    ``draft_model``) keeps a second cache, the draft's, with a block for each of the
+    target's; its layout is part of the pair's, and every transfer moves the same blocks of
+    both caches. A pair matches only if both sides run the same draft (or neither does):
+    a decode server that drafts needs the draft's KV of each prompt from its prefill server."""
 
     model: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16", "float8_e4m3fn"
@@ -69,8 +76,14 @@ class KVLayout:
     v_scales: tuple[float, ...] = ()
     model_dtype: str = ""  # "": the same as dtype
     weights: str = ""  # the weight quantization ("": none)
+    draft: KVLayout | None = None  # a draft model's cache, sent beside this one
 
     def __post_init__(self) -> None:
+        if isinstance(self.draft, dict):  # from JSON (the pair's hello)
+            object.__setattr__(self, "draft", KVLayout.from_dict(self.draft))
+        if self.draft is not None and (self.draft.draft is not None or self.draft.block_size != self.block_size):
+            raise ValueError(f"KVLayout.draft must have the target's block size ({self.block_size}) and no "
+                             f"draft of its own, got {self.draft}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -91,20 +104,26 @@ class KVLayout:
     @classmethod
     def of(cls, kv_cache: torch.Tensor, model: str,
            scales: tuple[Sequence[float], Sequence[float]] = ((), ()), model_dtype: str = "",
-           weights: str = "") -> KVLayout:
+           weights: str = "", draft: KVLayout | None = None) -> KVLayout:
         """The layout of ``kv_cache``; ``scales``: an FP8 cache's per-layer (k, v) scales;
         ``model_dtype``: the model's dtype (default: the cache's); ``weights``: the weight
-        quantization ("": none)."""
+        quantization ("": none); ``draft``: a draft model's cache's layout."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError("kv_cache must be [num_layers, num_blocks, 2, block_size, "
                              f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(model=model, dtype=_dtype_name(kv_cache.dtype), block_size=block_size,
                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype, weights=weights)
+                   k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype, weights=weights,
+                   draft=draft)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self)  # the draft's layout as a nested dict
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        return (f"{self.model}: {self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}, "
+                f"{self.dtype}, blocks of {self.block_size}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
@@ -141,19 +160,30 @@ def check_compatible(local: KVLayout, remote: KVLayout, local_role: str = "local
                               + "; ".join(diffs))
 
 
-def _layout_diffs(a: KVLayout, b: KVLayout) -> list[str]:
+def _layout_diffs(a: KVLayout, b: KVLayout, prefix: str = "") -> list[str]:
     """Each field that differs, with both values (``dtype`` is the KV dtype: the cache's).
     ``model_dtype`` is named only where a side's cache is not in its model's dtype (else
-    the ``dtype`` difference says it all)."""
+    the ``dtype`` difference says it all). Two drafts are compared field by field
+    ("draft.num_layers ..."); a draft on one side only is named as such."""
     implied = a.model_dtype == a.dtype and b.model_dtype == b.dtype
-    return [f"{f.name} {_show(getattr(a, f.name))} != {_show(getattr(b, f.name))}"
-            for f in fields(KVLayout) if getattr(a, f.name) != getattr(b, f.name)
-            and not (f.name == "model_dtype" and implied)]
+    diffs = [f"{prefix}{f.name} {_show(getattr(a, f.name))} != {_show(getattr(b, f.name))}"
+             for f in fields(KVLayout) if f.name != "draft" and getattr(a, f.name) != getattr(b, f.name)
+             and not (f.name == "model_dtype" and implied)]
+    if a.draft is not None and b.draft is not None:
+        diffs += _layout_diffs(a.draft, b.draft, prefix + "draft.")
+    elif a.draft != b.draft:
+        diffs.append(f"{prefix}draft model {_show(a.draft)} != {_show(b.draft)} (speculative decoding with a draft "
+                     "model needs it on both tiers: the prefill server computes the draft's KV of the prompt)")
+    return diffs
 
 
 def _show(value: Any) -> str:
     """A layout value for an error message; scales as lists, "none" for a cache without
-    (and for unquantized weights)."""
+    (and for unquantized weights, and a side without a draft model)."""
+    if value is None:
+        return "none"
+    if isinstance(value, KVLayout):
+        return f"({value.describe()})"
     if isinstance(value, tuple):
         return "[" + ", ".join(repr(x) for x in value) + "]" if value else "none"
     return repr(value) if value != "" else "none"
@@ -275,6 +305,17 @@ def chunk_ranges(num_layers: int, chunk_layers: int) -> list[tuple[int, int]]:
     if chunk_layers <= 0:
         raise ValueError(f"chunk_layers must be positive, got {chunk_layers}")
     return [(l0, min(l0 + chunk_layers, num_layers)) for l0 in range(0, num_layers, chunk_layers)]
+
+
+def plane_chunks(planes: Sequence[tuple[torch.Tensor, WirePlan]]) -> list[tuple[int, int, int]]:
+    """A transfer's chunks in wire order: (plane, first_layer, end_layer), the target cache's
+    (plane 0) first, then a draft model's, each cut by its own plan."""
+    return [(i, l0, l1) for i, (kv, plan) in enumerate(planes) for l0, l1 in chunk_ranges(kv.shape[0], plan.chunk_layers)]
+
+
+def plane_block_bytes(planes: Sequence[tuple[torch.Tensor, Any]]) -> int:
+    """Bytes one block moves, over every layer of every plane."""
+    return sum(kv.shape[0] * kv[0, 0].numel() * kv.element_size() for kv, _ in planes)
 
 
 # NCCL message plan, from two H200s over NVLink (docs/benchmarks.md): every message costs

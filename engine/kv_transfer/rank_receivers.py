@@ -74,12 +74,13 @@ class RankReceivers:
 
 def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name: str,
                  admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None],
-                 rank: int = 0) -> tuple[bool, TransferStats | None]:
+                 rank: int = 0, draft_cache: torch.Tensor | None = None) -> tuple[bool, TransferStats | None]:
     """Receive one part of a request's KV into ``heads`` and account for it exactly once:
     ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
     (landed, or failed after admission) or ``refused`` (failed before it, the request known).
     Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
-    receiving rank, named in the figures with the part's end (time.time())."""
+    receiving rank, named in the figures with the part's end (time.time()). ``draft_cache``: a
+    draft model's cache, whose blocks come in the same transfer (the figures' ``draft``)."""
     admitted: list[str] = []
     part = uuid.uuid4().hex  # names this part to rank 0, whose answer may come after we gave up
 
@@ -88,7 +89,7 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
         admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts, part=part)
 
     try:
-        rid, _, stats, meta = receiver.recv(heads, validate=validate)
+        rid, _, stats, meta = receiver.recv(heads, validate=validate, draft_cache=draft_cache)
     except KVChannelClosed:
         logger.info("%s: closed", name)
         return False, None
@@ -103,5 +104,5 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
         return receiver.is_usable and isinstance(exc, Exception), None
     ended(request_id=rid, error=None, part=part, meta=meta, figures={
         "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
-        "backend": stats.backend, "rank": rank, "end": time.time()})
+        "backend": stats.backend, "rank": rank, "end": time.time(), "draft": draft_cache is not None})
     return True, stats

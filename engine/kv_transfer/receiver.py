@@ -15,7 +15,8 @@ import torch.distributed as dist
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
                                          KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
                                          TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
-                                         chunk_ranges, decode_runs, decode_trailer, expand_runs, has_repeats)
+                                         decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
+                                         plane_chunks)
 from engine.kv_transfer.pair import _Pair, _hello, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
@@ -97,15 +98,24 @@ class KVReceiver(_Pair):
             raise self._setup_error
 
     def recv(self, kv_cache: torch.Tensor, validate: Callable[[str, list[int]], None] | None = None,
-             timeout: float | None = None) -> ReceivedKV:
+             timeout: float | None = None, draft_cache: torch.Tensor | None = None) -> ReceivedKV:
         """Receive the next transfer into ``kv_cache``: (request_id, dst_block_ids, stats, meta).
 
         Waits up to ``timeout`` s (None: until a transfer comes or the pair closes) for the
         header, then calls ``validate(request_id, dst_block_ids)``. If it raises (or a dst id
         is out of range / repeated), the data is drained into scratch memory, ``kv_cache`` is
         not modified and the exception is re-raised; the pair stays usable. Returns once the
-        data is in ``kv_cache`` (later work on any stream sees it)."""
+        data is in ``kv_cache`` (later work on any stream sees it).
+
+        ``draft_cache``: the draft model's cache, given exactly when the pair's layout has a
+        draft; each transfer's same blocks of it land there (``ReceivedKV.stats`` counts both)."""
         self.layout.check_cache(kv_cache)
+        if (draft_cache is None) != (self.layout.draft is None):
+            raise ValueError("the pair's layout has a draft model's cache: give draft_cache" if draft_cache is None
+                             else "draft_cache given, but the pair's layout has no draft model")
+        if draft_cache is not None:
+            assert self.layout.draft is not None
+            self.layout.draft.check_cache(draft_cache)
         with self._recv_lock:
             self.wait_connected()
             if self.backend == "nccl" and kv_cache.device != self.device:
@@ -118,7 +128,14 @@ class KVReceiver(_Pair):
                 runs = decode_runs(header["runs"])
                 dst_ids = expand_runs(runs, 1)
                 plan = WirePlan(pack=bool(header["pack"]), chunk_layers=int(header["chunk_layers"]))
-                chunk_ranges(self.layout.num_layers, plan.chunk_layers)  # validates
+                planes = [(kv_cache, plan)]
+                if ("draft" in header) != (draft_cache is not None):
+                    raise ValueError("the header and the pair disagree on a draft model's cache")
+                if draft_cache is not None:
+                    draft = header["draft"]
+                    planes.append((draft_cache, WirePlan(pack=bool(draft["pack"]),
+                                                         chunk_layers=int(draft["chunk_layers"]))))
+                chunks = plane_chunks(planes)  # validates
             except Exception as e:  # cannot know which messages follow: out of sync for good
                 self._fail("reading a KV header", e)
                 raise KVTransferError(f"malformed KV header {header!r}: {e}") from e
@@ -136,7 +153,7 @@ class KVReceiver(_Pair):
                 marks.append(("validated", time.perf_counter()))
 
             try:
-                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, kv_cache, plan, check,
+                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, planes, chunks, check,
                                                                marks)
             except KVTransferError as e:
                 e.request_id = request_id
@@ -146,9 +163,8 @@ class KVReceiver(_Pair):
                                       f"blocks {dst} hold partial data")
                 err.request_id = request_id
                 raise err
-        block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         return ReceivedKV(request_id, list(dst), TransferStats(
-            num_blocks=len(dst), num_bytes=len(dst) * block_bytes * self.layout.num_layers,
+            num_blocks=len(dst), num_bytes=len(dst) * plane_block_bytes(planes),
             seconds=time.perf_counter() - start, backend=self.backend,
             num_messages=num_messages, marks=(*marks, ("landed", time.perf_counter()))), meta)
 
@@ -179,17 +195,18 @@ class KVReceiver(_Pair):
         return header
 
     def _recv_chunks(self, request_id: str, runs: np.ndarray, dst_ids: np.ndarray,
-                     kv_cache: torch.Tensor, plan: WirePlan, check: Callable[[], None],
-                     marks: list[tuple[str, float]]) -> tuple[int, dict[str, Any], int]:
+                     planes: list[tuple[torch.Tensor, WirePlan]], chunks: list[tuple[int, int, int]],
+                     check: Callable[[], None], marks: list[tuple[str, float]]) -> tuple[int, dict[str, Any], int]:
         """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
         previous one lands. ``check`` (the destination blocks may be written) runs before
         anything can reach kv_cache: before the first post, or for a packed plan, whose
         messages land in staging first, right after it. If it raises, the rest is drained into
         scratch, kv_cache is not touched, and its exception is raised once the trailer is in.
-        Returns (trailer status, the sender's meta, data messages)."""
+        Returns (trailer status, the sender's meta, data messages). ``chunks``: (plane, first
+        layer, end layer) in wire order, a plane being one of ``planes`` (cache, its plan)."""
         deadline = time.monotonic() + self.timeout
         what = f"request {request_id}: receiving KV"
-        chunks = chunk_ranges(self.layout.num_layers, plan.chunk_layers)
+        kv_cache, plan = planes[0]
         rejected: Exception | None = None
 
         def run_check() -> bool:
@@ -215,23 +232,25 @@ class KVReceiver(_Pair):
             num_messages = 0
             for k in range(len(chunks) + 1):
                 if k < len(chunks):
-                    targets, in_staging = self._targets(k, chunks[k], runs, kv_cache, plan, drain)
+                    cache, chunk_plan = planes[chunks[k][0]]
+                    targets, in_staging = self._targets(k, chunks[k][1:], runs, cache, chunk_plan, drain)
                     marks.append((f"chunk {k} targets", time.perf_counter()))
                     num_messages += len(targets)
                     staged.append(list(targets) if in_staging and not drain else [])
                     if k == len(chunks) - 1:
                         targets.append(trailer)
-                    works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][0]}.."))
+                    works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][1]}.."))
                     marks.append((f"chunk {k} posted", time.perf_counter()))
                 if k == 0 and plan.pack:
                     drain = run_check()
                     if drain:
                         staged[0] = []
-                    else:
-                        dst_index = self._index_on_device(dst_ids, kv_cache.device)
+                if dst_index is None and not drain and any(p.pack for _, p in planes):
+                    dst_index = self._index_on_device(dst_ids, kv_cache.device)
                 if k >= 1:
-                    self._land(k - 1, chunks[k - 1], works[k - 1], staged[k - 1], runs, kv_cache, dst_index,
-                               deadline, what)
+                    plane, l0, l1 = chunks[k - 1]
+                    self._land(k - 1, (l0, l1), works[k - 1], staged[k - 1], runs, planes[plane][0],
+                               dst_index if planes[plane][1].pack else None, deadline, what)
             if self.backend == "nccl":
                 done = torch.cuda.Event()
                 done.record()

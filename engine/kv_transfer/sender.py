@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
                                          RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
-                                         _HEADER_QUEUE, _OK, chunk_ranges, encode_runs, encode_trailer, has_repeats,
-                                         plan_transfer, run_array)
+                                         _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
+                                         plan_transfer, plane_block_bytes, plane_chunks, run_array)
 from engine.kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _remaining, _settle,
                                      _wait_for_listener)
 
@@ -60,7 +60,8 @@ class KVSender(_Pair):
 
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
               kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
-              plan: WirePlan | None = None, overlap: bool = False) -> KVSendTransfer:
+              plan: WirePlan | None = None, overlap: bool = False,
+              draft_cache: torch.Tensor | None = None) -> KVSendTransfer:
         """Start one transfer: takes the pair's lock and sends the header. Then call
         ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer) and
         ``finish(meta)``; use it as a context manager. Data leaves a chunk at a time, once its
@@ -71,9 +72,22 @@ class KVSender(_Pair):
 
         The header always goes first: posting an NCCL batch may block this thread until the
         peer posts its side (NCCL connects channels on first use), and the peer posts only
-        once it has the header."""
+        once it has the header.
+
+        ``draft_cache``: the draft model's cache, given exactly when the pair's layout has a
+        draft: the same blocks of it travel after the target's (posted by ``finish``, so the
+        draft's KV must be written by then; on a GPU, queued on the stream before the
+        target's last layer)."""
         begun = time.perf_counter()
         self.layout.check_cache(kv_cache)
+        if (draft_cache is None) != (self.layout.draft is None):
+            raise ValueError("the pair's layout has a draft model's cache: give draft_cache" if draft_cache is None
+                             else "draft_cache given, but the pair's layout has no draft model")
+        if draft_cache is not None:
+            assert self.layout.draft is not None
+            self.layout.draft.check_cache(draft_cache)
+            if not draft_cache.is_contiguous() or draft_cache.device != kv_cache.device:
+                raise ValueError("the draft model's cache must be contiguous, on the target cache's device")
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         runs = run_array(src, dst)
         if src.size and (src.min() < 0 or src.max() >= kv_cache.shape[1]):
@@ -94,14 +108,25 @@ class KVSender(_Pair):
             plan = WirePlan(pack=True, chunk_layers=plan.chunk_layers)
         elif kv_cache.is_cuda and self.backend != "nccl" and not plan.pack:
             raise ValueError("gloo from a GPU cache stages through host memory: the plan must pack")
-        header = json.dumps({"request_id": request_id, "runs": encode_runs(runs),
-                             "pack": plan.pack, "chunk_layers": plan.chunk_layers})
+        planes = [(kv_cache, plan)]
+        fields: dict[str, Any] = {"request_id": request_id, "runs": encode_runs(runs),
+                                  "pack": plan.pack, "chunk_layers": plan.chunk_layers}
+        if draft_cache is not None:  # its own plan: other layer sizes (sent once prefill is done)
+            assert self.layout.draft is not None
+            draft_plan = plan_transfer(runs, self.layout.draft.num_layers,
+                                       draft_cache[0, 0].numel() * draft_cache.element_size(), self.backend,
+                                       draft_cache.is_cuda)
+            if not len(runs):
+                draft_plan = WirePlan(pack=False, chunk_layers=self.layout.draft.num_layers)
+            planes.append((draft_cache, draft_plan))
+            fields["draft"] = {"pack": draft_plan.pack, "chunk_layers": draft_plan.chunk_layers}
+        header = json.dumps(fields)
         if not self._lock.acquire(timeout=self.timeout):
             raise KVTransferError(f"request {request_id}: KV pair busy for {self.timeout}s")
         try:
             self._check_usable()
             self._push_header(request_id, header)
-            return KVSendTransfer(self, request_id, runs, src, kv_cache, plan, meta, begun)
+            return KVSendTransfer(self, request_id, runs, src, planes, meta, begun)
         except Exception:
             self._lock.release()
             raise
@@ -128,10 +153,12 @@ class KVSender(_Pair):
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
-             plan: WirePlan | None = None) -> TransferStats:
-        """Send kv_cache[:, src_block_ids] into the receiver's dst_block_ids; returns when the
-        data has left this process's memory (the blocks may then be freed or rewritten)."""
-        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan) as transfer:
+             plan: WirePlan | None = None, draft_cache: torch.Tensor | None = None) -> TransferStats:
+        """Send kv_cache[:, src_block_ids] (and draft_cache's, see ``begin``) into the
+        receiver's dst_block_ids; returns when the data has left this process's memory (the
+        blocks may then be freed or rewritten)."""
+        with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan,
+                        draft_cache=draft_cache) as transfer:
             for layer in range(self.layout.num_layers):
                 transfer.send_layer(layer)
         return transfer.finish()
@@ -158,21 +185,25 @@ class KVSender(_Pair):
 class KVSendTransfer:
     """One request's transfer in flight. Holds the pair's lock until ``finish()``.
 
-    Chunk k (``plan.chunk_layers`` layers) is posted once its last layer was given, except
-    the last chunk, which ``finish()`` posts together with the trailer. With a packed plan,
-    chunk k is gathered into staging slot k % 2; that slot is reused by chunk k + 2 only
-    after chunk k has left (a stream-side wait for NCCL, a host-side one for gloo)."""
+    The data goes in chunks, each a few consecutive layers of one cache (a "plane": the
+    target's, then a draft model's, if the pair has one). Chunk k of the target
+    (``plan.chunk_layers`` layers) is posted once its last layer was given, except the last
+    chunk of the transfer, which ``finish()`` posts together with the trailer; the draft's
+    chunks go at ``finish()``. With a packed plan, chunk k is gathered into staging slot
+    k % 2; that slot is reused by chunk k + 2 only after chunk k has left (a stream-side
+    wait for NCCL, a host-side one for gloo)."""
 
     def __init__(self, sender: KVSender, request_id: str, runs: np.ndarray, src: np.ndarray,
-                 kv_cache: torch.Tensor, plan: WirePlan, meta: dict[str, Any] | None = None,
+                 planes: list[tuple[torch.Tensor, WirePlan]], meta: dict[str, Any] | None = None,
                  begun: float | None = None) -> None:
         self.request_id = request_id
         self.meta = meta
         self._sender = sender
         self._runs = runs
-        self._kv_cache = kv_cache
+        self._planes = planes
+        kv_cache, plan = planes[0]
         self._plan = plan
-        self._chunks = chunk_ranges(sender.layout.num_layers, plan.chunk_layers)
+        self._chunks = plane_chunks(planes)  # (plane, first layer, end layer)
         self._works: list[list[Any]] = []  # per posted chunk
         self._num_waited = 0  # chunks whose works were waited for (a gloo work is waited once)
         self._num_messages = 0
@@ -184,10 +215,11 @@ class KVSendTransfer:
         self._done = False
         self._src_index: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
+        packs = any(p.pack for _, p in planes)
         with sender._on_stream(after_caller=True):
-            if plan.pack:
+            if packs:
                 self._src_index = sender._index_on_device(src, kv_cache.device)
-        self._marks.append(("after caller's work" + (", index placed" if plan.pack else ""), time.perf_counter()))
+        self._marks.append(("after caller's work" + (", index placed" if packs else ""), time.perf_counter()))
 
     @property
     def chunk_layers(self) -> int:
@@ -208,12 +240,13 @@ class KVSendTransfer:
         if ready is not None:
             self._ready = ready  # the newest: later layers were written after earlier ones
         k = len(self._works)
-        if k < len(self._chunks) - 1 and self._chunks[k][1] == self._next_layer:
+        if k < len(self._chunks) - 1 and self._chunks[k][0] == 0 and self._chunks[k][2] == self._next_layer:
             self._post_chunk(k, trailer=None)
 
     def _post_chunk(self, k: int, trailer: torch.Tensor | None) -> None:
-        sender, kv, (l0, l1) = self._sender, self._kv_cache, self._chunks[k]
-        what = f"request {self.request_id}: sending KV layers {l0}..{l1 - 1}"
+        sender, (plane, l0, l1) = self._sender, self._chunks[k]
+        kv, plan = self._planes[plane]
+        what = f"request {self.request_id}: sending {'the draft model' if plane else 'KV'} layers {l0}..{l1 - 1}"
         nccl = sender.backend == "nccl"
         with sender._on_stream():
             if self._ready is not None:
@@ -226,8 +259,8 @@ class KVSendTransfer:
                 elif self._num_waited <= k - 2:
                     sender._wait(self._works[k - 2], self._deadline, what)
                     self._num_waited = k - 1
-            if self._plan.pack:
-                messages = [self._gather(k, l0, l1)]
+            if plan.pack:
+                messages = [self._gather(k, kv, l0, l1)]
                 self._marks.append((f"chunk {k} gathered", time.perf_counter()))
             else:
                 messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs.tolist()]
@@ -237,10 +270,11 @@ class KVSendTransfer:
             self._works.append(sender._post(messages, send=True, what=what))
         self._marks.append((f"chunk {k} posted", time.perf_counter()))
 
-    def _gather(self, k: int, l0: int, l1: int) -> torch.Tensor:
-        """Chunk k's blocks, [layers, blocks, 2, block_size, heads, head_dim], in staging slot k % 2
-        on the wire: gathered on the cache's device, then copied to pinned host memory for gloo."""
-        sender, kv = self._sender, self._kv_cache
+    def _gather(self, k: int, kv: torch.Tensor, l0: int, l1: int) -> torch.Tensor:
+        """Chunk k's blocks of ``kv``, [layers, blocks, 2, block_size, heads, head_dim], in staging
+        slot k % 2 on the wire: gathered on the cache's device, then copied to pinned host memory
+        for gloo."""
+        sender = self._sender
         assert self._src_index is not None
         shape = (l1 - l0, len(self._src_index), *kv.shape[2:])
         numel = shape[0] * shape[1] * kv[0, 0].numel()
@@ -280,6 +314,8 @@ class KVSendTransfer:
                 trailer, aborted, problem = encode_trailer(_ABORTED, None), True, str(e)
             for layer in range(self._next_layer, num_layers):
                 self.send_layer(layer)
+            for k in range(len(self._works), len(self._chunks) - 1):  # the draft's, but its last
+                self._post_chunk(k, trailer=None)
             self._post_chunk(len(self._chunks) - 1, sender._staged_trailer(trailer))
             sender._wait([w for works in self._works[self._num_waited:] for w in works], self._deadline, what)
         finally:
@@ -290,9 +326,8 @@ class KVSendTransfer:
         if aborted:
             raise KVTransferError(f"{what}: {problem}; the receiver was told the transfer is aborted")
         num_blocks = int(self._runs[:, 2].sum())
-        block_bytes = self._kv_cache[0, 0].numel() * self._kv_cache.element_size()
         self._stats = TransferStats(
-            num_blocks=num_blocks, num_bytes=num_blocks * block_bytes * num_layers,
+            num_blocks=num_blocks, num_bytes=num_blocks * plane_block_bytes(self._planes),
             seconds=time.perf_counter() - self._start, backend=sender.backend,
             num_messages=self._num_messages, marks=(*self._marks, ("left", time.perf_counter())))
         return self._stats

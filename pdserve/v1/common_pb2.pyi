@@ -99,7 +99,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadInfo(_message.Message):
-    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished", "cache_namespace", "instance_id", "lora_adapters", "max_loras")
+    __slots__ = ("role", "address", "metrics_url", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "model", "block_size", "max_model_len", "num_requests_finished", "cache_namespace", "instance_id", "lora_adapters", "max_loras", "draft_model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class LoadInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     metrics_url: str
@@ -130,7 +131,8 @@ class LoadInfo(_message.Message):
     instance_id: str
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
     max_loras: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., instance_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., instance_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path", "rank", "fingerprint", "base_model", "root_hash", "in_slot")

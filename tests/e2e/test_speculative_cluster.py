@@ -49,7 +49,12 @@ def _served_as_plain(d: Path, ports: dict[str, int], prompts: list[list[int]]) -
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: _generate(f"127.0.0.1:{ports['grpc']}", p), prompts))
     assert got == want
-    text = httpx.get(f"http://127.0.0.1:{ports['decode'] + 1000}/metrics", timeout=10).text
+    return _metrics(ports["decode"] + 1000)
+
+
+def _metrics(port: int) -> Callable[[str], float]:
+    """A server's metric values by name (summed over labels), as its /metrics says now."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
 
     def value(name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
@@ -84,20 +89,29 @@ def test_speculating_decode_server_streams_plain_decodings_tokens(cluster):
 
 
 def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
-    """`pdserve up` with a draft model (the target as its own draft): the decode server
-    runs the draft's prefill of each prompt whose KV arrived from the prefill server, then
-    drafts every step; the tokens are plain decoding's, nearly every proposal is
-    accepted, and each request's acceptance is in the gateway's request log line."""
+    """`pdserve up` with a draft model (the target as its own draft): the prefill server
+    computes the draft's KV of each prompt beside the target's and one transfer moves both
+    (twice the target's bytes, the draft being the target); the decode server computes no
+    prompt token of the draft, then drafts every step; the tokens are plain decoding's,
+    nearly every proposal is accepted, and each request's acceptance is in the gateway's
+    request log line."""
     d = make_tiny_model(tmp_path / "model", seed=4)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / f, d / f)
     spec = json.dumps({"method": "draft_model", "model": str(d), "num_speculative_tokens": 3})
     up, ports = start_cluster(d, "--speculative-config", spec)
     try:
-        prompts = _prompts()
+        g = torch.Generator().manual_seed(6)  # no two prompts share a block: none is cached on the decode server
+        prompts = [torch.randint(3, 384, (5,), generator=g).tolist() * 4 + [n] for n in (3, 4, 5)]
         value = _served_as_plain(d, ports, prompts)
         proposed = value("pdserve:spec_decode_num_draft_tokens_total")
         assert proposed > 0 and value("pdserve:spec_decode_num_accepted_tokens_total") >= 0.9 * proposed
+        assert value("pdserve:spec_decode_draft_prompt_tokens_total") == 0
+        prefill = _metrics(ports["prefill"] + 1000)
+        assert prefill("pdserve:spec_decode_draft_prompt_tokens_total") == sum(map(len, prompts))
+        blocks = sum(-(-len(p) // 4) for p in prompts)  # block size 4
+        target_bytes = blocks * 3 * 2 * 4 * 2 * 16 * 4  # 3 layers x (K, V) x 4 tokens x 2 KV heads x 16, float32
+        assert value("pdserve:kv_transfer_bytes_total") == 2 * target_bytes == prefill("pdserve:kv_transfer_bytes_total")
         # each request's acceptance in the gateway's request log line
         logged = [line for line in up.logs().splitlines() if " spec_accepted=" in line]
         assert len(logged) == len(prompts), up.logs()[-3000:]

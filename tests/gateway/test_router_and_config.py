@@ -57,6 +57,27 @@ def test_router_picks_the_least_loaded_healthy_instance():
     asyncio.run(go())
 
 
+def test_a_prefill_server_feeds_only_decode_servers_with_its_draft_model():
+    """A draft model's KV travels with the target's: a decode server drafting with model X
+    takes prefill servers with X only; one without a draft takes those without one; with no
+    such prefill server the decode server prefills (no pair that would be refused)."""
+    async def go():
+        reg = InstanceRegistry(("p1:1", "p2:2"), ("d1:1", "d2:2"))
+        (p1, p2), (d1, d2) = reg.prefill, reg.decode
+        for inst, draft in ((p1, "draft-a"), (p2, ""), (d1, "draft-a"), (d2, "")):
+            _set(inst, True)
+            inst.load.draft_model = draft
+        router = Router(reg)
+        for decode, prefill in ((d1, p1), (d2, p2)):
+            route = await _pick(router, [i.address for i in reg.decode if i is not decode])
+            assert (route.decode, route.prefill) == (decode, prefill)
+        p1.load.draft_model = "draft-b"
+        route = await _pick(router, ["d2:2"])
+        assert route.decode is d1 and route.prefill is None and route.reason == "no-prefill-server"
+        await reg.close()
+    asyncio.run(go())
+
+
 def test_router_spreads_ties():
     async def go():
         reg = InstanceRegistry((), ("a:1", "b:2"))
