@@ -112,6 +112,9 @@ class Request:
         self.kv_skipped_blocks = 0  # decode tier: leading blocks of the prompt cached here, not received
         self.num_draft_tokens = 0  # speculative decoding: tokens proposed for it, and accepted
         self.num_accepted_draft_tokens = 0
+        # speculative decoding: proposals to ask for next (None: num_speculative_tokens); it
+        # follows the acceptance (engine/scheduler.py, ``_proposal_len``)
+        self.spec_k: int | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
         limits = [x for x in (sampling_params.max_tokens, budget) if x is not None]

@@ -423,12 +423,21 @@ class Scheduler:
         speculator), never past max_tokens or the step's budget."""
         if (self.speculator is None and self.batch_speculator is None) or not self._speculates(req):
             return []
-        k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        k = self._proposal_len(req, budget)
         if k <= 0:
             return []
         if self.batch_speculator is not None:
             return drafted.get(req.request_id, [])[:k]
         return self.speculator(req, k)[:k]
+
+    def _proposal_len(self, req: Request, budget: int) -> int:
+        """How many proposals to ask for: the request's current k, never past max_tokens or
+        the step's budget. k starts at ``num_speculative_tokens`` and follows the acceptance:
+        after a verify step it is one more than the proposals accepted (capped), so a row whose
+        proposals keep failing asks for one (a draft model then runs no extra steps for it, and
+        its verify row is 2 tokens), and one whose proposals all pass grows back a token a step."""
+        k = self.num_speculative_tokens if req.spec_k is None else req.spec_k
+        return min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
 
     def _may_speculate(self, reqs: list[Request]) -> bool:
         """Whether some of ``reqs`` would get proposals next step: any that may, with a draft
@@ -450,7 +459,7 @@ class Scheduler:
         for req in self.running:
             if req.status != S.RUNNING or req.num_tokens - req.num_computed_tokens != 1 or not self._speculates(req):
                 continue
-            k = min(self.num_speculative_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+            k = self._proposal_len(req, budget)
             if k > 0 and self.kv.allocate_slots(req, 1 + k) is not None:
                 batch.append((req, k, self.kv.get_block_ids(req.request_id)))
         return self.batch_speculator(batch) if batch else {}
@@ -535,6 +544,7 @@ class Scheduler:
             if s.draft_token_ids:  # the accepted proposals, then the target's token
                 tokens = list(tok)
                 self.spec.record(len(s.draft_token_ids), len(tokens) - 1)
+                req.spec_k = min(self.num_speculative_tokens, len(tokens))  # accepted + 1
                 req.num_draft_tokens += len(s.draft_token_ids)
                 req.num_accepted_draft_tokens += len(tokens) - 1
                 req.num_computed_tokens += len(tokens)  # the pending token and the accepted ones have KV

@@ -58,14 +58,14 @@ def test_greedy_output_is_plain_decodings(model_dir):
     spec = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)  # the n-gram proposer
     assert _run(spec, prompts, params) == want
     assert spec.engine.scheduler.spec.num_drafts > 5
-    # Proposals that are mostly right (plain decoding's own continuation, every fifth token
+    # Proposals that are mostly right (plain decoding's own continuation, every eighth token
     # wrong): long accepted runs, max_tokens and the stop token landing inside them.
     continuation = {tuple(p): toks for p, (toks, _) in zip(prompts, want)}
 
     def oracle(req, k: int) -> list[int]:
         done = req.num_output_tokens
         right = continuation[tuple(req.prompt_token_ids)][done:done + k]
-        return [0 if (done + j) % 5 == 4 else t for j, t in enumerate(right)]
+        return [0 if (done + j) % 8 == 7 else t for j, t in enumerate(right)]
 
     for llm in (LLM(str(model_dir), **ENGINE, speculative_config=SPEC),
                 # preemption in the middle of speculative steps
@@ -93,6 +93,25 @@ def test_rejected_positions_give_their_blocks_back(model_dir):
             held = llm.engine.scheduler.kv.num_held_blocks(req.request_id)
             assert held == -(-(req.num_computed_tokens + 1) // 4)
     assert llm.engine.scheduler.spec.num_accepted_tokens == 0 and len(req.output_token_ids) == 12
+
+
+def test_k_follows_the_acceptance(model_dir):
+    """A row asks for one more proposal than it last had accepted: all wrong, it asks for 1
+    from the second step on; all right, it keeps asking for num_speculative_tokens."""
+    for right in (False, True):
+        llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
+        want = _run(llm, [list(range(3, 20))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0][0]
+        asked: list[int] = []
+
+        def speculator(req, k: int, right=right) -> list[int]:
+            asked.append(k)
+            done = req.num_output_tokens
+            return want[done:done + k] if right else [0] * k  # token 0 is never the argmax here
+        llm.engine.scheduler.speculator = speculator
+        got = _run(llm, [list(range(3, 20))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert got[0][0] == want
+        # (the last steps ask for fewer: never past max_tokens)
+        assert asked[:3] == ([4, 4, 4] if right else [4, 1, 1]), asked
 
 
 def test_verification_keeps_the_target_distribution():
