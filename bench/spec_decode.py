@@ -7,6 +7,10 @@ settings.
                         weights at a named shape are fine: --model-shape llama-3.1-8b)
     --proposer ngram    the n-gram proposer on copy-heavy prompts (quote a passage, repeat a
                         code snippet with an edit): real acceptance, the default model
+    --proposer draft    a draft model at a named shape (--draft-shape llama-3.2-1b) beside the
+                        target, random weights both, k fixed: what a round of drafting costs
+                        (the draft's own time per round, apart from the verify step) and the
+                        per-position acceptance at which it would pay
 
     pdserve bench spec-decode --model-shape llama-3.1-8b --proposer oracle --batch-sizes 1,8,32,128
     pdserve bench spec-decode --proposer ngram --num-speculative-tokens 4
@@ -37,7 +41,8 @@ COPY_PROMPTS = [
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--proposer", choices=("oracle", "ngram"), default="ngram")
+    p.add_argument("--proposer", choices=("oracle", "ngram", "draft"), default="ngram")
+    p.add_argument("--draft-shape", default="llama-3.2-1b", help="draft: the draft model's named shape")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--prompt-len", type=int, default=512, help="oracle: random prompt tokens per request")
@@ -48,7 +53,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prompts(args: argparse.Namespace, engine, n: int) -> list[list[int]]:
-    if args.proposer == "oracle":
+    if args.proposer in ("oracle", "draft"):  # random token ids
         rng, vocab = random.Random(0), engine.config.model.vocab_size
         return [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
     from engine.tokenizer import apply_chat_template, load_tokenizer
@@ -73,6 +78,19 @@ def _run(engine, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]
     return time.perf_counter() - t0, [list(r.output_token_ids) for r in reqs], engine.num_steps_total - steps0
 
 
+def _break_even(cost: float, k: int) -> float:
+    """The per-position acceptance a at which a speculative step that costs ``cost`` plain
+    steps gives as many tokens per second: 1 + a + ... + a^k = cost (proposals accepted
+    independently with probability a, up to the first rejection); 1.0 if it never pays."""
+    lo, hi = 0.0, 1.0
+    if k + 1 < cost:
+        return 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < cost else (lo, mid)
+    return hi
+
+
 def main(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
 
@@ -83,16 +101,35 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     args.max_num_seqs = max(max(sizes), args.max_num_seqs)
     k = args.num_speculative_tokens
-    args.speculative_config = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+    spec: dict = {"method": "ngram", "num_speculative_tokens": k}
+    if args.proposer == "draft":
+        from bench.model_shapes import shape_dir
+
+        spec = {"method": "draft_model", "model": str(shape_dir(args.draft_shape)), "num_speculative_tokens": k}
+    args.speculative_config = json.dumps(spec)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     sched = engine.scheduler
-    ngram = sched.speculator
+    ngram, drafter = sched.speculator, sched.batch_speculator
+    drafting = [0.0, 0]  # seconds in the draft's rounds, rounds
+    if drafter is not None:
+        def timed(batch):
+            t = time.perf_counter()
+            out = drafter(batch)  # ends once its last proposals are on the host
+            drafting[0] += time.perf_counter() - t
+            drafting[1] += 1
+            return out
+        # A round of k proposals each time (random weights: nothing is accepted, and the adaptive
+        # k would ask for one): the cost of drafting k, not of the adaptation.
+        sched._proposal_len = lambda req, budget: min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
     result: dict = {"config": engine.config.describe(), "proposer": args.proposer, "k": k, "batches": {}}
     for b in sizes:
         prompts = _prompts(args, engine, b)
-        sched.speculator = None  # plain decoding
+        sched.speculator = sched.batch_speculator = None  # plain decoding
         plain_s, plain_out, plain_steps = _run(engine, prompts, args.output_len)
-        if args.proposer == "oracle":
+        drafting[:] = [0.0, 0]
+        if drafter is not None:
+            sched.batch_speculator = timed
+        elif args.proposer == "oracle":
             futures = {tuple(p): o for p, o in zip(prompts, plain_out)}
             sched.speculator = lambda req, n: futures[tuple(req.prompt_token_ids)][
                 req.num_output_tokens:req.num_output_tokens + n]
@@ -117,6 +154,13 @@ def main(args: argparse.Namespace) -> int:
                "accepted_per_position": per_pos, "plain_step_ms": 1e3 * plain_s / max(plain_steps, 1),
                "spec_step_ms": 1e3 * spec_s / max(spec_steps, 1), "plain_steps": plain_steps, "spec_steps": spec_steps,
                "greedy_match": match}
+        if drafter is not None and drafting[1]:
+            row["draft_round_ms"] = 1e3 * drafting[0] / drafting[1]
+            row["verify_step_ms"] = row["spec_step_ms"] - row["draft_round_ms"]
+            row["break_even_acceptance"] = _break_even(row["spec_step_ms"] / row["plain_step_ms"], k)
+            print(f"batch {b:4d}: a draft round of {k} takes {row['draft_round_ms']:.2f} ms, the verify step "
+                  f"{row['verify_step_ms']:.2f} ms, a plain step {row['plain_step_ms']:.2f} ms: drafting pays above "
+                  f"{100 * row['break_even_acceptance']:.0f}% acceptance per position", flush=True)
         result["batches"][b] = row
         print(f"batch {b:4d}: plain {row['plain_tokens_per_s']:8.1f} tok/s ({row['plain_step_ms']:.2f} ms/step), "
               f"speculative {row['spec_tokens_per_s']:8.1f} tok/s ({row['spec_step_ms']:.2f} ms/step), "
