@@ -118,8 +118,10 @@ def main(args: argparse.Namespace) -> int:
             drafting[0] += time.perf_counter() - t
             drafting[1] += 1
             return out
-        # A round of k proposals each time (random weights: nothing is accepted, and the adaptive
-        # k would ask for one): the cost of drafting k, not of the adaptation.
+    if args.proposer != "ngram":
+        # k proposals every step (random weights: a draft's are never accepted, and in 16 bits
+        # the oracle's stop matching after a tie flips; the adaptive k would then ask for one):
+        # the mechanics of k, not of the adaptation.
         sched._proposal_len = lambda req, budget: min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
     result: dict = {"config": engine.config.describe(), "proposer": args.proposer, "k": k, "batches": {}}
     for b in sizes:

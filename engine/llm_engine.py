@@ -148,6 +148,7 @@ class LLMEngine:
                                                                      spec.prompt_lookup_max)
         if spec is not None:
             self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+            self.scheduler.disable_spec_above = spec.disable_by_batch_size
         if self.runner.lora is not None:
             self.scheduler.max_loras = self.runner.lora.max_loras
         mc, sc = config.model, config.scheduler

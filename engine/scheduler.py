@@ -140,6 +140,7 @@ class Scheduler:
         self.speculator: Callable[[Request, int], list[int]] | None = None
         self.batch_speculator: Callable[[list[tuple[Request, int, list[int]]]], dict[str, list[int]]] | None = None
         self.num_speculative_tokens = 0
+        self.disable_spec_above: int | None = None  # --speculative-config's disable_by_batch_size
         self.max_loras: int | None = None  # --max-loras: distinct adapters per step (None: no LoRA)
         self.spec = SpecStats()
         self.num_preemptions_total = 0
@@ -436,13 +437,22 @@ class Scheduler:
         after a verify step it is one more than the proposals accepted (capped), so a row whose
         proposals keep failing asks for one (a draft model then runs no extra steps for it, and
         its verify row is 2 tokens), and one whose proposals all pass grows back a token a step."""
+        if self.speculation_off:
+            return 0
         k = self.num_speculative_tokens if req.spec_k is None else req.spec_k
         return min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+
+    @property
+    def speculation_off(self) -> bool:
+        """More requests run than ``disable_by_batch_size``: no proposals this step."""
+        return self.disable_spec_above is not None and len(self.running) > self.disable_spec_above
 
     def _may_speculate(self, reqs: list[Request]) -> bool:
         """Whether some of ``reqs`` would get proposals next step: any that may, with a draft
         model; with n-gram, any whose known tokens give a proposal now (the next token is
         still in flight: a guess, which only decides whether the step waits for it)."""
+        if self.speculation_off:
+            return False
         if self.batch_speculator is not None:
             return any(self._speculates(r) for r in reqs)
         if self.speculator is None:

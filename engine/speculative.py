@@ -4,6 +4,12 @@ n-gram proposer. Torch-free: the gateway and the config read it.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4}
 
+``disable_by_batch_size`` (vLLM's key): no proposals in a step while more than that many
+requests run; default 64, from the H200 measurement (docs/benchmarks.md, "Speculative
+decoding"): verify steps of up to 64 rows replay CUDA graphs, and above that a verify step
+of the 8B shape cost 3.1x a plain one, paying only above ~76% acceptance per position;
+null: never.
+
 A decode row that speculates computes, in one step, its pending token and up to k
 proposed ones (``num_speculative_tokens``); the target's logits at each of those
 positions verify the proposals (engine/sampler.py, ``verify``): greedy rows keep the
@@ -26,6 +32,7 @@ from typing import Any, Sequence
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: Path | None = None  # draft_model: a directory sharing the target's tokenizer
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # None: never
 
     def __post_init__(self) -> None:
+        n = self.disable_by_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"--speculative-config: disable_by_batch_size must be a positive integer or null, "
+                             f"got {n!r}")
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens
@@ -61,7 +73,8 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {value!r:.80}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})")
@@ -71,12 +84,16 @@ class SpeculativeConfig:
         return SpeculativeConfig(method=value["method"], num_speculative_tokens=value["num_speculative_tokens"],
                                  prompt_lookup_min=value.get("prompt_lookup_min", 1),
                                  prompt_lookup_max=value.get("prompt_lookup_max", 4),
-                                 model=Path(model) if model is not None else None)
+                                 model=Path(model) if model is not None else None,
+                                 disable_by_batch_size=value.get("disable_by_batch_size",
+                                                                 DEFAULT_DISABLE_BY_BATCH_SIZE))
 
     def describe(self) -> str:
         what = (f"n-gram lookup of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens" if self.method == "ngram"
                 else f"draft model {self.model}")
-        return f"{self.method} ({what}), {self.num_speculative_tokens} tokens ahead"
+        off = (f", none above {self.disable_by_batch_size} running requests" if self.disable_by_batch_size
+               else "")
+        return f"{self.method} ({what}), {self.num_speculative_tokens} tokens ahead{off}"
 
     def record(self) -> str:
         """What a KV pair's two sides must agree on (the decode tier verifies with it)."""

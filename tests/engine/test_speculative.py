@@ -153,9 +153,31 @@ def test_configuration_is_checked(model_dir):
                          ('{"method": "ngram", "num_speculative_tokens": 2, "k": 3}', "unknown keys"),
                          ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
                           '"prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+                         ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+                          "disable_by_batch_size must be a positive integer or null"),
                          ("{nope", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(model=str(model_dir), device="cpu", speculative_config=bad).create_engine_config()
+
+
+def test_no_proposals_while_more_requests_run_than_disable_by_batch_size(model_dir):
+    """vLLM's disable_by_batch_size: while more requests run than that, steps carry no
+    proposals (the speculator is not even asked); as they finish, speculation resumes."""
+    assert SpeculativeConfig.parse(SPEC).disable_by_batch_size == 64  # the measured default
+    assert SpeculativeConfig.parse(SPEC[:-1] + ', "disable_by_batch_size": null}').disable_by_batch_size is None
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC[:-1] + ', "disable_by_batch_size": 2}')
+    prompts = _prompts()[:3]
+    running_when_asked: list[int] = []
+    ngram = llm.engine.scheduler.speculator
+
+    def speculator(req, k):
+        running_when_asked.append(len(llm.engine.scheduler.running))
+        return ngram(req, k)
+    llm.engine.scheduler.speculator = speculator
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30)]
+    plain = LLM(str(model_dir), **ENGINE)
+    assert _run(llm, prompts, lengths) == _run(plain, prompts, lengths)
+    assert running_when_asked and max(running_when_asked) <= 2
 
 
 def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch):
