@@ -49,6 +49,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--model-shape", default=None, help="random weights at a named shape (oracle)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps of each run (plain and speculative) after its first 8: wall time, the "
+                        "GPU's busy time, top kernels, host ops and Python functions (bench/decode_step.py)")
     EngineArgs.add_cli_args(p)
 
 
@@ -64,8 +67,11 @@ def _prompts(args: argparse.Namespace, engine, n: int) -> list[list[int]]:
     return chats
 
 
-def _run(engine, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]:
-    """(seconds, outputs, forward steps) of greedy requests run to the end."""
+def _run(engine, prompts, max_tokens: int, profile: int = 0, profiled: dict | None = None
+         ) -> tuple[float, list[list[int]], int]:
+    """(seconds, outputs, forward steps) of greedy requests run to the end; with ``profile``,
+    the profile of that many steps after the first 8 goes into ``profiled`` (and their time
+    is left out of the seconds and steps)."""
     from engine.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -73,9 +79,19 @@ def _run(engine, prompts, max_tokens: int) -> tuple[float, list[list[int]], int]
     while any(r.num_output_tokens == 0 for r in reqs):  # prefill: not what is compared
         engine.step()
     steps0, t0 = engine.num_steps_total, time.perf_counter()
+    left_out, n = 0.0, 0
     while engine.has_unfinished_requests():
         engine.step()
-    return time.perf_counter() - t0, [list(r.output_token_ids) for r in reqs], engine.num_steps_total - steps0
+        n += 1
+        if profile and n == 8 and profiled is not None:
+            from bench.decode_step import _profile
+
+            s0, t = engine.num_steps_total, time.perf_counter()
+            profiled.update(_profile(engine, profile, str(engine.config.device)))
+            left_out += time.perf_counter() - t
+            steps0 += engine.num_steps_total - s0
+    return (time.perf_counter() - t0 - left_out, [list(r.output_token_ids) for r in reqs],
+            engine.num_steps_total - steps0)
 
 
 def _break_even(cost: float, k: int) -> float:
@@ -127,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
     for b in sizes:
         prompts = _prompts(args, engine, b)
         sched.speculator = sched.batch_speculator = None  # plain decoding
-        plain_s, plain_out, plain_steps = _run(engine, prompts, args.output_len)
+        plain_prof: dict = {}
+        plain_s, plain_out, plain_steps = _run(engine, prompts, args.output_len, args.profile, plain_prof)
         drafting[:] = [0.0, 0]
         if drafter is not None:
             sched.batch_speculator = timed
@@ -138,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             sched.speculator = ngram
         before = (sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens, list(sched.spec.accepted_per_position))
-        spec_s, spec_out, spec_steps = _run(engine, prompts, args.output_len)
+        spec_prof: dict = {}
+        spec_s, spec_out, spec_steps = _run(engine, prompts, args.output_len, args.profile, spec_prof)
         # Verify steps round differently from single-token steps: in 16 bits, on random weights
         # whose top logits nearly tie, greedy choices can flip. Reported, not fatal: after a
         # flip the oracle's proposals stop matching and the acceptance shows it.
@@ -156,6 +174,8 @@ def main(args: argparse.Namespace) -> int:
                "accepted_per_position": per_pos, "plain_step_ms": 1e3 * plain_s / max(plain_steps, 1),
                "spec_step_ms": 1e3 * spec_s / max(spec_steps, 1), "plain_steps": plain_steps, "spec_steps": spec_steps,
                "greedy_match": match}
+        if args.profile:
+            row["profile"] = {"plain": plain_prof, "speculative": spec_prof}
         if drafter is not None and drafting[1]:
             row["draft_round_ms"] = 1e3 * drafting[0] / drafting[1]
             row["verify_step_ms"] = row["spec_step_ms"] - row["draft_round_ms"]
