@@ -142,6 +142,20 @@ class KVLayout:
             raise ValueError("kv_cache must be contiguous, or a slice of a contiguous cache's KV heads")
 
 
+    def check_caches(self, kv_cache: torch.Tensor, draft_cache: torch.Tensor | None) -> None:
+        """``check_cache`` of the target's cache, and of the draft model's, which is given
+        exactly when this layout has a draft (contiguous, on the target cache's device)."""
+        self.check_cache(kv_cache)
+        if (draft_cache is None) != (self.draft is None):
+            raise ValueError("the pair's layout has a draft model's cache: give draft_cache" if draft_cache is None
+                             else "draft_cache given, but the pair's layout has no draft model")
+        if draft_cache is not None:
+            assert self.draft is not None
+            self.draft.check_cache(draft_cache)
+            if not draft_cache.is_contiguous() or draft_cache.device != kv_cache.device:
+                raise ValueError("the draft model's cache must be contiguous, on the target cache's device")
+
+
 def is_head_slice(kv_cache: torch.Tensor) -> bool:
     """Whether a 6-d cache view is ``parent[..., h0:h1, :]`` of a contiguous parent."""
     layers, blocks, two, block_size, heads, head_dim = kv_cache.shape

@@ -109,13 +109,7 @@ class KVReceiver(_Pair):
 
         ``draft_cache``: the draft model's cache, given exactly when the pair's layout has a
         draft; each transfer's same blocks of it land there (``ReceivedKV.stats`` counts both)."""
-        self.layout.check_cache(kv_cache)
-        if (draft_cache is None) != (self.layout.draft is None):
-            raise ValueError("the pair's layout has a draft model's cache: give draft_cache" if draft_cache is None
-                             else "draft_cache given, but the pair's layout has no draft model")
-        if draft_cache is not None:
-            assert self.layout.draft is not None
-            self.layout.draft.check_cache(draft_cache)
+        self.layout.check_caches(kv_cache, draft_cache)
         with self._recv_lock:
             self.wait_connected()
             if self.backend == "nccl" and kv_cache.device != self.device:

@@ -79,15 +79,7 @@ class KVSender(_Pair):
         draft's KV must be written by then; on a GPU, queued on the stream before the
         target's last layer)."""
         begun = time.perf_counter()
-        self.layout.check_cache(kv_cache)
-        if (draft_cache is None) != (self.layout.draft is None):
-            raise ValueError("the pair's layout has a draft model's cache: give draft_cache" if draft_cache is None
-                             else "draft_cache given, but the pair's layout has no draft model")
-        if draft_cache is not None:
-            assert self.layout.draft is not None
-            self.layout.draft.check_cache(draft_cache)
-            if not draft_cache.is_contiguous() or draft_cache.device != kv_cache.device:
-                raise ValueError("the draft model's cache must be contiguous, on the target cache's device")
+        self.layout.check_caches(kv_cache, draft_cache)
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         runs = run_array(src, dst)
         if src.size and (src.min() < 0 or src.max() >= kv_cache.shape[1]):
