@@ -28,13 +28,6 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
         max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0,
         bos_token_id=151643, eos_token_id=151645),
-    "llama-3.2-1b": dict(  # a draft model's shape beside llama-3.1-8b (the same vocabulary)
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -42,6 +35,11 @@ SHAPES: dict[str, dict] = {
         rope_theta=100000.0, bos_token_id=1, eos_token_id=2),
 }
 
+
+# A draft model's shape beside llama-3.1-8b (the same vocabulary and RoPE, a tied embedding)
+SHAPES["llama-3.2-1b"] = dict(SHAPES["llama-3.1-8b"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                              head_dim=64, tie_word_embeddings=True,
+                              rope_scaling=dict(SHAPES["llama-3.1-8b"]["rope_scaling"], factor=32.0))
 
 # The 128 x 128 block-scaled FP8 checkpoints Qwen publishes (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8):
 # with random weights (--load-format dummy) each tile is quantized at load.
