@@ -35,7 +35,7 @@ from engine.kv_transfer import (
     resolve_backend,
 )
 from engine.kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, is_head_slice,
-                                         run_array)
+                                         run_array, slow_path)
 from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
@@ -350,6 +350,14 @@ def test_choose_backend_by_gpu_uuid() -> None:
     assert choose_backend(a, None)[0] == choose_backend(None, b)[0] == "gloo"
     assert "only prefill is on a GPU" in choose_backend(a, None)[1]
     assert choose_backend(None, None) == ("gloo", "gloo: prefill and decode on CPU")
+
+
+def test_a_slower_transport_than_the_gpus_allow_is_named() -> None:
+    """Both caches on GPUs and the KV through host memory: a warning at setup says why."""
+    assert slow_path("nccl", "GPU-a", "GPU-b") is None
+    assert slow_path("gloo", None, None) is None and slow_path("gloo", "GPU-a", None) is None
+    assert "NCCL would move it GPU to GPU" in slow_path("gloo", "GPU-a", "GPU-b")
+    assert "share GPU GPU-a" in slow_path("gloo", "GPU-a", "GPU-a")
 
 
 def test_resolve_backend() -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION, _Group,
-                                         _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend)
+                                         _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend, slow_path)
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,15 @@ def _settle(prefill: dict[str, Any], decode: dict[str, Any]) -> tuple[str, str]:
     if problems:
         raise KVTransferError("KV layout mismatch between prefill and decode: " + "; ".join(problems))
     return resolve_backend(prefill["backend"], decode["backend"], prefill.get("gpu"), decode.get("gpu"))
+
+
+def _log_pair_up(what: str, backend: str, reason: str, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    """The transport a pair chose and why; a warning where both caches are on GPUs and a
+    faster path exists (``slow_path``)."""
+    logger.info("KV pair up: %s, %s", what, reason)
+    slow = slow_path(backend, prefill.get("gpu"), decode.get("gpu"))
+    if slow:
+        logger.warning("KV pair %s: %s", what, slow)
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:

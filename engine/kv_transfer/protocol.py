@@ -299,6 +299,20 @@ def resolve_backend(prefill_asks: str, decode_asks: str, prefill_gpu: str | None
     return wanted, f"{wanted} (asked for; the automatic choice would be {reason})"
 
 
+def slow_path(backend: str, prefill_gpu: str | None, decode_gpu: str | None) -> str | None:
+    """Why a pair whose two caches are both on GPUs moves its KV slower than it could (for
+    a warning at setup), or None: two GPUs over gloo (host-staged) where NCCL would go GPU
+    to GPU, or one GPU for both sides, whose KV goes through host memory (no device-to-device
+    path between two processes on one GPU is built)."""
+    if not (prefill_gpu and decode_gpu) or backend == "nccl":
+        return None
+    if prefill_gpu != decode_gpu:
+        return (f"the KV of this pair goes through host memory (gloo, as asked) though both caches are on "
+                f"GPUs ({prefill_gpu[:8]}, {decode_gpu[:8]}): NCCL would move it GPU to GPU (ask for auto or nccl)")
+    return (f"prefill and decode share GPU {prefill_gpu[:8]}: the KV of this pair is copied through host memory "
+            "(gloo), out of the GPU and back; give each server its own GPU for NCCL")
+
+
 class WirePlan(NamedTuple):
     """How the sender lays one transfer's data on the wire; travels in the header, so the
     receiver posts exactly the matching messages.

@@ -17,7 +17,7 @@ from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, K
                                          TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
                                          decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
                                          plane_chunks)
-from engine.kv_transfer.pair import _Pair, _hello, _remaining, _scatter_blocks, _settle
+from engine.kv_transfer.pair import _Pair, _hello, _log_pair_up, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,13 @@ class KVReceiver(_Pair):
                 raise KVTransferError(f"{where}: no prefill server connected within "
                                       f"{self.timeout}s") from e
             theirs = json.loads(self._store.get("hello/0"))
-            self.backend, self.reason = _settle(theirs, _hello(self.layout, self.asks, self.device))
+            mine = _hello(self.layout, self.asks, self.device)
+            self.backend, self.reason = _settle(theirs, mine)
             bind = self.host if self.host not in _WILDCARD_HOSTS else theirs.get("dialed_host")
             self._build_group(RECEIVER_RANK, deadline, where, bind)
             if self._closed:
                 raise KVChannelClosed("KV pair closed during setup")
-            logger.info("KV pair up: receiving at %s:%d, %s", self.host, self.port, self.reason)
+            _log_pair_up(f"receiving at {self.host}:{self.port}", self.backend, self.reason, theirs, mine)
         except BaseException as e:
             self._setup_error = e
             if not isinstance(e, KVChannelClosed):

@@ -15,8 +15,8 @@ from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, K
                                          RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
                                          _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
                                          plan_transfer, plane_block_bytes, plane_chunks, run_array)
-from engine.kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _remaining, _settle,
-                                     _wait_for_listener)
+from engine.kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
+                                     _settle, _wait_for_listener)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class KVSender(_Pair):
             raise KVTransferError(f"{where}: {e}") from e
         self.backend, self.reason = _settle(mine, theirs)
         self._build_group(SENDER_RANK, deadline, where, _local_addr_toward(host, port))
-        logger.info("KV pair up: sending to %s:%d, %s", host, port, self.reason)
+        _log_pair_up(f"sending to {host}:{port}", self.backend, self.reason, mine, theirs)
         return self
 
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
