@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install install-test run test compose-test bench-offline protos clean
+.PHONY: install install-test cpu-kernels run test compose-test bench-offline protos clean
 
 # One line per step (the installs run quietly and take minutes the first time).
 $(STAMP): requirements.txt pyproject.toml
@@ -31,9 +31,18 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	@$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
 	@touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(STAMP) cpu-kernels
 
-install-test: $(TEST_STAMP)
+install-test: $(TEST_STAMP) cpu-kernels
+
+# The compiled CPU attention (kernels/cpu_attention.py), built into torch's extension
+# cache (up to date: a few seconds). torch builds with ninja: pip's where the system
+# has none. Without a compiler it says so and the CPU path keeps the references.
+cpu-kernels: $(STAMP)
+	@command -v ninja >/dev/null 2>&1 || test -x $(VENV)/bin/ninja || \
+		{ echo "installing ninja (pip) for the CPU attention's build"; $(PY) -m pip install -q ninja==1.13.2; } || \
+		echo "ninja could not be installed: the CPU attention will use the reference"
+	@$(PY) -m kernels.cpu_attention
 
 run: install
 	@echo "starting pdserve up (the first start converts the default model, ~20 s)"
