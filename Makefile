@@ -48,8 +48,13 @@ run: install
 	@echo "starting pdserve up (the first start converts the default model, ~20 s)"
 	$(VENV)/bin/pdserve up
 
+# Two pytest-xdist workers (a 2-core machine's cores: a worker is idle while the servers
+# it started load or a request streams), whole modules (or groups sharing a session's
+# processes: tests/conftest.py) per worker, in file order; PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 compose-test: install-test
 	tests/compose/docker_host.sh

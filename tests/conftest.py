@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch (OpenMP) thread in the test process and everything it starts (tensor-parallel
+# ranks, converters, servers): the suite's engines share two cores with each other, and
+# OpenMP threads that spin-wait for a descheduled sibling make a small model's forward
+# pass ten times slower or worse. Set before torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton fixes interpreter mode when a kernel is decorated: set it before any
 # test module imports kernels/ (directly or through the engine).
 try:
@@ -15,6 +20,8 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["OMP_NUM_THREADS"].isdigit():  # in case a plugin imported torch first
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover
     pass
 
@@ -51,3 +58,16 @@ def default_model_dir() -> Path:
     from engine.model_files import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), each worker
+    takes whole modules, so a module's fixtures start once; the gateway tests that share the
+    session's gateway processes (tests/gateway/conftest.py) go to one worker together."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        shares_gateways = module.startswith("tests/gateway/") and "_cluster_processes" in item.fixturenames
+        item.add_marker(pytest.mark.xdist_group("gateway-cluster" if shares_gateways else module))

@@ -6,12 +6,14 @@ import contextlib
 import functools
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +21,77 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
+# Ports for servers the tests start. Not the kernel's bind(0) choice: that port is free only
+# until the server binds it seconds later, and meanwhile any outgoing connection (or another
+# bind(0)) on the machine may take it. These come from below the ephemeral range, where the
+# kernel never picks, from a slice of their own for each pytest-xdist worker (so two workers
+# never hand out the same port), walked upward from a random start and never handed out twice
+# by one process; each is checked free (bound, without SO_REUSEADDR) when handed out.
+_EPHEMERAL_FLOOR = 32768  # Linux's default net.ipv4.ip_local_port_range starts here
+_PORTS_FLOOR = 10000
+_ports_lock = threading.Lock()
+_ports_given: set[int] = set()
+_ports_next: int | None = None
+
+
+def _port_slice() -> tuple[int, int] | None:
+    """This process's [low, high) ports, or None where the ephemeral range leaves too few below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = _EPHEMERAL_FLOOR
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), index + 1)
+    span = (ephemeral_low - _PORTS_FLOOR) // workers
+    if span < 2000:
+        return None
+    low = _PORTS_FLOOR + index * span
+    return low, low + span
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive loopback ports, free now and handed out to nobody
+    else in this test run. The ``count`` ports 1000 above them are checked and kept too: an
+    engine server serves /metrics there unless told otherwise (as under `pdserve up`)."""
+    global _ports_next
+    span = _port_slice()
+    with _ports_lock:
+        if span is None:  # no room below the ephemeral range: ask the kernel
+            if count == 1:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    return s.getsockname()[1]
+            raise RuntimeError("no port range below net.ipv4.ip_local_port_range for consecutive ports")
+        low, high = span
+        size = high - low
+        if _ports_next is None:
+            _ports_next = low + random.Random(os.getpid() ^ time.time_ns()).randrange(size)
+        for _ in range(size):
+            base = _ports_next
+            _ports_next = low + (base + count - low) % size
+            ports = [base + off + i for off in (0, 1000) for i in range(count)]
+            if ports[-1] >= high or any(p in _ports_given for p in ports):
+                continue
+            if all(_is_free(p) for p in ports):
+                _ports_given.update(ports)
+                return base
+        raise RuntimeError(f"no {count} free consecutive ports in {low}-{high}")
+
+
+def free_port() -> int:
+    """A loopback port that is free and handed out to nobody else in this test run."""
+    return free_ports(1)
 
 
 

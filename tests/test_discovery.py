@@ -22,6 +22,7 @@ from gateway.router import in_flight
 from rpc.local_redis import LocalRedis
 from rpc.prefix_index import NAMESPACES_KEY, alive_key
 from rpc.server import RpcServer
+from tests.processes import free_port
 
 
 def _addresses(instances) -> list[str]:
@@ -140,7 +141,7 @@ def test_memory_prefix_index_follows_the_registry():
 
 @pytest.fixture
 def redis():
-    server = LocalRedis().start()
+    server = LocalRedis(port=free_port()).start()
     yield server
     server.stop()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import ServiceProcess
+from tests.processes import ServiceProcess, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -34,26 +33,9 @@ QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What i
 
 
 def _port_base(count: int) -> int:
-    """A base port with ``count`` consecutive free ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
+    """A base port with ``count`` consecutive free ports (and the ``count`` 1000 above them,
+    the servers' metrics ports)."""
+    return free_ports(count)
 
 
 def _children(pid: int) -> list[int]:

@@ -82,7 +82,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model):
-    redis = LocalRedis().start()
+    redis = LocalRedis(port=free_port()).start()
     c = Cluster(model, redis.url)
     for role, host in (("prefill", "127.0.0.2"), ("prefill", "127.0.0.3"),
                        ("decode", "127.0.0.4"), ("decode", "127.0.0.5")):
@@ -252,7 +252,8 @@ def test_dns_names_add_and_drain_servers_while_requests_run(cluster, references,
         _set_hosts(hosts, {PREFILL_NAME: [p2.host], DECODE_NAME: [kept.host]})
         draining = _wait_for(lambda: _instances(gw).get(gone.address, {}).get("draining") and
                              _instances(gw)[gone.address], "the removed decode server draining")
-        assert draining["num_in_flight"] == 1 and long.is_alive(), draining  # out of routing, still streaming
+        # Out of routing, still streaming; short requests routed there before the change may be too.
+        assert 1 <= draining["num_in_flight"] <= 1 + len(load.num_ok) and long.is_alive(), draining
         assert _routable(gw) == {("prefill", p2.address), ("decode", kept.address)}
         long.join(120)
         assert long.error is None and long.finish_reason == "length"

@@ -32,7 +32,7 @@ from rpc.local_redis import LocalRedis
 from tests.e2e.test_model_families_cluster import MAX_TOKENS, _generate, start_cluster
 from tests.engine.families import assert_greedy_match, hf_greedy, random_prompts
 from tests.engine.fp8_kv_oracle import TINY_K_SCALES, TINY_V_SCALES, copy_with_kv_scales, hf_fp8_kv_model
-from tests.processes import EngineServer
+from tests.processes import EngineServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def cluster(tiny_llama_dir, tmp_path_factory, default_model_dir: Path):
     d = copy_with_kv_scales(tiny_llama_dir, tmp_path_factory.mktemp("fp8-kv") / "tiny-fp8", K_SCALES, V_SCALES)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's tokenizer (ids stay below 384)
         shutil.copy(default_model_dir / f, d / f)
-    redis = LocalRedis().start()
+    redis = LocalRedis(port=free_port()).start()
     # Started first, it loads while the cluster does.
     bf16 = EngineServer("prefill", ["--model", str(d), "--dtype", BF16, "--block-size", str(BLOCK_SIZE),
                                     "--num-gpu-blocks-override", "64", "--kv-transfer-timeout", "20",

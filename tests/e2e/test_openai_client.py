@@ -54,6 +54,26 @@ def llm():
     return LLM(model=None, kv_cache_memory="96MiB", max_model_len=MAX_MODEL_LEN)
 
 
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **kw)
+
+
+def _seeded() -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def refs(llm) -> dict:
+    """The offline engine's outputs the tests compare with, computed once for both kinds
+    of decode server: PROMPTS greedy and seeded, the chat, and PROMPTS[1] stopped at a newline."""
+    return {"greedy": llm.generate(PROMPTS, _greedy()), "seeded": llm.generate(PROMPTS, _seeded()),
+            "chat": llm.chat(CHAT, _greedy())[0].outputs[0],
+            "stopped": llm.generate(PROMPTS[1], _greedy(stop=["\n"]))[0].outputs[0]}
+
+
 @pytest.fixture(scope="module")
 def oai(servers):
     return openai.OpenAI(base_url=servers.http_url + "/v1", api_key=API_KEY, max_retries=0)
@@ -72,11 +92,9 @@ def _assert_no_blocks_held(gw: GatewayProcess) -> None:
     assert all(i["healthy"] for i in instances)
 
 
-def test_greedy_completions_match_offline_engine(servers, llm, oai):
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    refs = llm.generate(PROMPTS, sp)
+def test_greedy_completions_match_offline_engine(servers, refs, oai):
     model = oai.models.list().data[0].id
-    for prompt, ref in zip(PROMPTS, refs):
+    for prompt, ref in zip(PROMPTS, refs["greedy"]):
         out = ref.outputs[0]
         c = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert c.choices[0].text == out.text
@@ -88,15 +106,13 @@ def test_greedy_completions_match_offline_engine(servers, llm, oai):
     _assert_no_blocks_held(servers)
 
 
-def test_grpc_generate_matches_token_for_token(servers, llm):
+def test_grpc_generate_matches_token_for_token(servers, refs):
     with grpc.insecure_channel(servers.grpc_address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        cases = [(SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                  common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
-                 (SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS),
-                  common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
+        cases = [("greedy", common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
+                 ("seeded", common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
         for sp, proto in cases:
-            for prompt, ref in zip(PROMPTS, llm.generate(PROMPTS, sp)):
+            for prompt, ref in zip(PROMPTS, refs[sp]):
                 msgs = list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120,
                                           metadata=[("authorization", f"Bearer {API_KEY}")]))
                 assert list(msgs[0].prompt_token_ids) == ref.prompt_token_ids
@@ -140,10 +156,10 @@ def test_concurrent_streams_match_token_for_token(servers, concurrent_refs):
     _assert_no_blocks_held(servers)
 
 
-def test_chat_and_stop_strings_match(servers, llm, oai):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+def test_chat_and_stop_strings_match(servers, refs, oai):
+    messages = CHAT
     model = oai.models.list().data[0].id
-    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    ref = refs["chat"]
     chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     assert chat.choices[0].message.content == ref.text
     stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
@@ -153,9 +169,7 @@ def test_chat_and_stop_strings_match(servers, llm, oai):
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
     # Unstopped, the answer runs on past a newline within MAX_TOKENS; with stop=["\n"] it ends there.
-    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
-    stop_ref = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]))[0]
-    stopped = stop_ref.outputs[0]
+    full, stopped = refs["greedy"][1].outputs[0], refs["stopped"]
     assert "\n" in full.text and stopped.finish_reason == "stop"
     assert stopped.text == full.text[:full.text.index("\n")] and stopped.text
     c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=["\n"])

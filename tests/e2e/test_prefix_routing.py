@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from gateway.prefix_index import RedisPrefixIndex
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.local_redis import LocalRedis
-from tests.processes import EngineServer, GatewayProcess
+from tests.processes import EngineServer, GatewayProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +67,14 @@ def _start(tiny_llama_dir, redis_url):
     flags = ["--prefill", ",".join(p.address for p in prefills), "--decode", decode.address,
              "--max-model-len", "512"] + (["--redis-url", redis_url, "--redis-timeout", "0.2"] if redis_url else [])
     gw = GatewayProcess("gw-prefix", flags)
-    for p in (*prefills, decode, gw):
-        p.wait_ready()
-    gw.wait_healthy()
+    try:
+        for p in (*prefills, decode, gw):
+            p.wait_ready()
+        gw.wait_healthy()
+    except BaseException:  # one did not start: stop the others (the test's own cleanup never runs)
+        for p in (gw, *prefills, decode):
+            p.stop()
+        raise
     return prefills, decode, gw
 
 
@@ -127,7 +132,7 @@ def _indexed(redis_url: str, ns: str, want: dict[str, int | None], timeout: floa
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backend):
-    redis = LocalRedis().start() if backend == "redis" else None
+    redis = LocalRedis(port=free_port()).start() if backend == "redis" else None
     prefills, decode, gw = _start(tiny_llama_dir, redis.url if redis else None)
     procs = [gw, *prefills, decode]
     try:

@@ -22,7 +22,7 @@ from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.cache_feed import CacheEventFeed
 from rpc.local_redis import LocalRedis
 from rpc.prefix_index import ALIVE_TTL_S, RedisIndexPublisher, alive_key, block_key
-from tests.processes import EngineServer
+from tests.processes import EngineServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ NS = "m:16:float32"
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = LocalRedis().start()
+    server = LocalRedis(port=free_port()).start()
     yield server
     server.stop()
 
