@@ -204,35 +204,3 @@ def test_without_a_build_it_runs_the_reference_and_says_why_once(tmp_path, broke
     assert len(logged) == 1, child.stdout
     want = "no C++ compiler" if broken == "CXX" else "error: broken on purpose"
     assert want in result["reason"] and want in logged[0]
-
-
-def test_the_engine_runs_it_on_cpu(ext, tmp_path, monkeypatch):
-    """The model's attention layers call the compiled attention on CPU (the reference
-    ops module), and greedy tokens equal those of the reference attention."""
-    from tests.conftest import make_tiny_model
-
-    from engine import LLM, SamplingParams
-
-    model_dir = make_tiny_model(tmp_path / "tiny", seed=5)
-    prompts = [[5, 9, 33, 7, 100, 3, 41], [12, 8], list(range(20, 58))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
-              kv_cache_memory="2MiB")
-    calls = {"n": 0}
-    compiled = ext.paged_attention
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(ext, name)
-
-        def paged_attention(self, *args):
-            calls["n"] += 1
-            return compiled(*args)
-
-    monkeypatch.setitem(cpu_attention._state, "module", Counting())
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls["n"] > 0
-    monkeypatch.setitem(cpu_attention._state, "module", None)  # every call to the reference
-    llm.engine.scheduler.kv.pool.reset_prefix_cache()
-    theirs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert ours == theirs
