@@ -18,6 +18,16 @@ def require(ok: bool, where: str, message: str) -> None:
         raise ValueError(f"{where}: {message}")
 
 
+def check_window(sliding_window: int | None) -> None:
+    """A paged attention's ``sliding_window``: None, or a positive int (keys a query sees)."""
+    require(
+        sliding_window is None
+        or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1),
+        "paged_attention",
+        f"sliding_window must be None or an int >= 1, got {sliding_window!r}",
+    )
+
+
 def check_runnable(where: str, **tensors: torch.Tensor) -> None:
     """All tensors on one device, and that device can run Triton here."""
     devices = {name: t.device for name, t in tensors.items()}

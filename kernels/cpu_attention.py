@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kernels import reference
-from kernels._checks import FP8_KV_DTYPE
+from kernels._checks import FP8_KV_DTYPE, check_window
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +140,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """``kernels.reference.paged_attention``, compiled; ``num_splits`` and ``step_cache``
     change nothing here (the extension needs no per-step index work)."""
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
-    ):
-        raise ValueError(f"paged_attention: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    check_window(sliding_window)
     ext = extension() if _covered(q, k_cache, v_cache) else None
     if ext is None or q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
         return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,

@@ -78,6 +78,7 @@ from kernels._checks import (
     check_inner_contiguous,
     check_kv_cache_dtype,
     check_runnable,
+    check_window,
     next_pow2,
     require,
 )
@@ -458,7 +459,7 @@ def paged_attention_num_splits(
     every replay whatever the contexts are at run time. With a
     ``sliding_window`` the count follows the keys a tile can see (the window,
     at most one key tile more for its alignment), not the context."""
-    _check_window(sliding_window)
+    check_window(sliding_window)
     cfg = _tile_config(num_tokens, num_seqs, num_q_heads // num_kv_heads, head_dim, itemsize)
     busy_programs = triton.cdiv(num_tokens, cfg.block_q) * num_kv_heads
     return _default_num_splits(device, busy_programs, _max_kv_tiles(cfg, max_seq_len, sliding_window))
@@ -471,15 +472,6 @@ def _max_kv_tiles(cfg: _TileConfig, max_seq_len: int, sliding_window: int | None
     if sliding_window is None:
         return tiles
     return min(tiles, triton.cdiv(sliding_window + cfg.block_q - 1, cfg.block_n) + 1)
-
-
-def _check_window(sliding_window: int | None) -> None:
-    require(
-        sliding_window is None
-        or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window >= 1),
-        "paged_attention",
-        f"sliding_window must be None or an int >= 1, got {sliding_window!r}",
-    )
 
 
 def _check_args(
@@ -540,7 +532,7 @@ def _check_args(
     check_contiguous(where, "query_start_loc", query_start_loc)
     check_contiguous(where, "seq_lens", seq_lens)
     require(num_splits is None or num_splits >= 1, where, f"num_splits must be >= 1, got {num_splits}")
-    _check_window(sliding_window)
+    check_window(sliding_window)
 
 
 def paged_attention(
@@ -663,7 +655,7 @@ def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: i
     for every power-of-two split width up to _MAX_SPLITS (tiny launches; their results
     are thrown away). A model with windowed and full layers calls it for each kind.
     ``kv_dtype``: the cache's dtype when it is not ``dtype`` (float8_e4m3fn)."""
-    _check_window(sliding_window)
+    check_window(sliding_window)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype, device=device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     for tokens in (1, 2):  # one query per sequence (decode-shaped), more (prefill-shaped)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE  # an FP8 KV cache: e4m3, per-tensor scales
+from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 KV cache: e4m3, per-tensor scales
 # The quantized GEMMs and multi-LoRA keep their references in their own modules (the layouts are documented there).
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
@@ -92,10 +92,7 @@ def paged_attention(
        (seq_lens counts the new tokens, whose K/V are already in the cache)
     returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
     """
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
-    ):
-        raise ValueError(f"paged_attention: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    check_window(sliding_window)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     starts, lens, decode, chunks = _step_rows(query_start_loc, seq_lens, block_tables, k_cache.shape[1],
