@@ -138,7 +138,12 @@ def main(args: argparse.Namespace) -> int:
         # k proposals every step (random weights: a draft's are never accepted, and in 16 bits
         # the oracle's stop matching after a tie flips; the adaptive k would then ask for one):
         # the mechanics of k, not of the adaptation.
-        sched._proposal_len = lambda req, budget: min(k, budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        adaptive = sched._proposal_len
+
+        def fixed_k(req, budget: int) -> int:
+            req.spec_k = None  # the scheduler's own bounds, from num_speculative_tokens every step
+            return adaptive(req, budget)
+        sched._proposal_len = fixed_k
     result: dict = {"config": engine.config.describe(), "proposer": args.proposer, "k": k, "batches": {}}
     for b in sizes:
         prompts = _prompts(args, engine, b)

@@ -141,7 +141,6 @@ class KVLayout:
         if not (kv_cache.is_contiguous() or is_head_slice(kv_cache)):
             raise ValueError("kv_cache must be contiguous, or a slice of a contiguous cache's KV heads")
 
-
     def check_caches(self, kv_cache: torch.Tensor, draft_cache: torch.Tensor | None) -> None:
         """``check_cache`` of the target's cache, and of the draft model's, which is given
         exactly when this layout has a draft (contiguous, on the target cache's device)."""
