@@ -27,12 +27,9 @@ is what ``default_tiles`` and ``SCALED_MM_MIN_ROWS`` are set from.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import math
-import multiprocessing
-import os
 
 from bench.gemm_timing import (
     copy_bandwidth,
@@ -40,6 +37,7 @@ from bench.gemm_timing import (
     fastest,
     graph_us,
     parse_shapes,
+    precompile,
     read_bandwidth,
     relative_error,
 )
@@ -93,9 +91,10 @@ def candidates(m: int, mode: str) -> list[dict]:
     out = []
     if m <= 4:
         rows = 1 << (m - 1).bit_length()
-        for bn, bk, split in itertools.product([32, 64, 128], [128, 256], [2, 4, 8, 16]):
+        for bn, bk, split, warps in itertools.product([16, 32, 64, 128], [128, 256, 512], [2, 4, 8, 16, 32],
+                                                      [1, 2, 4, 8]):
             out.append({"block_m": rows, "block_n": bn, "block_k": bk, "split_k": split, "group_m": 1,
-                        "num_warps": 4, "num_stages": 2, "kernel": "gemv"})
+                        "num_warps": warps, "num_stages": 2, "kernel": "gemv"})
     if m <= 16:
         grid = itertools.product([16], [64, 128], [128, 256], [2, 4, 8], [4], [4])
     elif m <= 64:
@@ -133,13 +132,6 @@ def _compile_job(job: tuple) -> str | None:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
-def precompile(jobs: list[tuple]) -> list[str | None]:
-    """Compile every job in parallel processes; returns each job's error, or None."""
-    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 15))
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_compile_job, jobs, chunksize=1))
-
-
 def _key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
@@ -173,7 +165,7 @@ def main() -> None:
     if args.sweep:
         jobs = sorted({(k, mode, _key(c)) for (k, _), m, mode in itertools.product(shapes, tokens, modes)
                        if backend_of(mode) == "triton" for c in candidates(m, mode)})
-        errors = precompile([(k, mode, dict(c)) for k, mode, c in jobs])
+        errors = precompile(_compile_job, [(k, mode, dict(c)) for k, mode, c in jobs])
         failed = {job: err for job, err in zip(jobs, errors) if err is not None}
         print(f"sweep: compiled {len(jobs)} configs, {len(failed)} failed", flush=True)
         for job, err in sorted(failed.items())[:10]:

@@ -93,3 +93,16 @@ def fastest(timed, configs, best: tuple[float, object]) -> tuple[float, object]:
 def parse_shapes(text: str, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``"KxN,KxN"`` -> [(K, N), ...]; ``default`` when empty."""
     return default if not text else [tuple(map(int, s.split("x"))) for s in text.split(",")]
+
+
+def precompile(job_fn, jobs: list) -> list:
+    """Run ``job_fn`` (a module-level function: it is pickled) on every job in parallel spawned
+    processes, which compiles each tile config into Triton's cache before the timing; returns
+    each job's error text, or None."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 15))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(job_fn, jobs, chunksize=1))

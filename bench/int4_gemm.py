@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from bench.gemm_timing import copy_bandwidth, cycle_copies, fastest, graph_us, parse_shapes, relative_error
+from bench.gemm_timing import copy_bandwidth, cycle_copies, fastest, graph_us, parse_shapes, precompile, relative_error
 
 SHAPES = [  # (K, N): Llama-3-8B's qkv, o, gate|up and down projections
     (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
@@ -30,6 +30,24 @@ def make_weight(k: int, n: int, group_size: int, dtype, device, gen, zeros: bool
     scales = (torch.rand(k // group_size, n, device=device, generator=gen) * 0.01 + 0.001).to(dtype)
     z = torch.randint(0, 16, (k // group_size, n), dtype=torch.uint8, device=device, generator=gen) if zeros else None
     return qweight, scales, z
+
+
+def _compile_job(job: tuple) -> str | None:
+    """Worker process: one (K, group size, dtype, zeros, M, config) run once on a 16-column weight
+    (N's divisibility kept), which compiles it into Triton's cache."""
+    import torch
+
+    from kernels.int4_gemm import int4_gemm
+
+    k, g, dtype, zeros, m, cfg = job
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        qw, s, z = make_weight(k, 16, g, getattr(torch, dtype), "cuda", gen, zeros)
+        int4_gemm(torch.zeros(m, k, device="cuda", dtype=getattr(torch, dtype)), qw, s, z, g, config=cfg)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: reported, then skipped
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def weight_bytes(qweight, scales, zeros) -> int:
@@ -49,7 +67,13 @@ def main() -> None:
     p.add_argument("--zeros", action="store_true", help="asymmetric weights (zeros read)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--shapes", default="")
+    p.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="the GEMV kernel up to this many rows by default (kernels.int4_gemm.GEMV_MAX_ROWS)")
     args = p.parse_args()
+    if args.gemv_max_rows is not None:
+        import importlib
+
+        importlib.import_module("kernels.int4_gemm").GEMV_MAX_ROWS = args.gemv_max_rows  # the module, not the launcher
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -59,6 +83,11 @@ def main() -> None:
     shapes = parse_shapes(args.shapes, SHAPES)
     tokens = [int(t) for t in args.tokens.split(",")]
     g = args.group_size
+    if args.sweep:
+        jobs = [(k, g, args.dtype, args.zeros, m, c) for k in sorted({k for k, _ in shapes}) for m in tokens
+                for c in candidates(m, g)]
+        errors = precompile(_compile_job, jobs)
+        print(f"sweep: compiled {len(jobs)} configs, {sum(e is not None for e in errors)} failed", flush=True)
     print(f"{'K':>6} {'N':>6} {'M':>5} | {'default us':>10} {'TB/s':>5} {'%floor':>6} | {'bf16 mm us':>10} | "
           f"{'best us':>8} best tiles")
     for (k, n), m in itertools.product(shapes, tokens):
@@ -92,6 +121,13 @@ def main() -> None:
 
 def candidates(m: int, g: int) -> list[dict]:
     out = []
+    if m <= 4:  # the GEMV kernel (its K tile is the group's: default_tiles'); the tensor-core tiles lost here
+        rows = 1 << (m - 1).bit_length()
+        for bn, split, warps, stages in itertools.product([32, 64, 128, 256], [1, 2, 4, 8, 16, 32], [1, 2, 4, 8],
+                                                          [1, 2]):
+            out.append({"block_m": rows, "block_n": bn, "block_k": min(128, g), "split_k": split, "group_m": 1,
+                        "num_warps": warps, "num_stages": stages, "kernel": "gemv"})
+        return out
     if m <= 16:
         grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [1, 2, 4, 8, 16], [4], [3, 4])
     elif m <= 64:

@@ -117,7 +117,8 @@ def test_default_tiles_split_decode_and_respect_groups(monkeypatch):
     dev = torch.device(DEVICE)
     t = i4.default_tiles(1, 4096, 4096, 128, torch.bfloat16, dev)
     assert t.kernel == "gemv" and t.block_m == 1 and t.block_k == 128 and t.split_k > 1
-    assert i4.default_tiles(3, 4096, 4096, 128, torch.bfloat16, dev).block_m == 4
+    assert i4.default_tiles(2, 4096, 4096, 128, torch.bfloat16, dev).block_m == 2
+    assert i4.default_tiles(3, 4096, 4096, 128, torch.bfloat16, dev).kernel == "dot"  # 3-4 rows: tensor cores
     assert i4.default_tiles(1, 4096, 4096, 128, torch.bfloat16, dev, has_g_idx=True).kernel == "dot"
     assert i4.default_tiles(1, 4096, 4096, 40, torch.bfloat16, dev).kernel == "dot"  # no tile fits a group of 40
     t = i4.default_tiles(16, 4096, 4096, 128, torch.bfloat16, dev)
