@@ -856,3 +856,48 @@ def test_gpu_nccl_sender_killed_mid_transfer(peer: Peer) -> None:
     assert torch.allclose(x @ torch.eye(1024, device="cuda:0"), x)
     time.sleep(2.0)  # a watchdog or heartbeat thread would act by now
     _gpu_round_trip(peer, "after-death", "cuda:1", "cuda:0", "nccl")
+
+
+# --------------------------------------------------------------------------- bounded setup steps
+
+def test_within_returns_raises_and_bounds_a_call_without_a_deadline() -> None:
+    from engine.kv_transfer.pair import _within
+
+    late: list[Any] = []
+    assert _within(lambda: 7, 1.0, "quick", late.append) == 7
+    with pytest.raises(ValueError, match="its own error"):
+        _within(lambda: (_ for _ in ()).throw(ValueError("its own error")), 1.0, "failing", late.append)
+    release = threading.Event()
+
+    def stuck() -> str:  # as a blocking NCCL communicator waits for a peer that never comes
+        release.wait(10)
+        return "built after all"
+
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match=r"stuck step: not done within 0\.3s \(the peer never joined\)"):
+        _within(stuck, 0.3, "stuck step", late.append)
+    assert time.monotonic() - start < 0.3 + SLACK_S
+    assert late == []
+    release.set()  # it finishes late: its result is handed to on_late, not lost
+    deadline = time.monotonic() + SLACK_S
+    while not late and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late == ["built after all"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(), reason="needs NCCL")
+def test_gpu_nccl_communicator_creation_fails_within_the_deadline_without_a_peer() -> None:
+    # Rank 0 of a pair whose rank 1 never builds its end: the communicator's creation would wait
+    # for it without end; the pair's setup fails within its deadline instead.
+    from datetime import timedelta
+
+    from engine.kv_transfer.pair import _make_group
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30),
+                                       wait_for_workers=False)
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match="NCCL communicator creation: not done within"):
+        _make_group(store, 0, "nccl", timedelta(seconds=3), None, torch.device("cuda", 0))
+    assert time.monotonic() - start < 3 + SLACK_S

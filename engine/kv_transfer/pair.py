@@ -18,9 +18,10 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +62,53 @@ def _remaining(deadline: float, what: str) -> timedelta:
     if left <= 0:
         raise KVTransferError(f"{what}: deadline exceeded")
     return timedelta(seconds=left)
+
+
+_T = TypeVar("_T")
+
+
+def _within(fn: Callable[[], _T], seconds: float, what: str, on_late: Callable[[_T], None]) -> _T:
+    """fn()'s result if it returns within ``seconds``, its error if it raises; else a
+    KVTransferError naming ``what``. For calls that take no deadline of their own (a blocking
+    NCCL communicator's creation waits for the peer without end, and cannot be aborted while it
+    runs): fn runs in a daemon thread, which a timeout leaves behind; if fn returns after all,
+    ``on_late(result)`` disposes of the result in that thread."""
+    lock = threading.Lock()
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            with lock:
+                box["error"] = e
+        else:
+            with lock:
+                late = box.get("late", False)
+                if not late:
+                    box["result"] = result
+            if late:
+                on_late(result)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"kv-bounded-{what[:40]}", daemon=True).start()
+    done.wait(max(0.0, seconds))
+    with lock:
+        if "result" not in box and "error" not in box:
+            box["late"] = True
+            raise KVTransferError(f"{what}: not done within {seconds:.1f}s (the peer never joined)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _abort_quietly(group: _Group) -> None:
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001 - nothing left to tell
+        logger.debug("KV group abort after a late start: %s", e)
 
 
 def _gather_blocks(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
@@ -160,8 +208,14 @@ def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta, 
         group = dist.ProcessGroupNCCL(store, rank, 2, opts)
         # Build the pair's one communicator now, on this cache's GPU, while both sides are in
         # setup. Otherwise the first op builds it lazily, from whatever thread and current
-        # device sends first, and a single (unbatched) op would build a second one.
-        group.eager_connect_single_device(device)
+        # device sends first, and a single (unbatched) op would build a second one. Its
+        # creation waits for the peer with no deadline of its own: bounded here (a peer that
+        # authenticated and then never built its end fails the pair within the KV deadline).
+        def connect() -> None:
+            with torch.cuda.device(device):  # a new thread starts on device 0
+                group.eager_connect_single_device(device)
+
+        _within(connect, timeout.total_seconds(), "NCCL communicator creation", lambda _: _abort_quietly(group))
         return group
     if backend != "gloo":
         raise ValueError(f"unknown KV transfer backend {backend!r}")
