@@ -230,7 +230,17 @@ class ModelRunner:
         """Compile, before serving, the kernel variants an eager step can meet (Triton compiles
         a variant the first time a launch needs it, stalling that step ~1 s): one mixed step (a
         3-token prefill chunk beside a decode row; slot -1 writes nowhere, block 0 is read),
-        and every split variant of paged attention. Decode graphs compile theirs at capture."""
+        and every split variant of paged attention. Decode graphs compile theirs at capture.
+
+        On CPU, the compiled CPU attention the attention layers call is built or loaded here
+        (well under a second when built, about a minute to build): done lazily, inside the
+        first step, it held that step, and every abort and deadline queued behind it, for as
+        long as the build took."""
+        if self.device.type == "cpu" and self.ops.__name__ == "kernels.reference":
+            from kernels import cpu_attention
+
+            cpu_attention.extension()  # None where it cannot build: logged once, the references run
+            return
         if self.device.type != "cuda" or self.ops.__name__ != "kernels":
             return
         mc, dev = self.config.model, self.device

@@ -26,6 +26,7 @@ from engine.layers.linear import ColumnParallelLinear, LinearMethods, Part, RowP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import Shard, TPGroup
+from kernels import cpu_attention, reference
 
 
 @dataclass
@@ -87,9 +88,11 @@ class Attention(nn.Module):
         q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        self.ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        # The references' cache write and attention, compiled (the reference where it cannot build).
+        ops = cpu_attention if self.ops is reference else self.ops
+        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
-        o = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                     step_cache=meta.step_cache, **window, **scales)
+        o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                meta.seq_lens, self.scale, num_splits=meta.num_splits,
+                                step_cache=meta.step_cache, **window, **scales)
         return self.o_proj(o.reshape(t, self.q_size))

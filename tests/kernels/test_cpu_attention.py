@@ -3,13 +3,16 @@ random mixed batches (decode rows, chunks over a paged prefix, empty rows) with
 block tables in random order, GQA ratios, partial last blocks, sliding windows,
 16/32-bit and FP8 caches, and the head dims of each code path (multiples of 16
 with their own loops, other multiples of 16, and the scalar path); the cache
-write byte for byte; the fallback when it cannot be built; the engine using it."""
+write byte for byte; the fallback when it cannot be built; a build lock left by a killed
+build (removed) or held by a live process (waited for within a bound); the engine using it,
+loaded at start-up."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -204,3 +207,128 @@ def test_without_a_build_it_runs_the_reference_and_says_why_once(tmp_path, broke
     assert len(logged) == 1, child.stdout
     want = "no C++ compiler" if broken == "CXX" else "error: broken on purpose"
     assert want in result["reason"] and want in logged[0]
+
+
+LOAD_CHILD = r"""
+import json, logging, sys, time
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
+from kernels import cpu_attention
+t0 = time.monotonic()
+loaded = cpu_attention.extension() is not None
+print(json.dumps({"loaded": loaded, "reason": cpu_attention.unavailable_reason(), "seconds": time.monotonic() - t0}))
+"""
+# A build's lock as torch's FileBaton takes it (O_CREAT | O_EXCL, kept open while it builds).
+HOLD_LOCK = ("import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('locked', flush=True); "
+             "time.sleep(600)")
+
+
+def _built_copy(tmp_path):
+    """An extensions folder holding a copy of the built extension (ninja finds it up to date:
+    no compile), the environment that points a child at it, and its torch lock file's path."""
+    from torch.utils import cpp_extension
+
+    src = cpp_extension._get_build_directory(cpu_attention._NAME, verbose=False)
+    dst = tmp_path / "ext" / cpu_attention._NAME
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=REPO)
+    env.pop(cpu_attention.BUILD_TIMEOUT_ENV, None)
+    return env, str(dst / "lock")
+
+
+def _hold_lock(lock: str) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, lock], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def _load_in_child(env: dict, timeout: float) -> tuple[dict, list[str]]:
+    child = subprocess.run([sys.executable, "-c", LOAD_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    assert child.returncode == 0, child.stderr[-3000:]
+    lines = child.stdout.strip().splitlines()
+    return json.loads(lines[-1]), lines[:-1]
+
+
+def test_a_stale_build_lock_left_by_a_killed_build_is_removed_and_the_load_completes(ext, tmp_path):
+    """torch waits for its build lock without bound, and a build killed midway leaves it: the
+    next load finds no live process holding it, removes it with one log line, and loads."""
+    env, lock = _built_copy(tmp_path)
+    holder = _hold_lock(lock)
+    holder.kill()
+    holder.wait()
+    assert os.path.exists(lock)
+    result, logged = _load_in_child(env, timeout=120)  # it waited forever before
+    assert result["loaded"] and result["reason"] is None, (result, logged)
+    removed = [ln for ln in logged if "removed the stale build lock" in ln]
+    assert len(removed) == 1 and lock in removed[0], logged
+    assert not os.path.exists(lock)
+
+
+def test_a_build_lock_held_by_a_live_process_is_waited_for_within_the_limit_then_the_reference_runs(ext, tmp_path):
+    """A lock a live process holds is not removed: the load waits for it at most
+    $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT seconds, then the references run, and one log line
+    says why (the lock, its holder)."""
+    env, lock = _built_copy(tmp_path)
+    env[cpu_attention.BUILD_TIMEOUT_ENV] = "2"
+    holder = _hold_lock(lock)
+    try:
+        result, logged = _load_in_child(env, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not result["loaded"] and 2 <= result["seconds"] < 30, result
+    reason = result["reason"]
+    assert "did not end within 2 s" in reason and lock in reason and f"pid {holder.pid}" in reason, reason
+    unavailable = [ln for ln in logged if "compiled CPU attention unavailable" in ln]
+    assert len(unavailable) == 1 and reason in unavailable[0], logged
+    assert not any("removed the stale build lock" in ln for ln in logged), logged
+    assert os.path.exists(lock)  # its holder's, not ours to remove
+
+
+def test_the_engine_runs_it_on_cpu(ext, tmp_path, monkeypatch):
+    """The model's attention layers call the compiled attention on CPU (the reference
+    ops module), and greedy tokens equal those of the reference attention."""
+    from tests.conftest import make_tiny_model
+
+    from engine import LLM, SamplingParams
+
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=5)
+    prompts = [[5, 9, 33, 7, 100, 3, 41], [12, 8], list(range(20, 58))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory="2MiB")
+    calls = {"n": 0}
+    compiled = ext.paged_attention
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def paged_attention(self, *args):
+            calls["n"] += 1
+            return compiled(*args)
+
+    monkeypatch.setitem(cpu_attention._state, "module", Counting())
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls["n"] > 0
+    monkeypatch.setitem(cpu_attention._state, "module", None)  # every call to the reference
+    llm.engine.scheduler.kv.pool.reset_prefix_cache()
+    theirs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert ours == theirs
+
+
+def test_the_engine_loads_it_at_start_up_not_in_its_first_step(ext, tmp_path, monkeypatch):
+    """A build (a minute) or load inside a step holds that step, and every abort and deadline
+    queued behind it: a request cancelled while it prefilled kept its blocks for the whole build
+    (tests/e2e/test_cancellation.py). The model runner loads it before the engine serves."""
+    from tests.conftest import make_tiny_model
+
+    from engine import LLM
+
+    loads = []
+    monkeypatch.delitem(cpu_attention._state, "module")
+    monkeypatch.delitem(cpu_attention._state, "reason")
+    monkeypatch.setattr(cpu_attention, "_load", lambda: loads.append(1) or (ext, None))
+    LLM(str(make_tiny_model(tmp_path / "tiny", seed=5)), dtype="float32", device="cpu", block_size=4,
+        kv_cache_memory="2MiB")
+    assert loads == [1] and cpu_attention._state["module"] is ext
