@@ -268,22 +268,27 @@ def rotary_embedding(
     cos_sin_cache: [max_positions, D] float32, [:, :D/2] = cos, [:, D/2:] = sin
     returns contiguous (q_out, k_out) in the input dtypes.
     """
-    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+    cos, sin = cos_sin_cache[positions.long()][:, None, :].chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        # x * [cos, cos] + rotate_half(x) * [sin, sin], with rotate_half(x) = [-x2, x1], one
+        # half at a time into one output (no concatenated temporaries: on CPU a large fresh
+        # temporary costs more than the arithmetic)
         x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h = x1.shape[-1]
+        torch.mul(x1, c, out=out[..., :h]).sub_(x2 * s)
+        torch.mul(x2, c, out=out[..., h:]).add_(x1 * s)
+        return out
 
-    return rotate(q).contiguous(), rotate(k).contiguous()
+    return rotate(q), rotate(k)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [T, I] temporary, not two
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
