@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.layers.linear import Part, attach_loader
 from engine.parallel import Shard, TPGroup
+from kernels import cpu_gemm
 
 
 def _vocab_loader(param: nn.Parameter, vocab: int, hidden: int, lo: int, hi: int) -> None:
@@ -58,7 +59,7 @@ class LMHead(nn.Module):
             _vocab_loader(self.weight, vocab_size, hidden_size, lo, hi)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight).float()
+        logits = cpu_gemm.linear(hidden, self.weight).float()  # F.linear; oneDNN's for float32 on CPU
         if self.tp is not None:
             logits = self.tp.all_gather_last(logits)[:, :self.vocab_size]
         if self.softcap is not None:

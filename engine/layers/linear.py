@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import TPGroup
+from kernels import cpu_gemm
 
 
 def split_range(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -185,7 +185,7 @@ class LinearMethod:
         """Called once, after every checkpoint tensor is in place (or dummy weights drawn)."""
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return cpu_gemm.linear(x, layer.weight, bias)  # F.linear; oneDNN's for float32 on CPU
 
     def warm_up_key(self, layer: LinearBase) -> tuple | None:
         """What decides the kernels ``apply`` compiles (layers with the same key share one
