@@ -57,6 +57,7 @@ def main() -> int:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     result: dict = {"copy_bytes_per_s": copy_bw, "cases": []}
     tile_config = pa._tile_config
+    settings = pa.FP8_DECODE_K_ROWS, pa.FP8_FP16_DOTS  # put back after each variant
 
     def decode_tiles(block_n: int):
         def config(num_tokens, num_seqs, group, head_dim, itemsize=2, kv_itemsize=None):
@@ -94,6 +95,7 @@ def main() -> int:
                 us = bench(call)
             finally:
                 pa._tile_config = tile_config
+                pa.FP8_DECODE_K_ROWS, pa.FP8_FP16_DOTS = settings
             torch.cuda.synchronize()
             name = f"krows={krows} fp16={fp16} bn={block_n or 'default'}"
             row = {"batch": b, "context": ctx, "cache": "fp8", "krows": krows, "fp16_dots": fp16, "block_n": block_n,
@@ -102,7 +104,6 @@ def main() -> int:
             result["cases"].append(row)
             print(f"{shape} fp8 {name:24s} {us:8.1f} us  {100 * row['of_copy']:5.1f}% of copy  "
                   f"(floor {row['floor_us']:.1f} us; max |err| {err:.2g})", flush=True)
-        pa.FP8_DECODE_K_ROWS, pa.FP8_FP16_DOTS = True, True
         del kc, vc, k8, v8
     write_result(result, "fp8_kv_attention", args.output_json)
     return 0
