@@ -296,7 +296,7 @@ class EngineConfig:
     device: str  # "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
-    async_scheduling: bool = True  # decode steps on graphs: queue step N+1 before reading step N's tokens
+    async_scheduling: bool = True  # with decode graphs: queue step N+1 before reading step N's tokens
     enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: plain decoding)
     tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)

@@ -81,8 +81,7 @@ def padded_size(sizes: Sequence[int], n: int) -> int | None:
 
 def is_pure_decode(scheduled: Sequence[ScheduledRequest]) -> bool:
     """Every request computes exactly its last known token (and samples the next)."""
-    return bool(scheduled) and all(
-        s.num_new_tokens == 1 and s.request.num_computed_tokens + 1 == s.request.num_tokens for s in scheduled)
+    return bool(scheduled) and all(s.num_new_tokens == 1 and not s.draft_token_ids and s.samples for s in scheduled)
 
 
 class DecodeInputs:
@@ -94,7 +93,7 @@ class DecodeInputs:
     step N+1 while step N's copies may still wait in the stream).
 
     A row may be a step ahead of the host (``ScheduledRequest.lookahead``):
-    its position counts the token sampled by the step in flight, and its
+    its position counts the positions the step in flight computes, and its
     input id is that token, which ``upload`` copies from the device
     (``ahead_ids``) over the placeholder ``fill`` wrote.
 
@@ -159,8 +158,7 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied[self._turn].synchronize()  # its copies were queued two steps ago: done, in practice
         h64, h32 = self._h64, self._h32
-        pos = np.fromiter((s.request.num_computed_tokens + s.lookahead for s in scheduled), dtype=np.int64,
-                          count=n)
+        pos = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
         h64[1, :n] = pos
         known = [s.request.all_token_ids[p] if not s.lookahead else 0 for s, p in zip(scheduled, pos.tolist())]
         h64[0, :n] = known
@@ -354,7 +352,7 @@ class DecodeGraphs:
             return None
         if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
             return None
-        longest = max(s.request.num_computed_tokens + s.lookahead + 1 for s in scheduled)
+        longest = max(s.start + 1 for s in scheduled)
         variants = self.variants[size]
         splits = next((sp for ctx, sp in variants if ctx >= longest), variants[-1][1])
         width = self.inputs.fill(scheduled, size)

@@ -58,6 +58,7 @@ class _DraftRow:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.sampling_params = _GREEDY
         self.lora = None
+        self.hold_kv_on_finish = False
 
     @property
     def num_tokens(self) -> int:

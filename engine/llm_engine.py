@@ -5,16 +5,17 @@
     sampled = runner.execute(out)       # one forward pass + sampling
     scheduler.update_from_output(...)   # advance token counts, finish
 
-Overlapped decode (``--async-scheduling``, on by default; decode steps that
-replay CUDA graphs): a pure decode step is queued on the device without
+Overlapped steps (``--async-scheduling``, on by default, with decode graphs):
+a step, decode or mixed with prefill chunks, is queued on the device without
 waiting for it (``runner.launch``). The next call schedules the step after it
 a step ahead (``scheduler.schedule_ahead``: inputs are the ids the step in
-flight samples, still on the device), queues it, and only then reads the
-tokens of the step in flight and updates the requests, so that host work
-hides behind the GPU's. A call thus reports the tokens of the step queued by
-the call before; tokens computed for a request that finished meanwhile are
-discarded. Where the next schedule depends on those tokens (arrivals,
-preemption, penalties) the call reads them first, one step at a time.
+flight samples, still on the device; chunks go on past the positions in
+flight), queues it, and only then reads the tokens of the step in flight and
+updates the requests, so that host work hides behind the GPU's. A call thus
+reports the tokens of the step queued by the call before; tokens computed for
+a request that finished meanwhile are discarded. Where the next schedule
+depends on those tokens (preemption, penalties, proposals) the call reads
+them first, one step at a time.
 
 Servers never touch the scheduler or the cache: they call the engine's
 named operations (``add_request``, ``add_prefill_request``, ``reserve``,
@@ -494,6 +495,8 @@ class LLMEngine:
         taken: list[Request] | None = None  # the in-flight step's outcome, if taken inside the launch
         if ahead is not None:
             result.reserved += ahead.reserved
+            result.started += ahead.started
+            result.updated += ahead.finished
             before_sampling = None
             if self._bitmasks_of(ahead) is not None:
                 # Constrained rows: once the step ahead's forward is queued, read the tokens in
@@ -503,7 +506,7 @@ class LLMEngine:
                     nonlocal taken
                     taken = self.scheduler.update_from_output(in_flight.out, *in_flight.result())
                     for s in step.scheduled:  # those tokens are known now: none is pending for the sampler
-                        s.lookahead = 0
+                        s.landed()
                     self._fill_ready_masks(step)
             self._in_flight = self.runner.launch(ahead, in_flight, before_sampling=before_sampling)
         result.updated += taken if taken is not None else \
@@ -511,6 +514,8 @@ class LLMEngine:
         if self._in_flight is None:
             return False
         assert ahead is not None
+        for s in ahead.scheduled:  # the requests' counts include the step taken now
+            s.landed()
         result.num_batched_tokens = ahead.num_batched_tokens
         self.num_steps_total += 1
         self.num_steps_ahead_total += 1

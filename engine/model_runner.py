@@ -135,21 +135,26 @@ _STOP, _STEP, _GRAPH, _LORA_SLOT = 0, 1, 2, 3
 
 
 class LaunchedStep:
-    """A decode step queued on the device, not waited for: its sampled ids stay on the
-    device (the inputs of a step scheduled ahead) while a copy goes to the host."""
+    """A step queued on the device, not waited for: its sampled ids stay on the device
+    (the inputs of a step scheduled ahead) while a copy goes to the host. ``which``: the
+    rows of ``out.scheduled`` that sample, in order (every row of a decode step; none of
+    a step of chunks that all stop short of their prompt's end, ``sample`` then None)."""
 
-    def __init__(self, out: SchedulerOutput, sample: PendingSample) -> None:
-        self.out, self.sample = out, sample
+    def __init__(self, out: SchedulerOutput, sample: PendingSample | None, which: Sequence[int]) -> None:
+        self.out, self.sample, self.which = out, sample, list(which)
 
     @property
     def token_ids(self) -> torch.Tensor:
-        """[rows] int64 on the device, aligned with ``out.scheduled``."""
+        """[len(which)] int64 on the device, aligned with ``which``."""
+        assert self.sample is not None
         return self.sample.token_ids
 
     def result(self) -> tuple[list[int | None], list | None]:
         """(sampled, logprobs) as ``ModelRunner.execute`` returns them; waits for the step."""
         n = len(self.out.scheduled)
-        return _per_row(self.sample.result(), range(n), n)
+        if self.sample is None:
+            return [None] * n, None
+        return _per_row(self.sample.result(), self.which, n)
 
 
 def _per_row(res: SamplerOutput, which: Sequence[int], n: int) -> tuple[list[int | None], list | None]:
@@ -462,16 +467,17 @@ class ModelRunner:
         work (an 8k-token prefill step is 8k positions and slots)."""
         scheduled, bs = out.scheduled, self.block_size
         n = len(scheduled)
-        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
         counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
         ends = starts + counts
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         total = int(qsl[-1])
-        # A speculating row's inputs: its pending token, then the proposals to verify.
+        # A speculating row's inputs: its pending token, then the proposals to verify. A row
+        # a step ahead takes the token in flight: a placeholder here (``_launch_eager``).
         ids = np.fromiter(itertools.chain.from_iterable(
-            (s.request.all_token_ids[a:b] if not s.draft_token_ids else
-             itertools.chain(s.request.all_token_ids[a:a + 1], s.draft_token_ids))
+            (s.request.all_token_ids[a:b] if not s.draft_token_ids and not s.lookahead else
+             (0,) if s.lookahead else itertools.chain(s.request.all_token_ids[a:a + 1], s.draft_token_ids))
             for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())), dtype=np.int64, count=total)
         row = np.repeat(np.arange(n), counts)  # each token's request
         positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
@@ -604,23 +610,27 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None,
                before_sampling: Callable[[SchedulerOutput], None] | None = None) -> LaunchedStep | None:
-        """Queue a pure-decode step on its graph and its sampling, without waiting for the
-        device; None (nothing queued) when the step must run eagerly (``execute``).
-        ``in_flight``: the step whose sampled ids are the inputs of this one's leading rows
-        (those ``Scheduler.schedule_ahead`` put a step ahead). ``before_sampling(out)`` runs on
-        the host once the forward pass is queued, before the sampling that needs it (the
-        constraints' bitmasks: computed while the device runs the forward)."""
-        if self.graphs is None:
+        """Queue a step and its sampling without waiting for the device: a pure-decode step
+        on its graph, any other eagerly (its kernels queued, the sampled ids left on the
+        device). None (nothing queued) where the step is read at once (``execute``): no decode
+        graphs (overlap is off), proposals to verify, or rows held for a KV send (the prefill
+        tier sends from each step's outcome). ``in_flight``: the step whose sampled ids are
+        the inputs of this one's leading rows (those ``Scheduler.schedule_ahead`` put a step
+        ahead). ``before_sampling(out)`` runs on the host once the forward pass is queued,
+        before the sampling that needs it (the constraints' bitmasks: computed while the
+        device runs the forward)."""
+        if self.graphs is None or any(s.draft_token_ids or s.request.hold_kv_on_finish for s in out.scheduled):
             return None
         ahead = sum(1 for s in out.scheduled if s.lookahead)
-        if ahead and (in_flight is None or len(in_flight.out.scheduled) < ahead
+        if ahead and (in_flight is None or len(in_flight.which) < ahead
                       or any(s.lookahead for s in out.scheduled[ahead:])
-                      or any(a.request is not b.request
-                             for a, b in zip(out.scheduled, in_flight.out.scheduled[:ahead]))):
+                      or any(a.request is not in_flight.out.scheduled[i].request
+                             for a, i in zip(out.scheduled, in_flight.which[:ahead]))):
             raise ValueError("rows a step ahead must lead the batch, in the order of the step in flight")
-        step = self.graphs.prepare(out.scheduled, in_flight.token_ids[:ahead] if in_flight and ahead else None)
+        ahead_ids = in_flight.token_ids[:ahead] if in_flight is not None and ahead else None
+        step = self.graphs.prepare(out.scheduled, ahead_ids)
         if step is None:
-            return None
+            return self._launch_eager(out, ahead_ids, before_sampling)
         self._count_forward()
         if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
             self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
@@ -629,7 +639,29 @@ class ModelRunner:
         logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
         if before_sampling is not None:
             before_sampling(out)
-        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(s) for s in out.scheduled]))
+        n = len(out.scheduled)
+        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(s) for s in out.scheduled]), range(n))
+
+    def _launch_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
+                      before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
+        """``launch`` for a step off the graphs (prefill chunks with or without decode rows):
+        the eager forward queued, its leading ``len(ahead_ids)`` rows' inputs copied from the
+        device ids in flight (each is one token, so token i is row i's)."""
+        self._count_forward()
+        input_ids, positions, meta, sample_idx = self._prepare(out)
+        if ahead_ids is not None:
+            input_ids[:ahead_ids.shape[0]].copy_(ahead_ids)
+        if self.tp is not None:
+            self._broadcast_step(input_ids, positions, meta, sample_idx)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, None)
+        which = [i for i, s in enumerate(out.scheduled) if s.samples]
+        if not which:
+            return LaunchedStep(out, None, which)
+        logits = self.model.compute_logits(hidden[sample_idx])
+        if before_sampling is not None:
+            before_sampling(out)
+        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(out.scheduled[i]) for i in which]),
+                            which)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None,

@@ -86,9 +86,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after allocation
-    # Tokens of the request sampled by the step still in flight, not yet on the host: this
-    # row computes the position after them (a step ahead; see Scheduler.schedule_ahead).
+    # A row scheduled a step ahead (Scheduler.schedule_ahead): the step still in flight
+    # computes ``computed_ahead`` positions of the request before this row's (their KV is
+    # being written) and samples ``lookahead`` tokens the host has not read yet (0 or 1; a
+    # row with one takes it as its input, from the device). Both are zeroed once that step's
+    # outcome is taken (``landed``), when the request's own counts include them.
     lookahead: int = 0
+    computed_ahead: int = 0
     # A constrained row that samples: its next-token bitmask ([ceil(V / 32)] int32, set by the
     # engine before sampling; see engine/grammar.py).
     bitmask: Any = None
@@ -97,11 +101,19 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
 
     @property
+    def start(self) -> int:
+        """The first position this row computes."""
+        return self.request.num_computed_tokens + self.computed_ahead
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so its
         last position's logits give the next token (a speculating row: every position's)."""
-        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
-                == self.request.num_tokens)
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens + self.lookahead
+
+    def landed(self) -> None:
+        """The step in flight before this row's was taken: the request's counts include it."""
+        self.lookahead = self.computed_ahead = 0
 
 
 @dataclass
@@ -349,41 +361,61 @@ class Scheduler:
         return True
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """The next step, scheduled while ``in_flight`` (a pure-decode step whose sampled
-        tokens the host has not read yet) still runs: each of its rows, in its order, decodes
-        once more a step ahead, taking as input the token the step in flight samples; then any
-        other running request that decodes. Tokens of a request that the step in flight
-        finishes are computed and discarded. None, with nothing scheduled, where the
-        schedule could differ from the one ``schedule()`` makes after reading the tokens:
-        a row of ``in_flight`` no longer running, a running request with more than one token
-        to compute, waiting requests and room for them, a row with penalties (they read the
-        tokens) or held for a KV send, a constrained request not in flight whose grammar is
-        not ready, the budget, or blocks that would take a preemption. A constrained row
-        in flight may go ahead: its next mask follows from the token in flight, which the
-        engine takes before the step ahead samples (``LLMEngine._step_ahead``).
-        (Blocks taken for the rows before a None are kept: their requests need them the step
-        after.)"""
-        rows = [s.request for s in in_flight.scheduled]
+        """The next step, scheduled while ``in_flight`` (a step whose sampled tokens the host
+        has not read yet) still runs: the step ``schedule()`` would make once they are read,
+        if none of them ends its request. Each row of ``in_flight`` that samples decodes once
+        more, a step ahead, taking as input the token in flight (these rows lead the batch, in
+        ``in_flight``'s order); then, decode rows first within the budget, each other running
+        request, a prefill chunk of ``in_flight`` going on past the positions in flight, and
+        waiting requests where there is room. Tokens of a request that the step in flight
+        finishes are computed and discarded. None, with nothing scheduled, where the schedule
+        could differ from the one ``schedule()`` makes after reading the tokens: a row of
+        ``in_flight`` no longer running, held for a KV send, or sampling with penalties (they
+        read the tokens), a constrained request not in flight (or a chunk of one) whose
+        grammar is not ready, speculation, more adapters than a step takes, a budget smaller
+        than the rows in flight that sample, or blocks that would take a preemption. A
+        constrained row in flight may go ahead: its next mask follows from the token in
+        flight, which the engine takes before the step ahead samples
+        (``LLMEngine._step_ahead``). (Blocks taken for the rows before a None are kept: their
+        requests need them the step after.)"""
         loras: set[str] = set()
         if not all(self._lora_fits(r, loras) for r in self.running):  # more adapters than one step takes
             return None
         if self._may_speculate(self.running):  # a step with proposals is scheduled after the tokens are read
             return None
-        if any(r.status != S.RUNNING or r.sampling_params.has_penalties or r.hold_kv_on_finish for r in rows):
+        rows = in_flight.scheduled
+        if any(s.request.status != S.RUNNING or s.request.hold_kv_on_finish or s.draft_token_ids
+               or (s.samples and s.request.sampling_params.has_penalties) for s in rows):
             return None
-        ahead = {r.request_id for r in rows}
-        others = [r for r in self.running if r.request_id not in ahead]
-        if any(r.num_tokens - r.num_computed_tokens != 1 or not self._grammar_ready(r) for r in others):
+        leading = [s for s in rows if s.samples]
+        in_flight_chunk = {s.request.request_id: s.num_new_tokens for s in rows if not s.samples}
+        lead_ids = {s.request.request_id for s in leading}
+        rest = [r for r in self.running if r.request_id not in lead_ids]
+        if not all(self._grammar_ready(r) for r in rest):
             return None
-        if self.waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+        budget = self.config.max_num_batched_tokens - len(leading)
+        if budget < 0:
             return None
-        if len(rows) + len(others) > self.config.max_num_batched_tokens:
-            return None
+        # (request, tokens, positions in flight before them, tokens in flight it takes as input)
+        plan = [(s.request, 1, s.num_new_tokens, 1) for s in leading]
+        # Decode-first, as schedule(): a stable sort over the running order.
+        left = {r.request_id: r.num_tokens - r.num_computed_tokens - in_flight_chunk.get(r.request_id, 0)
+                for r in rest}
+        for req in sorted(rest, key=lambda r: left[r.request_id] > 1):
+            if budget == 0:
+                break
+            if left[req.request_id] <= 0:
+                continue
+            num_new = min(left[req.request_id], budget)
+            plan.append((req, num_new, in_flight_chunk.get(req.request_id, 0), 0))
+            budget -= num_new
         out = SchedulerOutput()
-        for req, lookahead in [(r, 1) for r in rows] + [(r, 0) for r in others]:
-            if self.kv.allocate_slots(req, 1 + lookahead) is None:
+        for req, num_new, done, lookahead in plan:
+            if self.kv.allocate_slots(req, done + num_new) is None:
                 return None
-            out.scheduled.append(ScheduledRequest(req, 1, self.kv.get_block_ids(req.request_id), lookahead))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id), lookahead,
+                                                  computed_ahead=done))
+        self._schedule_waiting(budget, out, loras)  # (arrivals do not depend on the tokens in flight)
         self._reserve_waiting(out)  # after the rows' blocks: a None above must not drop a reservation
         return out
 

@@ -93,7 +93,9 @@ def test_a_request_aborted_while_its_step_is_in_flight(tiny_llama_dir):
     reqs = [e.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
     while not (e._in_flight is not None and all(r.num_output_tokens >= 3 for r in reqs)):
         e.step()
-    assert [s.lookahead for s in e._in_flight.out.scheduled] == [1, 1, 1]  # a step ahead of the host
+    ahead = e.num_steps_ahead_total
+    e.step()  # the three rows' step queued a step ahead of the host
+    assert e.num_steps_ahead_total == ahead + 1 and [s.request for s in e._in_flight.out.scheduled] == reqs
     e.abort_request("r1")
     kept = list(reqs[1].output_token_ids)
     while e.has_unfinished_requests():
@@ -128,7 +130,8 @@ def test_a_row_sampled_ahead_draws_as_if_its_tokens_were_known():
 
 def test_a_request_arriving_while_steps_overlap_starts_at_the_next_step(tiny_llama_dir):
     """Admission, not only output: a prompt added while a decode step is in flight is
-    scheduled by the very next engine step, not after the running request finishes."""
+    scheduled by the very next engine step (into the step it queues ahead, beside the
+    decode row), not after the running request finishes."""
     llm = _llm(tiny_llama_dir, True)
     e = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -136,9 +139,50 @@ def test_a_request_arriving_while_steps_overlap_starts_at_the_next_step(tiny_lla
     while not (e._in_flight is not None and a.num_output_tokens >= 3):
         e.step()
     b = e.add_request("b", _prompts()[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    ahead = e.num_steps_ahead_total
     e.step()
-    assert b.times.first_scheduled is not None and b.num_computed_tokens > 0
+    assert b.times.first_scheduled is not None and e.num_steps_ahead_total == ahead + 1
+    assert [s.request for s in e._in_flight.out.scheduled] == [a, b]
+    e.step()
+    assert b.num_computed_tokens > 0
     assert a.num_output_tokens < 10 and not a.is_finished
     while e.has_unfinished_requests():
         e.step()
     assert b.num_output_tokens == 4 and a.num_output_tokens == 40 and e.stats().kv_blocks_used == 0
+
+
+def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_llama_dir):
+    """Mixed steps go ahead too: with a budget of 8 tokens, prompts of up to 22 are cut into
+    chunks that run beside decode rows, each chunk queued while the one before is in flight,
+    and a prompt's last chunk's token feeds the step after it on the device. Prompts arrive
+    while others decode; sampled, seeded, stopped-early and logprob rows all match."""
+    prompts = _prompts()
+    free = _llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, _params({0: [], 3: [], 5: []}))
+    stop = {i: [free[i].outputs[0].token_ids[3]] for i in (0, 3, 5)}
+
+    def run(async_scheduling: bool):
+        llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8)
+        e, params, mixed = llm.engine, _params(stop), []
+        launch = e.runner.launch
+
+        def counted(out, *args, **kw):  # steps queued with a prefill chunk, and whether they went ahead
+            if any(s.num_new_tokens > 1 for s in out.scheduled):
+                mixed.append(any(s.lookahead or s.computed_ahead for s in out.scheduled))
+            return launch(out, *args, **kw)
+
+        e.runner.launch = counted
+        reqs, done = [], {}
+        for step in range(400):
+            if step % 3 == 0 and len(reqs) < len(prompts):  # arrivals while others run
+                i = len(reqs)
+                reqs.append(e.add_request(f"r{i}", prompts[i], params[i]))
+            e.step()
+            if len(reqs) == len(prompts) and not e.has_unfinished_requests():
+                break
+        assert not e.has_unfinished_requests() and e.stats().kv_blocks_used == 0
+        return [(list(r.output_token_ids), r.status.name) for r in reqs], mixed, e
+
+    want, _, _ = run(False)
+    got, mixed, e = run(True)
+    assert got == want
+    assert sum(mixed) >= 5 and e.num_steps_ahead_total > 10  # chunks went ahead, many times

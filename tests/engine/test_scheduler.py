@@ -146,28 +146,68 @@ def _decoding(s: Scheduler, r: Request) -> None:
         step(s)
 
 
-def test_a_step_ahead_yields_to_waiting_requests_with_room():
-    """Overlapped steps stop where a waiting request could start: scheduled ahead, it would
-    wait until the running one finished. Without room (max_num_seqs) they go on."""
+def test_a_step_ahead_admits_waiting_requests_with_room():
+    """A request added while a step is in flight starts in the step scheduled ahead, as
+    schedule() would start it once the tokens are read (nothing about it depends on them).
+    Without room (max_num_seqs) it waits."""
     s = make(num_blocks=32, budget=8, max_seqs=2)
     a = req("a", 5, max_tokens=20)
     _decoding(s, a)
     in_flight = s.schedule()
     assert [x.request.request_id for x in in_flight.scheduled] == ["a"]
-    assert s.schedule_ahead(in_flight) is not None  # nothing waits: a step ahead
-    s.update_from_output(in_flight, [7])
-    in_flight = s.schedule()
-    s.add_request(req("b", 3, start=40))
-    assert s.schedule_ahead(in_flight) is None  # b waits and has room: the next step admits it
-    s.update_from_output(in_flight, [7])
-    assert [x.request.request_id for x in s.schedule().scheduled] == ["a", "b"]
+    b = req("b", 3, start=40)
+    s.add_request(b)
+    ahead = s.schedule_ahead(in_flight)
+    assert [(x.request.request_id, x.num_new_tokens, x.lookahead, x.computed_ahead) for x in ahead.scheduled] == \
+        [("a", 1, 1, 1), ("b", 3, 0, 0)]
+    assert ahead.started == [b] and b.status == RequestStatus.RUNNING and all(x.samples for x in ahead.scheduled)
 
     full = make(num_blocks=32, budget=8, max_seqs=1)
     _decoding(full, req("a", 5, max_tokens=20))
     in_flight = full.schedule()
     full.add_request(req("b", 3, start=40))
-    ahead = full.schedule_ahead(in_flight)  # no room for b: nothing to wait for
+    ahead = full.schedule_ahead(in_flight)  # no room for b
     assert ahead is not None and [(x.request.request_id, x.lookahead) for x in ahead.scheduled] == [("a", 1)]
+    assert not ahead.started
+
+
+def _take(s: Scheduler, in_flight, ahead, tokens) -> None:
+    """What the engine does once a step ahead is queued: read the step in flight, land the
+    rows ahead."""
+    s.update_from_output(in_flight, [tokens.pop(0) if x.samples else None for x in in_flight.scheduled])
+    for x in ahead.scheduled:
+        x.landed()
+
+
+def test_steps_ahead_carry_prefill_chunks_to_the_prompts_end():
+    """A chunk in flight goes on past its positions in the step ahead; the chunk that ends
+    the prompt samples, and the step after it decodes that token a step ahead, leading the
+    batch. Every step is the one schedule() makes once the tokens are read."""
+    s = make(num_blocks=32, budget=8, max_seqs=4)
+    a = req("a", 5, max_tokens=20)
+    _decoding(s, a)
+    b = req("b", 20, start=40, max_tokens=3)
+    s.add_request(b)
+    in_flight = s.schedule()  # a decodes, b's first chunk of 7
+    assert [(x.request.request_id, x.num_new_tokens) for x in in_flight.scheduled] == [("a", 1), ("b", 7)]
+    tokens = list(range(100, 140))
+    seen = []
+    while b.num_output_tokens < 2:
+        ahead = s.schedule_ahead(in_flight)
+        assert ahead is not None
+        seen.append([(x.request.request_id, x.start, x.num_new_tokens, x.lookahead, x.samples)
+                     for x in ahead.scheduled])
+        _take(s, in_flight, ahead, tokens)
+        in_flight = ahead
+    a0 = 5  # a's position in the first step (its prompt and one token)
+    assert seen == [
+        [("a", a0 + 1, 1, 1, True), ("b", 7, 7, 0, False)],
+        [("a", a0 + 2, 1, 1, True), ("b", 14, 6, 0, True)],  # the prompt's last chunk samples
+        [("a", a0 + 3, 1, 1, True), ("b", 20, 1, 1, True)],  # b decodes its first token ahead
+        [("a", a0 + 4, 1, 1, True), ("b", 21, 1, 1, True)]]
+    assert b.output_token_ids == [103, 105] and b.num_computed_tokens == 21
+    # once landed, a row reads as schedule() would have made it
+    assert [(x.start, x.samples) for x in in_flight.scheduled] == [(a.num_computed_tokens, True), (21, True)]
 
 
 def test_a_step_ahead_reserves_blocks_for_decode_arrivals():
