@@ -31,6 +31,10 @@ runner without capturing: pure decode steps take the graph path (persistent
 buffers, padding, and under tensor parallelism the inputs rank 0 shares
 with the other ranks) and run it eagerly, on any device.
 
+``PDSERVE_OVERLAP_MIXED_STEPS=0`` (read here only; for before/after
+measurements) keeps steps with prefill chunks out of the overlap: they run
+one at a time, as before mixed steps overlapped, and decode steps still do.
+
 Under tensor parallelism every rank captures the same graphs, in the same
 order (their all-reduces and the logits' all-gather are inside them). For a
 graph step rank 0 broadcasts which graph and its input buffers; every rank
@@ -73,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "PDSERVE_KERNELS"
 GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
+OVERLAP_MIXED_ENV = "PDSERVE_OVERLAP_MIXED_STEPS"
 _MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
@@ -218,6 +223,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
         self.sampler = Sampler()
+        self.overlap_mixed = os.environ.get(OVERLAP_MIXED_ENV, "1") != "0"
+        if not self.overlap_mixed:
+            logger.warning("%s=0: steps with prefill chunks run one at a time", OVERLAP_MIXED_ENV)
         self._warm_up_kernels()
         self.graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs or graphs_eager:
@@ -630,6 +638,8 @@ class ModelRunner:
         ahead_ids = in_flight.token_ids[:ahead] if in_flight is not None and ahead else None
         step = self.graphs.prepare(out.scheduled, ahead_ids)
         if step is None:
+            if not self.overlap_mixed:
+                return None
             return self._launch_eager(out, ahead_ids, before_sampling)
         self._count_forward()
         if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)

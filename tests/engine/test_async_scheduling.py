@@ -160,15 +160,19 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     free = _llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, _params({0: [], 3: [], 5: []}))
     stop = {i: [free[i].outputs[0].token_ids[3]] for i in (0, 3, 5)}
 
-    def run(async_scheduling: bool):
+    def run(async_scheduling: bool, overlap_mixed: bool = True):
         llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8)
         e, params, mixed = llm.engine, _params(stop), []
+        e.runner.overlap_mixed = overlap_mixed  # (PDSERVE_OVERLAP_MIXED_STEPS=0 sets it off)
         launch = e.runner.launch
 
-        def counted(out, *args, **kw):  # steps queued with a prefill chunk, and whether they went ahead
-            if any(s.num_new_tokens > 1 for s in out.scheduled):
-                mixed.append(any(s.lookahead or s.computed_ahead for s in out.scheduled))
-            return launch(out, *args, **kw)
+        def counted(out, *args, **kw):  # steps queued (not waited for) with a prefill chunk, ahead or not
+            chunk = any(s.num_new_tokens > 1 for s in out.scheduled)
+            went_ahead = any(s.lookahead or s.computed_ahead for s in out.scheduled)
+            launched = launch(out, *args, **kw)
+            if chunk and launched is not None:
+                mixed.append(went_ahead)
+            return launched
 
         e.runner.launch = counted
         reqs, done = [], {}
@@ -186,3 +190,5 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     got, mixed, e = run(True)
     assert got == want
     assert sum(mixed) >= 5 and e.num_steps_ahead_total > 10  # chunks went ahead, many times
+    got, mixed, e = run(True, overlap_mixed=False)  # only decode steps overlap
+    assert got == want and e.num_steps_ahead_total > 10 and mixed == []
