@@ -1,6 +1,13 @@
 """Named model shapes for benchmarks with random weights (--load-format
 dummy): writes a Hugging Face config.json into the cache and returns its
-directory. Random weights at the real shape cost the same bytes and FLOPs."""
+directory. Random weights at the real shape cost the same bytes and FLOPs.
+
+``shape_dir(name, tokenizer=True)`` adds a word-level tokenizer of the shape's
+whole vocabulary (token i is the word ``t{i}``), for serving through the
+gateway: every id a random model samples then streams as a non-empty chunk
+(a real tokenizer of a smaller vocabulary would decode most of them to
+nothing, and the gateway sends no empty deltas, which skews TTFT and ITL).
+``python -m bench.model_shapes NAME [--tokenizer]`` prints the directory."""
 from __future__ import annotations
 
 import json
@@ -49,10 +56,33 @@ SHAPES["qwen3-30b-a3b-fp8"] = dict(SHAPES["qwen3-30b-a3b"], quantization_config=
 SHAPES["llama-3.1-8b-fp8-block"] = dict(SHAPES["llama-3.1-8b"], quantization_config=_FP8_BLOCK)
 
 
-def shape_dir(name: str) -> Path:
+def shape_dir(name: str, tokenizer: bool = False) -> Path:
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
-    d = cache_dir() / "shapes" / name
+    d = cache_dir() / "shapes" / (name + ("-tokenizer" if tokenizer else ""))
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    if tokenizer and not (d / "tokenizer.json").exists():
+        _write_word_tokenizer(d, SHAPES[name])
     return d
+
+
+def _write_word_tokenizer(d: Path, config: dict) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(d / "tokenizer.json"))
+    special = {k.replace("_id", ""): f"t{config[k]}" for k in ("bos_token_id", "eos_token_id")
+               if isinstance(config.get(k), int)}
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="write a named model shape's directory and print it")
+    p.add_argument("name", choices=sorted(SHAPES))
+    p.add_argument("--tokenizer", action="store_true", help="with a word-level tokenizer of its vocabulary")
+    a = p.parse_args()
+    print(shape_dir(a.name, tokenizer=a.tokenizer))

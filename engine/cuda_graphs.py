@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine import gemm_backend
 from engine.layers.attention import AttentionMetadata
 from engine.scheduler import ScheduledRequest
 
@@ -315,12 +316,15 @@ class DecodeGraphs:
         shapes = [(size, splits, 1) for size in reversed(self.sizes) for _, splits in self.variants[size]]
         shapes += [(size, None, self.verify_len) for size in reversed(self.verify_sizes)]
         for size, splits, q in sorted(shapes, key=lambda x: -x[0] * x[2]):  # largest first: one pool
-            self._forward_into_output(size, splits, q)  # warm-up outside the graph: Triton compiles here
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
-                self._forward_into_output(size, splits, q)
-            self.graphs[(size, splits, q)] = graph
+            def capture_one(size=size, splits=splits, q=q) -> torch.cuda.CUDAGraph:
+                self._forward_into_output(size, splits, q)  # warm-up outside the graph: Triton compiles here
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
+                    self._forward_into_output(size, splits, q)
+                return graph
+            # under the BLAS library PDSERVE_DECODE_BLAS names for its rows (unset: as before)
+            self.graphs[(size, splits, q)] = gemm_backend.capture(capture_one, size * q, dev)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the warm-ups' blocks; the graphs' pool stays
         used = free_before - torch.cuda.mem_get_info(dev)[0]
