@@ -34,13 +34,14 @@ with the other ranks) and run it eagerly, on any device.
 Steps with prefill chunks run one at a time by default (decode steps
 overlap); ``PDSERVE_OVERLAP_MIXED_STEPS=1`` (read here only) overlaps them
 too, eagerly, with the step after scheduled ahead. Measured on an H200
-(docs/benchmarks.md, "Colocated goodput"): an eager step of the 8B shape
-costs ~30 ms of host time to queue, so a mixed step whose GPU work is
-shorter stays host-bound either way, and overlap admits each arrival a
-step later (TTFT p50 177 against 132 ms at 8 req/s, 2,048-token prompts)
-and leaves more prompts' last few tokens to an eager step of their own
-(TPOT p50 36 against 27 ms at 12 req/s). Overlap pays once mixed steps
-are cheap to queue (graphs for mixed steps).
+(docs/benchmarks.md, "Colocated goodput"): queuing an eager step of the 8B
+shape returned only when its forward pass had run (~30 ms for 32 decode
+rows and a 480-token chunk: its Python and ~225 Triton launches, then the
+sampled rows' index copied from a Python list, which waited for the
+stream), so nothing overlapped, and overlap only admitted each arrival a
+step later (TTFT p50 177 against 132 ms at 8 req/s, 2,048-token prompts;
+TPOT p50 36 against 27 ms at 12 req/s). The index now goes up from pinned
+memory with the step's inputs; whether overlap then pays is unmeasured.
 
 Under tensor parallelism every rank captures the same graphs, in the same
 order (their all-reduces and the logits' all-gather are inside them). For a
@@ -477,7 +478,7 @@ class ModelRunner:
         logits_rows = max(m, max(verify_sizes, default=0) * verify_len)
         return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's flat inputs. Per request a slice or a row; per token only vectorised
         work (an 8k-token prefill step is 8k positions and slots)."""
         scheduled, bs = out.scheduled, self.block_size
@@ -507,25 +508,29 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
+            # Through pinned memory: from pageable memory the copy may wait for the stream, and
+            # with steps overlapped the step before is still on it.
+            return to_device(torch.from_numpy(a).to(dtype), dev)
 
         if self.lora is not None:
             self.lora.set_step([s.request.lora for s in scheduled], counts)
         meta = AttentionMetadata(slot_mapping=to_dev(slots, torch.long), block_tables=to_dev(tables, torch.int32),
                                  query_start_loc=to_dev(qsl, torch.int32), seq_lens=to_dev(ends, torch.int32))
-        return to_dev(ids, torch.long), to_dev(positions, torch.long), meta, sample_idx
+        # The sampled positions as a device index: indexing the hidden states with a Python list
+        # copies it to the device synchronously, making the host wait for the whole forward pass.
+        rows = to_dev(np.asarray(sample_idx, dtype=np.int64), torch.long)
+        return to_dev(ids, torch.long), to_dev(positions, torch.long), meta, rows
 
     # ---- tensor parallelism: rank 0 drives, the other ranks follow ------------
     def _broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        sample_idx: list[int]) -> None:
+                        sample_idx: torch.Tensor) -> None:
         """Rank 0: the step's inputs to every other rank (a header, then one int64 payload)."""
         assert self.tp is not None
         b, w = meta.block_tables.shape
-        header = torch.tensor([_STEP, input_ids.shape[0], b, w, len(sample_idx)], dtype=torch.int64,
-                              device=self.device)
-        self.tp.broadcast(header)
+        header = torch.tensor([_STEP, input_ids.shape[0], b, w, sample_idx.shape[0]], dtype=torch.int64)
+        self.tp.broadcast(to_device(header, self.device))
         parts = [input_ids, positions, meta.slot_mapping, meta.block_tables.flatten(), meta.query_start_loc,
-                 meta.seq_lens, torch.tensor(sample_idx, dtype=torch.int64, device=self.device)]
+                 meta.seq_lens, sample_idx]
         if self.lora is not None:  # each token's adapter slot (-1 throughout: none)
             batch = self.lora.batch
             parts.append(batch.token_slots[:input_ids.shape[0]] if batch.active

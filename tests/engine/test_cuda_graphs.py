@@ -107,7 +107,7 @@ def test_buffers_match_the_eager_inputs(tiny_llama_dir):
     assert torch.equal(meta_g.seq_lens[:n], meta_e.seq_lens)
     assert torch.equal(meta_g.query_start_loc[:n + 1], meta_e.query_start_loc)
     assert torch.equal(meta_g.block_tables[:n, :w], meta_e.block_tables)
-    assert sample_idx == [0, 1, 2]
+    assert sample_idx.tolist() == [0, 1, 2]
     # The padding row writes nowhere and reads block 0 only.
     assert meta_g.slot_mapping[n:].tolist() == [-1] and meta_g.seq_lens[n:].tolist() == [1]
     assert meta_g.block_tables[n:, 0].tolist() == [0]

@@ -51,7 +51,7 @@ def test_step_inputs_match_a_per_token_construction(tiny_llama_dir):
                 assert ids.tolist() == want[0] and pos.tolist() == want[1]
                 assert meta.slot_mapping.tolist() == want[2] and torch.equal(meta.block_tables, want[3])
                 assert meta.query_start_loc.tolist() == want[4] and meta.seq_lens.tolist() == want[5]
-                assert sample_idx == want[6]
+                assert sample_idx.tolist() == want[6] and sample_idx.dtype == torch.long
                 assert (ids.dtype, pos.dtype, meta.slot_mapping.dtype) == (torch.long,) * 3
                 assert meta.block_tables.dtype == meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
                 sampled, logprobs = engine.runner.execute(out)
