@@ -15,7 +15,8 @@ class UpCluster:
         self.argv = [sys.executable, "-m", "pdserve.cli", "up", *flags]
 
     def __enter__(self) -> "UpCluster":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        # stderr too: a server that fails at start says why there, and the error quotes the tail
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         for line in self.proc.stdout:

@@ -221,6 +221,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache is float8_e4m3fn (scaled by k_scale, v_scale)
     K_ROWS: tl.constexpr,  # load K tiles key by key, then transpose (see _attend_kv_tile)
     FP16_DOTS: tl.constexpr,  # an FP8 cache under bf16 queries: Q, K, V and P enter the dots as float16
+    SKIP_FRESH: tl.constexpr = False,  # sequences with no cached prefix are prefill_self_attention's rows
 ):
     kv_head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: see the module's docstring
@@ -233,6 +234,9 @@ def _paged_attention_kernel(
     if tok0 >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # keys cached before this step
+    if SKIP_FRESH:
+        if ctx_len == 0:
+            return
 
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // GROUP  # [BLOCK_M] query token within the sequence
@@ -430,6 +434,13 @@ _MAX_SPLITS = 64
 # An FP8 cache (module settings, so that a benchmark can time each against the other):
 FP8_DECODE_K_ROWS = True  # decode tiles load K key by key, widen, then transpose
 FP8_FP16_DOTS = True  # under bf16 queries the dots run in float16 (FP16_DOTS)
+# Prefill steps given new_k / new_v: sequences without a cached prefix through the dense
+# kernel (kernels/prefill_attention.py). PDSERVE_DENSE_PREFILL=0 turns it off.
+DENSE_PREFILL = os.environ.get("PDSERVE_DENSE_PREFILL", "1") != "0"
+# ... but not inside a CUDA-graph capture (the engine's graphs are decode steps, speculative
+# ones with several tokens a sequence among them: they keep what they captured before);
+# a benchmark that times the prefill path under do_bench_cudagraph sets this.
+DENSE_PREFILL_IN_GRAPHS = False
 _PROGRAMS_PER_SM = 4
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension (the tiles)
 
@@ -565,6 +576,8 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged K/V.
 
@@ -587,6 +600,12 @@ def paged_attention(
     sliding_window: None (full causal attention) or W >= 1: each query sees
         only the last W keys up to itself (Hugging Face's sliding window)
     k_scale, v_scale: an FP8 cache's per-tensor scales (1.0 for any other cache)
+    new_k, new_v: optional, [num_tokens, num_kv_heads, head_dim]: this step's K/V
+        as stored into the cache (the QKV projection's, stride 1 in head_dim).
+        Given, a prefill-shaped step (more tokens than sequences, one split, no
+        window, a 16-bit cache) runs the sequences with no cached prefix through
+        ``kernels.prefill_attention`` (dense, TMA loads) and the rest through
+        this kernel; same results up to float rounding. Otherwise ignored.
 
     Query i of sequence b is at position p = seq_lens[b] - q_len_b + i and sees
     keys 0..p, or max(0, p - W + 1)..p with a window; keys before the windows
@@ -615,6 +634,24 @@ def paged_attention(
         num_splits = paged_attention_num_splits(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
                                                 block_tables.shape[1] * block_size, q.device, q.element_size(),
                                                 sliding_window=sliding_window)
+
+    # Sequences with no cached prefix to the dense kernel, the others (decode rows among them)
+    # to this one: see kernels/prefill_attention.py. Decode-shaped batches (the CUDA-graph
+    # decode steps) and split tiles (whose combine writes every row) never take it, nor does a
+    # CUDA-graph capture (speculative decode's multi-token graphs stay as they were).
+    skip_fresh = False
+    if new_k is not None and new_v is not None and DENSE_PREFILL and num_splits == 1 and scale > 0 \
+            and num_tokens > num_seqs and sliding_window is None and k_cache.dtype == q.dtype \
+            and (DENSE_PREFILL_IN_GRAPHS or not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        from kernels import prefill_attention
+
+        require(tuple(new_k.shape) == (num_tokens, num_kv_heads, head_dim) and new_v.shape == new_k.shape,
+                "paged_attention", f"new_k {tuple(new_k.shape)} / new_v {tuple(new_v.shape)} != "
+                f"{(num_tokens, num_kv_heads, head_dim)}")
+        if prefill_attention.supports(q, new_k, new_v):
+            prefill_attention.prefill_self_attention(q, new_k, new_v, query_start_loc, seq_lens, scale,
+                                                     out=out, only_fresh=True)
+            skip_fresh = True
 
     if num_splits == 1:
         partial, m, l = out, out, out  # m and l are unused by this variant
@@ -649,6 +686,7 @@ def paged_attention(
         # (an H200, batch 256 x 1k: 9.67 ms of attention a step against 10.11 gathered [dims, keys])
         K_ROWS=cfg.block_q > 1 or (k_cache.dtype == FP8_KV_DTYPE and FP8_DECODE_K_ROWS),
         FP16_DOTS=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16 and FP8_FP16_DOTS,
+        SKIP_FRESH=skip_fresh,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -684,3 +722,7 @@ def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: i
             paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=splits,
                             sliding_window=sliding_window)
             splits *= 2
+        if tokens > 1:  # the dense prefill kernel and the paged kernel that skips its rows
+            kv = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+            paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=1,
+                            sliding_window=sliding_window, new_k=kv, new_v=kv)

@@ -92,7 +92,10 @@ class Attention(nn.Module):
         ops = cpu_attention if self.ops is reference else self.ops
         ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        # The Triton launcher also takes this step's K/V as they are: prefill chunks with no
+        # cached prefix attend over them directly (kernels/prefill_attention.py).
+        new_kv = {"new_k": k, "new_v": v} if ops.__name__ == "kernels" else {}
         o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                 meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                step_cache=meta.step_cache, **window, **scales)
+                                step_cache=meta.step_cache, **window, **scales, **new_kv)
         return self.o_proj(o.reshape(t, self.q_size))
