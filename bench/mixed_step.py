@@ -2,10 +2,15 @@
 named shape with random weights: what bounds a colocated server's steps when a prefill budget is
 small. Each step is queued by ``ModelRunner.launch`` (the overlapped path) after the device is
 idle: "host" is the time until launch returns (Python, input preparation, kernel launches), "GPU"
-the device time between events around the queued work. Then one step under cProfile, its top
-functions by own time.
+the device time between events around the queued work, an upper bound of its busy time (it counts
+the gaps while the host launches). For a dense shape each step's FLOPs (the projections and MLP of
+every token, causal attention, the LM head of the sampled rows) give its rate against
+``--peak-tflops`` (790: the H200's measured bf16 peak): with no decode rows, the prefill tier's
+compute share of TTFT against its floor. Then one step under cProfile, its top functions by own
+time.
 
     python -m bench.mixed_step --model-shape llama-3.1-8b --decode-rows 32 --chunks 480,992,1984
+    python -m bench.mixed_step --model-shape llama-3.1-8b --decode-rows 0 --chunks 4096   # a 4k prefill
 """
 from __future__ import annotations
 
@@ -16,6 +21,22 @@ import json
 import pstats
 import statistics
 import time
+
+
+def step_flops(config: dict, chunk: int, decode_rows: int, context: int) -> float | None:
+    """FLOPs of one step of a dense decoder: ``chunk`` prompt tokens with no cached prefix and
+    ``decode_rows`` rows each attending to ``context`` cached keys and itself, sampling one token
+    a row (None for MoE)."""
+    if any(k in config for k in ("num_experts", "num_local_experts")):
+        return None
+    h, n_layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    per_token = 2 * n_layers * (h * q + 2 * h * kv + q * h + 3 * h * inter)
+    keys = chunk * (chunk + 1) / 2 + decode_rows * (context + 1)  # (query, key) pairs, causal
+    attention = 4 * n_layers * q * keys
+    lm_head = 2 * h * config["vocab_size"] * (decode_rows + (1 if chunk else 0))
+    return per_token * (chunk + decode_rows) + attention + lm_head
 
 
 def main() -> int:
@@ -30,6 +51,7 @@ def main() -> int:
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--chunks", default="480,992,1984")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="the bf16 peak to compare with")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -79,9 +101,18 @@ def main() -> int:
             assert req.is_finished
         case = {"chunk": chunk, "host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
                 "host_all": host, "gpu_all": gpu}
+        flops = step_flops(json.loads((shape_dir(args.model_shape) / "config.json").read_text()), chunk,
+                           args.decode_rows, args.context_len)
+        rate = ""
+        if flops is not None and case["gpu_ms"] > 0:
+            case["tflop"] = flops / 1e12
+            case["tflops_per_s"] = flops / case["gpu_ms"] / 1e9
+            case["of_peak"] = case["tflops_per_s"] / args.peak_tflops
+            rate = (f", {case['tflop']:.1f} TFLOP: {case['tflops_per_s']:.0f} TFLOP/s, "
+                    f"{100 * case['of_peak']:.0f}% of {args.peak_tflops:.0f}")
         result["cases"].append(case)
         print(f"{args.decode_rows} decode rows + {chunk}-token chunk: host {case['host_ms']:.2f} ms "
-              f"(to queue it), GPU {case['gpu_ms']:.2f} ms")
+              f"(to queue it), GPU {case['gpu_ms']:.2f} ms{rate}")
     # one step of the smallest chunk under cProfile
     e.add_request("prof", torch.randint(100, 30000, (chunks[0],), generator=g).tolist(),
                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
