@@ -22,8 +22,10 @@ freezes every tensor address and shape, so:
   every replay;
 - the logits are a static output, read by the sampler after the replay.
 
-Only pure decode steps (every scheduled request computes its one last
-token) replay a graph; prefill and mixed steps run eagerly. With speculative
+Pure decode steps (every scheduled request computes its one last token)
+replay a graph; prefill and mixed steps run eagerly, or, with mixed-step
+buckets (``MixedInputs``, ``PDSERVE_MIXED_GRAPHS``), replay the graph of the
+smallest bucket that holds their tokens. With speculative
 decoding (``verify_len`` = k + 1) the small sizes also get verify graphs: every
 row is k + 1 query tokens, its pending token and its proposals, padded at its
 end with tokens that write nowhere (slot -1) and whose outputs are thrown away;
@@ -44,6 +46,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+import itertools
 
 import numpy as np
 import torch
@@ -231,6 +235,83 @@ class DecodeInputs:
         self.tables[:size, :width].copy_(self.i32[m:m + size * width].view(size, width))
 
 
+class MixedInputs:
+    """Persistent buffers of a mixed step (prefill chunks, with or without decode rows) padded
+    to a token bucket of ``size`` tokens and to ``max_num_seqs`` sequences, so that one graph
+    serves any such step of at most ``size`` tokens:
+
+        sequence      tokens                  seq_len         block table row
+        [0, n)        its chunk or decode row its context     its blocks, 0 after
+        n (padding)   the bucket's spare ones pad (p = 0..)   0 (block 0; writes nowhere, slot -1)
+        (n, M)        none (q_len 0)          0               0
+
+    The paged kernel numbers its tiles from query_start_loc without a host sync and the tiles
+    of an empty sequence exit at once, so the padding costs a few programs. ``rows``: the
+    positions whose logits are sampled (each sampling row's last), padded with 0. Filled on the
+    host, uploaded from pinned memory without a sync (the caching host allocator keeps each
+    staging tensor until its copy ran)."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 max_tokens: int) -> None:
+        m, w = max_num_seqs, max_blocks_per_seq
+        self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
+        self.max_tokens, self.device = max_tokens, device
+        self.i64 = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)  # ids | positions | slots
+        self.i64[2] = -1
+        self.qsl = torch.zeros(m + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(m, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(m, w, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(m, dtype=torch.int64, device=device)
+
+    def views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        meta = AttentionMetadata(slot_mapping=self.i64[2, :size], block_tables=self.tables,
+                                 query_start_loc=self.qsl, seq_lens=self.seq_lens, num_splits=1)
+        return self.i64[0, :size], self.i64[1, :size], meta, self.rows
+
+    def fits(self, scheduled: Sequence[ScheduledRequest], size: int) -> bool:
+        total = sum(s.num_new_tokens for s in scheduled)
+        return (total <= size <= self.max_tokens and len(scheduled) < self.max_num_seqs
+                and all(not s.draft_token_ids for s in scheduled)
+                and max(len(s.block_ids) for s in scheduled) <= self.max_blocks_per_seq)
+
+    def fill_and_upload(self, scheduled: Sequence[ScheduledRequest], size: int,
+                        ahead_ids: torch.Tensor | None = None) -> None:
+        """The step (``fits``) into the buffers; ``ahead_ids``: as ``DecodeInputs.upload`` (the
+        leading rows a step ahead are one token each, so row i's token is token i)."""
+        n, m, bs = len(scheduled), self.max_num_seqs, self.block_size
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+        qsl = np.zeros(m + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:n + 1])
+        total = int(qsl[n])
+        qsl[n + 1:] = size  # the padding sequence takes the spare tokens, the rest none
+        lens = np.zeros(m, dtype=np.int32)
+        lens[:n] = starts + counts
+        lens[n] = size - total
+        i64 = np.zeros((3, size), dtype=np.int64)
+        i64[2] = -1
+        row = np.repeat(np.arange(n), counts)
+        pos = np.arange(total, dtype=np.int64) - np.repeat(qsl[:n].astype(np.int64) - starts, counts)
+        i64[1, :total] = pos
+        i64[1, total:] = np.arange(size - total)
+        i64[0, :total] = np.fromiter(itertools.chain.from_iterable(
+            (0,) if s.lookahead else s.request.all_token_ids[a:a + c]
+            for s, a, c in zip(scheduled, starts.tolist(), counts.tolist())), dtype=np.int64, count=total)
+        tables = np.zeros((m, self.max_blocks_per_seq), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.block_ids)] = s.block_ids
+        i64[2, :total] = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        rows = np.zeros(m, dtype=np.int64)
+        sampling = [int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples]
+        rows[:len(sampling)] = sampling
+        for dst, src in ((self.i64[:, :size], i64), (self.qsl, qsl), (self.seq_lens, lens), (self.tables, tables),
+                         (self.rows, rows)):
+            host = torch.from_numpy(src)
+            dst.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        if ahead_ids is not None:
+            torch.clamp(ahead_ids, min=0, out=self.i64[0, :ahead_ids.numel()])
+
+
 class GraphStep(NamedTuple):
     """Which graph a prepared decode step replays, and its block-table width."""
 
@@ -248,6 +329,8 @@ def is_verify_step(scheduled: Sequence[ScheduledRequest], verify_len: int) -> bo
 
 # (input_ids [B], positions [B], kv_cache, metadata) -> logits [B, V] float32
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (input_ids [T], positions [T], kv_cache, metadata, rows [M]) -> logits [M, V] float32 of the rows
+MixedForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -262,7 +345,8 @@ class DecodeGraphs:
     def __init__(self, forward: ForwardFn, kv_cache: torch.Tensor, inputs: DecodeInputs,
                  sizes: Sequence[int], variants: dict[int, list[tuple[int, int | None]]] | None = None,
                  use_graphs: bool = True, other_threads_may_use_cuda: bool = False,
-                 verify_sizes: Sequence[int] = ()) -> None:
+                 verify_sizes: Sequence[int] = (), mixed: tuple[MixedForwardFn, MixedInputs] | None = None,
+                 mixed_sizes: Sequence[int] = ()) -> None:
         """``variants[size]``: [(longest context, attention splits)], ascending by context; a
         batch replays the first whose context holds its longest. Default: one graph a size,
         the kernel's own split choice. ``verify_sizes``: the sizes that also get a verify
@@ -284,6 +368,11 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None  # static output [max size, V] float32, shared by all sizes
         self.num_replays = 0
         self.memory_bytes = 0  # device memory the capture took (pool + graphs), measured
+        # Mixed steps (MixedInputs): one graph per token bucket, when given.
+        self.mixed_forward, self.mixed_inputs = mixed if mixed is not None else (None, None)
+        self.mixed_sizes = sorted(mixed_sizes) if mixed is not None else []
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_mixed_replays = 0
 
     def _forward(self, size: int, splits: int | None, query_len: int = 1) -> torch.Tensor:
         ids, positions, meta = self.inputs.views(size, splits, query_len)
@@ -292,11 +381,19 @@ class DecodeGraphs:
     def _forward_into_output(self, size: int, splits: int | None, query_len: int = 1) -> None:
         # One shared output outside the graphs' pool: per-size outputs would
         # each stay allocated (hundreds of MiB at a 128k vocabulary).
-        logits = self._forward(size, splits, query_len)
+        self._into_output(self._forward(size, splits, query_len))
+
+    def _into_output(self, logits: torch.Tensor) -> None:
         if self.logits is None:
-            rows = max(self.sizes[-1], max(self.verify_sizes, default=0) * self.verify_len)
+            rows = max(self.sizes[-1], max(self.verify_sizes, default=0) * self.verify_len,
+                       self.mixed_inputs.max_num_seqs if self.mixed_inputs is not None else 0)
             self.logits = torch.empty((rows, logits.shape[1]), dtype=torch.float32, device=logits.device)
-        self.logits[:size * query_len].copy_(logits)
+        self.logits[:logits.shape[0]].copy_(logits)
+
+    def _forward_mixed_into_output(self, size: int) -> None:
+        assert self.mixed_forward is not None and self.mixed_inputs is not None
+        ids, positions, meta, rows = self.mixed_inputs.views(size)
+        self._into_output(self.mixed_forward(ids, positions, self.kv_cache, meta, rows))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -313,6 +410,7 @@ class DecodeGraphs:
         # on this engine's GPU: torch.cuda.graph's default capture stream is made once per
         # process, on the device current then (another engine's, in a process with two)
         stream = torch.cuda.Stream(dev)
+        self._capture_mixed(pool, stream)  # (the largest activations first: the pool is theirs)
         shapes = [(size, splits, 1) for size in reversed(self.sizes) for _, splits in self.variants[size]]
         shapes += [(size, None, self.verify_len) for size in reversed(self.verify_sizes)]
         for size, splits, q in sorted(shapes, key=lambda x: -x[0] * x[2]):  # largest first: one pool
@@ -335,6 +433,52 @@ class DecodeGraphs:
                     f"; verify graphs of {self.verify_len} tokens a row at sizes "
                     f"{','.join(map(str, self.verify_sizes))}" if self.verify_sizes else "",
                     time.perf_counter() - t0, used / 2**20)
+
+    def _capture_mixed(self, pool, stream: torch.cuda.Stream) -> None:
+        """One graph per mixed-step bucket, largest first; a capture that fails (a kernel that
+        reads a size back to the host, say) turns mixed graphs off with a warning."""
+        dev = self.inputs.device
+        try:
+            for size in reversed(self.mixed_sizes):
+                def capture_one(size=size) -> torch.cuda.CUDAGraph:
+                    self._forward_mixed_into_output(size)  # warm-up outside the graph
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
+                        self._forward_mixed_into_output(size)
+                    return graph
+                self.mixed_graphs[size] = gemm_backend.capture(capture_one, size, dev)
+        except RuntimeError as exc:
+            logger.warning("mixed-step graphs off: capturing a %d-token step failed (%s)", size, exc)
+            torch.cuda.synchronize(dev)
+            self.mixed_graphs.clear()
+            self.mixed_sizes = []
+        if self.mixed_graphs:
+            logger.info("captured mixed-step graphs of %s tokens", ",".join(map(str, self.mixed_sizes)))
+
+    def prepare_mixed(self, scheduled: Sequence[ScheduledRequest], ahead_ids: torch.Tensor | None = None
+                      ) -> int | None:
+        """Fill and upload a step that is not pure decode into the mixed buffers; the bucket
+        to replay, or None when it has no graph (no bucket holds its tokens, proposals, more
+        sequences than the buffers' spare ones, a table wider than they are)."""
+        if self.mixed_inputs is None or not scheduled:
+            return None
+        size = padded_size(self.mixed_sizes, sum(s.num_new_tokens for s in scheduled))
+        if size is None or not self.mixed_inputs.fits(scheduled, size):
+            return None
+        self.mixed_inputs.fill_and_upload(scheduled, size, ahead_ids)
+        return size
+
+    def replay_mixed(self, size: int) -> torch.Tensor:
+        """Run the mixed-step graph of ``size`` tokens on the inputs already uploaded; the static
+        logits, row j the j-th sampling row's (``MixedInputs.rows``)."""
+        if self.use_graphs:
+            self.mixed_graphs[size].replay()
+        else:
+            self._forward_mixed_into_output(size)
+        self.num_mixed_replays += 1
+        assert self.logits is not None
+        return self.logits
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """Logits [n, V] of a pure-decode batch of n requests (a view of the

@@ -43,6 +43,12 @@ step later (TTFT p50 177 against 132 ms at 8 req/s, 2,048-token prompts;
 TPOT p50 36 against 27 ms at 12 req/s). The index now goes up from pinned
 memory with the step's inputs; whether overlap then pays is unmeasured.
 
+``PDSERVE_MIXED_GRAPHS=256,512,1024`` (read here only; off when unset) also
+captures a graph per token bucket for steps that are not pure decode
+(``MixedInputs``: a step padded to the bucket's tokens and to
+``max_num_seqs`` sequences; attention included), so that such a step is one
+launch instead of a few hundred. Not with tensor parallelism or LoRA.
+
 Under tensor parallelism every rank captures the same graphs, in the same
 order (their all-reduces and the logits' all-gather are inside them). For a
 graph step rank 0 broadcasts which graph and its input buffers; every rank
@@ -68,7 +74,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, DecodeInputs, GraphStep, capture_sizes
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs, GraphStep, MixedInputs, capture_sizes
 from engine.kv_cache_dtype import KVScales, load_kv_scales
 from engine.kv_cache_manager import cdiv
 from engine.model_loader import load_model
@@ -86,6 +92,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "PDSERVE_KERNELS"
 GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 OVERLAP_MIXED_ENV = "PDSERVE_OVERLAP_MIXED_STEPS"
+MIXED_GRAPHS_ENV = "PDSERVE_MIXED_GRAPHS"
 _MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
@@ -389,8 +396,36 @@ class ModelRunner:
                 s_short, s_long = (paged_attention_num_splits(b, b, heads, self.kv_heads, mc.head_dim,
                                                               ctx, self.device) for ctx in (short, longest))
                 variants[b] = [(longest, s_long)] if s_short == s_long else [(short, s_short), (longest, s_long)]
+        mixed_sizes = self._mixed_graph_sizes()
+        mixed = None
+        if mixed_sizes:
+            mixed = (self._forward_rows_logits,
+                     MixedInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device, max(mixed_sizes)))
         return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs,
-                            other_threads_may_use_cuda=self.tp is not None, verify_sizes=verify_sizes)
+                            other_threads_may_use_cuda=self.tp is not None, verify_sizes=verify_sizes,
+                            mixed=mixed, mixed_sizes=mixed_sizes)
+
+    def _mixed_graph_sizes(self) -> list[int]:
+        """The token buckets of ``PDSERVE_MIXED_GRAPHS`` that a step can fill (at most
+        ``max_num_batched_tokens``); none under tensor parallelism or LoRA."""
+        text = os.environ.get(MIXED_GRAPHS_ENV, "").strip()
+        if not text:
+            return []
+        try:
+            sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+        except ValueError:
+            raise ValueError(f"{MIXED_GRAPHS_ENV} must be token counts separated by commas, got {text!r}") from None
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"{MIXED_GRAPHS_ENV} must be positive token counts, got {text!r}")
+        if self.tp is not None or self.lora is not None:
+            logger.warning("%s ignored: not with tensor parallelism or LoRA", MIXED_GRAPHS_ENV)
+            return []
+        budget = self.config.scheduler.max_num_batched_tokens
+        return [n for n in sizes if n <= budget] or [budget]
+
+    def _forward_rows_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                             meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, kv_cache, meta)[rows])
 
     def _verify_graph_shape(self, sizes: Sequence[int]) -> tuple[int, list[int]]:
         """Speculative decoding: the tokens of a verify row (k + 1) and the batch sizes that get
@@ -456,6 +491,8 @@ class ModelRunner:
         logits output, the persistent input buffers, and a margin."""
         mc, sc = self.config.model, self.config.scheduler
         m = sc.max_num_seqs
+        mixed = self._mixed_graph_sizes()  # their pool holds the largest bucket's activations
+        m = max(m, max(mixed, default=0))
         cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
                             dtype=self.kv_dtype, device=self.device)
         meta = AttentionMetadata(
@@ -473,7 +510,8 @@ class ModelRunner:
         del cache
         torch.cuda.empty_cache()
         max_blocks = cdiv(sc.max_model_len, self.block_size)
-        buffers = 2 * m * max_blocks * 4 + 3 * m * 8
+        buffers = (2 if not mixed else 3) * sc.max_num_seqs * max_blocks * 4 + 3 * m * 8 * (2 if mixed else 1)
+        m = sc.max_num_seqs
         verify_len, verify_sizes = self._verify_graph_shape(capture_sizes(m))
         logits_rows = max(m, max(verify_sizes, default=0) * verify_len)
         return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
@@ -629,7 +667,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None,
-               before_sampling: Callable[[SchedulerOutput], None] | None = None) -> LaunchedStep | None:
+               before_sampling: Callable[[SchedulerOutput], None] | None = None,
+               queue_mixed: bool | None = None) -> LaunchedStep | None:
         """Queue a step and its sampling without waiting for the device: a pure-decode step
         on its graph, any other eagerly (its kernels queued, the sampled ids left on the
         device). None (nothing queued) where the step is read at once (``execute``): no decode
@@ -638,7 +677,9 @@ class ModelRunner:
         the inputs of this one's leading rows (those ``Scheduler.schedule_ahead`` put a step
         ahead). ``before_sampling(out)`` runs on the host once the forward pass is queued,
         before the sampling that needs it (the constraints' bitmasks: computed while the
-        device runs the forward)."""
+        device runs the forward). ``queue_mixed``: whether a step that is not pure decode is
+        queued too (on a mixed-step graph where one holds it, else eagerly); default
+        ``PDSERVE_OVERLAP_MIXED_STEPS``."""
         if self.graphs is None or any(s.draft_token_ids or s.request.hold_kv_on_finish for s in out.scheduled):
             return None
         ahead = sum(1 for s in out.scheduled if s.lookahead)
@@ -650,9 +691,18 @@ class ModelRunner:
         ahead_ids = in_flight.token_ids[:ahead] if in_flight is not None and ahead else None
         step = self.graphs.prepare(out.scheduled, ahead_ids)
         if step is None:
-            if not self.overlap_mixed:
+            if not (self.overlap_mixed if queue_mixed is None else queue_mixed):
                 return None
-            return self._launch_eager(out, ahead_ids, before_sampling)
+            size = self.graphs.prepare_mixed(out.scheduled, ahead_ids)
+            if size is None:
+                return self._launch_eager(out, ahead_ids, before_sampling)
+            self._count_forward()
+            which = [i for i, s in enumerate(out.scheduled) if s.samples]
+            logits = self.graphs.replay_mixed(size)[:len(which)]
+            if before_sampling is not None:
+                before_sampling(out)
+            rows = [_sampling_row(out.scheduled[i]) for i in which]
+            return LaunchedStep(out, self.sampler.sample_async(logits, rows) if which else None, which)
         self._count_forward()
         if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
             self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
@@ -695,8 +745,8 @@ class ModelRunner:
         called as each layer's work is queued (eager steps only); ``before_sampling``:
         as in ``launch``."""
         if on_layer is None:
-            launched = self.launch(out, before_sampling=before_sampling)
-            if launched is not None:  # a pure decode step: its graph
+            launched = self.launch(out, before_sampling=before_sampling, queue_mixed=True)
+            if launched is not None:  # a pure decode step (its graph), a mixed one (its graph or eager)
                 return launched.result()
         which = [i for i, s in enumerate(out.scheduled) if s.samples]
         if on_layer is None and self.graphs is not None and self.graphs.verify_sizes and \

@@ -171,7 +171,7 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
             chunk = any(s.num_new_tokens > 1 for s in out.scheduled)
             went_ahead = any(s.lookahead or s.computed_ahead for s in out.scheduled)
             launched = launch(out, *args, **kw)
-            if chunk and launched is not None:
+            if chunk and launched is not None and not kw.get("queue_mixed"):  # (execute's own: read at once)
                 mixed.append(went_ahead)
             return launched
 
@@ -193,3 +193,39 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     assert sum(mixed) >= 5 and e.num_steps_ahead_total > 10  # chunks went ahead, many times
     got, mixed, e = run(True, overlap_mixed=False)  # only decode steps overlap
     assert got == want and e.num_steps_ahead_total > 10 and mixed == []
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_step_graphs_give_the_tokens_of_eager_steps(tiny_llama_dir, monkeypatch, overlap):
+    """PDSERVE_MIXED_GRAPHS: steps with prefill chunks run the mixed-step graph path (padded
+    to a token bucket and to max_num_seqs sequences, the sampled rows gathered), here eagerly
+    on its persistent buffers. Buckets of 4 and 8 tokens: a step's tokens pad to one of them,
+    a larger step (none here: the budget is 8) would run eagerly. Overlapped or not, with
+    arrivals, sampled, stopped-early and logprob rows, the tokens are those of eager steps."""
+    prompts = _prompts()
+    free = _llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, _params({0: [], 3: [], 5: []}))
+    stop = {i: [free[i].outputs[0].token_ids[3]] for i in (0, 3, 5)}
+    want = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+            for o in _llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, _params(stop))]
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,8")
+    llm = _llm(tiny_llama_dir, True, max_num_batched_tokens=8, max_num_seqs=6)
+    graphs = llm.engine.runner.graphs
+    assert graphs.mixed_sizes == [4, 8]
+    llm.engine.runner.overlap_mixed = overlap
+    got = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+           for o in llm.generate(prompts, _params(stop))]
+    assert got == want
+    assert graphs.num_mixed_replays >= 5
+    if overlap:
+        assert llm.engine.num_steps_ahead_total > 5
+    e = llm.engine
+    assert not e.has_unfinished_requests() and e.stats().kv_blocks_used == 0
+
+
+def test_mixed_step_graph_buckets(tiny_llama_dir, monkeypatch):
+    """The buckets a step can fill (at most the budget), and none for a bad setting."""
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,16,64")
+    assert _llm(tiny_llama_dir, True, max_num_batched_tokens=32).engine.runner.graphs.mixed_sizes == [4, 16]
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,x")
+    with pytest.raises(ValueError, match="PDSERVE_MIXED_GRAPHS"):
+        _llm(tiny_llama_dir, True)
