@@ -9,6 +9,8 @@
 #   overlapped     every step overlapped (PDSERVE_OVERLAP_MIXED_STEPS=1)
 #   budget-N       overlapped, --max-num-batched-tokens N (the prefill budget a step)
 #   serial-budget-N  both
+#   graphs         overlapped, with mixed-step CUDA graphs (PDSERVE_MIXED_GRAPHS=256,512,1024,2048)
+#   serial-graphs  mixed-step graphs, mixed steps one at a time
 #   ttft-probe     `bench disagg --probe-only`: one 4,096-token prompt through a prefill and a decode
 #                  server sharing the GPU, the prefill server's compute time (against the FLOP floor)
 # Workload (the issue's): 2,048 tokens in, 128 out, Poisson arrivals at $RATES req/s (default
@@ -51,6 +53,8 @@ for cfg in "$@"; do
     overlapped) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=() ;;
     budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=(--max-num-batched-tokens "${cfg#budget-}") ;;
     serial-budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0); flags=(--max-num-batched-tokens "${cfg#serial-budget-}") ;;
+    graphs) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1 PDSERVE_MIXED_GRAPHS=256,512,1024,2048); flags=() ;;
+    serial-graphs) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0 PDSERVE_MIXED_GRAPHS=256,512,1024,2048); flags=() ;;
     *) echo "unknown config $cfg"; exit 2 ;;
   esac
   need_stack

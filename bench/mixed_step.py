@@ -11,6 +11,8 @@ time.
 
     python -m bench.mixed_step --model-shape llama-3.1-8b --decode-rows 32 --chunks 480,992,1984
     python -m bench.mixed_step --model-shape llama-3.1-8b --decode-rows 0 --chunks 4096   # a 4k prefill
+    PDSERVE_MIXED_GRAPHS=512,1024,2048 python -m bench.mixed_step --chunks 480,992,1984 \
+        --max-num-batched-tokens 2048                                  # the same steps on their graphs
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def main() -> int:
     p.add_argument("--context-len", type=int, default=1024)
     p.add_argument("--chunks", default="480,992,1984")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the budget (default: the largest chunk and the decode rows); mixed-step graphs "
+                        "(PDSERVE_MIXED_GRAPHS) are captured for buckets up to it")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the bf16 peak to compare with")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -59,7 +64,7 @@ def main() -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", dtype="bfloat16" if cuda else "float32",
               kv_cache_memory="24GiB" if cuda else "256MiB",
-              max_model_len=8192, max_num_batched_tokens=max(chunks) + args.decode_rows,
+              max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens or max(chunks) + args.decode_rows,
               max_num_seqs=args.decode_rows + 8)
     e = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
@@ -88,7 +93,7 @@ def main() -> int:
             t0 = time.perf_counter()
             if cuda:
                 start.record()
-            launched = runner.launch(out) or runner.execute(out)  # (CPU: no graphs, so executed at once)
+            launched = runner.launch(out, queue_mixed=True) or runner.execute(out)  # (CPU: no graphs, so executed at once)
             if cuda:
                 end.record()
             t1 = time.perf_counter()
@@ -120,7 +125,7 @@ def main() -> int:
     sync()
     prof = cProfile.Profile()
     prof.enable()
-    launched = runner.launch(out) or runner.execute(out)
+    launched = runner.launch(out, queue_mixed=True) or runner.execute(out)
     prof.disable()
     sched.update_from_output(out, *(launched.result() if not isinstance(launched, tuple) else launched))
     buf = io.StringIO()
