@@ -37,6 +37,28 @@ def test_graph_replay_gives_eager_tokens_float32(tiny_llama_dir):
     assert graphs.num_replays >= 15
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_mixed_step_graphs_give_eager_tokens_float32(tiny_llama_dir, monkeypatch, overlap):
+    """PDSERVE_MIXED_GRAPHS on the GPU: steps with prefill chunks (a budget of 64 tokens cuts
+    the longer prompts) replay their bucket's graph, overlapped or not, and give the tokens of
+    eager steps."""
+    kw = dict(dtype="float32", kv_cache_memory="64MiB", block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    prompts = _prompts(384, (1, 7, 33, 100, 250, 12))
+    sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)]
+    eager = LLM(str(tiny_llama_dir), enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
+    del eager
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "16,32,64")
+    monkeypatch.setenv("PDSERVE_OVERLAP_MIXED_STEPS", overlap)
+    llm = LLM(str(tiny_llama_dir), **kw)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and sorted(graphs.mixed_graphs) == [16, 32, 64]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    assert graphs.num_mixed_replays >= 5
+
+
 def test_overlapped_graph_steps_give_one_step_at_a_time_tokens_float32(tiny_llama_dir):
     """Replayed decode steps queued a step ahead (inputs: the sampled ids on the GPU) give
     the tokens of the same graphs run one step at a time: 7 requests through 4 rows, stop
