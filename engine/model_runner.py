@@ -491,7 +491,9 @@ class ModelRunner:
         logits output, the persistent input buffers, and a margin."""
         mc, sc = self.config.model, self.config.scheduler
         m = sc.max_num_seqs
-        mixed = self._mixed_graph_sizes()  # their pool holds the largest bucket's activations
+        # Mixed-step graphs' pool holds their largest bucket's activations (measured here with
+        # the logits of every row, which over-counts: they take max_num_seqs rows).
+        mixed = self._mixed_graph_sizes()
         m = max(m, max(mixed, default=0))
         cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
                             dtype=self.kv_dtype, device=self.device)
@@ -510,8 +512,10 @@ class ModelRunner:
         del cache
         torch.cuda.empty_cache()
         max_blocks = cdiv(sc.max_model_len, self.block_size)
-        buffers = (2 if not mixed else 3) * sc.max_num_seqs * max_blocks * 4 + 3 * m * 8 * (2 if mixed else 1)
         m = sc.max_num_seqs
+        buffers = 2 * m * max_blocks * 4 + 3 * m * 8
+        if mixed:  # MixedInputs: its tables; ids, positions, slots; query starts, lengths, rows
+            buffers += m * max_blocks * 4 + 3 * max(mixed) * 8 + 3 * m * 8
         verify_len, verify_sizes = self._verify_graph_shape(capture_sizes(m))
         logits_rows = max(m, max(verify_sizes, default=0) * verify_len)
         return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
@@ -670,8 +674,8 @@ class ModelRunner:
                before_sampling: Callable[[SchedulerOutput], None] | None = None,
                queue_mixed: bool | None = None) -> LaunchedStep | None:
         """Queue a step and its sampling without waiting for the device: a pure-decode step
-        on its graph, any other eagerly (its kernels queued, the sampled ids left on the
-        device). None (nothing queued) where the step is read at once (``execute``): no decode
+        on its graph, any other on its mixed-step graph where one holds it, else eagerly (its
+        kernels queued, the sampled ids left on the device). None (nothing queued) where the step is read at once (``execute``): no decode
         graphs (overlap is off), proposals to verify, or rows held for a KV send (the prefill
         tier sends from each step's outcome). ``in_flight``: the step whose sampled ids are
         the inputs of this one's leading rows (those ``Scheduler.schedule_ahead`` put a step
