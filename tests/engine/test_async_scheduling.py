@@ -229,3 +229,34 @@ def test_mixed_step_graph_buckets(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,x")
     with pytest.raises(ValueError, match="PDSERVE_MIXED_GRAPHS"):
         _llm(tiny_llama_dir, True)
+
+
+def test_a_request_aborted_while_its_prefill_chunk_is_in_flight(tiny_llama_dir):
+    """Overlapped mixed steps: a request cancelled between two calls while a chunk of its
+    prompt is queued (and the next one scheduled ahead) reports nothing more, its companions
+    keep their tokens, and every block comes back."""
+    prompts = _prompts()[:3]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    long = list(range(3, 3 + 40))  # 40 tokens at a budget of 8: five chunks
+    want = _tokens(_llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, sp))
+    llm = _llm(tiny_llama_dir, True, max_num_batched_tokens=8)
+    e = llm.engine
+    reqs = [e.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    def step_until(done) -> None:  # (bounded: a schedule that never ends fails, not hangs)
+        for _ in range(300):
+            if done():
+                return
+            e.step()
+        raise AssertionError("the engine did not get there in 300 steps")
+
+    step_until(lambda: all(r.num_output_tokens >= 1 for r in reqs))
+    victim = e.add_request("long", long, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    step_until(lambda: e._in_flight is not None and victim.num_computed_tokens >= 8
+               and any(s.request is victim for s in e._in_flight.out.scheduled))
+    assert victim.num_computed_tokens < len(long)  # still prefilling, a chunk of it in flight
+    e.abort_request("long")
+    step_until(lambda: not e.has_unfinished_requests())
+    assert victim.status.name == "FINISHED_ABORTED" and victim.num_output_tokens == 0
+    assert [(list(r.output_token_ids), r.status.name) for r in reqs] == \
+        [(w[0], "FINISHED_LENGTH") for w in want]
+    assert e.stats().kv_blocks_used == 0 and e._in_flight is None and not e.scheduler.requests
