@@ -47,14 +47,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import itertools
-
 import numpy as np
 import torch
 
 from engine import gemm_backend
 from engine.layers.attention import AttentionMetadata
 from engine.scheduler import ScheduledRequest
+from engine.step_inputs import step_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -278,32 +277,22 @@ class MixedInputs:
                         ahead_ids: torch.Tensor | None = None) -> None:
         """The step (``fits``) into the buffers; ``ahead_ids``: as ``DecodeInputs.upload`` (the
         leading rows a step ahead are one token each, so row i's token is token i)."""
-        n, m, bs = len(scheduled), self.max_num_seqs, self.block_size
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-        qsl = np.zeros(m + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:n + 1])
-        total = int(qsl[n])
-        qsl[n + 1:] = size  # the padding sequence takes the spare tokens, the rest none
+        n, m = len(scheduled), self.max_num_seqs
+        a = step_arrays(scheduled, self.block_size)  # the step as an eager one runs it, then padded
+        total = a.ids.shape[0]
+        qsl = np.full(m + 1, size, dtype=np.int32)  # the padding sequence takes the spare tokens, the rest none
+        qsl[:n + 1] = a.query_start_loc
         lens = np.zeros(m, dtype=np.int32)
-        lens[:n] = starts + counts
+        lens[:n] = a.seq_lens
         lens[n] = size - total
         i64 = np.zeros((3, size), dtype=np.int64)
-        i64[2] = -1
-        row = np.repeat(np.arange(n), counts)
-        pos = np.arange(total, dtype=np.int64) - np.repeat(qsl[:n].astype(np.int64) - starts, counts)
-        i64[1, :total] = pos
+        i64[0, :total], i64[1, :total], i64[2, :total] = a.ids, a.positions, a.slots
         i64[1, total:] = np.arange(size - total)
-        i64[0, :total] = np.fromiter(itertools.chain.from_iterable(
-            (0,) if s.lookahead else s.request.all_token_ids[a:a + c]
-            for s, a, c in zip(scheduled, starts.tolist(), counts.tolist())), dtype=np.int64, count=total)
+        i64[2, total:] = -1
         tables = np.zeros((m, self.max_blocks_per_seq), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.block_ids)] = s.block_ids
-        i64[2, :total] = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        tables[:n, :a.tables.shape[1]] = a.tables
         rows = np.zeros(m, dtype=np.int64)
-        sampling = [int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples]
-        rows[:len(sampling)] = sampling
+        rows[:len(a.sample_idx)] = a.sample_idx
         for dst, src in ((self.i64[:, :size], i64), (self.qsl, qsl), (self.seq_lens, lens), (self.tables, tables),
                          (self.rows, rows)):
             host = torch.from_numpy(src)

@@ -63,7 +63,6 @@ environment turns it on: an inherited variable cannot crash a cluster.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -85,6 +84,7 @@ from engine.lora.manager import LoRAManager
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device, verify_async
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_inputs import step_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -521,47 +521,24 @@ class ModelRunner:
         return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's flat inputs. Per request a slice or a row; per token only vectorised
-        work (an 8k-token prefill step is 8k positions and slots)."""
-        scheduled, bs = out.scheduled, self.block_size
-        n = len(scheduled)
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-        ends = starts + counts
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        total = int(qsl[-1])
-        # A speculating row's inputs: its pending token, then the proposals to verify. A row
-        # a step ahead takes the token in flight: a placeholder here (``_launch_eager``).
-        ids = np.fromiter(itertools.chain.from_iterable(
-            (s.request.all_token_ids[a:b] if not s.draft_token_ids and not s.lookahead else
-             (0,) if s.lookahead else itertools.chain(s.request.all_token_ids[a:a + 1], s.draft_token_ids))
-            for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())), dtype=np.int64, count=total)
-        row = np.repeat(np.arange(n), counts)  # each token's request
-        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
-        widths = [len(s.block_ids) for s in scheduled]
-        tables = np.zeros((n, max(widths)), dtype=np.int32)
-        for i, (s, w) in enumerate(zip(scheduled, widths)):
-            tables[i, :w] = s.block_ids
-        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        # The last position of each sampling row; every position of a speculating row.
-        sample_idx = [p for i, s in enumerate(scheduled) if s.samples
-                      for p in (range(int(qsl[i]), int(qsl[i + 1])) if s.draft_token_ids else (int(qsl[i + 1]) - 1,))]
+        """The step's flat inputs (``engine.step_inputs``) on the device."""
+        a = step_arrays(out.scheduled, self.block_size)
         dev = self.device
 
-        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        def to_dev(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             # Through pinned memory: from pageable memory the copy may wait for the stream, and
             # with steps overlapped the step before is still on it.
-            return to_device(torch.from_numpy(a).to(dtype), dev)
+            return to_device(torch.from_numpy(x).to(dtype), dev)
 
         if self.lora is not None:
-            self.lora.set_step([s.request.lora for s in scheduled], counts)
-        meta = AttentionMetadata(slot_mapping=to_dev(slots, torch.long), block_tables=to_dev(tables, torch.int32),
-                                 query_start_loc=to_dev(qsl, torch.int32), seq_lens=to_dev(ends, torch.int32))
+            self.lora.set_step([s.request.lora for s in out.scheduled], a.counts)
+        meta = AttentionMetadata(slot_mapping=to_dev(a.slots, torch.long), block_tables=to_dev(a.tables, torch.int32),
+                                 query_start_loc=to_dev(a.query_start_loc, torch.int32),
+                                 seq_lens=to_dev(a.seq_lens, torch.int32))
         # The sampled positions as a device index: indexing the hidden states with a Python list
         # copies it to the device synchronously, making the host wait for the whole forward pass.
-        rows = to_dev(np.asarray(sample_idx, dtype=np.int64), torch.long)
-        return to_dev(ids, torch.long), to_dev(positions, torch.long), meta, rows
+        rows = to_dev(np.asarray(a.sample_idx, dtype=np.int64), torch.long)
+        return to_dev(a.ids, torch.long), to_dev(a.positions, torch.long), meta, rows
 
     # ---- tensor parallelism: rank 0 drives, the other ranks follow ------------
     def _broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -702,42 +679,46 @@ class ModelRunner:
                 return self._launch_eager(out, ahead_ids, before_sampling)
             self._count_forward()
             which = [i for i, s in enumerate(out.scheduled) if s.samples]
-            logits = self.graphs.replay_mixed(size)[:len(which)]
-            if before_sampling is not None:
-                before_sampling(out)
-            rows = [_sampling_row(out.scheduled[i]) for i in which]
-            return LaunchedStep(out, self.sampler.sample_async(logits, rows) if which else None, which)
+            return self._queue_sampling(out, self.graphs.replay_mixed(size)[:len(which)], which, before_sampling)
         self._count_forward()
         if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
             self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
         if self.tp is not None:
             self._share_graph_step(step)
         logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
+        return self._queue_sampling(out, logits, range(len(out.scheduled)), before_sampling)
+
+    def _queue_sampling(self, out: SchedulerOutput, logits: torch.Tensor | None, which: Sequence[int],
+                        before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
+        """The sampling of rows ``which`` (their logits, in order) queued after a forward pass
+        already queued; ``before_sampling`` first, where a row samples."""
+        if not which:
+            return LaunchedStep(out, None, which)
         if before_sampling is not None:
             before_sampling(out)
-        n = len(out.scheduled)
-        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(s) for s in out.scheduled]), range(n))
+        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(out.scheduled[i]) for i in which]),
+                            which)
 
-    def _launch_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
-                      before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
-        """``launch`` for a step off the graphs (prefill chunks with or without decode rows):
-        the eager forward queued, its leading ``len(ahead_ids)`` rows' inputs copied from the
-        device ids in flight (each is one token, so token i is row i's)."""
+    def _forward_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
+                       on_layer: Callable[[int], None] | None) -> tuple[list[int], torch.Tensor | None]:
+        """An eager forward pass of the step queued: (the rows that sample, the logits of their
+        sampled positions, None when none samples). ``ahead_ids``: the leading rows' inputs on
+        the device (rows a step ahead are one token each, so token i is row i's)."""
         self._count_forward()
         input_ids, positions, meta, sample_idx = self._prepare(out)
         if ahead_ids is not None:
             input_ids[:ahead_ids.shape[0]].copy_(ahead_ids)
         if self.tp is not None:
             self._broadcast_step(input_ids, positions, meta, sample_idx)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, None)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
         which = [i for i, s in enumerate(out.scheduled) if s.samples]
-        if not which:
-            return LaunchedStep(out, None, which)
-        logits = self.model.compute_logits(hidden[sample_idx])
-        if before_sampling is not None:
-            before_sampling(out)
-        return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(out.scheduled[i]) for i in which]),
-                            which)
+        return which, self.model.compute_logits(hidden[sample_idx]) if which else None
+
+    def _launch_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
+                      before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
+        """``launch`` for a step off the graphs (prefill chunks with or without decode rows)."""
+        which, logits = self._forward_eager(out, ahead_ids, None)
+        return self._queue_sampling(out, logits, which, before_sampling)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None,
@@ -766,19 +747,11 @@ class ModelRunner:
                 if before_sampling is not None:
                     before_sampling(out)
                 return self._sample_with_proposals(out, which, logits[idx])
-        self._count_forward()
-        input_ids, positions, meta, sample_idx = self._prepare(out)
-        if self.tp is not None:
-            self._broadcast_step(input_ids, positions, meta, sample_idx)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-        if not which:
-            return [None] * len(out.scheduled), None
-        logits = self.model.compute_logits(hidden[sample_idx])
+        which, logits = self._forward_eager(out, None, on_layer)
+        if not any(out.scheduled[i].draft_token_ids for i in which):
+            return self._queue_sampling(out, logits, which, before_sampling).result()
         if before_sampling is not None:
             before_sampling(out)
-        if not any(out.scheduled[i].draft_token_ids for i in which):
-            res = self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in which])
-            return _per_row(res, which, len(out.scheduled))
         return self._sample_with_proposals(out, which, logits)
 
     def _sample_with_proposals(self, out: SchedulerOutput, which: list[int], logits: torch.Tensor

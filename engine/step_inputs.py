@@ -1,0 +1,50 @@
+"""A step's flat inputs on the host: what every path that runs a step (eager, or a mixed-step
+graph's padded buffers) builds from the schedule. Per request a slice or a row; per token only
+vectorised work (an 8k-token prefill step is 8k positions and slots)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepArrays:
+    ids: np.ndarray  # [T] int64; a row a step ahead: 0 (its input is the token in flight, on the device)
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64 cache slot of each token
+    tables: np.ndarray  # [n, longest table] int32, 0 after each row's blocks
+    query_start_loc: np.ndarray  # [n + 1] int64
+    seq_lens: np.ndarray  # [n] int64
+    counts: np.ndarray  # [n] int64 tokens of each row
+    sample_idx: list[int]  # the last position of each sampling row; every position of a speculating row
+
+
+def step_arrays(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepArrays:
+    n, bs = len(scheduled), block_size
+    starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+    ends = starts + counts
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    total = int(qsl[-1])
+    # A speculating row's inputs: its pending token, then the proposals to verify. A row a
+    # step ahead takes the token in flight: a placeholder here.
+    ids = np.fromiter(itertools.chain.from_iterable(
+        (s.request.all_token_ids[a:b] if not s.draft_token_ids and not s.lookahead else
+         (0,) if s.lookahead else itertools.chain(s.request.all_token_ids[a:a + 1], s.draft_token_ids))
+        for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())), dtype=np.int64, count=total)
+    row = np.repeat(np.arange(n), counts)  # each token's request
+    positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
+    widths = [len(s.block_ids) for s in scheduled]
+    tables = np.zeros((n, max(widths)), dtype=np.int32)
+    for i, (s, w) in enumerate(zip(scheduled, widths)):
+        tables[i, :w] = s.block_ids
+    slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+    sample_idx = [p for i, s in enumerate(scheduled) if s.samples
+                  for p in (range(int(qsl[i]), int(qsl[i + 1])) if s.draft_token_ids else (int(qsl[i + 1]) - 1,))]
+    return StepArrays(ids, positions, slots, tables, qsl, ends, counts, sample_idx)
