@@ -110,6 +110,17 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Tile ``tile``'s sequence, that sequence's first query row and query count, and the
+    tile's first query token within it (>= the count: a surplus tile)."""
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tok0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    return seq, q_start, q_len, tok0
+
+
+@triton.jit
 def _attend_kv_tile(
     q,  # [BLOCK_M, BLOCK_D]
     m_i,  # [BLOCK_M] running max of the scaled scores (log2 units)
@@ -227,10 +238,7 @@ def _paged_attention_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: see the module's docstring
     split = tl.program_id(2)
 
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query token of the tile
+    seq, q_start, q_len, tok0 = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     if tok0 >= q_len:
         return
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # keys cached before this step

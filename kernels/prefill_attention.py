@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import next_pow2, require
-from kernels.paged_attention import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _find_sequence
+from kernels.paged_attention import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -106,6 +106,20 @@ def default_config(dtype: torch.dtype, head_dim: int) -> PrefillConfig:
 
 
 @triton.jit
+def _load_kv_tile(ptr, stride_t, stride_h, q_start, q_len, n, key, kv_head, dims,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """Key tile ``n`` of K or V, [BLOCK_N, HEAD_DIM]: a TMA load through the descriptor, or
+    masked pointer loads (keys past the sequence read as 0)."""
+    if USE_TMA:
+        tile = ptr.load([q_start + n * BLOCK_N, kv_head * HEAD_DIM])
+    else:
+        row = (q_start + key).to(tl.int64)
+        tile = tl.load(ptr + row[:, None] * stride_t + kv_head * stride_h + dims[None, :],
+                       mask=(key < q_len)[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
 def _attend_self_tile(
     q,  # [BLOCK_M, HEAD_DIM]
     m_i, l_i, acc,  # running max (log2 units), denominator, unnormalised output
@@ -122,13 +136,8 @@ def _attend_self_tile(
     USE_TMA: tl.constexpr,
 ):
     key = n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key tokens within the sequence
-    if USE_TMA:
-        # Rows past T come back as zeros; rows of the next sequence are masked below.
-        k = k_ptr.load([q_start + n * BLOCK_N, kv_head * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-    else:
-        krow = (q_start + key).to(tl.int64)
-        k = tl.load(k_ptr + krow[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=(key < q_len)[:, None], other=0.0)
+    # (TMA: rows past T come back as zeros; rows of the next sequence are masked below.)
+    k = _load_kv_tile(k_ptr, stride_kt, stride_kh, q_start, q_len, n, key, kv_head, dims, HEAD_DIM, BLOCK_N, USE_TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         s = tl.where(key[None, :] <= tok[:, None], s, float("-inf"))
@@ -139,12 +148,7 @@ def _attend_self_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if USE_TMA:
-        v = v_ptr.load([q_start + n * BLOCK_N, kv_head * HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-    else:
-        vrow = (q_start + key).to(tl.int64)
-        v = tl.load(v_ptr + vrow[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=(key < q_len)[:, None], other=0.0)
+    v = _load_kv_tile(v_ptr, stride_vt, stride_vh, q_start, q_len, n, key, kv_head, dims, HEAD_DIM, BLOCK_N, USE_TMA)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -177,10 +181,7 @@ def _prefill_self_attention_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: the longest causal tiles start first
     kv_head = head // GROUP
 
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query token of the tile
+    seq, q_start, q_len, tok0 = _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
     if tok0 >= q_len:
         return
     if ONLY_FRESH:
