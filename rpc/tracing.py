@@ -33,7 +33,9 @@ gRPC context: ``server_interceptors`` (opentelemetry-instrumentation-grpc's
 aio interceptor, which handles unary and streaming methods) opens a SERVER
 span for each request-carrying method in ``TRACED_METHODS`` under the
 caller's ``traceparent``; inside the handler that span is the current span.
-Health, reflection, GetLoad and Abort are not traced. Clients put their
+Health, reflection, GetLoad and Abort are not traced. Streaming handlers run
+as coroutines that write what they yield, so a stream the client cancels
+closes its generator (and the span's context) in the call's own task. Clients put their
 context in the call's metadata with ``inject_metadata(ctx)``.
 
 Engine spans (the engine thread carries no context): a servicer captures the
@@ -86,6 +88,7 @@ trace`` uses for its time-to-first-token breakdown. Recording never raises.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import threading
@@ -94,6 +97,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -290,7 +294,43 @@ def server_interceptors(grpc_service_names: Iterable[str], *, tracer_provider: A
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=_is_traced_method)]
+    return [_StreamsEndInTheirCall(),
+            aio_server_interceptor(tracer_provider=tracer_provider, filter_=_is_traced_method)]
+
+
+class _StreamsEndInTheirCall(grpc.aio.ServerInterceptor):
+    """Runs each streaming handler as a coroutine that writes its responses and closes the
+    handler's generator in the call's own task. grpc.aio iterates a generator handler and, when
+    a write fails (the client cancelled), leaves it suspended at its ``yield``: it is closed
+    later by the event loop's finalizer, in another context, where the tracing interceptor's
+    span context cannot be detached ("Failed to detach context" logged for each such call)."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or not (handler.unary_stream or handler.stream_stream):
+            return handler
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _written(handler.unary_stream), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            _written(handler.stream_stream), request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+def _written(behavior: Any) -> Any:
+    if not inspect.isasyncgenfunction(behavior):
+        return behavior
+
+    async def write_all(request: Any, context: Any) -> None:
+        responses = behavior(request, context)
+        try:
+            async for response in responses:
+                await context.write(response)
+        finally:
+            await responses.aclose()
+
+    return write_all
 
 
 def _is_traced_method(handler_call_details: Any) -> bool:

@@ -138,9 +138,14 @@ class ServiceProcess:
                 self.ready_line = line.strip()
         return self.ready_line
 
-    def logs(self) -> str:
+    def log_text(self) -> str:
+        """All the process has logged so far."""
         self.log.flush()
-        return f"--- {self.name} ({self.log.name}) ---\n" + Path(self.log.name).read_text()[-6000:]
+        return Path(self.log.name).read_text()
+
+    def logs(self) -> str:
+        """The tail of its log, headed by its name: for a failure's message."""
+        return f"--- {self.name} ({self.log.name}) ---\n" + self.log_text()[-6000:]
 
     def terminate(self) -> None:
         """Send SIGTERM once (a second one would kill a process that is draining)."""

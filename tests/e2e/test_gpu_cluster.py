@@ -74,7 +74,7 @@ def test_single_gpu_disaggregated_matches_offline(model_dir):
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(run, prompts))
         assert got == expected
-        logs = up.logs()
+        logs = up.log_text()
     finally:
         code = up.stop()
     assert code == 0

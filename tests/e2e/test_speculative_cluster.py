@@ -112,8 +112,14 @@ def test_draft_model_through_the_cluster(tmp_path, default_model_dir: Path):
         blocks = sum(-(-len(p) // 4) for p in prompts)  # block size 4
         target_bytes = blocks * 3 * 2 * 4 * 2 * 16 * 4  # 3 layers x (K, V) x 4 tokens x 2 KV heads x 16, float32
         assert value("pdserve:kv_transfer_bytes_total") == 2 * target_bytes == prefill("pdserve:kv_transfer_bytes_total")
-        # each request's acceptance in the gateway's request log line
-        logged = [line for line in up.logs().splitlines() if " spec_accepted=" in line]
+        # each request's acceptance in the gateway's request log line, which the gateway writes
+        # once the stream has ended: the client may have its last token a moment before
+        deadline = time.monotonic() + 20
+        while True:
+            logged = [line for line in up.log_text().splitlines() if " spec_accepted=" in line]
+            if len(logged) >= len(prompts) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert len(logged) == len(prompts), up.logs()[-3000:]
     finally:
         up.stop()

@@ -63,7 +63,7 @@ def test_dead_server_is_restarted_until_the_limit():
         assert again is not None
         os.kill(again, signal.SIGKILL)  # again, before it counts as stable
         assert up.proc.wait(timeout=120) == 1
-        assert "restarted 1 times; giving up" in up.logs()
+        assert "restarted 1 times; giving up" in up.log_text()
         _wait(lambda: not _children(up.proc.pid), 30, "servers left behind")
     finally:
         if up.proc.poll() is None:

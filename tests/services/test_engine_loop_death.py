@@ -55,7 +55,7 @@ def test_engine_loop_death_reports_not_serving_and_exits(tiny_llama_dir):
 
         assert statuses.get(timeout=10) == NOT_SERVING
         assert proc.proc.wait(timeout=30) != 0
-        assert "InjectedFault" in proc.logs()  # the log says why it stopped
+        assert "InjectedFault" in proc.log_text()  # the log says why it stopped
         channel.close()
     finally:
         if proc.proc.poll() is None:

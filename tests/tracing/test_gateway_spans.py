@@ -224,9 +224,9 @@ def test_request_log_line_and_phase_metrics(setup):
                    json={"prompt": "Say hi", "max_tokens": 3}, timeout=20)
     assert r.status_code == 200
     deadline = time.monotonic() + 5
-    while "request log-line-test" not in gw.logs() and time.monotonic() < deadline:
+    while "request log-line-test" not in gw.log_text() and time.monotonic() < deadline:
         time.sleep(0.1)
-    line = next(x for x in gw.logs().splitlines() if "request log-line-test " in x)
+    line = next(x for x in gw.log_text().splitlines() if "request log-line-test " in x)
     m = re.search(r"request log-line-test \(log-line-test-\w+\): prompt_tokens=(\d+) cached_tokens=0 "
                   r"output_tokens=3 ttft=(\d+\.\d+)s e2e=(\d+\.\d+)s decode=\S+ prefill=\S+ "
                   r"route=load matched_tokens=0 finish=length "
@@ -258,7 +258,7 @@ def test_untraced_gateway_forwards_trace_headers_and_logs_nothing(setup):
     assert fake.state.metadata[0]["traceparent"] == TRACEPARENT
     assert fake.state.metadata[0]["tracestate"] == "vendor=1"
     # A request's log line and spans are written before its response leaves: none here.
-    assert "untraced-test" not in plain.logs()
+    assert "untraced-test" not in plain.log_text()
     assert not any("untraced-test" in str(s["attributes"]) for s in list(read_spans(traces))[before:])
 
 

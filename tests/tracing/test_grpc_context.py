@@ -34,6 +34,9 @@ class _Decode(engine_pb2_grpc.DecodeServicer):
         self.handler_span = trace.get_current_span(ctx).get_span_context()
         t0 = time.time()
         try:
+            if request.request_id == "flood":  # large responses and no await: blocked in grpc's write
+                for _ in range(100_000):
+                    yield engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(token_ids=list(range(20_000))))
             for i in range(3 if request.request_id != "slow" else 1000):
                 yield engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(token_ids=[i]))
                 await asyncio.sleep(0.01 if request.request_id == "slow" else 0)
@@ -63,6 +66,7 @@ async def _serve_and_call(provider: TracerProvider, servicer: _Decode, request_i
                                  metadata=tracing.inject_metadata(caller))
             if cancel:
                 await call.read()
+                await asyncio.sleep(0.2 if request_id == "flood" else 0)  # the server's writes fill the window
                 call.cancel()
             else:
                 assert len([m async for m in call]) == 3
@@ -84,11 +88,15 @@ def provider():
     p.shutdown()
 
 
-@pytest.mark.parametrize("cancel", [False, True], ids=["complete", "cancelled"])
-def test_streaming_call_gets_a_server_span_under_the_callers_trace(provider, caplog, cancel):
+@pytest.mark.parametrize("request_id", ["r1", "slow", "flood"],
+                         ids=["complete", "cancelled", "cancelled-while-writing"])
+def test_streaming_call_gets_a_server_span_under_the_callers_trace(provider, caplog, request_id):
+    """Cancelled while the handler awaits, or while grpc writes what it yielded (its generator
+    suspended at a ``yield``): the handler's ``finally`` runs in the call's own context, so no
+    span context is detached elsewhere (which logs "Failed to detach context")."""
     servicer = _Decode(provider)
     with caplog.at_level(logging.ERROR):
-        asyncio.run(_serve_and_call(provider, servicer, "slow" if cancel else "r1", cancel))
+        asyncio.run(_serve_and_call(provider, servicer, request_id, request_id != "r1"))
     spans = provider._exporter.get_finished_spans()
     by_name = {s.name: s for s in spans}
     server = by_name["/pdserve.v1.Decode/Generate"]  # GetLoad is not traced
