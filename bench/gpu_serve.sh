@@ -5,12 +5,13 @@
 #   bash bench/gpu_serve.sh wheels         # on the CPU machine: the serving stack the image lacks
 #   bash bench/gpu_serve.sh CONFIG...      # on the GPU machine, carrying .gpucache/serve-wheels
 # CONFIG:
-#   serial-mixed   the defaults: steps with prefill chunks one at a time, decode steps overlapped
-#   overlapped     every step overlapped (PDSERVE_OVERLAP_MIXED_STEPS=1)
-#   budget-N       overlapped, --max-num-batched-tokens N (the prefill budget a step)
-#   serial-budget-N  both
-#   graphs         overlapped, with mixed-step CUDA graphs (PDSERVE_MIXED_GRAPHS=256,512,1024,2048)
-#   serial-graphs  mixed-step graphs, mixed steps one at a time
+#   defaults       pdserve's defaults: mixed-step CUDA graphs (buckets up to 2,048 tokens), every step overlapped
+#   budget-N       the defaults with --max-num-batched-tokens N (the prefill budget a step)
+#   graphs         every step overlapped, mixed-step graphs of 256,512,1024,2048 tokens (named)
+#   serial-graphs  mixed-step graphs, steps with prefill chunks one at a time
+#   serial-mixed   no mixed-step graphs, steps with prefill chunks one at a time (decode steps overlapped)
+#   overlapped     no mixed-step graphs, every step overlapped (eagerly)
+#   eager-budget-N / serial-budget-N  overlapped / one at a time, no mixed-step graphs, --max-num-batched-tokens N
 #   ttft-probe     `bench disagg --probe-only`: one 4,096-token prompt through a prefill and a decode
 #                  server sharing the GPU, the prefill server's compute time (against the FLOP floor)
 # Workload (the issue's): 2,048 tokens in, 128 out, Poisson arrivals at $RATES req/s (default
@@ -48,12 +49,14 @@ for cfg in "$@"; do
                   --engine-args "--dtype bfloat16 --max-model-len 8192 --kv-cache-memory 16GiB" \
                   --output-json "$out/ttft-probe.json"
                 continue ;;
-    serial-mixed) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0); flags=() ;;
-    overlapped) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=() ;;
-    budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1); flags=(--max-num-batched-tokens "${cfg#budget-}") ;;
-    serial-budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0); flags=(--max-num-batched-tokens "${cfg#serial-budget-}") ;;
+    defaults) envs=(); flags=() ;;
+    budget-*) envs=(); flags=(--max-num-batched-tokens "${cfg#budget-}") ;;
     graphs) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1 PDSERVE_MIXED_GRAPHS=256,512,1024,2048); flags=() ;;
     serial-graphs) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0 PDSERVE_MIXED_GRAPHS=256,512,1024,2048); flags=() ;;
+    serial-mixed) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0 PDSERVE_MIXED_GRAPHS=0); flags=() ;;
+    overlapped) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1 PDSERVE_MIXED_GRAPHS=0); flags=() ;;
+    eager-budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=1 PDSERVE_MIXED_GRAPHS=0); flags=(--max-num-batched-tokens "${cfg#eager-budget-}") ;;
+    serial-budget-*) envs=(PDSERVE_OVERLAP_MIXED_STEPS=0 PDSERVE_MIXED_GRAPHS=0); flags=(--max-num-batched-tokens "${cfg#serial-budget-}") ;;
     *) echo "unknown config $cfg"; exit 2 ;;
   esac
   need_stack

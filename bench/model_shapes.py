@@ -63,11 +63,13 @@ def shape_dir(name: str, tokenizer: bool = False) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
     if tokenizer and not (d / "tokenizer.json").exists():
-        _write_word_tokenizer(d, SHAPES[name])
+        write_word_tokenizer(d, SHAPES[name])
     return d
 
 
-def _write_word_tokenizer(d: Path, config: dict) -> None:
+def write_word_tokenizer(d: Path, config: dict) -> None:
+    """A word-level tokenizer of the config's vocabulary ("t0" ... "tN"): every id decodes to a
+    non-empty word, for serving a model that ships none."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))

@@ -31,23 +31,21 @@ runner without capturing: pure decode steps take the graph path (persistent
 buffers, padding, and under tensor parallelism the inputs rank 0 shares
 with the other ranks) and run it eagerly, on any device.
 
-Steps with prefill chunks run one at a time by default (decode steps
-overlap); ``PDSERVE_OVERLAP_MIXED_STEPS=1`` (read here only) overlaps them
-too, eagerly, with the step after scheduled ahead. Measured on an H200
-(docs/benchmarks.md, "Colocated goodput"): queuing an eager step of the 8B
-shape returned only when its forward pass had run (~30 ms for 32 decode
-rows and a 480-token chunk: its Python and ~225 Triton launches, then the
-sampled rows' index copied from a Python list, which waited for the
-stream), so nothing overlapped, and overlap only admitted each arrival a
-step later (TTFT p50 177 against 132 ms at 8 req/s, 2,048-token prompts;
-TPOT p50 36 against 27 ms at 12 req/s). The index now goes up from pinned
-memory with the step's inputs; whether overlap then pays is unmeasured.
-
-``PDSERVE_MIXED_GRAPHS=256,512,1024`` (read here only; off when unset) also
-captures a graph per token bucket for steps that are not pure decode
+Steps that are not pure decode get CUDA graphs too, one per token bucket
 (``MixedInputs``: a step padded to the bucket's tokens and to
-``max_num_seqs`` sequences; attention included), so that such a step is one
-launch instead of a few hundred. Not with tensor parallelism or LoRA.
+``max_num_seqs`` sequences, attention included), so that such a step is one
+launch instead of a few hundred: by default buckets of 256, 512, 1,024 and
+2,048 tokens (those within ``max_num_batched_tokens``) wherever decode
+graphs are captured; ``PDSERVE_MIXED_GRAPHS=256,512`` (read here only) picks
+others, ``PDSERVE_MIXED_GRAPHS=0`` none. Not with tensor parallelism or
+LoRA. Where they are captured, steps with prefill chunks overlap like decode
+steps (the step after scheduled ahead); ``PDSERVE_OVERLAP_MIXED_STEPS=0``
+(read here only) runs them one at a time, ``=1`` overlaps them without
+graphs too, eagerly. Measured on an H200 (docs/benchmarks.md, "Colocated
+goodput"): an eager step of the 8B shape with 32 decode rows and a
+480-token chunk costs ~31 ms of host time for ~17 ms of GPU work under its
+graph, and colocated goodput at 12 req/s of 2,048-token prompts went from
+6.5 req/s (graphs, one at a time) to 11.0 (graphs, overlapped).
 
 Under tensor parallelism every rank captures the same graphs, in the same
 order (their all-reduces and the logits' all-gather are inside them). For a
@@ -93,6 +91,8 @@ KERNELS_ENV = "PDSERVE_KERNELS"
 GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 OVERLAP_MIXED_ENV = "PDSERVE_OVERLAP_MIXED_STEPS"
 MIXED_GRAPHS_ENV = "PDSERVE_MIXED_GRAPHS"
+# Past ~2k tokens a step of an 8B model is compute-bound and its launches are a few percent.
+DEFAULT_MIXED_GRAPHS = "256,512,1024,2048"
 _MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
@@ -238,9 +238,6 @@ class ModelRunner:
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
         self.sampler = Sampler()
-        self.overlap_mixed = os.environ.get(OVERLAP_MIXED_ENV, "0") == "1"
-        if self.overlap_mixed:
-            logger.info("%s=1: steps with prefill chunks overlap too", OVERLAP_MIXED_ENV)
         self._warm_up_kernels()
         self.graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs or graphs_eager:
@@ -248,6 +245,10 @@ class ModelRunner:
         if self.use_cuda_graphs:
             assert self.graphs is not None
             self.graphs.capture()
+        overlap = os.environ.get(OVERLAP_MIXED_ENV)  # default: where mixed-step graphs hold such steps
+        self.overlap_mixed = overlap == "1" if overlap is not None else bool(self.graphs and self.graphs.mixed_sizes)
+        if self.overlap_mixed:
+            logger.info("steps with prefill chunks overlap too (%s=0 runs them one at a time)", OVERLAP_MIXED_ENV)
         if self.device.type == "cuda" and self.ops.__name__ == "kernels":
             from kernels import compiles
 
@@ -407,9 +408,18 @@ class ModelRunner:
 
     def _mixed_graph_sizes(self) -> list[int]:
         """The token buckets of ``PDSERVE_MIXED_GRAPHS`` that a step can fill (at most
-        ``max_num_batched_tokens``); none under tensor parallelism or LoRA."""
-        text = os.environ.get(MIXED_GRAPHS_ENV, "").strip()
-        if not text:
+        ``max_num_batched_tokens``); unset, ``DEFAULT_MIXED_GRAPHS`` where decode graphs are
+        captured (those below a smaller budget, and the budget); ``0`` none; none under
+        tensor parallelism or LoRA."""
+        text = os.environ.get(MIXED_GRAPHS_ENV)
+        budget = self.config.scheduler.max_num_batched_tokens
+        if text is None:
+            if not self.use_cuda_graphs or self.tp is not None or self.lora is not None:
+                return []
+            sizes = [int(x) for x in DEFAULT_MIXED_GRAPHS.split(",")]
+            return [n for n in sizes if n < budget] + [budget] if budget < sizes[-1] else sizes
+        text = text.strip()
+        if text in ("", "0"):
             return []
         try:
             sizes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -420,7 +430,6 @@ class ModelRunner:
         if self.tp is not None or self.lora is not None:
             logger.warning("%s ignored: not with tensor parallelism or LoRA", MIXED_GRAPHS_ENV)
             return []
-        budget = self.config.scheduler.max_num_batched_tokens
         return [n for n in sizes if n <= budget] or [budget]
 
     def _forward_rows_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

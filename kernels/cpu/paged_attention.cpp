@@ -307,9 +307,7 @@ void attend(const Item& it, const Geometry& g, const scalar_t* __restrict q_ptr,
   const float* kp[kLanes];
   const float* vp[kLanes];
   for (int64_t blk = k_lo / bs; blk * bs < k_hi; ++blk) {
-    const int64_t id = table[blk];
-    TORCH_CHECK(id >= 0 && id < g.num_blocks, "paged_attention: block id ", id, " of sequence ", it.seq,
-                " is outside the cache's ", g.num_blocks, " blocks");
+    const int64_t id = table[blk];  // in [0, num_blocks): checked before the parallel region
     const int64_t first = std::max(k_lo, blk * bs), last = std::min(k_hi, (blk + 1) * bs);  // keys [first, last)
     for (int64_t t0 = first; t0 < last; t0 += kLanes) {  // tiles of up to 16 keys
       const int64_t n = std::min<int64_t>(kLanes, last - t0), slot = t0 - blk * bs;
@@ -440,6 +438,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 " keys, which q, seq_lens or block_tables cannot hold");
     const int64_t keys = g.window > 0 ? std::min<int64_t>(n, g.window + hi - lo) : n;
     work += (hi - lo) * keys * q.size(1);
+    // The blocks the sequence's queries read, checked here and not in the threads: an error
+    // thrown inside the parallel region crashed the process under one torch build.
+    const int32_t* table = block_tables.data_ptr<int32_t>() + b * g.table_stride;
+    const int64_t first_key = g.window > 0 ? std::max<int64_t>(0, n - (hi - lo) - g.window + 1) : 0;
+    for (int64_t blk = first_key / g.block_size; blk * g.block_size < n; ++blk) {
+      TORCH_CHECK(table[blk] >= 0 && table[blk] < g.num_blocks, "paged_attention: block id ", table[blk],
+                  " of sequence ", b, " is outside the cache's ", g.num_blocks, " blocks");
+    }
     for (int64_t t = lo; t < hi; t += qt) {
       items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t), static_cast<int32_t>(std::min(hi, t + qt)),
                        0, static_cast<int32_t>(g.num_kv_heads)});

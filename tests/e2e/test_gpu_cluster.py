@@ -4,6 +4,7 @@ float32 outputs through the gateway equal the offline engine's on the same
 GPU. Skipped without CUDA."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from bench.model_shapes import write_word_tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_tiny_model
 from tests.processes import ServiceProcess
@@ -32,10 +34,13 @@ def _base() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny random model with a real tokenizer beside it (the gateway needs one).
-    Tokenizer files come from PDSERVE_TOKENIZER_DIR or the converted default model."""
+    """A tiny random model with a tokenizer beside it (the gateway needs one): from
+    PDSERVE_TOKENIZER_DIR or the converted default model, else a word-level one of its vocabulary."""
     d = make_tiny_model(tmp_path_factory.mktemp("gpu-model"))
     src = Path(os.environ.get("PDSERVE_TOKENIZER_DIR", Path.home() / ".cache/pdserve/models/SmolLM2-135M-Instruct"))
+    if not (src / "tokenizer.json").exists():
+        write_word_tokenizer(d, json.loads((d / "config.json").read_text()))
+        return d
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / name).exists():
             shutil.copy(src / name, d / name)

@@ -164,7 +164,7 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     def run(async_scheduling: bool, overlap_mixed: bool = True):
         llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8)
         e, params, mixed = llm.engine, _params(stop), []
-        e.runner.overlap_mixed = overlap_mixed  # (the default, PDSERVE_OVERLAP_MIXED_STEPS unset, is off)
+        e.runner.overlap_mixed = overlap_mixed  # (PDSERVE_OVERLAP_MIXED_STEPS=0 turns it off)
         launch = e.runner.launch
 
         def counted(out, *args, **kw):  # steps queued (not waited for) with a prefill chunk, ahead or not
@@ -229,6 +229,28 @@ def test_mixed_step_graph_buckets(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,x")
     with pytest.raises(ValueError, match="PDSERVE_MIXED_GRAPHS"):
         _llm(tiny_llama_dir, True)
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "0")
+    assert _llm(tiny_llama_dir, True).engine.runner.graphs.mixed_sizes == []
+    monkeypatch.delenv("PDSERVE_MIXED_GRAPHS")  # the default: only where graphs are captured (CUDA)
+    assert _llm(tiny_llama_dir, True).engine.runner.graphs.mixed_sizes == []
+
+
+@pytest.mark.parametrize("overlap_env, mixed_env, overlap", [
+    (None, "4,8", True), ("0", "4,8", False), (None, "0", False), ("1", "0", True)])
+def test_mixed_steps_overlap_by_default_where_mixed_graphs_hold_them(tiny_llama_dir, monkeypatch, overlap_env,
+                                                                    mixed_env, overlap):
+    """The runner's own default (its graph path run eagerly, as PDSERVE_DECODE_GRAPHS=eager
+    builds it): steps with prefill chunks overlap where mixed-step graphs exist, unless
+    PDSERVE_OVERLAP_MIXED_STEPS=0; =1 overlaps them without graphs too."""
+    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", mixed_env)
+    if overlap_env is None:
+        monkeypatch.delenv("PDSERVE_OVERLAP_MIXED_STEPS", raising=False)
+    else:
+        monkeypatch.setenv("PDSERVE_OVERLAP_MIXED_STEPS", overlap_env)
+    runner = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory="4MiB",
+                 max_num_seqs=4, max_num_batched_tokens=8).engine.runner
+    assert runner.graphs is not None and runner.overlap_mixed is overlap
 
 
 def test_a_request_aborted_while_its_prefill_chunk_is_in_flight(tiny_llama_dir):

@@ -59,6 +59,19 @@ def test_mixed_step_graphs_give_eager_tokens_float32(tiny_llama_dir, monkeypatch
     assert graphs.num_mixed_replays >= 5
 
 
+@pytest.mark.parametrize("budget, sizes", [(2048, [256, 512, 1024, 2048]), (1536, [256, 512, 1024, 1536]),
+                                           (8192, [256, 512, 1024, 2048])])
+def test_mixed_step_graphs_by_default(tiny_llama_dir, monkeypatch, budget, sizes):
+    """Unset, PDSERVE_MIXED_GRAPHS captures buckets up to 2,048 tokens (a smaller budget its own
+    last), and steps with prefill chunks then overlap."""
+    for var in ("PDSERVE_MIXED_GRAPHS", "PDSERVE_OVERLAP_MIXED_STEPS"):
+        monkeypatch.delenv(var, raising=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB", max_num_seqs=8,
+              max_num_batched_tokens=budget)
+    runner = llm.engine.runner
+    assert sorted(runner.graphs.mixed_graphs) == sizes and runner.overlap_mixed
+
+
 def test_overlapped_graph_steps_give_one_step_at_a_time_tokens_float32(tiny_llama_dir):
     """Replayed decode steps queued a step ahead (inputs: the sampled ids on the GPU) give
     the tokens of the same graphs run one step at a time: 7 requests through 4 rows, stop

@@ -144,6 +144,19 @@ def test_a_block_id_outside_the_cache_is_an_error(ext):
         cpu_attention.paged_attention(q, kc, vc, tables, qsl, lens, 1.0, sliding_window=0)
 
 
+def test_only_the_blocks_a_window_reads_are_checked(ext):
+    """A block before the window is never read, so its id is not checked; the first block
+    the window reaches is."""
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    q, kc, vc, tables, qsl, lens = _batch(rng, gen, dtype=torch.float32, cache_dtype=torch.float32, head_dim=16,
+                                          num_kv_heads=1, group=1, block_size=4, seqs=[(11, 1)])
+    want = reference.paged_attention(q, kc, vc, tables, qsl, lens, 1.0, sliding_window=4)  # keys 8..11
+    tables[0, 1] = kc.shape[0]  # keys 4..7: outside the window
+    torch.testing.assert_close(cpu_attention.paged_attention(q, kc, vc, tables, qsl, lens, 1.0, sliding_window=4), want)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # the window of 5 reaches key 7
+        cpu_attention.paged_attention(q, kc, vc, tables, qsl, lens, 1.0, sliding_window=5)
+
+
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                (torch.bfloat16, torch.bfloat16), (torch.float32, FP8),
                                                (torch.bfloat16, FP8)])
