@@ -302,6 +302,9 @@ class EngineConfig:
     tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)
     max_grammar_compile_seconds: float = 10.0  # a constraint that compiles longer fails its request
     lora: LoRAConfig | None = None  # --enable-lora (None: no adapters)
+    # The prefill tier's engine: every request stops at its first token and holds its KV for
+    # a send, so no step replays a CUDA graph and none is captured.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.max_grammar_compile_seconds <= 3600:
@@ -325,7 +328,7 @@ class EngineConfig:
                 f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
                 f"enable_expert_parallel={self.enable_expert_parallel} "
                 f"speculative={self.speculative.describe() if self.speculative else None} "
-                f"lora={self.lora.describe() if self.lora else None}")
+                f"lora={self.lora.describe() if self.lora else None} prefill_only={self.prefill_only}")
 
 
 @dataclass
@@ -358,6 +361,7 @@ class EngineArgs:
     max_grammar_compile_seconds: float = 10.0
     speculative_config: str | dict | None = None
     enable_lora: bool = False
+    prefill_only: bool = False  # set by the prefill server, not a flag
     lora_modules: list[str] | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -547,4 +551,5 @@ class EngineArgs:
                             enable_expert_parallel=self.enable_expert_parallel,
                             speculative=speculative, lora=lora,
                             tokenizer=Path(self.tokenizer) if self.tokenizer else None,
-                            max_grammar_compile_seconds=self.max_grammar_compile_seconds)
+                            max_grammar_compile_seconds=self.max_grammar_compile_seconds,
+                            prefill_only=self.prefill_only)

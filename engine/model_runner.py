@@ -362,6 +362,9 @@ class ModelRunner:
         if self.config.enforce_eager:
             logger.info("CUDA graphs off (--enforce-eager)")
             return False
+        if self.config.prefill_only:
+            logger.info("CUDA graphs off: a prefill server's steps hold their KV for a send and replay none")
+            return False
         if self.ops.__name__ != "kernels":
             logger.info("CUDA graphs off: the reference kernels synchronise with the host")
             return False

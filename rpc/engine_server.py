@@ -183,8 +183,9 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
 
         arm_forward_fault(args.inject_forward_fault)
     try:
-        engine = await asyncio.get_running_loop().run_in_executor(
-            None, LLMEngine.from_engine_args, EngineArgs.from_cli_args(args))
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.prefill_only = role == "prefill"
+        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine.from_engine_args, engine_args)
     except BaseException:  # a bad flag or a failed load: stop the server inside its loop, then report
         await rpc.server.stop(grace=None)
         raise

@@ -4,6 +4,8 @@ with random weights in bfloat16, up to rounding: a token may differ only
 where the two best logits nearly tie). Skipped without CUDA."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -184,3 +186,18 @@ def test_graph_logits_match_eager_on_the_8b_shape_bf16():
             engine.abort_request(r.request_id)
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_a_prefill_only_engine_captures_no_graphs(tiny_llama_dir):
+    """The prefill tier's engine (every step holds KV for a send, so none replays a graph)
+    captures none and gives their memory to the KV cache."""
+    kw = dict(model=str(tiny_llama_dir), dtype="float32", gpu_memory_utilization=0.5)
+    found = []
+    for prefill_only in (False, True):
+        engine = LLMEngine.from_engine_args(EngineArgs(**kw, prefill_only=prefill_only))
+        found.append((engine.runner.graphs is not None, engine.runner.num_blocks))
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    (graphs, blocks), (graphs_prefill, blocks_prefill) = found
+    assert graphs and not graphs_prefill and blocks_prefill > blocks

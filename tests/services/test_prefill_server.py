@@ -187,3 +187,11 @@ def test_logprobs_through_prefill_and_decode_equal_the_offline_engine(tiers, tin
         assert [(t.token_id, pytest.approx(t.logprob, abs=1e-5)) for t in g.top] == r.top
     prefill.wait_idle()
     decode.wait_idle()
+
+
+def test_only_the_prefill_tier_runs_prefill_only(tiers):
+    """The prefill server's engine is prefill-only (no CUDA graphs: none of its steps could
+    replay one); a decode server's is not."""
+    prefill, decode, _ = tiers
+    assert "prefill_only=True" in next(line for line in prefill.log_text().splitlines() if "engine config:" in line)
+    assert "prefill_only=False" in next(line for line in decode.log_text().splitlines() if "engine config:" in line)
