@@ -499,30 +499,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _graph_memory_estimate(self) -> int:
         """Bytes the decode graphs will hold: the activation peak of an eager
-        decode pass of ``max_num_seqs`` rows (their private pool), the shared
-        logits output, the persistent input buffers, and a margin."""
+        decode pass of ``max_num_seqs`` rows (their private pool), or of the largest
+        mixed-step bucket's pass (the logits of ``max_num_seqs`` rows: the pool is
+        shared), the shared logits output, the persistent input buffers, and a margin."""
         mc, sc = self.config.model, self.config.scheduler
-        m = sc.max_num_seqs
-        # Mixed-step graphs' pool holds their largest bucket's activations (measured here with
-        # the logits of every row, which over-counts: they take max_num_seqs rows).
         mixed = self._mixed_graph_sizes()
-        m = max(m, max(mixed, default=0))
-        cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
-                            dtype=self.kv_dtype, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((m,), -1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros(m, 1, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.arange(m + 1, dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(m, dtype=torch.int32, device=self.device))
-        ids = torch.zeros(m, dtype=torch.long, device=self.device)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._forward_logits(ids, ids, cache, meta)
-        torch.cuda.synchronize()
-        activations = torch.cuda.max_memory_allocated(self.device) - base
-        del cache
-        torch.cuda.empty_cache()
+        activations = self._activation_peak(sc.max_num_seqs, None)
+        if mixed:
+            activations = max(activations, self._activation_peak(max(mixed), min(sc.max_num_seqs, max(mixed))))
         max_blocks = cdiv(sc.max_model_len, self.block_size)
         m = sc.max_num_seqs
         buffers = 2 * m * max_blocks * 4 + 3 * m * 8
@@ -531,6 +515,32 @@ class ModelRunner:
         verify_len, verify_sizes = self._verify_graph_shape(capture_sizes(m))
         logits_rows = max(m, max(verify_sizes, default=0) * verify_len)
         return int(1.25 * activations) + logits_rows * mc.vocab_size * 4 + buffers + 64 * 2**20
+
+    def _activation_peak(self, num_tokens: int, logits_rows: int | None) -> int:
+        """Bytes an eager forward pass of ``num_tokens`` one-token sequences allocates at its
+        peak, with the logits of every row (None) or of the first ``logits_rows``."""
+        mc = self.config.model
+        cache = torch.zeros(mc.num_layers, 1, 2, self.block_size, self.kv_heads, mc.head_dim,
+                            dtype=self.kv_dtype, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(num_tokens, 1, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=self.device))
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        rows = None if logits_rows is None else torch.arange(logits_rows, device=self.device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if rows is None:
+            self._forward_logits(ids, ids, cache, meta)
+        else:
+            self._forward_rows_logits(ids, ids, cache, meta, rows)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del cache
+        torch.cuda.empty_cache()
+        return peak
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's flat inputs (``engine.step_inputs``) on the device."""
