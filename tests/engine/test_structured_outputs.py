@@ -124,6 +124,29 @@ def test_preemption_and_overlapped_steps_keep_the_matcher_on_the_tokens(model_di
     assert pool.num_free_blocks == pool.num_blocks and tight.engine.grammars.num_requests == 0
 
 
+def test_mixed_step_graphs_keep_the_matcher_on_the_tokens(model_dir, monkeypatch):
+    """Steps with prefill chunks on their graph path (run eagerly here: the buffers, padding and
+    gathered rows of the CUDA path), overlapped: constrained rows beside chunks get their masks
+    and give the tokens of plain eager steps."""
+    so = {"json": PERSON}
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(100, 49152, (n,), generator=g).tolist() for n in (21, 37, 45, 60)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z]{5,40}"})]
+    kw = dict(**ENGINE, max_num_batched_tokens=32, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM(str(model_dir), **kw).generate(prompts, params)]
+    monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "8,16,32")
+    llm = LLM(str(model_dir), **kw, async_scheduling=True)
+    runner = llm.engine.runner
+    runner.graphs = runner.build_decode_graphs(use_graphs=False)
+    runner.overlap_mixed = True
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert runner.graphs.num_mixed_replays > 0 and llm.engine.num_steps_ahead_total > 5
+    assert llm.engine.grammars.num_requests == 0
+
+
 @pytest.mark.parametrize("so,message", [
     ({"regex": "(unclosed"}, "invalid regex: Regex parsing error at position"),
     ({"grammar": "root ::= missing_rule"}, "invalid grammar:"),
