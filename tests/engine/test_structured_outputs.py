@@ -131,10 +131,10 @@ def test_mixed_step_graphs_keep_the_matcher_on_the_tokens(model_dir, monkeypatch
     so = {"json": PERSON}
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(100, 49152, (n,), generator=g).tolist() for n in (21, 37, 45, 60)]
-    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=40, structured_outputs=so),
-              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z]{5,40}"})]
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=20, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[a-z]{5,40}"})]
     kw = dict(**ENGINE, max_num_batched_tokens=32, max_num_seqs=4)
     want = [o.outputs[0].token_ids for o in LLM(str(model_dir), **kw).generate(prompts, params)]
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "8,16,32")
