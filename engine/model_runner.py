@@ -92,7 +92,7 @@ GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 OVERLAP_MIXED_ENV = "PDSERVE_OVERLAP_MIXED_STEPS"
 MIXED_GRAPHS_ENV = "PDSERVE_MIXED_GRAPHS"
 # Past ~2k tokens a step of an 8B model is compute-bound and its launches are a few percent.
-DEFAULT_MIXED_GRAPHS = "256,512,1024,2048"
+DEFAULT_MIXED_GRAPHS = (256, 512, 1024, 2048)
 _MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
@@ -419,8 +419,9 @@ class ModelRunner:
         if text is None:
             if not self.use_cuda_graphs or self.tp is not None or self.lora is not None:
                 return []
-            sizes = [int(x) for x in DEFAULT_MIXED_GRAPHS.split(",")]
-            return [n for n in sizes if n < budget] + [budget] if budget < sizes[-1] else sizes
+            if budget >= DEFAULT_MIXED_GRAPHS[-1]:
+                return list(DEFAULT_MIXED_GRAPHS)
+            return [n for n in DEFAULT_MIXED_GRAPHS if n < budget] + [budget]
         text = text.strip()
         if text in ("", "0"):
             return []
@@ -499,16 +500,15 @@ class ModelRunner:
     @torch.inference_mode()
     def _graph_memory_estimate(self) -> int:
         """Bytes the decode graphs will hold: the activation peak of an eager
-        decode pass of ``max_num_seqs`` rows (their private pool), or of the largest
-        mixed-step bucket's pass (the logits of ``max_num_seqs`` rows: the pool is
-        shared), the shared logits output, the persistent input buffers, and a margin."""
+        pass (their private pool), the shared logits output, the persistent input
+        buffers, and a margin. The pass is a decode step of ``max_num_seqs`` rows, or with
+        mixed-step graphs (the pool is shared) their largest bucket's tokens if more, with
+        the logits of ``max_num_seqs`` rows as those graphs compute them."""
         mc, sc = self.config.model, self.config.scheduler
         mixed = self._mixed_graph_sizes()
-        activations = self._activation_peak(sc.max_num_seqs, None)
-        if mixed:
-            activations = max(activations, self._activation_peak(max(mixed), min(sc.max_num_seqs, max(mixed))))
-        max_blocks = cdiv(sc.max_model_len, self.block_size)
         m = sc.max_num_seqs
+        activations = self._activation_peak(max(m, max(mixed)), m) if mixed else self._activation_peak(m, None)
+        max_blocks = cdiv(sc.max_model_len, self.block_size)
         buffers = 2 * m * max_blocks * 4 + 3 * m * 8
         if mixed:  # MixedInputs: its tables; ids, positions, slots; query starts, lengths, rows
             buffers += m * max_blocks * 4 + 3 * max(mixed) * 8 + 3 * m * 8

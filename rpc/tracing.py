@@ -35,8 +35,9 @@ span for each request-carrying method in ``TRACED_METHODS`` under the
 caller's ``traceparent``; inside the handler that span is the current span.
 Health, reflection, GetLoad and Abort are not traced. Streaming handlers run
 as coroutines that write what they yield, so a stream the client cancels
-closes its generator (and the span's context) in the call's own task. Clients put their
-context in the call's metadata with ``inject_metadata(ctx)``.
+closes its generator (and the span's context) in the call's own task.
+Clients put their context in the call's metadata with
+``inject_metadata(ctx)``.
 
 Engine spans (the engine thread carries no context): a servicer captures the
 context at the start of its handler and, once the request is done with on

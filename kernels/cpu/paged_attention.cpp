@@ -438,8 +438,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 " keys, which q, seq_lens or block_tables cannot hold");
     const int64_t keys = g.window > 0 ? std::min<int64_t>(n, g.window + hi - lo) : n;
     work += (hi - lo) * keys * q.size(1);
-    // The blocks the sequence's queries read, checked here and not in the threads: an error
-    // thrown inside the parallel region crashed the process under one torch build.
+    // The blocks the sequence's queries read, checked once here, before the work is split
+    // into items (per query tile and kv head) and handed to threads.
     const int32_t* table = block_tables.data_ptr<int32_t>() + b * g.table_stride;
     const int64_t first_key = g.window > 0 ? std::max<int64_t>(0, n - (hi - lo) - g.window + 1) : 0;
     for (int64_t blk = first_key / g.block_size; blk * g.block_size < n; ++blk) {
