@@ -13,10 +13,12 @@ Tiles are numbered without a host sync: sequence b's tiles start at
 
 which leaves room for its cdiv(q_len_b, BLOCK_Q) tiles, so the grid has
 num_tokens // BLOCK_Q + B tiles and a program finds its sequence by binary
-search over query_start_loc. Surplus tiles exit at once. The grid is (kv
-head, tile, split) and programs take tiles last first: the GPU starts blocks
-in grid order, so a causal prefill's longest tiles (its last queries) start
-first and the short ones fill the tail (4k causal on an H200: 505 -> 456 us).
+search over query_start_loc (``_locate_tile``: kernels/_attention_common.py,
+shared with the dense prefill kernel). Surplus tiles exit at once. The grid
+is (kv head, tile, split) and programs take tiles last first: the GPU starts
+blocks in grid order, so a causal prefill's longest tiles (its last queries)
+start first and the short ones fill the tail (4k causal on an H200: 505 -> 456
+us).
 
 Key positions of sequence b (q_len new tokens, seq_len in all):
 
@@ -72,6 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import prefill_attention
+from kernels._attention_common import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
 from kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -85,39 +89,6 @@ from kernels._checks import (
     next_pow2,
     require,
 )
-
-# Finite stand-in for -inf as the running max's start: a row that has seen
-# only masked keys (score -inf) keeps it, and then p = exp2(-inf - _NEG_BIG)
-# = 0 and alpha = exp2(0) = 1, where a true -inf would give -inf - -inf = NaN.
-_NEG_BIG = tl.constexpr(-1.0e30)
-_LOG2E = 1.4426950408889634
-# Read once, like triton.jit itself reads it when the kernels are defined.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    # Largest b < num_seqs with first_tile(b) <= tile; first_tile(0) = 0.
-    # Invariant: first_tile(lo) <= tile < first_tile(hi) (first_tile(num_seqs) = inf).
-    lo = tl.zeros((), dtype=tl.int32)
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first <= tile, mid, lo)
-        hi = tl.where(first <= tile, hi, mid)
-    return lo
-
-
-@triton.jit
-def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """Tile ``tile``'s sequence, that sequence's first query row and query count, and the
-    tile's first query token within it (>= the count: a surplus tile)."""
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    return seq, q_start, q_len, tok0
 
 
 @triton.jit
@@ -450,7 +421,6 @@ DENSE_PREFILL = os.environ.get("PDSERVE_DENSE_PREFILL", "1") != "0"
 # a benchmark that times the prefill path under do_bench_cudagraph sets this.
 DENSE_PREFILL_IN_GRAPHS = False
 _PROGRAMS_PER_SM = 4
-_MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension (the tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,8 +621,6 @@ def paged_attention(
     if new_k is not None and new_v is not None and DENSE_PREFILL and num_splits == 1 and scale > 0 \
             and num_tokens > num_seqs and sliding_window is None and k_cache.dtype == q.dtype \
             and (DENSE_PREFILL_IN_GRAPHS or not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        from kernels import prefill_attention
-
         require(tuple(new_k.shape) == (num_tokens, num_kv_heads, head_dim) and new_v.shape == new_k.shape,
                 "paged_attention", f"new_k {tuple(new_k.shape)} / new_v {tuple(new_v.shape)} != "
                 f"{(num_tokens, num_kv_heads, head_dim)}")

@@ -23,7 +23,8 @@ K/V tiles, which the grid makes them do at about the same time:
     key tile n       ->  tokens q_start + n * BLOCK_N + [0, BLOCK_N) of kv head h // G
 
 Tiles are numbered as in ``paged_attention`` (sequence b's tiles start at
-query_start_loc[b] // BLOCK_M + b, found by binary search, no host sync) and
+query_start_loc[b] // BLOCK_M + b, found by binary search, no host sync: the
+helpers both kernels share are in kernels/_attention_common.py) and
 taken last first, so a causal prefill's longest tiles start first.
 
 Causality. Query i of a sequence sees its keys 0..i. A tile's key tiles below
@@ -65,7 +66,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import next_pow2, require
-from kernels.paged_attention import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
+from kernels._attention_common import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
