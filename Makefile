@@ -42,7 +42,7 @@ cpu-kernels: $(STAMP)
 	@command -v ninja >/dev/null 2>&1 || test -x $(VENV)/bin/ninja || \
 		{ echo "installing ninja (pip) for the CPU attention's build"; $(PY) -m pip install -q ninja==1.13.2; } || \
 		echo "ninja could not be installed: the CPU attention will use the reference"
-	@$(PY) -m kernels.cpu_attention
+	@$(PY) -m kernels.cpu_attention $(if $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT),--build-timeout $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT))
 
 run: install
 	@echo "starting pdserve up (the first start converts the default model, ~20 s)"

@@ -46,6 +46,7 @@ def main() -> int:
 
     from bench.model_shapes import shape_dir
     from engine import LLM, SamplingParams
+    from engine.planner import plan_step
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-shape", default="llama-3.1-8b")
@@ -93,11 +94,12 @@ def main() -> int:
             t0 = time.perf_counter()
             if cuda:
                 start.record()
-            launched = runner.launch(out, queue_mixed=True) or runner.execute(out)  # (CPU: no graphs, so executed at once)
+            # queued on its mixed-step graph where one holds it, else eagerly (CPU: no graphs)
+            launched = runner.run(out, plan_step(out.scheduled, runner.step_runtime()))
             if cuda:
                 end.record()
             t1 = time.perf_counter()
-            sampled = launched.result() if not isinstance(launched, tuple) else launched
+            sampled = launched.result()
             sync()
             sched.update_from_output(out, *sampled)
             if s >= 2:  # the first two: warm-up
@@ -125,9 +127,9 @@ def main() -> int:
     sync()
     prof = cProfile.Profile()
     prof.enable()
-    launched = runner.launch(out, queue_mixed=True) or runner.execute(out)
+    launched = runner.run(out, plan_step(out.scheduled, runner.step_runtime()))
     prof.disable()
-    sched.update_from_output(out, *(launched.result() if not isinstance(launched, tuple) else launched))
+    sched.update_from_output(out, *launched.result())
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     print(buf.getvalue())

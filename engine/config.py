@@ -22,6 +22,7 @@ from engine.kv_cache_dtype import (FP8_E4M3, KV_CACHE_DTYPES, check_fp8_support,
                                    resolve_cache_dtype)
 from engine.lora.config import LoRAConfig, parse_lora_module
 from engine.speculative import SpeculativeConfig
+from engine.runtime_config import RuntimeConfig
 from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig, resolve_quantization, uses_fp8
 
 logger = logging.getLogger(__name__)
@@ -294,9 +295,9 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str  # "cpu" | "cuda" | "cuda:N"
-    enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
+    # Every switch of a step's path (graphs, overlap, kernels): engine/runtime_config.py.
+    runtime: RuntimeConfig = RuntimeConfig()
     tensor_parallel_size: int = 1  # ranks of the model: this process and N - 1 workers
-    async_scheduling: bool = True  # with decode graphs: queue step N+1 before reading step N's tokens
     enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / N whole experts
     speculative: SpeculativeConfig | None = None  # --speculative-config (None: plain decoding)
     tokenizer: Path | None = None  # structured outputs' vocabulary (None: the model directory's)
@@ -324,8 +325,8 @@ class EngineConfig:
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
                 f"block_size={c.block_size} kv_cache_dtype={c.cache_dtype} max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
-                f"enable_prefix_caching={c.enable_prefix_caching} enforce_eager={self.enforce_eager} "
-                f"async_scheduling={self.async_scheduling} tensor_parallel_size={self.tensor_parallel_size} "
+                f"enable_prefix_caching={c.enable_prefix_caching} {self.runtime.describe()} "
+                f"tensor_parallel_size={self.tensor_parallel_size} "
                 f"enable_expert_parallel={self.enable_expert_parallel} "
                 f"speculative={self.speculative.describe() if self.speculative else None} "
                 f"lora={self.lora.describe() if self.lora else None} prefill_only={self.prefill_only}")
@@ -362,6 +363,11 @@ class EngineArgs:
     speculative_config: str | dict | None = None
     enable_lora: bool = False
     prefill_only: bool = False  # set by the prefill server, not a flag
+    # Tests only (an engine server's hidden flag): the decode-graph path run eagerly.
+    graphs_without_capture: bool = False
+    # Tuning switches (engine/runtime_config.py); None: the environment's, else the default.
+    mixed_graph_sizes: tuple[int, ...] | None = None
+    overlap_mixed_steps: bool | None = None
     lora_modules: list[str] | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -545,9 +551,15 @@ class EngineArgs:
             if first + self.tensor_parallel_size > torch.cuda.device_count():
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} from {device} needs "
                                  f"{first + self.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible")
+        switches = {"enforce_eager": self.enforce_eager, "async_scheduling": self.async_scheduling,
+                    "graphs_without_capture": self.graphs_without_capture}
+        if self.mixed_graph_sizes is not None:
+            switches["mixed_graph_sizes"] = tuple(sorted(set(self.mixed_graph_sizes)))
+        if self.overlap_mixed_steps is not None:
+            switches["overlap_mixed_steps"] = self.overlap_mixed_steps
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device,
-                            enforce_eager=self.enforce_eager, tensor_parallel_size=self.tensor_parallel_size,
-                            async_scheduling=self.async_scheduling,
+                            runtime=RuntimeConfig.from_env(**switches),
+                            tensor_parallel_size=self.tensor_parallel_size,
                             enable_expert_parallel=self.enable_expert_parallel,
                             speculative=speculative, lora=lora,
                             tokenizer=Path(self.tokenizer) if self.tokenizer else None,

@@ -22,10 +22,11 @@ freezes every tensor address and shape, so:
   every replay;
 - the logits are a static output, read by the sampler after the replay.
 
-Pure decode steps (every scheduled request computes its one last token)
-replay a graph; prefill and mixed steps run eagerly, or, with mixed-step
-buckets (``MixedInputs``, ``PDSERVE_MIXED_GRAPHS``), replay the graph of the
-smallest bucket that holds their tokens. With speculative
+Which graph a step replays, if any, is the step planner's decision
+(``engine/planner.py``); this module holds the graphs and fills their buffers
+for a plan. Pure decode steps replay a graph of padded rows; steps with
+prefill chunks, with mixed-step buckets (``MixedInputs``,
+``RuntimeConfig.mixed_graph_sizes``), the graph of a token bucket. With speculative
 decoding (``verify_len`` = k + 1) the small sizes also get verify graphs: every
 row is k + 1 query tokens, its pending token and its proposals, padded at its
 end with tokens that write nowhere (slot -1) and whose outputs are thrown away;
@@ -41,7 +42,6 @@ Padded batch of a replay (``n`` real requests, size ``b``)::
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +54,7 @@ from engine import gemm_backend
 from engine.layers.attention import AttentionMetadata
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import step_arrays
+from engine.step_plan import GraphMenu
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +76,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         k *= 2
     sizes.add(max_num_seqs)
     return sorted(sizes)
-
-
-def padded_size(sizes: Sequence[int], n: int) -> int | None:
-    """The smallest of ``sizes`` (ascending) that holds ``n`` rows, or None."""
-    i = bisect.bisect_left(sizes, n)
-    return sizes[i] if n >= 1 and i < len(sizes) else None
-
-
-def is_pure_decode(scheduled: Sequence[ScheduledRequest]) -> bool:
-    """Every request computes exactly its last known token (and samples the next)."""
-    return bool(scheduled) and all(s.num_new_tokens == 1 and not s.draft_token_ids and s.samples for s in scheduled)
 
 
 class DecodeInputs:
@@ -267,15 +257,9 @@ class MixedInputs:
                                  query_start_loc=self.qsl, seq_lens=self.seq_lens, num_splits=1)
         return self.i64[0, :size], self.i64[1, :size], meta, self.rows
 
-    def fits(self, scheduled: Sequence[ScheduledRequest], size: int) -> bool:
-        total = sum(s.num_new_tokens for s in scheduled)
-        return (total <= size <= self.max_tokens and len(scheduled) < self.max_num_seqs
-                and all(not s.draft_token_ids for s in scheduled)
-                and max(len(s.block_ids) for s in scheduled) <= self.max_blocks_per_seq)
-
     def fill_and_upload(self, scheduled: Sequence[ScheduledRequest], size: int,
                         ahead_ids: torch.Tensor | None = None) -> None:
-        """The step (``fits``) into the buffers; ``ahead_ids``: as ``DecodeInputs.upload`` (the
+        """The step (a mixed-step plan's: ``engine.planner.mixed_bucket``) into the buffers; ``ahead_ids``: as ``DecodeInputs.upload`` (the
         leading rows a step ahead are one token each, so row i's token is token i)."""
         n, m = len(scheduled), self.max_num_seqs
         a = step_arrays(scheduled, self.block_size)  # the step as an eager one runs it, then padded
@@ -310,12 +294,6 @@ class GraphStep(NamedTuple):
     query_len: int = 1  # tokens a row: 1, or the verify length
 
 
-def is_verify_step(scheduled: Sequence[ScheduledRequest], verify_len: int) -> bool:
-    """Every row decodes its pending token, with at most ``verify_len - 1`` proposals."""
-    return all(not s.lookahead and s.num_new_tokens == 1 + len(s.draft_token_ids) < verify_len + 1
-               and s.request.num_computed_tokens + 1 == s.request.num_tokens for s in scheduled)
-
-
 # (input_ids [B], positions [B], kv_cache, metadata) -> logits [B, V] float32
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 # (input_ids [T], positions [T], kv_cache, metadata, rows [M]) -> logits [M, V] float32 of the rows
@@ -335,11 +313,12 @@ class DecodeGraphs:
                  sizes: Sequence[int], variants: dict[int, list[tuple[int, int | None]]] | None = None,
                  use_graphs: bool = True, other_threads_may_use_cuda: bool = False,
                  verify_sizes: Sequence[int] = (), mixed: tuple[MixedForwardFn, MixedInputs] | None = None,
-                 mixed_sizes: Sequence[int] = ()) -> None:
+                 mixed_sizes: Sequence[int] = (), decode_blas: str | None = None) -> None:
         """``variants[size]``: [(longest context, attention splits)], ascending by context; a
         batch replays the first whose context holds its longest. Default: one graph a size,
         the kernel's own split choice. ``verify_sizes``: the sizes that also get a verify
-        graph (rows of ``inputs.max_query_len`` tokens; the kernel's split choice)."""
+        graph (rows of ``inputs.max_query_len`` tokens; the kernel's split choice).
+        ``decode_blas``: the BLAS library each graph is captured under (engine/gemm_backend.py)."""
         if max(sizes) > inputs.max_num_seqs:
             raise ValueError(f"capture size {max(sizes)} exceeds the buffers' {inputs.max_num_seqs} rows")
         self.forward, self.kv_cache, self.inputs = forward, kv_cache, inputs
@@ -349,6 +328,7 @@ class DecodeGraphs:
         unbounded = inputs.max_blocks_per_seq * inputs.block_size
         self.variants = {s: sorted((variants or {}).get(s) or [(unbounded, None)]) for s in self.sizes}
         self.use_graphs = use_graphs
+        self.decode_blas = decode_blas
         # A capture fails when any thread makes an unsafe CUDA call meanwhile ("global" mode);
         # with collectives inside the graphs, NCCL's own threads may: only this thread counts.
         self._capture_mode = "thread_local" if other_threads_may_use_cuda else "global"
@@ -410,8 +390,8 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
                     self._forward_into_output(size, splits, q)
                 return graph
-            # under the BLAS library PDSERVE_DECODE_BLAS names for its rows (unset: as before)
-            self.graphs[(size, splits, q)] = gemm_backend.capture(capture_one, size * q, dev)
+            # under the BLAS library RuntimeConfig.decode_blas names for its rows (unset: as before)
+            self.graphs[(size, splits, q)] = gemm_backend.capture(capture_one, size * q, dev, self.decode_blas)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # the warm-ups' blocks; the graphs' pool stays
         used = free_before - torch.cuda.mem_get_info(dev)[0]
@@ -436,7 +416,7 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self._capture_mode):
                         self._forward_mixed_into_output(size)
                     return graph
-                self.mixed_graphs[size] = gemm_backend.capture(capture_one, size, dev)
+                self.mixed_graphs[size] = gemm_backend.capture(capture_one, size, dev, self.decode_blas)
         except RuntimeError as exc:
             logger.warning("mixed-step graphs off: capturing a %d-token step failed (%s)", size, exc)
             torch.cuda.synchronize(dev)
@@ -445,18 +425,11 @@ class DecodeGraphs:
         if self.mixed_graphs:
             logger.info("captured mixed-step graphs of %s tokens", ",".join(map(str, self.mixed_sizes)))
 
-    def prepare_mixed(self, scheduled: Sequence[ScheduledRequest], ahead_ids: torch.Tensor | None = None
-                      ) -> int | None:
-        """Fill and upload a step that is not pure decode into the mixed buffers; the bucket
-        to replay, or None when it has no graph (no bucket holds its tokens, proposals, more
-        sequences than the buffers' spare ones, a table wider than they are)."""
-        if self.mixed_inputs is None or not scheduled:
-            return None
-        size = padded_size(self.mixed_sizes, sum(s.num_new_tokens for s in scheduled))
-        if size is None or not self.mixed_inputs.fits(scheduled, size):
-            return None
+    def fill_mixed(self, scheduled: Sequence[ScheduledRequest], size: int,
+                   ahead_ids: torch.Tensor | None = None) -> None:
+        """Fill and upload a step that a mixed-step graph of ``size`` tokens holds (the plan's)."""
+        assert self.mixed_inputs is not None
         self.mixed_inputs.fill_and_upload(scheduled, size, ahead_ids)
-        return size
 
     def replay_mixed(self, size: int) -> torch.Tensor:
         """Run the mixed-step graph of ``size`` tokens on the inputs already uploaded; the static
@@ -469,40 +442,26 @@ class DecodeGraphs:
         assert self.logits is not None
         return self.logits
 
-    def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor | None:
-        """Logits [n, V] of a pure-decode batch of n requests (a view of the
-        static output: valid until the next replay), or None when this step
-        must run eagerly (not pure decode, too many requests, or a table
-        wider than the buffers)."""
-        step = self.prepare(scheduled)
-        if step is None:
-            return None
-        return self.replay(step.size, step.splits)[:len(scheduled)]
+    @property
+    def menu(self) -> GraphMenu:
+        """What these graphs hold, for the step planner (after capture: a failed mixed-step
+        capture leaves none)."""
+        return GraphMenu(decode_sizes=tuple(self.sizes), max_num_seqs=self.inputs.max_num_seqs,
+                         max_blocks_per_seq=self.inputs.max_blocks_per_seq,
+                         variants={s: tuple(v) for s, v in self.variants.items()}, verify_len=self.verify_len,
+                         verify_sizes=tuple(self.verify_sizes), mixed_sizes=tuple(self.mixed_sizes))
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest],
-                ahead_ids: torch.Tensor | None = None) -> GraphStep | None:
-        """Fill and upload the inputs of a pure-decode batch; the graph to replay, or None
-        when this step must run eagerly. ``ahead_ids``: see ``DecodeInputs.upload`` (its
-        length is the number of leading rows a step ahead)."""
-        size = padded_size(self.sizes, len(scheduled))
-        if size is None or not is_pure_decode(scheduled):
-            return None
-        if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
-            return None
-        longest = max(s.start + 1 for s in scheduled)
-        variants = self.variants[size]
-        splits = next((sp for ctx, sp in variants if ctx >= longest), variants[-1][1])
+    def fill_decode(self, scheduled: Sequence[ScheduledRequest], size: int, splits: int | None,
+                    ahead_ids: torch.Tensor | None = None) -> GraphStep:
+        """Fill and upload the inputs of a pure-decode step that the graph of ``size`` rows holds
+        (the plan's). ``ahead_ids``: see ``DecodeInputs.upload`` (its length is the number of
+        leading rows a step ahead)."""
         width = self.inputs.fill(scheduled, size)
         self.inputs.upload(size, width, ahead_ids)
         return GraphStep(size, splits, width)
 
-    def prepare_verify(self, scheduled: Sequence[ScheduledRequest]) -> GraphStep | None:
-        """Fill and upload a verify step (``is_verify_step``); None when it must run eagerly."""
-        size = padded_size(self.verify_sizes, len(scheduled))
-        if size is None or not is_verify_step(scheduled, self.verify_len):
-            return None
-        if max(len(s.block_ids) for s in scheduled) > self.inputs.max_blocks_per_seq:
-            return None
+    def fill_verify(self, scheduled: Sequence[ScheduledRequest], size: int) -> GraphStep:
+        """Fill and upload a verify step that the verify graph of ``size`` rows holds."""
         width = self.inputs.fill_verify(scheduled, size)
         self.inputs.upload(size, width)
         return GraphStep(size, None, width, self.verify_len)

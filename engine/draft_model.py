@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_transfer.protocol import KVLayout
+from engine.planner import plan_step
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -106,6 +107,10 @@ class DraftProposer:
         scales = ((), ()) if s is None else (s.k, s.v)
         return KVLayout.of(self.runner.kv_cache, mc.path.name, scales, mc.dtype)
 
+    def _run(self, step: SchedulerOutput) -> tuple[list, list | None]:
+        """One step of the draft, read at once (on its decode graphs where they hold it)."""
+        return self.runner.run(step, plan_step(step.scheduled, self.runner.step_runtime())).result()
+
     def prefill(self, rows: Sequence[ScheduledRequest]) -> None:
         """Compute the draft's KV of the prompt chunks the target computes this step (the
         prefill tier: rows whose KV is sent), into the same blocks. The prefill tier's cached
@@ -114,7 +119,7 @@ class DraftProposer:
                                                            s.num_new_tokens, s.block_ids) for s in rows])
         if not step.scheduled:
             return
-        self.runner.execute(step)
+        self._run(step)
         for s in rows:
             s.request.num_draft_computed = s.request.num_computed_tokens + s.num_new_tokens
         self.num_prompt_tokens_computed += step.num_batched_tokens
@@ -129,7 +134,7 @@ class DraftProposer:
         while active:
             step = SchedulerOutput(scheduled=[ScheduledRequest(row, row.num_tokens - row.num_computed_tokens,  # type: ignore[arg-type]
                                                                blocks) for row, _, blocks, _ in active])
-            sampled, _ = self.runner.execute(step)
+            sampled, _ = self._run(step)
             still = []
             for (row, k, blocks, req), token in zip(active, sampled):
                 row.num_computed_tokens = row.num_tokens

@@ -8,7 +8,8 @@ kernel) by different heuristics, and which is faster depends on M. A CUDA
 graph keeps the kernels launched while it was captured, so each padded batch
 size can be captured under its own library and replayed with it for good,
 while eager steps (prefill, mixed) keep the process's default. Set by
-``PDSERVE_DECODE_BLAS`` (read at capture; unset: nothing changes):
+``PDSERVE_DECODE_BLAS`` (``RuntimeConfig.decode_blas``, engine/runtime_config.py; unset:
+nothing changes):
 
     cublas | cublaslt | default     every decode graph under that library
     8:cublaslt,256:cublas           a table: graphs of up to 8 rows under cuBLASLt, up to
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 from collections.abc import Callable, Iterator
 
@@ -43,7 +43,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BLAS_ENV = "PDSERVE_DECODE_BLAS"
+BLAS_ENV = "PDSERVE_DECODE_BLAS"  # read by engine/runtime_config.py; named here in errors
 LIBRARIES = ("cublas", "cublaslt", "default")
 AUTO_MARGIN = 0.01  # auto: another library must beat the default one by this much (timing noise)
 AUTO_ROUNDS = 5  # auto: rounds of AUTO_REPLAYS replays per candidate, interleaved, median kept
@@ -154,10 +154,10 @@ def available(library: str) -> bool:
 def capture(capture_one: Callable[[], object], rows: int, device: torch.device | str = "cuda",
             setting: str | None = None):
     """``capture_one()`` (warm up and capture one decode graph of ``rows`` rows, return it)
-    under the library that ``setting`` (default: ``PDSERVE_DECODE_BLAS``) gives ``rows``; under
+    under the library that ``setting`` (``RuntimeConfig.decode_blas``; None: the process's) gives ``rows``; under
     ``auto``, once per library, keeping the fastest graph. A library this build lacks is
     skipped with a warning (then the graph is captured under the process's preference)."""
-    library = library_for(parse(os.environ.get(BLAS_ENV) if setting is None else setting), rows)
+    library = library_for(parse(setting), rows)
     if library is None or torch.device(device).type != "cuda":
         return capture_one()
     base = current()

@@ -1,13 +1,15 @@
 """The engine: a scheduler and a model runner, driven one step at a time.
 
-    expired = scheduler.expire(now)     # every non-final state has a deadline
-    out = scheduler.schedule()          # reservations, then which tokens of which requests
-    sampled = runner.execute(out)       # one forward pass + sampling
-    scheduler.update_from_output(...)   # advance token counts, finish
+    expired = scheduler.expire(now)          # every non-final state has a deadline
+    out = scheduler.schedule()               # reservations, then which tokens of which requests
+    plan = plan_step(out.scheduled, ...)     # eager or which graph, overlapped or not (engine/planner.py)
+    launched = runner.run(out, plan)         # one forward pass + sampling, queued
+    scheduler.update_from_output(out, *launched.result())   # advance token counts, finish
 
 Overlapped steps (``--async-scheduling``, on by default, with decode graphs):
-a decode step (and, where the runner overlaps them, one mixed with prefill
-chunks) is queued on the device without waiting for it (``runner.launch``). The next call schedules the step after it
+a step whose plan says overlapped (a decode step; one mixed with prefill
+chunks where the runner overlaps them) is queued on the device without
+waiting for it. The next call schedules the step after it
 a step ahead (``scheduler.schedule_ahead``: inputs are the ids the step in
 flight samples, still on the device; chunks go on past the positions in
 flight), queues it, and only then reads the tokens of the step in flight and
@@ -40,10 +42,12 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 from engine.config import EngineArgs, EngineConfig
 from engine.kv_transfer.protocol import KVLayout
 from engine.model_runner import LaunchedStep, ModelRunner
+from engine.planner import plan_step
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import ngram_propose
+from engine.step_plan import StepPlan, StepRuntime
 
 if TYPE_CHECKING:
     from engine.draft_model import DraftProposer
@@ -456,9 +460,10 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------
     def step(self) -> StepOutput:
-        """One engine step. With a decode step in flight (overlapped steps: see the module's
-        docstring) it queues the next one a step ahead where it can, then reports the tokens
-        of the one in flight; otherwise it schedules one step and runs (or queues) it."""
+        """One engine step: schedule -> plan -> run -> update. With a step in flight
+        (overlapped steps: see the module's docstring) it queues the next one a step ahead
+        where it can, then reports the tokens of the one in flight; otherwise it schedules one
+        step and runs it, or queues it when its plan says overlapped."""
         result = StepOutput(updated=self._outside_step + self._expire())
         self._outside_step = []
         if self._in_flight is not None and self._step_ahead(result):
@@ -472,12 +477,18 @@ class LLMEngine:
             self.num_steps_total += 1
             if self.drafter is not None:  # the prefill tier: the draft's KV of the prompts it sends
                 self.drafter.prefill([s for s in out.scheduled if s.request.hold_kv_on_finish])
-            if self.config.async_scheduling and self.layerwise_sink is None:
-                self._in_flight = self.runner.launch(out, before_sampling=self._bitmasks_of(out))  # None: eager
-            if self._in_flight is None:
-                sampled, logprobs = self._execute(out)
-                result.updated += self.scheduler.update_from_output(out, sampled, logprobs)
+            signal = self._layerwise_signal(out)
+            plan = plan_step(out.scheduled, self._step_runtime(), layerwise=signal is not None)
+            launched = self._run(out, plan, signal)
+            if plan.overlapped:
+                self._in_flight = launched
+            else:
+                result.updated += self.scheduler.update_from_output(out, *launched.result())
         return self._once_each(result)
+
+    def _step_runtime(self) -> StepRuntime:
+        # Steps are queued ahead only without layer-wise sends (they read each step's outcome).
+        return self.runner.step_runtime(overlap=self.config.runtime.async_scheduling and self.layerwise_sink is None)
 
     def _expire(self) -> list[Request]:
         now = time.monotonic()
@@ -487,16 +498,18 @@ class LLMEngine:
         return self.scheduler.expire(now)
 
     def _step_ahead(self, result: StepOutput) -> bool:
-        """Queue the step after the one in flight if it can be scheduled ahead, then read the
-        one in flight into ``result``. True when a step is in flight again."""
+        """Queue the step after the one in flight if it can be scheduled ahead and its plan is
+        overlapped, then read the one in flight into ``result``. True when a step is in flight
+        again."""
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         ahead = self.scheduler.schedule_ahead(in_flight.out)
-        taken: list[Request] | None = None  # the in-flight step's outcome, if taken inside the launch
+        taken: list[Request] | None = None  # the in-flight step's outcome, if taken inside the run
         if ahead is not None:
             result.reserved += ahead.reserved
             result.started += ahead.started
             result.updated += ahead.finished
+            plan = plan_step(ahead.scheduled, self._step_runtime())
             before_sampling = None
             if self._bitmasks_of(ahead) is not None:
                 # Constrained rows: once the step ahead's forward is queued, read the tokens in
@@ -508,7 +521,8 @@ class LLMEngine:
                     for s in step.scheduled:  # those tokens are known now: none is pending for the sampler
                         s.landed()
                     self._fill_ready_masks(step)
-            self._in_flight = self.runner.launch(ahead, in_flight, before_sampling=before_sampling)
+            if plan.overlapped:  # (otherwise it is scheduled again once the tokens are read)
+                self._in_flight = self.runner.run(ahead, plan, in_flight, before_sampling=before_sampling)
         result.updated += taken if taken is not None else \
             self.scheduler.update_from_output(in_flight.out, *in_flight.result())
         if self._in_flight is None:
@@ -526,20 +540,25 @@ class LLMEngine:
         result.updated = list(dict.fromkeys(result.updated))  # once each, first report first
         return result
 
-    def _execute(self, out) -> tuple[list[int | None], list | None]:
-        signal = None
-        if self.layerwise_sink is not None:
-            finishing = [(s.request.request_id, list(s.block_ids)) for s in out.scheduled
-                         if s.samples and s.request.hold_kv_on_finish]
-            if finishing:
-                signal = self.layerwise_sink.step_begins(finishing)
+    def _layerwise_signal(self, out: SchedulerOutput) -> LayerSignal | None:
+        """The prefill tier: the sink's signal for the held rows that finish their prompt in this
+        step (their KV leaves layer by layer as the forward pass goes), or None."""
+        if self.layerwise_sink is None:
+            return None
+        finishing = [(s.request.request_id, list(s.block_ids)) for s in out.scheduled
+                     if s.samples and s.request.hold_kv_on_finish]
+        return self.layerwise_sink.step_begins(finishing) if finishing else None
+
+    def _run(self, out: SchedulerOutput, plan: StepPlan, signal: LayerSignal | None) -> LaunchedStep:
         before_sampling = self._bitmasks_of(out)
         if signal is None:
-            return self.runner.execute(out, before_sampling=before_sampling)
+            return self.runner.run(out, plan, before_sampling=before_sampling)
         for request_id in signal.request_ids:  # their blocks are read from now on: never freed under it
             self.scheduler.begin_streamed_send(request_id)
         try:
-            return self.runner.execute(out, on_layer=signal.layer_done, before_sampling=before_sampling)
+            launched = self.runner.run(out, plan, on_layer=signal.layer_done, before_sampling=before_sampling)
+            launched.result()  # (the step is over before the signal says so)
+            return launched
         finally:
             signal.step_ended()
 

@@ -10,8 +10,8 @@ twice the blocks of a 16-bit cache in the same memory), each layer then
 quantizing with its ``kv_scales`` (engine/kv_cache_dtype.py).
 
 Kernels: the Triton launchers of ``kernels`` on CUDA, their PyTorch
-references (``kernels.reference``) elsewhere. ``PDSERVE_KERNELS`` (read here
-only, when a runner is built) overrides that choice:
+references (``kernels.reference``) elsewhere; ``RuntimeConfig.kernels``
+(engine/runtime_config.py, ``PDSERVE_KERNELS``) overrides that choice:
 
     auto       (default) triton on CUDA, reference elsewhere
     triton     the Triton kernels; on CPU only under Triton's interpreter
@@ -20,32 +20,26 @@ only, when a runner is built) overrides that choice:
                inside a real forward pass
     reference  the PyTorch references, also on CUDA
 
-CUDA graphs (``engine/cuda_graphs.py``): on CUDA with the Triton kernels,
-pure decode steps replay a graph captured for their padded batch size;
-prefill and mixed steps, CPU, the references and ``--enforce-eager`` run
-eagerly. The graphs' memory is taken from the KV cache's budget: a decode
-pass of ``max_num_seqs`` rows is profiled with the prefill pass.
+CUDA graphs (``engine/cuda_graphs.py``): on CUDA with the Triton kernels, the
+runner captures decode graphs (one per padded batch size, verify graphs
+with speculation) and mixed-step graphs (one per token bucket: by default
+256, 512, 1,024 and 2,048 tokens within ``max_num_batched_tokens``; not with
+tensor parallelism or LoRA). The graphs' memory is taken from the KV cache's
+budget: a decode pass of ``max_num_seqs`` rows is profiled with the prefill
+pass. CPU, the references, the prefill tier and ``--enforce-eager`` capture
+none. ``RuntimeConfig.graphs_without_capture`` (tests) builds the graph
+buffers without capturing: steps take the graph path (persistent buffers,
+padding, and under tensor parallelism the inputs rank 0 shares with the
+other ranks) and run it eagerly, on any device.
 
-``PDSERVE_DECODE_GRAPHS=eager`` (read here only; tests) builds the decode-graph
-runner without capturing: pure decode steps take the graph path (persistent
-buffers, padding, and under tensor parallelism the inputs rank 0 shares
-with the other ranks) and run it eagerly, on any device.
-
-Steps that are not pure decode get CUDA graphs too, one per token bucket
-(``MixedInputs``: a step padded to the bucket's tokens and to
-``max_num_seqs`` sequences, attention included), so that such a step is one
-launch instead of a few hundred: by default buckets of 256, 512, 1,024 and
-2,048 tokens (those within ``max_num_batched_tokens``) wherever decode
-graphs are captured; ``PDSERVE_MIXED_GRAPHS=256,512`` (read here only) picks
-others, ``PDSERVE_MIXED_GRAPHS=0`` none. Not with tensor parallelism or
-LoRA. Where they are captured, steps with prefill chunks overlap like decode
-steps (the step after scheduled ahead); ``PDSERVE_OVERLAP_MIXED_STEPS=0``
-(read here only) runs them one at a time, ``=1`` overlaps them without
-graphs too, eagerly. Measured on an H200 (docs/benchmarks.md, "Colocated
-goodput"): an eager step of the 8B shape with 32 decode rows and a
-480-token chunk costs ~31 ms of host time for ~17 ms of GPU work under its
-graph, and colocated goodput at 12 req/s of 2,048-token prompts went from
-6.5 req/s (graphs, one at a time) to 11.0 (graphs, overlapped).
+Which path a step takes (eager, a decode, verify or mixed-step graph;
+queued ahead or read at once) is decided by ``engine.planner.plan_step``
+from ``step_runtime()`` (what this runner holds); ``run`` carries the plan
+out. Measured on an H200 (docs/benchmarks.md, "Colocated goodput"): an eager
+step of the 8B shape with 32 decode rows and a 480-token chunk costs ~31 ms
+of host time for ~17 ms of GPU work under its graph, and colocated goodput
+at 12 req/s of 2,048-token prompts went from 6.5 req/s (graphs, one at a
+time) to 11.0 (graphs, overlapped).
 
 Under tensor parallelism every rank captures the same graphs, in the same
 order (their all-reduces and the logits' all-gather are inside them). For a
@@ -82,27 +76,21 @@ from engine.lora.manager import LoRAManager
 from engine.parallel import TPGroup
 from engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, to_device, verify_async
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.runtime_config import DEFAULT_MIXED_GRAPHS, KERNEL_CHOICES, KERNELS_ENV, MIXED_GRAPHS_ENV
 from engine.step_inputs import step_arrays
+from engine.step_plan import GraphMenu, StepPath, StepPlan, StepRuntime
 
 logger = logging.getLogger(__name__)
 
 
-KERNELS_ENV = "PDSERVE_KERNELS"
-GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
-OVERLAP_MIXED_ENV = "PDSERVE_OVERLAP_MIXED_STEPS"
-MIXED_GRAPHS_ENV = "PDSERVE_MIXED_GRAPHS"
-# Past ~2k tokens a step of an 8B model is compute-bound and its launches are a few percent.
-DEFAULT_MIXED_GRAPHS = (256, 512, 1024, 2048)
 _MAX_VERIFY_GRAPH_SIZE = 64
 _SHORT_CONTEXT = 4096  # decode graphs: a second split count for batches whose contexts all fit this
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
-KERNEL_CHOICES = ("auto", "triton", "reference")
 
 
-def select_ops(device: torch.device, choice: str | None = None) -> ModuleType:
+def select_ops(device: torch.device, choice: str = "auto") -> ModuleType:
     """The kernel module for ``device``: ``kernels`` (Triton) or
-    ``kernels.reference``. ``choice`` defaults to ``$PDSERVE_KERNELS`` or auto."""
-    choice = choice if choice is not None else (os.environ.get(KERNELS_ENV) or "auto")
+    ``kernels.reference``, by ``choice`` (``RuntimeConfig.kernels``)."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     use_triton = device.type == "cuda" if choice == "auto" else choice == "triton"
@@ -158,10 +146,12 @@ class LaunchedStep:
     """A step queued on the device, not waited for: its sampled ids stay on the device
     (the inputs of a step scheduled ahead) while a copy goes to the host. ``which``: the
     rows of ``out.scheduled`` that sample, in order (every row of a decode step; none of
-    a step of chunks that all stop short of their prompt's end, ``sample`` then None)."""
+    a step of chunks that all stop short of their prompt's end, ``sample`` then None).
+    ``done``: the outcome of a step read before ``run`` returned (rows with proposals)."""
 
-    def __init__(self, out: SchedulerOutput, sample: PendingSample | None, which: Sequence[int]) -> None:
-        self.out, self.sample, self.which = out, sample, list(which)
+    def __init__(self, out: SchedulerOutput, sample: PendingSample | None, which: Sequence[int],
+                 done: tuple[list, list | None] | None = None) -> None:
+        self.out, self.sample, self.which, self._done = out, sample, list(which), done
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -170,7 +160,11 @@ class LaunchedStep:
         return self.sample.token_ids
 
     def result(self) -> tuple[list[int | None], list | None]:
-        """(sampled, logprobs) as ``ModelRunner.execute`` returns them; waits for the step."""
+        """(sampled, logprobs), aligned with ``out.scheduled``: the sampled token (None for a
+        chunk that does not reach the end of its tokens; a speculating row's accepted tokens,
+        as a list) and, when any row asked for them, logprobs. Waits for the step."""
+        if self._done is not None:
+            return self._done
         n = len(self.out.scheduled)
         if self.sample is None:
             return [None] * n, None
@@ -213,7 +207,8 @@ class ModelRunner:
                 # What this process's allocator holds is ours to reuse (an earlier engine here).
                 free += torch.cuda.memory_reserved(self.device)
                 check_free_memory(free, total, cc.gpu_memory_utilization, str(self.device))
-        self.ops = select_ops(self.device)
+        self.runtime = config.runtime
+        self.ops = select_ops(self.device, self.runtime.kernels)
         logger.info("kernels: %s", self.ops.__name__)
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
@@ -222,14 +217,17 @@ class ModelRunner:
         self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
         self.kv_dtype: torch.dtype = getattr(torch, config.kv_dtype)
         self.kv_scales: KVScales | None = self._set_kv_scales()  # None unless the cache is FP8
+        for layer in self.model.modules():  # PDSERVE_DENSE_PREFILL=0: fresh prompts on the paged kernel
+            if isinstance(layer, Attention):
+                layer.dense_prefill = self.runtime.dense_prefill
         self._configure_moe()
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots beside every linear layer
         if config.lora is not None:
             self.lora = self._make_lora(config.lora)
-        graphs_eager = os.environ.get(GRAPHS_ENV) == "eager"
+        graphs_eager = self.runtime.graphs_without_capture
         if graphs_eager:
-            logger.warning("%s=eager: CUDA graphs are off; decode steps run the graph path eagerly "
-                           "(meant for tests)", GRAPHS_ENV)
+            logger.warning("graphs_without_capture: CUDA graphs are off; steps run the graph path eagerly "
+                           "(a test setting)")
         self.use_cuda_graphs = not graphs_eager and self._graphs_wanted()
         self.graph_sizes = capture_sizes(config.scheduler.max_num_seqs) if self.use_cuda_graphs else []
         self.num_blocks = self._determine_num_blocks()
@@ -245,10 +243,12 @@ class ModelRunner:
         if self.use_cuda_graphs:
             assert self.graphs is not None
             self.graphs.capture()
-        overlap = os.environ.get(OVERLAP_MIXED_ENV)  # default: where mixed-step graphs hold such steps
-        self.overlap_mixed = overlap == "1" if overlap is not None else bool(self.graphs and self.graphs.mixed_sizes)
+        self.graph_menu: GraphMenu | None = self.graphs.menu if self.graphs is not None else None
+        overlap = self.runtime.overlap_mixed_steps  # default: where mixed-step graphs hold such steps
+        self.overlap_mixed = overlap if overlap is not None else bool(self.graphs and self.graphs.mixed_sizes)
         if self.overlap_mixed:
-            logger.info("steps with prefill chunks overlap too (%s=0 runs them one at a time)", OVERLAP_MIXED_ENV)
+            logger.info("steps with prefill chunks overlap too (PDSERVE_OVERLAP_MIXED_STEPS=0 runs them one at a "
+                        "time)")
         if self.device.type == "cuda" and self.ops.__name__ == "kernels":
             from kernels import compiles
 
@@ -268,7 +268,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.ops.__name__ == "kernels.reference":
             from kernels import cpu_attention
 
-            cpu_attention.extension()  # None where it cannot build: logged once, the references run
+            cpu_attention.extension(self.runtime.cpu_attention_build_timeout)  # None where it cannot build
             return
         if self.device.type != "cuda" or self.ops.__name__ != "kernels":
             return
@@ -407,30 +407,23 @@ class ModelRunner:
                      MixedInputs(sc.max_num_seqs, max_blocks, self.block_size, self.device, max(mixed_sizes)))
         return DecodeGraphs(self._forward_logits, self.kv_cache, inputs, sizes, variants, use_graphs=use_graphs,
                             other_threads_may_use_cuda=self.tp is not None, verify_sizes=verify_sizes,
-                            mixed=mixed, mixed_sizes=mixed_sizes)
+                            mixed=mixed, mixed_sizes=mixed_sizes, decode_blas=self.runtime.decode_blas)
 
     def _mixed_graph_sizes(self) -> list[int]:
-        """The token buckets of ``PDSERVE_MIXED_GRAPHS`` that a step can fill (at most
-        ``max_num_batched_tokens``); unset, ``DEFAULT_MIXED_GRAPHS`` where decode graphs are
-        captured (those below a smaller budget, and the budget); ``0`` none; none under
-        tensor parallelism or LoRA."""
-        text = os.environ.get(MIXED_GRAPHS_ENV)
+        """The token buckets of ``RuntimeConfig.mixed_graph_sizes`` that a step can fill (at
+        most ``max_num_batched_tokens``); unset, ``DEFAULT_MIXED_GRAPHS`` where decode graphs
+        are captured (those below a smaller budget, and the budget); none under tensor
+        parallelism or LoRA."""
+        sizes = self.runtime.mixed_graph_sizes
         budget = self.config.scheduler.max_num_batched_tokens
-        if text is None:
+        if sizes is None:
             if not self.use_cuda_graphs or self.tp is not None or self.lora is not None:
                 return []
             if budget >= DEFAULT_MIXED_GRAPHS[-1]:
                 return list(DEFAULT_MIXED_GRAPHS)
             return [n for n in DEFAULT_MIXED_GRAPHS if n < budget] + [budget]
-        text = text.strip()
-        if text in ("", "0"):
+        if not sizes:
             return []
-        try:
-            sizes = sorted({int(x) for x in text.split(",") if x.strip()})
-        except ValueError:
-            raise ValueError(f"{MIXED_GRAPHS_ENV} must be token counts separated by commas, got {text!r}") from None
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"{MIXED_GRAPHS_ENV} must be positive token counts, got {text!r}")
         if self.tp is not None or self.lora is not None:
             logger.warning("%s ignored: not with tensor parallelism or LoRA", MIXED_GRAPHS_ENV)
             return []
@@ -668,47 +661,66 @@ class ModelRunner:
                 raise InjectedFault("forward pass failed on purpose (fault injection armed)")
             self._forwards_before_fault -= 1
 
-    @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None = None,
-               before_sampling: Callable[[SchedulerOutput], None] | None = None,
-               queue_mixed: bool | None = None) -> LaunchedStep | None:
-        """Queue a step and its sampling without waiting for the device: a pure-decode step
-        on its graph, any other on its mixed-step graph where one holds it, else eagerly (its
-        kernels queued, the sampled ids left on the device). None (nothing queued) where the step is read at once (``execute``): no decode
-        graphs (overlap is off), proposals to verify, or rows held for a KV send (the prefill
-        tier sends from each step's outcome). ``in_flight``: the step whose sampled ids are
-        the inputs of this one's leading rows (those ``Scheduler.schedule_ahead`` put a step
-        ahead). ``before_sampling(out)`` runs on the host once the forward pass is queued,
-        before the sampling that needs it (the constraints' bitmasks: computed while the
-        device runs the forward). ``queue_mixed``: whether a step that is not pure decode is
-        queued too (on a mixed-step graph where one holds it, else eagerly); default
-        ``PDSERVE_OVERLAP_MIXED_STEPS``."""
-        if self.graphs is None or any(s.draft_token_ids or s.request.hold_kv_on_finish for s in out.scheduled):
-            return None
+    def step_runtime(self, overlap: bool = False) -> StepRuntime:
+        """What the step planner reads of this runner: its graphs, and whether steps with prefill
+        chunks overlap (``overlap``: whether the engine queues steps ahead at all)."""
+        return StepRuntime(self.graph_menu, overlap, self.overlap_mixed)
+
+    def _ahead_ids(self, out: SchedulerOutput, in_flight: LaunchedStep | None) -> torch.Tensor | None:
+        """The inputs of the leading rows a step ahead (``Scheduler.schedule_ahead``): the ids
+        ``in_flight`` sampled, still on the device; None when no row is ahead."""
         ahead = sum(1 for s in out.scheduled if s.lookahead)
-        if ahead and (in_flight is None or len(in_flight.which) < ahead
-                      or any(s.lookahead for s in out.scheduled[ahead:])
-                      or any(a.request is not in_flight.out.scheduled[i].request
-                             for a, i in zip(out.scheduled, in_flight.which[:ahead]))):
+        if not ahead:
+            return None
+        if (in_flight is None or len(in_flight.which) < ahead or any(s.lookahead for s in out.scheduled[ahead:])
+                or any(a.request is not in_flight.out.scheduled[i].request
+                       for a, i in zip(out.scheduled, in_flight.which[:ahead]))):
             raise ValueError("rows a step ahead must lead the batch, in the order of the step in flight")
-        ahead_ids = in_flight.token_ids[:ahead] if in_flight is not None and ahead else None
-        step = self.graphs.prepare(out.scheduled, ahead_ids)
-        if step is None:
-            if not (self.overlap_mixed if queue_mixed is None else queue_mixed):
-                return None
-            size = self.graphs.prepare_mixed(out.scheduled, ahead_ids)
-            if size is None:
-                return self._launch_eager(out, ahead_ids, before_sampling)
-            self._count_forward()
-            which = [i for i, s in enumerate(out.scheduled) if s.samples]
-            return self._queue_sampling(out, self.graphs.replay_mixed(size)[:len(which)], which, before_sampling)
+        return in_flight.token_ids[:ahead]
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, plan: StepPlan, in_flight: LaunchedStep | None = None,
+            before_sampling: Callable[[SchedulerOutput], None] | None = None,
+            on_layer: Callable[[int], None] | None = None) -> LaunchedStep:
+        """Carry out ``plan`` (``engine.planner.plan_step``'s) for step ``out``: the forward pass
+        on its path, then its sampling, queued without waiting for the device (the sampled ids
+        stay there for a step scheduled ahead; ``result()`` waits). ``in_flight``: the step whose
+        sampled ids are the inputs of this one's leading rows (those scheduled ahead).
+        ``before_sampling(out)`` runs on the host once the forward pass is queued, before the
+        sampling that needs it (the constraints' bitmasks, computed while the device runs the
+        forward). ``on_layer(i)``: called as each layer's work is queued (eager steps only).
+        Rows with proposals are verified and read before this returns."""
+        ahead_ids = self._ahead_ids(out, in_flight)
         self._count_forward()
-        if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
-            self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size)
-        if self.tp is not None:
-            self._share_graph_step(step)
-        logits = self.graphs.replay(step.size, step.splits)[:len(out.scheduled)]
-        return self._queue_sampling(out, logits, range(len(out.scheduled)), before_sampling)
+        rows = out.scheduled
+        which = [i for i, s in enumerate(rows) if s.samples]
+        if plan.path is StepPath.DECODE_GRAPH:
+            assert self.graphs is not None and plan.bucket is not None
+            step = self.graphs.fill_decode(rows, plan.bucket, plan.splits, ahead_ids)
+            if self.lora is not None:  # (before sharing the step: the other ranks follow its slot fills)
+                self.lora.set_graph_step([s.request.lora for s in rows], step.size)
+            if self.tp is not None:
+                self._share_graph_step(step)
+            logits = self.graphs.replay(step.size, step.splits)[:len(rows)]
+        elif plan.path is StepPath.MIXED_GRAPH:
+            assert self.graphs is not None and plan.bucket is not None
+            self.graphs.fill_mixed(rows, plan.bucket, ahead_ids)
+            logits = self.graphs.replay_mixed(plan.bucket)[:len(which)]
+        elif plan.path is StepPath.VERIFY_GRAPH:
+            assert self.graphs is not None and plan.bucket is not None
+            step = self.graphs.fill_verify(rows, plan.bucket)
+            if self.lora is not None:
+                self.lora.set_graph_step([s.request.lora for s in rows], step.size, step.query_len)
+            q = step.query_len
+            logits = self.graphs.replay(step.size, None, q)
+            logits = logits[[i * q + j for i in which for j in range(1 + len(rows[i].draft_token_ids))]]
+        else:
+            logits = self._forward_eager(out, ahead_ids, on_layer)
+        if any(rows[i].draft_token_ids for i in which):
+            if before_sampling is not None:
+                before_sampling(out)
+            return LaunchedStep(out, None, which, done=self._sample_with_proposals(out, which, logits))
+        return self._queue_sampling(out, logits, which, before_sampling)
 
     def _queue_sampling(self, out: SchedulerOutput, logits: torch.Tensor | None, which: Sequence[int],
                         before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
@@ -722,59 +734,17 @@ class ModelRunner:
                             which)
 
     def _forward_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
-                       on_layer: Callable[[int], None] | None) -> tuple[list[int], torch.Tensor | None]:
-        """An eager forward pass of the step queued: (the rows that sample, the logits of their
-        sampled positions, None when none samples). ``ahead_ids``: the leading rows' inputs on
-        the device (rows a step ahead are one token each, so token i is row i's)."""
-        self._count_forward()
+                       on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
+        """An eager forward pass of the step: the logits of its sampled positions, None when no
+        row samples. ``ahead_ids``: the leading rows' inputs on the device (rows a step ahead
+        are one token each, so token i is row i's)."""
         input_ids, positions, meta, sample_idx = self._prepare(out)
         if ahead_ids is not None:
             input_ids[:ahead_ids.shape[0]].copy_(ahead_ids)
         if self.tp is not None:
             self._broadcast_step(input_ids, positions, meta, sample_idx)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-        which = [i for i, s in enumerate(out.scheduled) if s.samples]
-        return which, self.model.compute_logits(hidden[sample_idx]) if which else None
-
-    def _launch_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
-                      before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
-        """``launch`` for a step off the graphs (prefill chunks with or without decode rows)."""
-        which, logits = self._forward_eager(out, ahead_ids, None)
-        return self._queue_sampling(out, logits, which, before_sampling)
-
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, on_layer: Callable[[int], None] | None = None,
-                before_sampling: Callable[[SchedulerOutput], None] | None = None
-                ) -> tuple[list[int | None], list | None]:
-        """Run one step. Returns, aligned with ``out.scheduled``, the sampled
-        token (None for a chunk that does not reach the end of its tokens)
-        and, when any request asked for them, logprobs. ``on_layer(i)``:
-        called as each layer's work is queued (eager steps only); ``before_sampling``:
-        as in ``launch``."""
-        if on_layer is None:
-            launched = self.launch(out, before_sampling=before_sampling, queue_mixed=True)
-            if launched is not None:  # a pure decode step (its graph), a mixed one (its graph or eager)
-                return launched.result()
-        which = [i for i, s in enumerate(out.scheduled) if s.samples]
-        if on_layer is None and self.graphs is not None and self.graphs.verify_sizes and \
-                any(s.draft_token_ids for s in out.scheduled):
-            step = self.graphs.prepare_verify(out.scheduled)
-            if step is not None:  # a verify step on its graph
-                self._count_forward()
-                if self.lora is not None:
-                    self.lora.set_graph_step([s.request.lora for s in out.scheduled], step.size, step.query_len)
-                logits = self.graphs.replay(step.size, None, step.query_len)
-                q = step.query_len
-                idx = [i * q + j for i in which for j in range(1 + len(out.scheduled[i].draft_token_ids))]
-                if before_sampling is not None:
-                    before_sampling(out)
-                return self._sample_with_proposals(out, which, logits[idx])
-        which, logits = self._forward_eager(out, None, on_layer)
-        if not any(out.scheduled[i].draft_token_ids for i in which):
-            return self._queue_sampling(out, logits, which, before_sampling).result()
-        if before_sampling is not None:
-            before_sampling(out)
-        return self._sample_with_proposals(out, which, logits)
+        return self.model.compute_logits(hidden[sample_idx]) if any(s.samples for s in out.scheduled) else None
 
     def _sample_with_proposals(self, out: SchedulerOutput, which: list[int], logits: torch.Tensor
                                ) -> tuple[list, list | None]:

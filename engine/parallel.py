@@ -32,24 +32,26 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
-# Read by ProcessGroupNCCL when a group is built. The KV pairs of this process turn it on
+# Read by ProcessGroupNCCL when a group is built, and only then: set around each build
+# (``nccl_blocking_wait``), never for the whole process. The KV pairs turn it on
 # (engine/kv_transfer/pair.py); the TP group keeps it off: a wait then orders the caller's
 # stream after the collective without blocking the host, which is what lets a step queue
 # its 2 x num_layers all-reduces back to back, and lets CUDA graphs capture them.
-_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
+def nccl_blocking_wait(value: str) -> Iterator[None]:
+    """``TORCH_NCCL_BLOCKING_WAIT=value`` while an NCCL group is built inside the block."""
+    old = os.environ.get(BLOCKING_WAIT)
+    os.environ[BLOCKING_WAIT] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[name]
+            del os.environ[BLOCKING_WAIT]
         else:
-            os.environ[name] = old
+            os.environ[BLOCKING_WAIT] = old
 
 
 def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -162,7 +164,7 @@ class TPGroup:
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout)
-            with _env(_BLOCKING_WAIT, "0"):
+            with nccl_blocking_wait("0"):
                 self.group = dist.ProcessGroupNCCL(prefix, rank, size, opts)
             # The communicator now, on this rank's GPU, rather than lazily from the first op.
             self.group.eager_connect_single_device(device)

@@ -13,7 +13,6 @@ import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import signal
 
 from engine.config import EngineConfig
@@ -69,7 +68,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, host: str, port: in
     # whole process group must not end a worker under a draining server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    level = os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
+    from engine.runtime_config import log_level
+
+    level = log_level()
     logging.basicConfig(level=level, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
     import torch
 

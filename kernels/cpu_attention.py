@@ -54,7 +54,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 
 # A build or load waits at most this long (torch's lock file included), then the references run.
-BUILD_TIMEOUT_ENV = "PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT"
+# The engine passes its RuntimeConfig's value (read from this variable by engine/runtime_config.py;
+# ``python -m kernels.cpu_attention --build-timeout S`` for the build ahead of use).
 DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy cores
 STALE_LOCK_AGE_S = 600.0  # where no /proc shows who holds torch's lock: older than this is stale
 
@@ -62,13 +63,14 @@ _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded extension or None; "reason": why None
 
 
-def extension() -> Any:
-    """The compiled module, built or loaded on the first call; None where it cannot be
-    (the reason is logged once, and kept: ``unavailable_reason()``)."""
+def extension(build_timeout: float | None = None) -> Any:
+    """The compiled module, built or loaded on the first call, waiting at most
+    ``build_timeout`` s (default DEFAULT_BUILD_TIMEOUT_S); None where it cannot be (the
+    reason is logged once, and kept: ``unavailable_reason()``)."""
     if "module" not in _state:
         with _lock:
             if "module" not in _state:
-                _state["module"], _state["reason"] = _load()
+                _state["module"], _state["reason"] = _load(build_timeout or DEFAULT_BUILD_TIMEOUT_S)
                 if _state["module"] is None:
                     logger.warning("compiled CPU attention unavailable (%s); using the PyTorch reference",
                                    _state["reason"])
@@ -86,7 +88,7 @@ def _on_path(program: str) -> bool:
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.get_exec_path())
 
 
-def _load() -> tuple[Any, str | None]:
+def _load(timeout: float) -> tuple[Any, str | None]:
     compiler = os.environ.get("CXX", "c++")
     if not _on_path(compiler.split()[0]):
         return None, f"no C++ compiler: {compiler!r} is not on PATH"
@@ -101,7 +103,6 @@ def _load() -> tuple[Any, str | None]:
     from torch.utils import cpp_extension
 
     t0 = time.perf_counter()
-    timeout = _build_timeout()
     try:  # torch's own folder for the name (and the place of its lock file)
         build_dir = cpp_extension._get_build_directory(_NAME, verbose=False)
     except Exception:  # a torch without it: torch picks the folder, no stale-lock check
@@ -109,7 +110,7 @@ def _load() -> tuple[Any, str | None]:
     serial = _BuildLock(build_dir)
     if not serial.acquire(t0 + timeout):
         return None, (f"another process has been building or loading it for over {timeout:g} s "
-                      f"({serial.path}; ${BUILD_TIMEOUT_ENV} sets the limit)")
+                      f"({serial.path}; $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT sets the limit)")
     outcome: dict = {}
 
     def build() -> None:
@@ -135,7 +136,7 @@ def _load() -> tuple[Any, str | None]:
         if build_dir and os.path.exists(lock):
             pids = _processes_holding(lock)
             held = f", waiting on {lock}" + (f" (held open by pid {', '.join(map(str, pids))})" if pids else "")
-        return None, f"the build or load did not end within {timeout:g} s{held} (${BUILD_TIMEOUT_ENV} sets the limit)"
+        return None, f"the build or load did not end within {timeout:g} s{held} ($PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT sets the limit)"
     e = outcome.get("error")
     if e is not None:  # a failed build or load: the compiler's output is in the message
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
@@ -143,19 +144,6 @@ def _load() -> tuple[Any, str | None]:
         return None, f"the build failed: {first_error[:300]}"
     logger.debug("compiled CPU attention loaded in %.1f s", time.perf_counter() - t0)
     return outcome["module"], None
-
-
-def _build_timeout() -> float:
-    raw = os.environ.get(BUILD_TIMEOUT_ENV)
-    try:
-        value = float(raw) if raw else DEFAULT_BUILD_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        logger.warning("$%s=%r is not a positive number of seconds; using %g", BUILD_TIMEOUT_ENV, raw,
-                       DEFAULT_BUILD_TIMEOUT_S)
-        value = DEFAULT_BUILD_TIMEOUT_S
-    return value
 
 
 class _BuildLock:
@@ -306,8 +294,14 @@ def paged_attention(
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build (or find) the extension ahead of use
+    import argparse
+
+    cli = argparse.ArgumentParser(description="build the compiled CPU attention ahead of use")
+    cli.add_argument("--build-timeout", type=float, default=DEFAULT_BUILD_TIMEOUT_S,
+                     help=f"seconds to wait for the build (and torch's build lock) before giving up "
+                          f"(default {DEFAULT_BUILD_TIMEOUT_S:g})")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
-    ready = extension() is not None
+    ready = extension(cli.parse_args().build_timeout) is not None
     print(f"compiled CPU attention: ready ({time.perf_counter() - t0:.1f} s)" if ready
           else f"compiled CPU attention: not built ({unavailable_reason()}); CPU attention uses the reference")

@@ -67,7 +67,6 @@ serving stalls a step for ~1 s.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -414,8 +413,8 @@ _MAX_SPLITS = 64
 FP8_DECODE_K_ROWS = True  # decode tiles load K key by key, widen, then transpose
 FP8_FP16_DOTS = True  # under bf16 queries the dots run in float16 (FP16_DOTS)
 # Prefill steps given new_k / new_v: sequences without a cached prefix through the dense
-# kernel (kernels/prefill_attention.py). PDSERVE_DENSE_PREFILL=0 turns it off.
-DENSE_PREFILL = os.environ.get("PDSERVE_DENSE_PREFILL", "1") != "0"
+# kernel (kernels/prefill_attention.py); a caller that passes neither keeps the paged kernel
+# (the engine's PDSERVE_DENSE_PREFILL=0) ...
 # ... but not inside a CUDA-graph capture (the engine's graphs are decode steps, speculative
 # ones with several tokens a sequence among them: they keep what they captured before);
 # a benchmark that times the prefill path under do_bench_cudagraph sets this.
@@ -618,7 +617,7 @@ def paged_attention(
     # decode steps) and split tiles (whose combine writes every row) never take it, nor does a
     # CUDA-graph capture (speculative decode's multi-token graphs stay as they were).
     skip_fresh = False
-    if new_k is not None and new_v is not None and DENSE_PREFILL and num_splits == 1 and scale > 0 \
+    if new_k is not None and new_v is not None and num_splits == 1 and scale > 0 \
             and num_tokens > num_seqs and sliding_window is None and k_cache.dtype == q.dtype \
             and (DENSE_PREFILL_IN_GRAPHS or not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         require(tuple(new_k.shape) == (num_tokens, num_kv_heads, head_dim) and new_v.shape == new_k.shape,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 from typing import Protocol
 
 import grpc
 
 from engine.config import EngineArgs
+from engine.runtime_config import log_level
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAError, LoRAMismatch, LoRANotLoaded
 from engine.request import RequestError
@@ -29,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def configure_logging(name: str) -> None:
-    level = os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -50,6 +49,8 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     # Tests only, and hidden: the forward pass fails after N passes (engine/model_runner.py).
     # A flag, not an environment variable, so that nothing inherited can turn it on.
     g.add_argument("--inject-forward-fault", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+    # Tests only, and hidden: steps take the CUDA-graph path run eagerly (engine/runtime_config.py).
+    g.add_argument("--graphs-without-capture", action="store_true", help=argparse.SUPPRESS)
     tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)

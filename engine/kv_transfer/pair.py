@@ -27,19 +27,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.parallel import BLOCKING_WAIT, nccl_blocking_wait
 from engine.kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION, _Group,
                                          _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend, slow_path)
 
 logger = logging.getLogger(__name__)
 
-# ProcessGroupNCCL reads this when a group is built. With blocking wait it starts no watchdog
-# thread, hence no heartbeat monitor: a failed or timed-out NCCL op surfaces in the thread that
-# waits for it, and nothing in the background ends the process (the watchdog's default on a
-# timeout or a peer's death). Deadlines stay ours: _Pair._wait polls and aborts the group.
-_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
-if os.environ.setdefault(_BLOCKING_WAIT, "1") != "1":
-    logger.warning("%s=%s: NCCL's watchdog may end this process when a KV peer dies",
-                   _BLOCKING_WAIT, os.environ[_BLOCKING_WAIT])
+# A KV pair's NCCL group is built with TORCH_NCCL_BLOCKING_WAIT=1 (``_make_group``): it then
+# starts no watchdog thread, hence no heartbeat monitor: a failed or timed-out NCCL op surfaces
+# in the thread that waits for it, and nothing in the background ends the process (the
+# watchdog's default on a timeout or a peer's death). Deadlines stay ours: _Pair._wait polls
+# and aborts the group. A value the user set is kept, with a warning.
 
 # An NCCL transfer is polled without sleeping for _SPIN_S (a 16k-token prompt of an 8B model
 # moves in ~6 ms; a sleep would add its own granularity to every transfer), then every _POLL_S.
@@ -205,7 +203,11 @@ def _make_group(store: dist.Store, rank: int, backend: str, timeout: timedelta, 
             raise KVTransferError("backend nccl requested but this torch build has no NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        wait = os.environ.get(BLOCKING_WAIT, "1")
+        if wait != "1":
+            logger.warning("%s=%s: NCCL's watchdog may end this process when a KV peer dies", BLOCKING_WAIT, wait)
+        with nccl_blocking_wait(wait):
+            group = dist.ProcessGroupNCCL(store, rank, 2, opts)
         # Build the pair's one communicator now, on this cache's GPU, while both sides are in
         # setup. Otherwise the first op builds it lazily, from whatever thread and current
         # device sends first, and a single (unbatched) op would build a second one. Its

@@ -74,6 +74,8 @@ class Attention(nn.Module):
         self.scale = d ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (plain floats: no parameters to load)
+        # Fresh prompts on the dense prefill kernel (the runner's RuntimeConfig.dense_prefill).
+        self.dense_prefill = True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
         # The Triton launcher also takes this step's K/V as they are: prefill chunks with no
         # cached prefix attend over them directly (kernels/prefill_attention.py).
-        new_kv = {"new_k": k, "new_v": v} if ops.__name__ == "kernels" else {}
+        new_kv = {"new_k": k, "new_v": v} if self.dense_prefill and ops.__name__ == "kernels" else {}
         o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                 meta.seq_lens, self.scale, num_splits=meta.num_splits,
                                 step_cache=meta.step_cache, **window, **scales, **new_kv)

@@ -4,7 +4,7 @@ official ``openai`` client and gRPC ``Gateway.Generate``. Greedy (and seeded)
 outputs must equal the offline ``engine.LLM`` token for token, and no KV block
 may stay allocated afterwards. The module runs twice: as the servers start on
 CPU, and with the decode server's steps overlapped (``--async-scheduling``
-over the decode-graph path run eagerly, ``PDSERVE_DECODE_GRAPHS=eager``), where
+over the decode-graph path run eagerly, the hidden ``--graphs-without-capture``), where
 stop strings and disconnects end requests whose next step is already queued."""
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ",
 MAX_TOKENS = 16
 
 
-def EngineProcess(role: str, env: dict[str, str] | None = None) -> EngineServer:
+def EngineProcess(role: str, flags: list[str] = ()) -> EngineServer:
     """A prefill or decode server on a free port, metrics served."""
-    return EngineServer(role, ENGINE_FLAGS, name=role, metrics_port=free_port(), env=env)
+    return EngineServer(role, [*ENGINE_FLAGS, *flags], name=role, metrics_port=free_port())
 
 
 @pytest.fixture(scope="module", params=["one-step", "overlapped"])
 def servers(request):
-    overlapped = {"PDSERVE_DECODE_GRAPHS": "eager"} if request.param == "overlapped" else None
-    prefill, decode = EngineProcess("prefill"), EngineProcess("decode", overlapped)
+    overlapped = ["--graphs-without-capture"] if request.param == "overlapped" else None
+    prefill, decode = EngineProcess("prefill"), EngineProcess("decode", overlapped or [])
     gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
                                 "--max-model-len", str(MAX_MODEL_LEN)])
     gw.decode_address = decode.address  # type: ignore[attr-defined]

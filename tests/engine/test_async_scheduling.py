@@ -1,5 +1,5 @@
 """Overlapped decode steps (``--async-scheduling``) on CPU: the decode-graph
-path run eagerly (``build_decode_graphs(use_graphs=False)``), so the step
+path run eagerly (``graphs_without_capture``), so the step
 scheduled ahead, its inputs taken from the sampled ids of the step in flight,
 and the tokens discarded for requests that finished meanwhile all run for
 real. Every test compares with the same engine stepping one step at a time."""
@@ -13,13 +13,11 @@ from engine.sampler import Sampler, SamplingRow
 
 
 def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
+    # overlap_mixed_steps (PDSERVE_OVERLAP_MIXED_STEPS=1): mixed steps overlap too, without graphs
     args = dict(dtype="float32", device="cpu", block_size=4, kv_cache_memory="4MiB", max_num_seqs=4,
-                max_num_batched_tokens=32)
+                max_num_batched_tokens=32, graphs_without_capture=True, overlap_mixed_steps=True)
     args.update(kw)
-    llm = LLM(str(model_dir), async_scheduling=async_scheduling, **args)
-    llm.engine.runner.graphs = llm.engine.runner.build_decode_graphs(use_graphs=False)
-    llm.engine.runner.overlap_mixed = True  # (PDSERVE_OVERLAP_MIXED_STEPS=1): mixed steps overlap too
-    return llm
+    return LLM(str(model_dir), async_scheduling=async_scheduling, **args)
 
 
 def _count_ahead(llm: LLM) -> dict[str, int]:
@@ -162,20 +160,19 @@ def test_prefill_chunks_overlap_and_give_the_tokens_of_one_step_at_a_time(tiny_l
     stop = {i: [free[i].outputs[0].token_ids[3]] for i in (0, 3, 5)}
 
     def run(async_scheduling: bool, overlap_mixed: bool = True):
-        llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8)
+        # (overlap_mixed_steps=False: PDSERVE_OVERLAP_MIXED_STEPS=0)
+        llm = _llm(tiny_llama_dir, async_scheduling, max_num_batched_tokens=8, overlap_mixed_steps=overlap_mixed)
         e, params, mixed = llm.engine, _params(stop), []
-        e.runner.overlap_mixed = overlap_mixed  # (PDSERVE_OVERLAP_MIXED_STEPS=0 turns it off)
-        launch = e.runner.launch
+        run_plan = e.runner.run
 
-        def counted(out, *args, **kw):  # steps queued (not waited for) with a prefill chunk, ahead or not
+        def counted(out, plan, *args, **kw):  # steps queued (not waited for) with a prefill chunk, ahead or not
             chunk = any(s.num_new_tokens > 1 for s in out.scheduled)
             went_ahead = any(s.lookahead or s.computed_ahead for s in out.scheduled)
-            launched = launch(out, *args, **kw)
-            if chunk and launched is not None and not kw.get("queue_mixed"):  # (execute's own: read at once)
+            if chunk and plan.overlapped:
                 mixed.append(went_ahead)
-            return launched
+            return run_plan(out, plan, *args, **kw)
 
-        e.runner.launch = counted
+        e.runner.run = counted
         reqs, done = [], {}
         for step in range(400):
             if step % 3 == 0 and len(reqs) < len(prompts):  # arrivals while others run
@@ -208,10 +205,9 @@ def test_mixed_step_graphs_give_the_tokens_of_eager_steps(tiny_llama_dir, monkey
     want = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
             for o in _llm(tiny_llama_dir, False, max_num_batched_tokens=8).generate(prompts, _params(stop))]
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "4,8")
-    llm = _llm(tiny_llama_dir, True, max_num_batched_tokens=8, max_num_seqs=6)
+    llm = _llm(tiny_llama_dir, True, max_num_batched_tokens=8, max_num_seqs=6, overlap_mixed_steps=overlap)
     graphs = llm.engine.runner.graphs
     assert graphs.mixed_sizes == [4, 8]
-    llm.engine.runner.overlap_mixed = overlap
     got = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
            for o in llm.generate(prompts, _params(stop))]
     assert got == want
@@ -239,17 +235,16 @@ def test_mixed_step_graph_buckets(tiny_llama_dir, monkeypatch):
     (None, "4,8", True), ("0", "4,8", False), (None, "0", False), ("1", "0", True)])
 def test_mixed_steps_overlap_by_default_where_mixed_graphs_hold_them(tiny_llama_dir, monkeypatch, overlap_env,
                                                                     mixed_env, overlap):
-    """The runner's own default (its graph path run eagerly, as PDSERVE_DECODE_GRAPHS=eager
-    builds it): steps with prefill chunks overlap where mixed-step graphs exist, unless
+    """The runner's own default (its graph path run eagerly, as graphs_without_capture builds
+    it): steps with prefill chunks overlap where mixed-step graphs exist, unless
     PDSERVE_OVERLAP_MIXED_STEPS=0; =1 overlaps them without graphs too."""
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", mixed_env)
     if overlap_env is None:
         monkeypatch.delenv("PDSERVE_OVERLAP_MIXED_STEPS", raising=False)
     else:
         monkeypatch.setenv("PDSERVE_OVERLAP_MIXED_STEPS", overlap_env)
     runner = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory="4MiB",
-                 max_num_seqs=4, max_num_batched_tokens=8).engine.runner
+                 max_num_seqs=4, max_num_batched_tokens=8, graphs_without_capture=True).engine.runner
     assert runner.graphs is not None and runner.overlap_mixed is overlap
 
 

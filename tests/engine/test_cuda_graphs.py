@@ -1,20 +1,24 @@
 """Decode-graph bookkeeping on CPU: padded batch sizes, which steps may
-replay a graph, the persistent input buffers against the eager path's
-inputs, a decode through those buffers (run eagerly, without capture)
-against the eager engine, and the --enforce-eager flag. The capture and
+replay a graph (the planner's view of them), the persistent input buffers
+against the eager path's inputs, a decode through those buffers (run
+eagerly, without capture) against the eager engine, and the --enforce-eager
+flag. The capture and
 replay themselves run in tests/engine/test_cuda_graphs_gpu.py."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from engine.cuda_graphs import DecodeInputs, capture_sizes, is_pure_decode, padded_size
+from engine.cuda_graphs import DecodeInputs, capture_sizes
+from engine.planner import decode_graph, is_pure_decode, padded_size, plan_step
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_plan import GraphMenu, StepPath, StepRuntime
 
 
 def test_capture_sizes():
@@ -126,17 +130,15 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
               max_num_batched_tokens=16, async_scheduling=False)  # each step checked as it runs
     eager = LLM(str(tiny_llama_dir), **kw).generate(prompts, sp)
 
-    llm = LLM(str(tiny_llama_dir), **kw)
+    llm = LLM(str(tiny_llama_dir), graphs_without_capture=True, **kw)
     runner = llm.engine.runner
-    runner.graphs = runner.build_decode_graphs(use_graphs=False)
+    assert runner.graphs is not None and not runner.graphs.use_graphs
     seen, pending = [], []
-    prepare, replay = runner.graphs.prepare, runner.graphs.replay
+    fill, replay = runner.graphs.fill_decode, runner.graphs.replay
 
-    def checked_prepare(scheduled, ahead_ids=None):
-        step = prepare(scheduled, ahead_ids)
-        if step is not None:
-            pending.append(list(scheduled))
-        return step
+    def checked_fill(scheduled, size, splits, ahead_ids=None):
+        pending.append(list(scheduled))
+        return fill(scheduled, size, splits, ahead_ids)
 
     def checked_replay(*step):
         logits = replay(*step)
@@ -147,10 +149,10 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
         seen.append(len(scheduled))
         return logits
 
-    runner.graphs.prepare, runner.graphs.replay = checked_prepare, checked_replay
+    runner.graphs.fill_decode, runner.graphs.replay = checked_fill, checked_replay
     steps = []
-    execute = runner.execute
-    runner.execute = lambda out, **kw: steps.append(len(out.scheduled)) or execute(out, **kw)
+    run = runner.run
+    runner.run = lambda out, plan, *a, **kw: steps.append(len(out.scheduled)) or run(out, plan, *a, **kw)
     graphed = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     lp_g, lp_e = graphed[2].outputs[0].logprobs, eager[2].outputs[0].logprobs
@@ -163,16 +165,15 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
     assert {4, 3, 2} <= set(seen)  # 3 rows run padded to 4
 
 
-def test_run_declines_what_it_cannot_replay(tiny_llama_dir):
+def test_the_planner_declines_what_no_graph_holds(tiny_llama_dir):
     llm = _decoding_engine(tiny_llama_dir, 3, max_num_seqs=6)
-    graphs = llm.engine.runner.build_decode_graphs(use_graphs=False)
-    graphs.sizes = [1, 2]  # a batch of 3 is larger than any captured size
-    assert graphs.run(llm.engine.scheduler.schedule().scheduled) is None
+    menu = llm.engine.runner.build_decode_graphs(use_graphs=False).menu
+    small = StepRuntime(dataclasses.replace(menu, decode_sizes=(1, 2)))  # a batch of 3 is larger than any
+    assert plan_step(llm.engine.scheduler.schedule().scheduled, small).path is StepPath.EAGER
     llm.engine.add_request("new", [4, 5, 6, 7], SamplingParams(max_tokens=2))
-    graphs.sizes = [1, 2, 4, 6]
     mixed = llm.engine.scheduler.schedule().scheduled
-    assert len(mixed) == 4 and graphs.run(mixed) is None
-    assert graphs.num_replays == 0
+    assert len(mixed) == 4 and plan_step(mixed, StepRuntime(menu)).path is StepPath.EAGER  # no mixed-step graphs
+    assert plan_step(mixed[:3], StepRuntime(menu)).path is StepPath.DECODE_GRAPH
 
 
 @torch.inference_mode()
@@ -190,12 +191,15 @@ def test_a_batch_replays_the_split_variant_its_longest_context_fits(tiny_llama_d
                           use_graphs=False)
     scheduled = llm.engine.scheduler.schedule().scheduled
     longest = max(s.request.num_computed_tokens + 1 for s in scheduled)
-    assert longest > 10 and graphs.run(scheduled) is not None and graphs.last_splits == 5
+    assert longest > 10 and decode_graph(scheduled, graphs.menu) == (4, 5)
+    step = graphs.fill_decode(scheduled, 4, 5)
+    graphs.replay(step.size, step.splits)
+    assert graphs.last_splits == 5
     short = [s for s in scheduled if s.request.num_computed_tokens + 1 <= 10]
-    assert short and graphs.run(short) is not None and graphs.last_splits == 2
-    beyond = DecodeGraphs(runner._forward_logits, runner.kv_cache, base.inputs, base.sizes,
-                          {s: [(8, 3), (12, 4)] for s in base.sizes}, use_graphs=False)
-    assert beyond.run(scheduled) is not None and beyond.last_splits == 4  # the last holds every context
+    assert short and decode_graph(short, graphs.menu) == (padded_size(base.sizes, len(short)), 2)
+    beyond = GraphMenu(tuple(base.sizes), 6, base.inputs.max_blocks_per_seq,
+                       variants={s: ((8, 3), (12, 4)) for s in base.sizes})
+    assert decode_graph(scheduled, beyond) == (4, 4)  # the last holds every context
 
 
 def _parse(argv: list[str]) -> EngineArgs:
@@ -209,8 +213,9 @@ def test_enforce_eager_flag(tiny_llama_dir):
     assert _parse(["--enforce-eager", "--no-enforce-eager"]).enforce_eager is False
     args = _parse(["--model", str(tiny_llama_dir), "--device", "cpu", "--enforce-eager"])
     config = args.create_engine_config()
-    assert config.enforce_eager is True and "enforce_eager=True" in config.describe()
-    assert _parse(["--model", str(tiny_llama_dir), "--device", "cpu"]).create_engine_config().enforce_eager is False
+    assert config.runtime.enforce_eager is True and "enforce_eager=True" in config.describe()
+    assert _parse(["--model", str(tiny_llama_dir), "--device", "cpu"]).create_engine_config().runtime.enforce_eager \
+        is False
     # pdserve up hands the flag on to the engine servers it starts.
     from pdserve.up import engine_flags
 
@@ -218,9 +223,17 @@ def test_enforce_eager_flag(tiny_llama_dir):
     assert engine_flags(argparse.Namespace(enforce_eager=False)) == []
 
 
-def test_decode_graphs_eager_says_it_turned_graphs_off(tiny_llama_dir, monkeypatch, caplog):
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+def test_graphs_without_capture_says_it_turned_graphs_off(tiny_llama_dir, caplog):
     with caplog.at_level("WARNING", logger="engine.model_runner"):
-        llm = LLM(str(tiny_llama_dir), kv_cache_memory="4MiB")
-    assert llm.engine.runner.use_cuda_graphs is False
-    assert any("PDSERVE_DECODE_GRAPHS=eager: CUDA graphs are off" in r.getMessage() for r in caplog.records)
+        llm = LLM(str(tiny_llama_dir), kv_cache_memory="4MiB", graphs_without_capture=True)
+    runner = llm.engine.runner
+    assert runner.use_cuda_graphs is False and runner.graphs is not None and not runner.graphs.use_graphs
+    assert any("graphs_without_capture: CUDA graphs are off" in r.getMessage() for r in caplog.records)
+    assert "graphs_without_capture=True (tests)" in llm.engine.config.describe()
+
+
+def test_the_removed_graphs_variable_is_refused(tiny_llama_dir, monkeypatch):
+    """A served process must not inherit the test mode: the old variable stops the start."""
+    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    with pytest.raises(ValueError, match="PDSERVE_DECODE_GRAPHS is no longer read.*graphs_without_capture"):
+        LLM(str(tiny_llama_dir), kv_cache_memory="4MiB")

@@ -11,10 +11,17 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from engine.cuda_graphs import is_pure_decode
 from engine.llm_engine import LLMEngine
+from engine.planner import decode_graph, is_pure_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def replay_decode(graphs, scheduled) -> torch.Tensor:
+    """The logits of a pure-decode step replayed on the graph the planner picks for it."""
+    size, splits = decode_graph(scheduled, graphs.menu)
+    step = graphs.fill_decode(scheduled, size, splits)
+    return graphs.replay(step.size, step.splits)[:len(scheduled)]
 
 
 def _prompts(vocab: int, lengths) -> list[list[int]]:
@@ -115,8 +122,8 @@ def _compare_steps(engine: LLMEngine, num_steps: int) -> list[dict]:
         assert is_pure_decode(out.scheduled)
         replays = runner.graphs.num_replays
         n = len(out.scheduled)
-        with torch.inference_mode():  # as in ModelRunner.execute
-            graph = runner.graphs.run(out.scheduled).clone()
+        with torch.inference_mode():  # as in ModelRunner.run
+            graph = replay_decode(runner.graphs, out.scheduled).clone()
             # The captured code run eagerly on the same padded buffers: the replay must equal it.
             size = min(s for s in runner.graphs.sizes if s >= n)
             same_inputs = runner.graphs._forward(size, runner.graphs.last_splits)[:n]

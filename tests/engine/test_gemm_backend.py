@@ -92,12 +92,12 @@ def test_capture_under_each_setting(monkeypatch):
         return f"graph-{pref.now}"
 
     assert gb.capture(capture_one, 8, "cpu", "cublaslt") == "graph-cublas" and seen == ["cublas"]  # CPU: as is
-    monkeypatch.delenv(gb.BLAS_ENV, raising=False)
+    monkeypatch.setenv(gb.BLAS_ENV, "cublaslt")  # read by the runtime config only, never at capture
     assert gb.capture(capture_one, 8, "cuda") == "graph-cublas"  # unset: the preference untouched
     assert pref.calls == []
-    monkeypatch.setenv(gb.BLAS_ENV, "8:cublaslt,256:cublas")
-    assert gb.capture(capture_one, 4, "cuda") == "graph-cublaslt" and pref.now == "cublas"
-    assert gb.capture(capture_one, 16, "cuda") == "graph-cublas" and gb.chosen[16] == "cublas"
+    table = "8:cublaslt,256:cublas"
+    assert gb.capture(capture_one, 4, "cuda", table) == "graph-cublaslt" and pref.now == "cublas"
+    assert gb.capture(capture_one, 16, "cuda", table) == "graph-cublas" and gb.chosen[16] == "cublas"
     times = {"graph-cublas": 2.0, "graph-cublaslt": 1.0}
     monkeypatch.setattr(gb, "_replay_ms", lambda g: times[g])
     seen.clear()
@@ -134,7 +134,7 @@ def test_graphs_under_a_blas_library_match_eager_bf16(tiny_llama_dir, monkeypatc
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
 
-    from .test_cuda_graphs_gpu import _prefill, _prompts
+    from .test_cuda_graphs_gpu import _prefill, _prompts, replay_decode
 
     monkeypatch.setenv(gb.BLAS_ENV, setting)
     gb.chosen.clear()
@@ -151,7 +151,7 @@ def test_graphs_under_a_blas_library_match_eager_bf16(tiny_llama_dir, monkeypatc
     _prefill(engine, _prompts(384, [3 + 11 * i for i in range(19)]), 8)  # 19 rows: the graph of 24
     with torch.inference_mode():
         out = engine.scheduler.schedule()
-        replayed = graphs.run(out.scheduled).clone()
+        replayed = replay_decode(graphs, out.scheduled).clone()
         with gb.prefer(gb.chosen[24]):
             same = graphs._forward(24, graphs.last_splits)[:19]
         default = graphs._forward(24, graphs.last_splits)[:19]

@@ -48,8 +48,6 @@ def _requests(adapters) -> list[LoRARequest]:
 def test_mixed_batch_matches_peft(setups, name, graphs, monkeypatch):
     """``graphs``: decode steps take the CUDA-graph path (run eagerly on CPU: the same
     buffers, the slots uploaded per replay and grouped inside the forward)."""
-    if graphs:
-        monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
     base, adapters = setups[name]
     prompts = random_prompts(LENGTHS * 2, seed=7)
     loras = (_requests(adapters) + [None]) * 2  # every prompt length under each adapter and the base model
@@ -61,7 +59,7 @@ def test_mixed_batch_matches_peft(setups, name, graphs, monkeypatch):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for max_loras, budget in [(3, 2048), (2, 16)]:  # all three at once; two slots taking turns, chunked prefill
         llm = LLM(str(base), enable_lora=True, max_loras=max_loras, max_cpu_loras=3, kv_cache_memory="8MiB",
-                  block_size=4, max_num_batched_tokens=budget)
+                  block_size=4, max_num_batched_tokens=budget, graphs_without_capture=graphs)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras)]
         for p, w, g, lr in zip(prompts, want, got, loras):
             assert_greedy_match(refs[lr.lora_path if lr else None], [p], [w], [g])
@@ -78,14 +76,13 @@ def test_tensor_parallel_ranks_follow_rank_zeros_slots(setups, monkeypatch):
     rows, row layers A's columns), rank 0's slot fills and each step's token slots reach
     the other rank, with eager prefill steps and decode steps on the graph path; two
     slots for three adapters make the slots turn over."""
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
     base, adapters = setups["qwen3"]
     prompts = random_prompts(LENGTHS, seed=11)
     loras = [*_requests(adapters), None]
     refs = {None: hf_model(base)} | {str(p): peft_model(base, p) for p in adapters}
     want = [hf_greedy(refs[lr.lora_path if lr else None], [p], MAX_TOKENS)[0] for p, lr in zip(prompts, loras)]
     llm = LLM(str(base), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_cpu_loras=3,
-              kv_cache_memory="8MiB", block_size=4)
+              kv_cache_memory="8MiB", block_size=4, graphs_without_capture=True)
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=loras)]
     for p, w, g, lr in zip(prompts, want, got, loras):
@@ -97,7 +94,6 @@ def test_tensor_parallel_ranks_follow_rank_zeros_slots(setups, monkeypatch):
 def test_adapters_in_verify_steps(setups, monkeypatch):
     """n-gram speculation beside adapters, on the graph path: verify graphs carry each
     token's slot (k + 1 a row), and greedy tokens stay PEFT's."""
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
     base, adapters = setups["qwen3"]
     phrase = random_prompts([5], seed=13)[0]
     prompts = [phrase * 3 + p for p in random_prompts([2, 7, 4], seed=14)]
@@ -106,7 +102,7 @@ def test_adapters_in_verify_steps(setups, monkeypatch):
     want = [hf_greedy(refs[lr.lora_path if lr else None], [p], 16)[0] for p, lr in zip(prompts, loras)]
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
     llm = LLM(str(base), enable_lora=True, max_loras=2, kv_cache_memory="8MiB", block_size=4, max_num_seqs=4,
-              speculative_config=spec)
+              speculative_config=spec, graphs_without_capture=True)
     replays = []
     replay = llm.engine.runner.graphs.replay
     llm.engine.runner.graphs.replay = lambda size, splits, q=1: (replays.append(q), replay(size, splits, q))[1]

@@ -188,8 +188,7 @@ def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch
     prompts = _prompts() * 2
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = _run(LLM(str(model_dir), **ENGINE), prompts, params)
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
-    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC, max_num_seqs=8)
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC, max_num_seqs=8, graphs_without_capture=True)
     graphs = llm.engine.runner.graphs
     assert graphs.verify_len == 5 and graphs.verify_sizes == [1, 2, 4, 8]
     replays = []
@@ -221,10 +220,9 @@ def test_draft_model_keeps_greedy_output(model_dir, tmp_path, graphs, monkeypatc
     and a second, different checkpoint of the same vocabulary (mostly wrong); greedy
     output is plain decoding's either way, with stop tokens, max_tokens inside an
     accepted run and preemption, and the blocks all come back."""
-    if graphs:
-        monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")
+    graph_path = {"graphs_without_capture": True} if graphs else {}
     prompts = _prompts()
-    plain = LLM(str(model_dir), **ENGINE)
+    plain = LLM(str(model_dir), **ENGINE, **graph_path)
     eos = _run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0][0][7]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
@@ -237,7 +235,7 @@ def test_draft_model_keeps_greedy_output(model_dir, tmp_path, graphs, monkeypatc
                           (model_dir, dict(num_gpu_blocks_override=24, max_model_len=512, block_size=4,
                                            max_num_batched_tokens=48))]:  # preemption mid-speculation
         spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % draft
-        llm = LLM(str(model_dir), **engine, speculative_config=spec)
+        llm = LLM(str(model_dir), **engine, speculative_config=spec, **graph_path)
         assert _run(llm, prompts, params) == want
         assert llm.engine.scheduler.spec.num_draft_tokens > 20
         pool = llm.engine.scheduler.kv.pool
@@ -246,7 +244,7 @@ def test_draft_model_keeps_greedy_output(model_dir, tmp_path, graphs, monkeypatc
     # Its own draft, on plain greedy rows (no penalties to make the target choose otherwise):
     # the proposals are the target's own tokens.
     spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % model_dir
-    llm = LLM(str(model_dir), **ENGINE, speculative_config=spec)
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=spec, **graph_path)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     assert _run(llm, prompts, greedy) == _run(plain, prompts, greedy)
     stats = llm.engine.scheduler.spec

@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.step_plan import StepPlan
 
 
 def _reference(out, bs: int):
@@ -54,7 +55,7 @@ def test_step_inputs_match_a_per_token_construction(tiny_llama_dir):
                 assert sample_idx.tolist() == want[6] and sample_idx.dtype == torch.long
                 assert (ids.dtype, pos.dtype, meta.slot_mapping.dtype) == (torch.long,) * 3
                 assert meta.block_tables.dtype == meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
-                sampled, logprobs = engine.runner.execute(out)
+                sampled, logprobs = engine.runner.run(out, StepPlan()).result()  # eager
                 engine.scheduler.update_from_output(out, sampled, logprobs)
                 steps += 1
             else:

@@ -114,8 +114,7 @@ def test_preemption_and_overlapped_steps_keep_the_matcher_on_the_tokens(model_di
     # Overlapped steps: the decode-graph path run eagerly; constrained rows are scheduled
     # ahead too, their masks filled once the tokens in flight are taken (while the step
     # ahead's forward runs), and the seeded row draws as it would one step at a time.
-    overlapped = LLM(str(model_dir), **ENGINE, async_scheduling=True)
-    overlapped.engine.runner.graphs = overlapped.engine.runner.build_decode_graphs(use_graphs=False)
+    overlapped = LLM(str(model_dir), **ENGINE, async_scheduling=True, graphs_without_capture=True)
     assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)] == want
     assert overlapped.engine.num_steps_ahead_total > 10
     only_constrained = overlapped.generate(prompts[3], params[3])[0].outputs[0].token_ids
@@ -138,10 +137,8 @@ def test_mixed_step_graphs_keep_the_matcher_on_the_tokens(model_dir, monkeypatch
     kw = dict(**ENGINE, max_num_batched_tokens=32, max_num_seqs=4)
     want = [o.outputs[0].token_ids for o in LLM(str(model_dir), **kw).generate(prompts, params)]
     monkeypatch.setenv("PDSERVE_MIXED_GRAPHS", "8,16,32")
-    llm = LLM(str(model_dir), **kw, async_scheduling=True)
+    llm = LLM(str(model_dir), **kw, async_scheduling=True, graphs_without_capture=True, overlap_mixed_steps=True)
     runner = llm.engine.runner
-    runner.graphs = runner.build_decode_graphs(use_graphs=False)
-    runner.overlap_mixed = True
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert runner.graphs.num_mixed_replays > 0 and llm.engine.num_steps_ahead_total > 5
     assert llm.engine.grammars.num_requests == 0

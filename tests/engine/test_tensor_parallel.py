@@ -89,11 +89,10 @@ def test_tp2_decode_graph_steps_share_rank0s_inputs(tiny_llama_dir, monkeypatch)
     sends which graph and its input buffers, every rank places the block tables and runs it;
     the tokens are one rank's. Sampled rows of different lengths exercise padding and the
     block tables' width."""
-    monkeypatch.setenv("PDSERVE_DECODE_GRAPHS", "eager")  # read by every rank's runner
     sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 2
     kw = dict(KW, block_size=4, max_num_seqs=6)
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, graphs_without_capture=True, **kw)  # every rank's
     try:
         runner = llm.engine.runner
         assert runner.graphs is not None and not runner.graphs.use_graphs
@@ -101,7 +100,6 @@ def test_tp2_decode_graph_steps_share_rank0s_inputs(tiny_llama_dir, monkeypatch)
         assert runner.graphs.num_replays > 0
     finally:
         llm.engine.close()
-    monkeypatch.delenv("PDSERVE_DECODE_GRAPHS")
     one = LLM(str(tiny_llama_dir), **kw)
     assert one.engine.runner.graphs is None
     assert got == [o.outputs[0].token_ids for o in one.generate(PROMPTS, sp)]

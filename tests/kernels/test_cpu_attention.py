@@ -227,7 +227,7 @@ import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
 from kernels import cpu_attention
 t0 = time.monotonic()
-loaded = cpu_attention.extension() is not None
+loaded = cpu_attention.extension(float(sys.argv[1]) if len(sys.argv) > 1 else None) is not None
 print(json.dumps({"loaded": loaded, "reason": cpu_attention.unavailable_reason(), "seconds": time.monotonic() - t0}))
 """
 # A build's lock as torch's FileBaton takes it (O_CREAT | O_EXCL, kept open while it builds).
@@ -244,7 +244,6 @@ def _built_copy(tmp_path):
     dst = tmp_path / "ext" / cpu_attention._NAME
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=REPO)
-    env.pop(cpu_attention.BUILD_TIMEOUT_ENV, None)
     return env, str(dst / "lock")
 
 
@@ -254,9 +253,10 @@ def _hold_lock(lock: str) -> subprocess.Popen:
     return holder
 
 
-def _load_in_child(env: dict, timeout: float) -> tuple[dict, list[str]]:
-    child = subprocess.run([sys.executable, "-c", LOAD_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+def _load_in_child(env: dict, timeout: float, build_timeout: float | None = None) -> tuple[dict, list[str]]:
+    args = [] if build_timeout is None else [str(build_timeout)]
+    child = subprocess.run([sys.executable, "-c", LOAD_CHILD, *args], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=timeout)
     assert child.returncode == 0, child.stderr[-3000:]
     lines = child.stdout.strip().splitlines()
     return json.loads(lines[-1]), lines[:-1]
@@ -279,13 +279,12 @@ def test_a_stale_build_lock_left_by_a_killed_build_is_removed_and_the_load_compl
 
 def test_a_build_lock_held_by_a_live_process_is_waited_for_within_the_limit_then_the_reference_runs(ext, tmp_path):
     """A lock a live process holds is not removed: the load waits for it at most
-    $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT seconds, then the references run, and one log line
-    says why (the lock, its holder)."""
+    the build timeout (PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT, which the engine passes on), then
+    the references run, and one log line says why (the lock, its holder)."""
     env, lock = _built_copy(tmp_path)
-    env[cpu_attention.BUILD_TIMEOUT_ENV] = "2"
     holder = _hold_lock(lock)
     try:
-        result, logged = _load_in_child(env, timeout=120)
+        result, logged = _load_in_child(env, timeout=120, build_timeout=2)
     finally:
         holder.kill()
         holder.wait()
@@ -341,7 +340,7 @@ def test_the_engine_loads_it_at_start_up_not_in_its_first_step(ext, tmp_path, mo
     loads = []
     monkeypatch.delitem(cpu_attention._state, "module")
     monkeypatch.delitem(cpu_attention._state, "reason")
-    monkeypatch.setattr(cpu_attention, "_load", lambda: loads.append(1) or (ext, None))
+    monkeypatch.setattr(cpu_attention, "_load", lambda timeout: loads.append(timeout) or (ext, None))
     LLM(str(make_tiny_model(tmp_path / "tiny", seed=5)), dtype="float32", device="cpu", block_size=4,
         kv_cache_memory="2MiB")
-    assert loads == [1] and cpu_attention._state["module"] is ext
+    assert loads == [cpu_attention.DEFAULT_BUILD_TIMEOUT_S] and cpu_attention._state["module"] is ext
