@@ -36,7 +36,7 @@ from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
 from gateway.tool_parsers import get_parser
 from pdserve.v1 import gateway_pb2
-from rpc import tls, tracing
+from rpc import ports, tls, tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger("gateway")
@@ -64,7 +64,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(_serve(cfg, inputs))
-    except OSError as e:  # a port already in use
+    except ports.PortUnavailable as e:  # a port already in use: one line, the flag that changes it
+        print(f"pdserve gateway: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
         logger.error("gateway: %s", e)
         return 1
     finally:
@@ -130,7 +133,8 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
     parser = get_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice)
-    rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE], internal=False)
+    rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE], internal=False,
+                    port_flag="--grpc-port")
     add_gateway_servicer(GatewayServicer(service, cfg.api_key, cfg.max_request_body), rpc.server)
     sock = _bind(cfg.host, cfg.http_port)
     app = create_app(service, cfg.api_key, cfg.max_request_body)
@@ -197,12 +201,13 @@ class _HttpServer(uvicorn.Server):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket (bound here so that port 0 works and a busy port is an OSError)."""
+    """A listening socket (bound here so that port 0 works and a busy port is a
+    ``PortUnavailable`` naming --http-port); no SO_REUSEPORT: one port, one server."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048, reuse_port=False)
     except OSError as e:
-        raise OSError(f"cannot bind the HTTP server to {join_host_port(host, port)}: {e.strerror or e}") from e
+        raise ports.PortUnavailable("HTTP", host.strip("[]"), port, "--http-port", e) from None
 
 
 def _setup_logging() -> None:

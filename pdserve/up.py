@@ -8,6 +8,13 @@ the gateway routes around it. Ctrl-C (or SIGTERM) stops them all
 gracefully; children also die with this process (PR_SET_PDEATHSIG), so none
 is orphaned even if it is killed.
 
+Before it starts anything it checks every port the cluster will listen on
+(the gateway's HTTP and gRPC ports, each engine server's gRPC port and its
+metrics port, gRPC + 1000): if one is taken (another cluster, say) it lists
+which, with the flag that moves each, and exits 1 having started nothing.
+Should a server still fail to start (a port taken meanwhile), the others are
+stopped first and the reason printed last.
+
 Every server's output is shown prefixed with its name, as docker compose
 does (``prefill-0 | ...``); its stdout goes to ours and its stderr (the
 logs) to ours. A server counts as ready once it answers health checks and
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -29,7 +37,7 @@ import urllib.request
 from engine.config import EngineArgs
 from gateway.config import add_chat_args
 from prefill_service.flags import add_kv_send_args
-from rpc import tls, tracing
+from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
 from rpc.local_redis import LocalRedis
 
@@ -125,6 +133,46 @@ def _spawn(argv: list[str], threads: int | None = None, extra_env: dict[str, str
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
 
 
+def planned_ports(args: argparse.Namespace) -> list[tuple[int, str, str]]:
+    """Every port the cluster will listen on: (port, what listens, the flag that moves it).
+    (Redis, the KV pairs' and the tensor-parallel groups' stores take ports the OS picks.)"""
+    out = [(args.http_port, "gateway HTTP", "--http-port"), (args.grpc_port, "gateway gRPC", "--grpc-port")]
+    n_prefill = 0 if args.prefill_mode == "local" else args.prefill
+    for role, first, count, flag in (("prefill", args.prefill_port, n_prefill, "--prefill-port"),
+                                     ("decode", args.decode_port, args.decode, "--decode-port")):
+        for i in range(count):
+            out.append((first + i, f"{role}-{i} gRPC", flag))
+        for i in range(count):
+            out.append((first + i + 1000, f"{role}-{i} metrics", flag))
+    return [p for p in out if p[0] != 0]  # 0: any free port
+
+
+def port_problems(args: argparse.Namespace) -> list[str]:
+    """One line per port the cluster cannot listen on now, or planned for two servers."""
+    problems, seen = [], {}
+    for port, what, flag in planned_ports(args):
+        if not 0 < port <= 65535:
+            problems.append(f"  {port:<5}  {what}: not a port; change {flag}")
+        elif port in seen:
+            other, other_flag = seen[port]
+            problems.append(f"  {port:<5}  {what}: planned for {other} too; change {flag} or {other_flag}")
+        else:
+            seen[port] = (what, flag)
+            error = ports.bind_error(args.host, port)
+            if error is not None:
+                why = "in use" if error.errno == errno.EADDRINUSE else (error.strerror or str(error))
+                problems.append(f"  {port:<5}  {what}: {why}; change {flag}")
+    return problems
+
+
+def ports_message(host: str, problems: list[str], started: bool) -> str:
+    head = (f"pdserve: error: cannot listen on these ports of {host} "
+            f"({'the servers were stopped' if started else 'nothing was started'}):")
+    foot = (["  (an engine server's metrics port is its gRPC port + 1000)"]
+            if any(" metrics:" in line for line in problems) else [])
+    return "\n".join([head, *problems, *foot])
+
+
 class ServerOutput:
     """Copies one server's stdout and stderr to ours, each line prefixed with
     its name, and notes when the server printed its ready line."""
@@ -132,6 +180,7 @@ class ServerOutput:
     def __init__(self, name: str, kind: str, proc: subprocess.Popen, width: int) -> None:
         self.name = name
         self.ready = threading.Event()
+        self.last_error_line = ""  # the last line of its stderr (why it exited, when it did)
         self._prefix = f"{name:<{width}} | "
         self._ready_line = _READY_PREFIX[kind]
         self._echo_ready = kind != "gateway"  # the gateway logs its ready line as well
@@ -144,6 +193,8 @@ class ServerOutput:
     def _pump(self, stream, to_stderr: bool) -> None:
         for line in stream:
             line = line.rstrip("\n")
+            if to_stderr and line.strip():
+                self.last_error_line = line.strip()
             is_ready = not to_stderr and line.startswith(self._ready_line)
             if not is_ready or self._echo_ready:
                 say(self._prefix + line, file=sys.stderr if to_stderr else None)
@@ -280,9 +331,11 @@ class Cluster:
         return None
 
     def dead(self) -> str | None:
-        for name, p in self.procs:
+        for (name, p), out in zip(self.procs, self.outputs):
             if p.poll() is not None:
-                return f"{name} exited with code {p.returncode}"
+                out.join(timeout=2.0)  # its last lines, for the reason
+                last = f": {out.last_error_line}" if out.last_error_line else ""
+                return f"{name} exited with code {p.returncode}{last}"
         return None
 
     def wait_ready(self) -> None:
@@ -317,6 +370,9 @@ class Cluster:
 
 
 def main(args: argparse.Namespace) -> int:
+    if problems := port_problems(args):  # before anything starts (or converts the default model)
+        say(ports_message(args.host, problems, started=False), file=sys.stderr)
+        return 1
     if args.model is None:  # convert the embedded model once, before three processes want it
         from engine.model_files import ensure_default_model
 
@@ -324,6 +380,7 @@ def main(args: argparse.Namespace) -> int:
     tls.configure(args)  # our own readiness probes speak it too
     cluster = Cluster(args)
     stop = {"signal": None}
+    failure: str | None = None
 
     def on_signal(signum, _frame):
         stop["signal"] = signum
@@ -355,9 +412,13 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("pdserve: stopping...")
         return 0
-    except RuntimeError as exc:
-        say(f"pdserve: {exc}", file=sys.stderr)
+    except RuntimeError as exc:  # a server failed to start: reported below, once the others stopped
+        failure = str(exc)
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
+        if failure is not None:  # last on the screen, after every server's own last lines
+            problems = port_problems(args)  # a port taken since the check (our servers' are free again)
+            say(ports_message(args.host, problems, started=True) if problems else f"pdserve: {failure}",
+                file=sys.stderr)

@@ -6,16 +6,20 @@ counts are recorded by the server as they happen.
 """
 from __future__ import annotations
 
-from typing import Iterator
-
+import socket
+import threading
 import time
+from typing import Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from engine.kv_transfer import TransferStats
 from engine.llm_engine import LLMEngine
+from rpc.ports import PortUnavailable, join
 
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -123,8 +127,51 @@ class EngineMetrics:
         self.kv_bytes.labels(**self._labels, backend=stats.backend).inc(stats.num_bytes)
         self.kv_seconds.labels(**self._labels, backend=stats.backend).observe(stats.seconds)
 
-    def serve(self, host: str, port: int, advertise_host: str) -> str:
-        """Start the /metrics HTTP endpoint; returns its URL."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.url = f"http://{advertise_host}:{server.server_port}/metrics"
+
+
+class _Forward(Collector):
+    """Another registry's metrics, as one collector of the endpoint's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator:
+        return self.registry.collect()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # no access log
+        pass
+
+
+class MetricsEndpoint:
+    """An engine server's Prometheus /metrics HTTP endpoint. It listens from the server's
+    start, before the model loads, so that a port in use fails the start at once (a
+    ``PortUnavailable`` naming --metrics-port), and serves an empty page until ``attach``."""
+
+    def __init__(self, host: str, port: int, advertise_host: str) -> None:
+        self.registry = CollectorRegistry()
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+            class Server(ThreadingWSGIServer):
+                address_family = family
+                allow_reuse_port = False  # one port, one server (newer Pythons' HTTPServer sets it)
+
+            self._server = make_server(host, port, make_wsgi_app(self.registry), Server,
+                                       handler_class=_QuietHandler)
+        except OSError as exc:
+            raise PortUnavailable("metrics", host, port, "--metrics-port", exc,
+                                  hint=" (0 turns the metrics endpoint off)") from None
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
+        self.url = f"http://{join(advertise_host, self._server.server_port)}/metrics"
+
+    def attach(self, metrics: EngineMetrics) -> str:
+        """Serve ``metrics`` from now on; returns the URL."""
+        self.registry.register(_Forward(metrics.registry))
+        metrics.url = self.url
         return self.url
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

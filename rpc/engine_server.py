@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 import time
 from typing import Protocol
 
@@ -21,8 +22,8 @@ from rpc.convert import lora_to_proto
 from rpc.cache_feed import CacheEventFeed, CacheEventsServicer
 from rpc.engine_bridge import EngineBridge
 from rpc.prefix_index import RedisIndexPublisher
-from rpc.engine_metrics import EngineMetrics
-from rpc import tls, tracing
+from rpc.engine_metrics import EngineMetrics, MetricsEndpoint
+from rpc import ports, tls, tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,12 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     tracing.init_tracing(f"pdserve-{role}", otlp_endpoint=getattr(args, "otlp_traces_endpoint", None),
                          traces_file=getattr(args, "traces_file", None))
     cache_events = CacheEventsServicer()
-    rpc = RpcServer(f"{args.host}:{args.port}", [service.name, cache_events.name])
+    try:  # both ports first, before anything slow: a port in use fails the start at once
+        rpc = RpcServer(ports.join(args.host, args.port), [service.name, cache_events.name], port_flag="--port")
+        endpoint = _metrics_endpoint(args, rpc.port)
+    except ports.PortUnavailable as exc:
+        print(f"pdserve {role}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     service.register(rpc.server)
     engine_pb2_grpc.add_CacheEventsServicer_to_server(cache_events, rpc.server)
     rpc.install_signal_handlers()
@@ -189,14 +195,12 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
         engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine.from_engine_args, engine_args)
     except BaseException:  # a bad flag or a failed load: stop the server inside its loop, then report
         await rpc.server.stop(grace=None)
+        if endpoint is not None:
+            endpoint.close()
         raise
     metrics = EngineMetrics(engine, role)
-    if args.metrics_port != 0:
-        port = args.port + 1000 if args.metrics_port < 0 else args.metrics_port
-        try:
-            logger.info("metrics on %s", metrics.serve(args.host, port, advertise_host(args)))
-        except OSError as exc:  # metrics are auxiliary: serve without them rather than fail
-            logger.warning("cannot serve metrics on port %d (%s); use --metrics-port", port, exc)
+    if endpoint is not None:
+        logger.info("metrics on %s", endpoint.attach(metrics))
     service.attach(engine, address, metrics)
     publisher = _start_cache_feed(service, cache_events, engine, address, getattr(args, "redis_url", None))
     await rpc.set_serving(True)
@@ -218,6 +222,19 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
             publisher.stop()
         service.close()
         engine.close()  # tensor-parallel workers
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _metrics_endpoint(args: argparse.Namespace, grpc_port: int) -> MetricsEndpoint | None:
+    """The /metrics endpoint on --metrics-port (default: the gRPC port + 1000; 0: none)."""
+    if args.metrics_port == 0:
+        return None
+    port = grpc_port + 1000 if args.metrics_port < 0 else args.metrics_port
+    if not 0 < port <= 65535:
+        raise ValueError(f"--metrics-port {port} is not a port (the default is the gRPC port + 1000; "
+                         "0 turns the endpoint off)")
+    return MetricsEndpoint(args.host, port, advertise_host(args))
 
 
 def _start_cache_feed(service: EngineService, cache_events: CacheEventsServicer, engine: LLMEngine,

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rpc import tls, tracing
+from rpc import ports, tls, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,9 @@ SERVER_OPTIONS = [
     # Let clients keep idle channels open with keepalive pings.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # One port, one server: grpcio's default SO_REUSEPORT would let a second server bind a
+    # port already served, beside the first, and the kernel spread connections over both.
+    ports.EXCLUSIVE,
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -35,9 +38,12 @@ CHANNEL_OPTIONS = [
 class RpcServer:
     """Owns one grpc.aio server, its health servicer and its lifecycle."""
 
-    def __init__(self, address: str, service_names: Iterable[str], internal: bool = True) -> None:
+    def __init__(self, address: str, service_names: Iterable[str], internal: bool = True,
+                 port_flag: str = "--port") -> None:
         """``internal``: a port for other pdserve processes, mutual TLS when
-        ``rpc.tls`` is configured; the gateway's client-facing port is not."""
+        ``rpc.tls`` is configured; the gateway's client-facing port is not.
+        A port that cannot be bound (in use) raises ``ports.PortUnavailable``
+        naming ``port_flag``, the flag that changes it."""
         self.service_names = list(service_names)
         # A SERVER span per request-carrying call under the caller's
         # traceparent (none when tracing is off; see rpc/tracing.py).
@@ -48,9 +54,8 @@ class RpcServer:
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.server)
-        self.port = tls.add_port(self.server, address) if internal else self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {address}")
+        add = (lambda a: tls.add_port(self.server, a)) if internal else self.server.add_insecure_port
+        self.port = ports.add_grpc_port(add, address, "gRPC", port_flag)
         self._stop = asyncio.Event()
 
     async def set_serving(self, serving: bool) -> None:
