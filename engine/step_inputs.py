@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from engine.layers.attention import AttentionMetadata
+from engine.sampler import to_device
 from engine.scheduler import ScheduledRequest
 
 
@@ -48,3 +51,19 @@ def step_arrays(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepA
     sample_idx = [p for i, s in enumerate(scheduled) if s.samples
                   for p in (range(int(qsl[i]), int(qsl[i + 1])) if s.draft_token_ids else (int(qsl[i + 1]) - 1,))]
     return StepArrays(ids, positions, slots, tables, qsl, ends, counts, sample_idx)
+
+
+def device_inputs(a: StepArrays, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(input ids, positions, attention metadata, sampled positions) of an eager step on the
+    device. Through pinned memory: from pageable memory the copy may wait for the stream, and
+    with steps overlapped the step before is still on it. The sampled positions go up as a
+    device index: indexing the hidden states with a Python list copies it to the device
+    synchronously, making the host wait for the whole forward pass."""
+    def up(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(torch.from_numpy(x).to(dtype), device)
+
+    meta = AttentionMetadata(slot_mapping=up(a.slots, torch.long), block_tables=up(a.tables, torch.int32),
+                             query_start_loc=up(a.query_start_loc, torch.int32), seq_lens=up(a.seq_lens, torch.int32))
+    rows = up(np.asarray(a.sample_idx, dtype=np.int64), torch.long)
+    return up(a.ids, torch.long), up(a.positions, torch.long), meta, rows

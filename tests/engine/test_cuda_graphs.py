@@ -15,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.cuda_graphs import DecodeInputs, capture_sizes
+from engine.graph_setup import build_decode_graphs
 from engine.planner import decode_graph, is_pure_decode, padded_size, plan_step
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -97,7 +98,7 @@ def test_buffers_match_the_eager_inputs(tiny_llama_dir):
     llm = _decoding_engine(tiny_llama_dir, 3)
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: eager, as before
-    graphs = runner.build_decode_graphs(use_graphs=False)
+    graphs = build_decode_graphs(runner, use_graphs=False)
     out = llm.engine.scheduler.schedule()
     assert is_pure_decode(out.scheduled) and len(out.scheduled) == 3
     ids_e, pos_e, meta_e, sample_idx = runner._prepare(out)
@@ -144,7 +145,7 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
         logits = replay(*step)
         scheduled = pending.pop()  # the same step eagerly: the KV it rewrites is identical
         ids, pos, meta, idx = runner._prepare(SchedulerOutput(scheduled=scheduled))
-        ref = runner._forward_logits(ids, pos, runner.kv_cache, meta)[idx]
+        ref = runner.forward_logits(ids, pos, runner.kv_cache, meta)[idx]
         torch.testing.assert_close(logits[:len(scheduled)], ref, rtol=1e-5, atol=1e-5)
         seen.append(len(scheduled))
         return logits
@@ -167,7 +168,7 @@ def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):
 
 def test_the_planner_declines_what_no_graph_holds(tiny_llama_dir):
     llm = _decoding_engine(tiny_llama_dir, 3, max_num_seqs=6)
-    menu = llm.engine.runner.build_decode_graphs(use_graphs=False).menu
+    menu = build_decode_graphs(llm.engine.runner, use_graphs=False).menu
     small = StepRuntime(dataclasses.replace(menu, decode_sizes=(1, 2)))  # a batch of 3 is larger than any
     assert plan_step(llm.engine.scheduler.schedule().scheduled, small).path is StepPath.EAGER
     llm.engine.add_request("new", [4, 5, 6, 7], SamplingParams(max_tokens=2))
@@ -184,10 +185,10 @@ def test_a_batch_replays_the_split_variant_its_longest_context_fits(tiny_llama_d
 
     llm = _decoding_engine(tiny_llama_dir, 3, max_num_seqs=6)
     runner = llm.engine.runner
-    base = runner.build_decode_graphs(use_graphs=False)
+    base = build_decode_graphs(runner, use_graphs=False)
     assert base.variants[4] == [(runner.config.scheduler.max_model_len, None)]  # CPU: one, the kernel's choice
     variants = {s: [(10, 2), (400, 5)] for s in base.sizes}
-    graphs = DecodeGraphs(runner._forward_logits, runner.kv_cache, base.inputs, base.sizes, variants,
+    graphs = DecodeGraphs(runner.forward_logits, runner.kv_cache, base.inputs, base.sizes, variants,
                           use_graphs=False)
     scheduled = llm.engine.scheduler.schedule().scheduled
     longest = max(s.request.num_computed_tokens + 1 for s in scheduled)
@@ -217,7 +218,7 @@ def test_enforce_eager_flag(tiny_llama_dir):
     assert _parse(["--model", str(tiny_llama_dir), "--device", "cpu"]).create_engine_config().runtime.enforce_eager \
         is False
     # pdserve up hands the flag on to the engine servers it starts.
-    from pdserve.up import engine_flags
+    from pdserve.cli.up import engine_flags
 
     assert engine_flags(argparse.Namespace(enforce_eager=True)) == ["--enforce-eager"]
     assert engine_flags(argparse.Namespace(enforce_eager=False)) == []

@@ -128,7 +128,7 @@ def _compare_steps(engine: LLMEngine, num_steps: int) -> list[dict]:
             size = min(s for s in runner.graphs.sizes if s >= n)
             same_inputs = runner.graphs._forward(size, runner.graphs.last_splits)[:n]
             ids, pos, meta, idx = runner._prepare(out)
-            eager = runner._forward_logits(ids, pos, runner.kv_cache, meta)[idx]
+            eager = runner.forward_logits(ids, pos, runner.kv_cache, meta)[idx]
         assert runner.graphs.num_replays == replays + 1
         replay_diff = ((graph - same_inputs).norm() / same_inputs.norm()).item()
         assert replay_diff < 1e-3, replay_diff

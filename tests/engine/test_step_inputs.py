@@ -64,7 +64,7 @@ def test_step_inputs_match_a_per_token_construction(tiny_llama_dir):
 
 
 def test_a_gpu_share_must_be_free_at_start_up():
-    from engine.model_runner import check_free_memory
+    from engine.memory_profile import check_free_memory
 
     gib = 2 ** 30
     check_free_memory(100 * gib, 140 * gib, 0.7, "cuda:0")  # 98 GiB wanted, 100 free
