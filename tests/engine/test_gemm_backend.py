@@ -145,7 +145,8 @@ def test_graphs_under_a_blas_library_match_eager_bf16(tiny_llama_dir, monkeypatc
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.use_graphs
     assert torch.backends.cuda.preferred_blas_library() == before  # capture put it back
-    assert set(gb.chosen) == set(graphs.sizes), gb.chosen
+    # every graph, decode and mixed-step (keyed by its rows: a mixed bucket by its tokens)
+    assert set(gb.chosen) == set(graphs.sizes) | set(graphs.mixed_sizes), gb.chosen
     if setting == "cublaslt":
         assert set(gb.chosen.values()) == {"cublaslt"}
     _prefill(engine, _prompts(384, [3 + 11 * i for i in range(19)]), 8)  # 19 rows: the graph of 24
