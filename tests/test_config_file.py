@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pdserve.cli import BENCH, SUBCOMMANDS, build_parser, main
-from pdserve.config_file import with_config_files
+from pdserve.cli.config_file import with_config_files
 
 
 def _write(tmp_path: Path, name: str, settings) -> str:

@@ -31,7 +31,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from pdserve.cli import build_parser
-from pdserve.config_file import with_config_files
+from pdserve.cli.config_file import with_config_files
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"

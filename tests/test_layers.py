@@ -5,14 +5,18 @@ Layers, lowest first; a module may import its own package and the layers listed 
     pdserve.v1         generated gRPC stubs                   nothing of the project
     kernels            Triton launchers + references          nothing of the project
     engine             model, KV cache, scheduler             kernels
-    rpc                gRPC plumbing the servers share        engine, kernels, pdserve.v1
+    kv_transfer        KV pairs and the two KV roles          engine, kernels
+    rpc                gRPC plumbing the servers share        engine, kv_transfer, kernels, pdserve.v1
     gateway            the front end (no torch)               rpc, pdserve.v1
-    prefill_service,   the two engine servers                 engine, rpc, kernels, pdserve.v1
+    prefill_service,   the two engine servers                 engine, kv_transfer, rpc, kernels, pdserve.v1
     decode_service
-    cli                every pdserve.* module but pdserve.v1  everything but tests
-                       (pdserve/cli.py, up.py, trace.py, ... today; pdserve/cli/ or cli/ after the move)
+    cli                pdserve.cli: up, trace, --config       everything but tests
     bench              benchmarks                             everything but tests
     tests                                                     everything
+
+The ``pdserve`` package holds only the stubs (pdserve.v1) and the CLI (pdserve.cli); its
+``__init__`` belongs with the stubs and imports nothing, so a service that imports the stubs
+does not run the CLI's code. Every module of a top-level package has a layer.
 
 So nothing but the CLI, bench and the tests imports the CLI or bench. Every import the
 parser sees counts, wherever it is: at module level, inside a function (a lazy import
@@ -45,16 +49,19 @@ LAYERS: dict[str, frozenset[str]] = {
     "pdserve.v1": frozenset(),
     "kernels": frozenset(),
     "engine": frozenset({"kernels"}),
-    "rpc": frozenset({"engine", "kernels", "pdserve.v1"}),
+    # the KV pairs and the two roles of KV transfer: below the services and rpc, above the
+    # engine, whose value objects and named operations it uses (the engine never imports it)
+    "kv_transfer": frozenset({"engine", "kernels"}),
+    "rpc": frozenset({"engine", "kv_transfer", "kernels", "pdserve.v1"}),
     "gateway": frozenset({"rpc", "pdserve.v1"}),
-    "prefill_service": frozenset({"engine", "rpc", "kernels", "pdserve.v1"}),
-    "decode_service": frozenset({"engine", "rpc", "kernels", "pdserve.v1"}),
-    "cli": frozenset({"pdserve.v1", "kernels", "engine", "rpc", "gateway", "prefill_service", "decode_service",
-                      "bench"}),
-    "bench": frozenset({"pdserve.v1", "kernels", "engine", "rpc", "gateway", "prefill_service", "decode_service",
-                        "cli"}),
-    "tests": frozenset({"pdserve.v1", "kernels", "engine", "rpc", "gateway", "prefill_service", "decode_service",
-                        "cli", "bench"}),
+    "prefill_service": frozenset({"engine", "kv_transfer", "rpc", "kernels", "pdserve.v1"}),
+    "decode_service": frozenset({"engine", "kv_transfer", "rpc", "kernels", "pdserve.v1"}),
+    "cli": frozenset({"pdserve.v1", "kernels", "engine", "kv_transfer", "rpc", "gateway", "prefill_service",
+                      "decode_service", "bench"}),
+    "bench": frozenset({"pdserve.v1", "kernels", "engine", "kv_transfer", "rpc", "gateway", "prefill_service",
+                        "decode_service", "cli"}),
+    "tests": frozenset({"pdserve.v1", "kernels", "engine", "kv_transfer", "rpc", "gateway", "prefill_service",
+                        "decode_service", "cli", "bench"}),
 }
 
 # (importing module, imported module) -> why it is allowed for now
@@ -83,19 +90,14 @@ KNOWN_CLIMBS: dict[tuple[str, str], str] = {
 }
 
 # the modules of one circle -> why it is allowed for now
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # trace.py imports render_html lazily for --html; trace_html.py imports Trace and
-    # ttft_breakdown back. Broken when the CLI moves into its package.
-    frozenset({"pdserve.trace", "pdserve.trace_html"}): "pdserve trace <-> its HTML renderer",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def layer_of(module: str) -> str | None:
     top = module.split(".")[0]
-    if module == "pdserve.v1" or module.startswith("pdserve.v1."):
-        return "pdserve.v1"
-    if top in ("pdserve", "cli"):  # pdserve/cli.py, up.py, ... today; pdserve/cli/ (or cli/) after the move
-        return "cli"
+    if top == "pdserve":  # pdserve/__init__.py and pdserve/v1/: the stubs; pdserve/cli/: the CLI
+        second = module.split(".")[1] if "." in module else None
+        return {None: "pdserve.v1", "v1": "pdserve.v1", "cli": "cli"}.get(second)
     return top if top in LAYERS else None
 
 
@@ -236,6 +238,18 @@ def test_every_package_has_a_layer():
     if missing:
         pytest.fail(f"top-level packages with no layer (add them to LAYERS in {Path(__file__).name}): {missing}",
                     pytrace=False)
+    # e.g. a module written into pdserve/ beside the stubs instead of into pdserve/cli/
+    stray = sorted(m for m in _modules() if layer_of(m) is None)
+    if stray:
+        pytest.fail(f"modules with no layer: {stray}", pytrace=False)
+
+
+def test_pdserve_init_imports_nothing():
+    """rpc/ and the services import pdserve.v1, which runs pdserve/__init__.py first."""
+    path, _ = _modules()["pdserve"]
+    imports = [ast.unparse(n) for n in ast.walk(ast.parse(path.read_text()))
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports == [], f"{path.relative_to(REPO)} imports {imports}"
 
 
 def test_imports_only_go_down():

@@ -112,7 +112,7 @@ def test_restart_backoff_doubles_and_the_count_resets_once_a_server_stayed_up(mo
     """The supervisor's policy on a fake clock (the servers are plain processes that live
     until killed): restart 1 s, 2 s, 4 s after each death, give up past --max-restarts, and
     count again from zero once a restarted server has stayed up for a minute."""
-    from pdserve import up as up_module
+    from pdserve.cli import up as up_module
     from pdserve.cli import build_parser
 
     clock = _Clock()

@@ -213,7 +213,7 @@ def test_lora_flags_parse_and_travel(tmp_path):
 
     from engine.config import EngineArgs
     from engine.lora.config import parse_lora_module
-    from pdserve.up import engine_flags
+    from pdserve.cli.up import engine_flags
 
     assert parse_lora_module("sql=/models/sql-lora") == ("sql", "/models/sql-lora")
     assert parse_lora_module('{"name": "sql", "path": "/m/sql", "base_model_name": "x"}') == ("sql", "/m/sql")

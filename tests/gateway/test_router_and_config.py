@@ -192,7 +192,7 @@ def test_bad_flags(argv, fragment, monkeypatch):
 
 def test_chat_and_tool_flags_reach_the_gateway_through_pdserve_up():
     from pdserve.cli import build_parser
-    from pdserve.up import Cluster
+    from pdserve.cli.up import Cluster
 
     flags = ["--chat-template", "t.jinja", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
     argv = Cluster(build_parser("up").parse_args(["up", *flags])).gateway_argv()

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from pdserve import trace as trace_cli
-from pdserve.trace_html import render_html
+from pdserve.cli import trace_model
+from pdserve.cli.trace_html import render_html
 from tests.tracing.trace_samples import write_sample_file
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -28,10 +28,10 @@ def _load(page) -> tuple[str, str]:
 
 
 def test_page_loads_without_errors_and_its_script_runs(tmp_path):
-    traces = trace_cli.load_file(str(write_sample_file(tmp_path / "t.jsonl")))
+    traces = trace_model.load_file(str(write_sample_file(tmp_path / "t.jsonl")))
     page = tmp_path / "trace.html"
-    page.write_text(render_html([trace_cli.find_request(traces, "cmpl-a")[0]]
-                                + trace_cli.slowest(traces.values(), 2)))
+    page.write_text(render_html([trace_model.find_request(traces, "cmpl-a")[0]]
+                                + trace_model.slowest(traces.values(), 2)))
     dom, log = _load(page)
     assert re.findall(r"CONSOLE[^\n]*", log) == []
     assert 'data-ready="true"' in dom

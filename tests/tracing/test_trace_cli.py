@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import trace as trace_cli
 from pdserve.cli import main as pdserve_main
+from pdserve.cli import trace as trace_cli
+from pdserve.cli import trace_model
 from tests.tracing.trace_samples import CALLER_SPAN, sample_spans, write_sample_file
 
 
@@ -72,9 +73,9 @@ def test_waterfall_of_a_request(capsys, traces_file):
 
 
 def test_ttft_breakdown_with_engine_spans(traces_file):
-    t = trace_cli.find_request(trace_cli.load_file(str(traces_file)), "cmpl-a")[0]
+    t = trace_model.find_request(trace_model.load_file(str(traces_file)), "cmpl-a")[0]
     assert t.ttft_ms == 120.0
-    assert [(n, round(ms, 6)) for n, ms in trace_cli.ttft_breakdown(t)] == [
+    assert [(n, round(ms, 6)) for n, ms in trace_model.ttft_breakdown(t)] == [
         ("gateway", 5.0), ("decode reservation", 2.0), ("prefill queue", 10.0), ("prefill compute", 64.0),
         ("KV transfer", 25.0), ("first decode step", 9.0), ("rest", 5.0)]
 
@@ -116,15 +117,15 @@ def test_an_incomplete_trace_is_said_to_be_and_draws_no_breakdown(capsys, traces
     assert "time to first token: not known yet (no breakdown" in out and "produced no token" not in out
     # Engine spans with no gateway request span at all: the request's id is not known.
     engine_only = [s for s in spans if s["service"] != "pdserve-gateway"]
-    traces = trace_cli.group_traces(trace_cli.Span.from_record(r) for r in engine_only)
+    traces = trace_model.group_traces(trace_model.Span.from_record(r) for r in engine_only)
     assert "the gateway's request span" in trace_cli.render_incomplete(traces["a" * 32])
 
 
 def test_lookup_by_internal_id_and_trace_id(traces_file):
-    traces = trace_cli.load_file(str(traces_file))
-    assert [t.trace_id for t in trace_cli.find_request(traces, "cmpl-c-x")] == ["c" * 32]
-    assert [t.request_id for t in trace_cli.find_request(traces, "B" * 32)] == ["cmpl-b"]
-    assert trace_cli.find_request(traces, "cmpl-zzz") == []
+    traces = trace_model.load_file(str(traces_file))
+    assert [t.trace_id for t in trace_model.find_request(traces, "cmpl-c-x")] == ["c" * 32]
+    assert [t.request_id for t in trace_model.find_request(traces, "B" * 32)] == ["cmpl-b"]
+    assert trace_model.find_request(traces, "cmpl-zzz") == []
 
 
 def test_unknown_request_and_missing_file(capsys, traces_file, tmp_path):
@@ -233,8 +234,8 @@ def test_jaeger_source_gives_the_same_output(capsys, traces_file, jaeger):
 def test_breakdown_counts_what_a_layer_wise_send_added_after_the_first_token(traces_file):
     """The prefill server reports its transfer's whole time (it overlapped the prompt's last
     chunk) and what it added after the first token: the breakdown counts the latter."""
-    t = trace_cli.find_request(trace_cli.load_file(str(traces_file)), "cmpl-e")[0]
+    t = trace_model.find_request(trace_model.load_file(str(traces_file)), "cmpl-e")[0]
     prefill_call = next(s for s in t.spans if s.name.endswith("Prefill/Prefill"))
     prefill_call.attributes.update({"pdserve.kv.seconds": 0.070, "pdserve.kv.seconds_after_first_token": 0.004})
-    rows = dict(trace_cli.ttft_breakdown(t))
+    rows = dict(trace_model.ttft_breakdown(t))
     assert rows["prefill compute"] == 60.0 and round(rows["KV transfer"], 3) == 4.0 and round(rows["rest"], 3) == 41.0

@@ -6,7 +6,18 @@
     pdserve trace REQUEST_ID | --slowest N   where a request's time went
 
 Every command takes ``--config FILE`` (YAML keyed by long flag names; the
-command line wins): see pdserve/config_file.py.
+command line wins): see config_file.py.
+
+The package sits above every other layer (it imports the services, the engine
+and bench; nothing but bench and the tests imports it):
+
+    __init__.py       the parser and ``main`` (the ``pdserve`` console script)
+    __main__.py       ``python -m pdserve.cli``
+    config_file.py    ``--config FILE``
+    up.py             ``pdserve up``: the local cluster
+    trace.py          ``pdserve trace``: the text waterfall and breakdown, the command
+    trace_html.py     ``pdserve trace --html``: the self-contained page
+    trace_model.py    spans, traces and the breakdown both renderers read
 """
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ import argparse
 import sys
 from typing import Callable
 
-from pdserve.config_file import add_config_flag, with_config_files
+from pdserve.cli.config_file import add_config_flag, with_config_files
 
 
 def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
@@ -25,11 +36,11 @@ def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Ca
 
 
 SUBCOMMANDS = {
-    "up": ("pdserve.up", "start gateway, prefill and decode servers as local processes"),
+    "up": ("pdserve.cli.up", "start gateway, prefill and decode servers as local processes"),
     "gateway": ("gateway.server", "run the gateway (OpenAI HTTP + gRPC)"),
     "prefill": ("prefill_service.server", "run a prefill server"),
     "decode": ("decode_service.server", "run a decode server"),
-    "trace": ("pdserve.trace", "show a request's spans: waterfall and time-to-first-token breakdown"),
+    "trace": ("pdserve.cli.trace", "show a request's spans: waterfall and time-to-first-token breakdown"),
 }
 BENCH = {
     "offline": ("bench.offline", "offline throughput vs transformers generate()"),
@@ -89,6 +100,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ import html
 import json
 from typing import Any
 
-from pdserve.trace import Trace, ttft_breakdown
+from pdserve.cli.trace_model import Trace, ttft_breakdown
 
 _SERVICE_COLOURS = {"pdserve-gateway": "#4e79a7", "pdserve-prefill": "#f28e2b", "pdserve-decode": "#59a14f"}
 _PHASE_COLOURS = {"gateway": "#4e79a7", "decode reservation": "#b07aa1", "prefill queue": "#edc948",
