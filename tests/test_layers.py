@@ -71,7 +71,7 @@ KNOWN_CLIMBS: dict[tuple[str, str], str] = {
     # chained block hash it routes by (it must equal the engine's), the tokenizer and
     # incremental detokenizer, the model's files and shape, a size parser. They belong in a
     # package below both the gateway and the engine; until that move,
-    # tests/test_gateway_imports.py keeps torch out of the gateway.
+    # tests/gateway/test_gateway_imports.py keeps torch out of the gateway.
     ("gateway.config", "engine.config"): "parse_size (--max-request-body)",
     ("gateway.lora", "engine.sampling_params"): "check_unicode",
     ("gateway.openai_protocol", "engine.sampling_params"): "SamplingParams",

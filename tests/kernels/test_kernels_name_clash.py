@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 OUR_KERNELS = REPO_ROOT / "kernels"
 
 

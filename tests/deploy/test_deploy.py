@@ -33,7 +33,7 @@ from packaging.utils import canonicalize_name
 from pdserve.cli import build_parser
 from pdserve.cli.config_file import with_config_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 BASE, OVERLAY, TP_OVERLAY = K8S / "base", K8S / "overlays" / "example", K8S / "overlays" / "tensor-parallel"
 CONFIG_DIR = BASE / "config"

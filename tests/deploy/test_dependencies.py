@@ -12,7 +12,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kernels", "rpc", "gateway", "prefill_service", "decode_service", "pdserve", "bench")
 
 

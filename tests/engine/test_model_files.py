@@ -24,7 +24,7 @@ from engine.model_files import (
     resolve_model_path,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = ".pdserve-complete-v1"
 
 
