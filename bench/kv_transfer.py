@@ -84,7 +84,7 @@ def _ids(tokens: int, layout: str) -> tuple[list[int], list[int]]:
 
 def _cases(cfg: dict[str, Any]) -> list[tuple[int, str, str, tuple[bool, int] | None, str]]:
     """The same list in both processes: (tokens, layout, plan name, plan, mode), raw first per size."""
-    from engine.kv_transfer import merge_runs
+    from kv_transfer import merge_runs
 
     cases: list[tuple[int, str, str, tuple[bool, int] | None, str]] = []
     for tokens in cfg["tokens"]:
@@ -144,7 +144,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.kv_transfer import KVLayout, KVReceiver, KVSender, WirePlan, merge_runs, plan_transfer
+    from kv_transfer import KVLayout, KVReceiver, KVSender, WirePlan, merge_runs, plan_transfer
 
     device = torch.device(cfg["devices"][0 if role == "prefill" else 1])
     torch.cuda.set_device(device)

@@ -11,7 +11,7 @@ ours.
 
 We keep only the pairs: at most one per prefill peer (a peer that opens a
 new channel replaces its old one once the new pair is set up, so a caller
-that fails the pair's authentication, see engine/kv_transfer/pair.py, cannot
+that fails the pair's authentication, see kv_transfer/pair.py, cannot
 tear down a working pair by naming its peer) and at most ``max_pairs`` in all,
 pairs still in setup included. (A prefill server that wants several transfers
 to us at once opens further pairs as peers ``ADDRESS#1``, ``ADDRESS#2``, ...) A pair whose setup fails, or that breaks, is
@@ -19,7 +19,7 @@ closed and forgotten, and its thread exits.
 
 A prefill engine with several tensor-parallel ranks sends every request in
 parts, one per rank, each over a pair of its own into this cache's share of
-the KV heads (``engine.parallel.kv_transfer_parts``). The parts of one
+the KV heads (``kv_transfer.tp_parts.kv_transfer_parts``). The parts of one
 request come together here: the first to arrive asks the engine to begin
 the receive, the others wait for its answer, and the engine hears once, when
 every part has ended (so no part still lands in blocks the engine freed), or
@@ -37,12 +37,13 @@ from typing import Callable
 
 import torch
 
-from engine.kv_transfer import KVReceiver, KVTransferError, TransferStats, check_compatible, choose_backend
-from engine.kv_transfer.rank_receivers import receive_part
 from engine.llm_engine import LLMEngine
 from engine.outputs import Logprobs
-from engine.parallel import kv_transfer_parts
-from engine.rank_calls import RankCallError, call, close_on_ranks, serve_calls
+from engine.rank_calls import RankCallError, call, serve_calls
+from kv_transfer import KVReceiver, KVTransferError, TransferStats, check_compatible, choose_backend
+from kv_transfer.layout import engine_layout
+from kv_transfer.rank_worker import install_rank_handlers
+from kv_transfer.tp_parts import close_on_ranks, kv_transfer_parts, receive_part
 from rpc.engine_bridge import EngineBridge
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import engine_pb2
@@ -58,7 +59,7 @@ class KVReceivers:
         self.kv_cache: torch.Tensor = engine.kv_cache  # rank 0's share of the heads under TP
         self.draft_cache: torch.Tensor | None = engine.draft_kv_cache  # a draft model's (one rank only)
         # The model's layout (every KV head), whatever share of them this process holds.
-        self.layout = engine.kv_layout
+        self.layout = engine_layout(engine)
         self.host = host
         self.timeout = timeout
         self.on_transfer = on_transfer
@@ -72,6 +73,7 @@ class KVReceivers:
         self._channels = itertools.count()
         self._lock = threading.Lock()
         self.tp = engine.tp if engine.tp is not None and engine.tp.size > 1 else None
+        self._ranks_ready = False  # the worker ranks' KV handlers installed
         if self.tp is not None:  # the workers' parts ask before landing and report how they ended
             serve_calls(self.tp.store, 0, {"kv_admit": self._parts.admit, "kv_ended": self._parts.ended,
                                            "kv_refused": self._parts.refused})
@@ -121,6 +123,9 @@ class KVReceivers:
                     local.append((receiver, name, heads))
                 else:
                     assert self.tp is not None
+                    if not self._ranks_ready:  # the worker ranks' KV handlers, installed once
+                        install_rank_handlers(self.tp, 2 * self.timeout)
+                        self._ranks_ready = True
                     key = f"{name}/{next(self._channels)}"  # a new channel's pair never shares a key
                     port = call(self.tp.store, part.dst_rank, "kv_listen", dict(
                         key=key, host=self.host, layout=layout.to_dict(), heads=list(part.dst_heads),

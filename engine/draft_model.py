@@ -21,7 +21,7 @@ the accepted proposals end. The scheduler takes blocks for all k positions first
 Across the tiers the draft's prefill is the prefill server's: there the draft runs
 every prompt chunk the target runs (``prefill``, before the target's forward pass, so
 the draft's KV is written when the target's last layer is), into the same block ids,
-and each KV transfer moves the same blocks of both caches (``KVLayout.draft``). A
+and each KV transfer moves the same blocks of both caches (kv_transfer's ``KVLayout.draft``). A
 decode server whose prompt KV came whole from such a transfer starts its first
 proposal round with the draft's KV of the prompt in place; one that had a cached
 prefix of the prompt (not sent) computes the draft's KV of the whole prompt itself,
@@ -35,7 +35,6 @@ import logging
 from collections.abc import Sequence
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_transfer.protocol import KVLayout
 from engine.planner import plan_step
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -101,11 +100,16 @@ class DraftProposer:
     def kv_cache(self):  # -> torch.Tensor, the target's layout with the draft's layers and heads
         return self.runner.kv_cache
 
-    def kv_layout(self) -> KVLayout:
-        """The draft's part of a KV pair's layout (``KVLayout.draft``)."""
-        mc, s = self.config.model, self.runner.kv_scales
-        scales = ((), ()) if s is None else (s.k, s.v)
-        return KVLayout.of(self.runner.kv_cache, mc.path.name, scales, mc.dtype)
+    @property
+    def model_name(self) -> str:
+        """The draft model's name as KV pairs compare it (its directory's name)."""
+        return self.config.model.path.name
+
+    @property
+    def kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """An FP8 draft cache's per-layer (k_scale, v_scale); ((), ()) in the model's dtype."""
+        s = self.runner.kv_scales
+        return ((), ()) if s is None else (s.k, s.v)
 
     def _run(self, step: SchedulerOutput) -> tuple[list, list | None]:
         """One step of the draft, read at once (on its decode graphs where they hold it)."""

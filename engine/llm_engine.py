@@ -32,7 +32,6 @@ dedicated loop thread and talk to it through queues).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -40,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
-from engine.kv_transfer.protocol import KVLayout
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.planner import plan_step
 from engine.request import Request, RequestStatus
@@ -244,17 +242,6 @@ class LLMEngine:
         """The paged KV cache, for the KV transfer plumbing (which reads and
         writes only blocks the engine has handed out for that)."""
         return self.runner.kv_cache
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        """What a KV pair's two sides must agree on (engine/kv_transfer/protocol.py): the
-        model's whole layout (every KV head, whatever share a tensor-parallel rank holds), the
-        cache's dtype and scales, the model's dtype and the weight quantization."""
-        mc = self.config.model
-        weights = mc.quantization.describe() if mc.quantization is not None else ""
-        draft = self.drafter.kv_layout() if self.drafter is not None else None
-        layout = KVLayout.of(self.kv_cache, mc.served_model_name, self.kv_scales, mc.dtype, weights, draft)
-        return dataclasses.replace(layout, num_kv_heads=mc.num_kv_heads)
 
     @property
     def draft_kv_cache(self):  # -> torch.Tensor | None

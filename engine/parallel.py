@@ -26,7 +26,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 300.0
 # Read by ProcessGroupNCCL when a group is built, and only then: set around each build
 # (``nccl_blocking_wait``), never for the whole process. The KV pairs turn it on
-# (engine/kv_transfer/pair.py); the TP group keeps it off: a wait then orders the caller's
+# (kv_transfer/pair.py); the TP group keeps it off: a wait then orders the caller's
 # stream after the collective without blocking the host, which is what lets a step queue
 # its 2 x num_layers all-reduces back to back, and lets CUDA graphs capture them.
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
@@ -113,34 +113,6 @@ def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
         return rank * n, (rank + 1) * n
     head = rank * num_kv_heads // size
     return head, head + 1
-
-
-class KVPart(NamedTuple):
-    """One piece of a request's KV between two tensor-parallel engines: what sender rank
-    ``src_rank`` sends to receiver rank ``dst_rank``, as local head ranges of each one's cache."""
-
-    src_rank: int
-    dst_rank: int
-    src_heads: tuple[int, int]
-    dst_heads: tuple[int, int]
-
-
-def kv_transfer_parts(src_size: int, dst_size: int, num_kv_heads: int) -> list[KVPart]:
-    """Who sends which heads to whom when a TP = ``src_size`` engine hands a request's KV to a
-    TP = ``dst_size`` one: every receiver rank gets each of its heads once, from the lowest
-    sender rank that holds it, straight from rank to rank (nothing gathered on one rank).
-
-    kv_transfer_parts(2, 1, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(1, 0, (0, 4), (4, 8))]"""
-    parts = []
-    for dst in range(dst_size):
-        d0, d1 = kv_head_range(dst, dst_size, num_kv_heads)
-        for src in range(src_size):
-            s0, s1 = kv_head_range(src, src_size, num_kv_heads)
-            lo, hi = max(d0, s0), min(d1, s1)
-            first_holder = src == 0 or kv_head_range(src - 1, src_size, num_kv_heads)[1] <= lo
-            if lo < hi and first_holder:
-                parts.append(KVPart(src, dst, (lo - s0, hi - s0), (lo - d0, hi - d0)))
-    return parts
 
 
 def serve_store(host: str, size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:

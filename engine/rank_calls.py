@@ -5,17 +5,26 @@ Work that is not a step, such as sending the worker's share of a request's KV, c
 calls over the group's TCPStore: rank 0 pushes ``{"id", "name", "args"}`` (JSON) onto the
 queue ``calls/<rank>``; the worker's call thread runs the named handler in a thread of
 its pool and sets ``reply/<id>`` to ``{"result": ...}`` or ``{"error", "message"}``.
+
+The engine knows no handler but one: ``install``. A layer above the engine (the KV
+transfer's worker side, kv_transfer/rank_worker.py) names a factory, ``"module:function"``,
+which the worker imports and calls once with its ``RankContext``; the handlers it returns
+serve from then on (``install_on_ranks``). So the worker process runs what that layer
+needs without the engine importing it.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -23,6 +32,17 @@ logger = logging.getLogger(__name__)
 _PREFIX = "pdserve-tp-calls"
 _IDLE_WAIT = timedelta(days=1)
 Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What an installed handler factory gets on a worker rank: the rank, the group's
+    store (to call rank 0 back) and this rank's shard of the KV cache
+    ``[num_layers, num_blocks, 2, block_size, num_local_kv_heads, head_dim]``."""
+
+    rank: int
+    store: dist.Store
+    kv_cache: torch.Tensor
 
 
 class RankCallError(RuntimeError):
@@ -51,19 +71,21 @@ def call(store: dist.Store, rank: int, name: str, args: dict[str, Any], timeout:
     return reply["result"]
 
 
-def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, timeout: float) -> None:
-    """Call handler ``name`` with ``key`` on each (rank, key) of ``pairs``, to close what that
-    key names there; a rank already gone (or one that fails) is logged, not raised."""
-    for rank, key in pairs:
-        try:
-            call(store, rank, name, {"key": key}, timeout)
-        except (RankCallError, TimeoutError) as exc:
-            logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+def install_on_ranks(store: dist.Store, ranks: list[int], factory: str, timeout: float) -> None:
+    """Install the handlers ``factory`` (``"module:function"``, called with the rank's
+    ``RankContext``) on each of ``ranks``; a factory already installed there is kept as it is."""
+    for rank in ranks:
+        call(store, rank, "install", {"factory": factory}, timeout)
 
 
-def serve_calls(store: dist.Store, rank: int, handlers: dict[str, Handler], max_workers: int = 8) -> None:
-    """Start this rank's call thread (a daemon: it ends with the process)."""
+def serve_calls(store: dist.Store, rank: int, handlers: dict[str, Handler], max_workers: int = 8,
+                context: RankContext | None = None) -> None:
+    """Start this rank's call thread (a daemon: it ends with the process). ``context``: a
+    worker rank's, for the factories ``install`` calls (without it there is no ``install``)."""
     calls = dist.PrefixStore(_PREFIX, store)
+    handlers = dict(handlers)  # installed factories add to this copy
+    if context is not None:
+        handlers["install"] = _installer(handlers, context)
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rank{rank}-call")
     replies = calls.clone()
     lock = threading.Lock()  # one reply at a time on the shared connection
@@ -90,3 +112,20 @@ def serve_calls(store: dist.Store, rank: int, handlers: dict[str, Handler], max_
             pool.submit(run, message)
 
     threading.Thread(target=loop, name=f"rank{rank}-calls", daemon=True).start()
+
+
+def _installer(handlers: dict[str, Handler], context: RankContext) -> Handler:
+    """The ``install`` handler: adds a factory's handlers to ``handlers`` (once per factory)."""
+    installed: set[str] = set()
+    lock = threading.Lock()
+
+    def install(factory: str) -> None:
+        module, _, name = factory.partition(":")
+        with lock:
+            if factory in installed:
+                return
+            made = getattr(importlib.import_module(module), name)(context)
+            handlers.update(made)
+            installed.add(factory)
+
+    return install

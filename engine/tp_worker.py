@@ -83,13 +83,11 @@ def _worker_main(config: EngineConfig, rank: int, size: int, host: str, port: in
         torch.cuda.set_device(device)
     tp = TPGroup(rank, size, host, port, device)
     runner = ModelRunner(config, tp)
-    from engine.kv_transfer.rank_receivers import RankReceivers
-    from engine.kv_transfer.rank_senders import RankSenders
-    from engine.rank_calls import serve_calls
+    from engine.rank_calls import RankContext, serve_calls
 
-    # This rank's share of KV transfers: its own heads, from or into its own cache.
-    serve_calls(tp.store, rank, {**RankSenders(runner.kv_cache).handlers(),
-                                 **RankReceivers(runner.kv_cache, tp.store, rank).handlers()})
+    # Calls beside the steps: what a layer above installs (the KV transfer's share of this
+    # rank: its own heads, from or into its own cache; kv_transfer/rank_worker.py).
+    serve_calls(tp.store, rank, {}, context=RankContext(rank, tp.store, runner.kv_cache))
     try:
         runner.serve_steps()
     except Exception as e:  # rank 0 gone or the group broken: nothing left to serve

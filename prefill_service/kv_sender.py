@@ -7,7 +7,7 @@ Runs in worker threads (blocking sends), never in the engine thread.
 
 A tensor-parallel engine opens a pair per rank instead (``RankPairs``): the
 decode server answers with one endpoint per rank, rank 0 joins its own and
-has each worker rank join its own (``engine.rank_calls``), and every send
+has each worker rank join its own (``kv_transfer.rank_worker``), and every send
 goes out rank by rank, each rank's KV heads from its own cache.
 """
 from __future__ import annotations
@@ -22,9 +22,11 @@ from typing import Callable
 import grpc
 import torch
 
-from engine.kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
 from engine.parallel import TPGroup
-from engine.rank_calls import RankCallError, call, close_on_ranks
+from engine.rank_calls import RankCallError, call
+from kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
+from kv_transfer.rank_worker import install_rank_handlers
+from kv_transfer.tp_parts import close_on_ranks
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.layout_convert import layout_to_proto
 from rpc import tls
@@ -43,7 +45,7 @@ def check_block_counts(request_id: str, src_block_ids: list[int], dst_block_ids:
 class RankPairs:
     """One channel to a decode server in parts, used like one KVSender by KVSenders: each
     part moves some of the KV heads, between a rank of this engine and a rank of the decode
-    engine (``engine.parallel.kv_transfer_parts``). Rank 0's parts are this process's own
+    engine (``kv_transfer.tp_parts.kv_transfer_parts``). Rank 0's parts are this process's own
     pairs (its heads of this cache); a worker rank's are its own (``RankSenders``)."""
 
     def __init__(self, local: list[tuple[KVSender, tuple[int, int]]], store, remote: list[tuple[int, str]],
@@ -111,6 +113,7 @@ class KVSenders:
         self.my_address = my_address
         self.timeout = timeout
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self._ranks_ready = False  # the worker ranks' KV handlers installed
         self._senders: dict[tuple[str, int], KVSender | RankPairs] = {}  # (decode server, slot) -> its pair
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
@@ -165,6 +168,9 @@ class KVSenders:
                     raise KVTransferError(f"the decode server expects rank {part.src_rank}'s heads; this engine "
                                           f"has {self.tp.size if self.tp else 1} rank(s)")
                 else:
+                    if not self._ranks_ready:  # the worker ranks' KV handlers, installed once
+                        install_rank_handlers(self.tp, 2 * self.timeout)
+                        self._ranks_ready = True
                     part_key = f"{key}/part{i}"
                     call(self.tp.store, part.src_rank, "kv_connect", dict(
                         key=part_key, host=resp.host, port=part.port, layout=layout.to_dict(),

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_transfer import KVTransferError, TransferStats
+from kv_transfer import KVTransferError, TransferStats
 from prefill_service.flags import PAIRS_PER_DECODE
 from prefill_service.kv_sender import KVSenders, check_block_counts
 

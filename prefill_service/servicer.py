@@ -25,9 +25,10 @@ from types import SimpleNamespace
 
 import grpc
 
-from engine.kv_transfer import KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAMismatch
+from kv_transfer import KVTransferError
+from kv_transfer.layout import engine_layout
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.kv_sender import KVSenders
 from prefill_service.flags import KV_SEND_MODES, PAIRS_PER_DECODE
@@ -70,7 +71,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             self.kv_send = "after-prefill"
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
         # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
-        layout = engine.kv_layout
+        layout = engine_layout(engine)
         self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
                                  engine.tp, engine.draft_kv_cache)
         if self.kv_send == "layerwise":

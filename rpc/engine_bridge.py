@@ -171,7 +171,7 @@ class EngineBridge:
             max_model_len=cfg.scheduler.max_model_len, num_requests_finished=self.num_finished,
             cache_namespace=self.cache_namespace, instance_id=self.instance_id,
             lora_adapters=self._lora_adapters(), max_loras=cfg.lora.max_loras if cfg.lora is not None else 0,
-            draft_model=self.engine.drafter.kv_layout().model if self.engine.drafter is not None else "")
+            draft_model=self.engine.drafter.model_name if self.engine.drafter is not None else "")
 
     def _lora_adapters(self) -> list[common_pb2.LoRAAdapter]:
         lora = self.engine.lora

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from engine.kv_transfer import TransferStats
+from kv_transfer import TransferStats
 from engine.llm_engine import LLMEngine
 from rpc.ports import PortUnavailable, join
 

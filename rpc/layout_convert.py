@@ -1,7 +1,7 @@
 """KV layout <-> protobuf, for the engine servers' KV channel set-up."""
 from __future__ import annotations
 
-from engine.kv_transfer import KVLayout
+from kv_transfer import KVLayout
 from pdserve.v1 import engine_pb2
 
 

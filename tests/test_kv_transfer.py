@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_transfer import (
+from kv_transfer import (
     KVChannelClosed,
     KVLayout,
     KVReceiver,
@@ -34,8 +34,8 @@ from engine.kv_transfer import (
     plan_transfer,
     resolve_backend,
 )
-from engine.kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, is_head_slice,
-                                         run_array, slow_path)
+from kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, is_head_slice, run_array,
+                                  slow_path)
 from tests.processes import free_port
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
@@ -861,7 +861,7 @@ def test_gpu_nccl_sender_killed_mid_transfer(peer: Peer) -> None:
 # --------------------------------------------------------------------------- bounded setup steps
 
 def test_within_returns_raises_and_bounds_a_call_without_a_deadline() -> None:
-    from engine.kv_transfer.pair import _within
+    from kv_transfer.pair import _within
 
     late: list[Any] = []
     assert _within(lambda: 7, 1.0, "quick", late.append) == 7
@@ -892,7 +892,7 @@ def test_gpu_nccl_communicator_creation_fails_within_the_deadline_without_a_peer
     # for it without end; the pair's setup fails within its deadline instead.
     from datetime import timedelta
 
-    from engine.kv_transfer.pair import _make_group
+    from kv_transfer.pair import _make_group
 
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30),

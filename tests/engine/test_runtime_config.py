@@ -98,7 +98,7 @@ def test_nothing_sets_the_process_environment_at_import():
     import subprocess
     import sys
 
-    code = ("import os, json; before = dict(os.environ); import engine.llm_engine, engine.kv_transfer.pair, "
+    code = ("import os, json; before = dict(os.environ); import engine.llm_engine, kv_transfer.pair, "
             "engine.parallel, rpc.engine_server; after = dict(os.environ); "
             "print(json.dumps(sorted(set(after.items()) ^ set(before.items()))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

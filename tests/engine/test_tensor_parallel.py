@@ -13,7 +13,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.model_loader import iter_safetensors
-from engine.parallel import KVPart, Shard, check_tp_size, kv_head_range, kv_transfer_parts
+from engine.parallel import Shard, check_tp_size, kv_head_range
+from kv_transfer.tp_parts import KVPart, kv_transfer_parts
 from tests.conftest import make_tiny_model
 from tests.processes import pid_alive as _alive
 
@@ -133,8 +134,9 @@ def test_each_rank_sends_its_own_kv_heads(tiny_llama_dir):
     is what one rank computes (up to the all-reduce's summation order), rank 0's heads bit for bit."""
     import threading
 
-    from engine.kv_transfer import KVLayout, KVReceiver, KVSender
     from engine.rank_calls import RankCallError, call
+    from kv_transfer import KVLayout, KVReceiver, KVSender
+    from kv_transfer.rank_worker import install_rank_handlers
 
     kw = dict(KW, block_size=4, num_gpu_blocks_override=12)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -144,6 +146,7 @@ def test_each_rank_sends_its_own_kv_heads(tiny_llama_dir):
     tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
     try:
         tp.generate([PROMPTS[3]], sp)
+        install_rank_handlers(tp.engine.tp, 30.0)  # as the KV roles do when they are built
         landed = torch.zeros_like(full)
         blocks = list(range(full.shape[1]))
         ends = []

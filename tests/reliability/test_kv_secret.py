@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from engine.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError
-from engine.kv_transfer.pair import KV_SECRET_ENV
+from kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError
+from kv_transfer.pair import KV_SECRET_ENV
 
 LAYOUT = KVLayout(model="tiny", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -68,7 +68,7 @@ def _store_of(port: int):
 
     import torch.distributed as dist
 
-    from engine.kv_transfer import DEFAULT_PAIR_NAME
+    from kv_transfer import DEFAULT_PAIR_NAME
 
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), wait_for_workers=False)
     return dist.PrefixStore(DEFAULT_PAIR_NAME, store)

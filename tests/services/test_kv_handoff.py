@@ -10,7 +10,7 @@ import threading
 import torch
 
 from engine.config import EngineArgs
-from engine.kv_transfer import KVLayout, KVReceiver, KVSender
+from kv_transfer import KVLayout, KVReceiver, KVSender
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import torch
 
 from decode_service.kv_receiver import KVReceivers
 from engine.config import EngineArgs
-from engine.kv_transfer import KVLayout, KVSender, KVTransferError
+from kv_transfer import KVLayout, KVSender, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import engine_pb2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.config import EngineArgs
-from engine.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError
+from kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
-                                         RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
-                                         _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
-                                         plan_transfer, plane_block_bytes, plane_chunks, run_array)
-from engine.kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
-                                     _settle, _wait_for_listener)
+from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
+                                  RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
+                                  _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
+                                  plan_transfer, plane_block_bytes, plane_chunks, run_array)
+from kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
+                              _settle, _wait_for_listener)
 
 logger = logging.getLogger(__name__)
 

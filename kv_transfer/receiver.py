@@ -12,12 +12,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
-                                         KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
-                                         TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
-                                         decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
-                                         plane_chunks)
-from engine.kv_transfer.pair import _Pair, _hello, _log_pair_up, _remaining, _scatter_blocks, _settle
+from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChannelClosed, KVLayout,
+                                  KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
+                                  TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
+                                  decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
+                                  plane_chunks)
+from kv_transfer.pair import _Pair, _hello, _log_pair_up, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
 

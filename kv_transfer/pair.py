@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel import BLOCKING_WAIT, nccl_blocking_wait
-from engine.kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION, _Group,
-                                         _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend, slow_path)
+from kv_transfer.protocol import (KVChannelClosed, KVLayout, KVTransferError, PROTOCOL_VERSION, _Group,
+                                  _TAG, _WILDCARD_HOSTS, _layout_diffs, gpu_uuid, resolve_backend, slow_path)
 
 logger = logging.getLogger(__name__)
 

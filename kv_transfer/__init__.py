@@ -58,12 +58,12 @@ pair stays in sync.
 """
 from __future__ import annotations
 
-from engine.kv_transfer.protocol import (BACKENDS, DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION,
-                                         RECEIVER_RANK, SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError,
-                                         ReceivedKV, TransferStats, WirePlan, check_compatible, choose_backend,
-                                         chunk_ranges, gpu_uuid, merge_runs, plan_transfer, resolve_backend)
-from engine.kv_transfer.receiver import KVReceiver
-from engine.kv_transfer.sender import KVSender, KVSendTransfer
+from kv_transfer.protocol import (BACKENDS, DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION,
+                                  RECEIVER_RANK, SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError,
+                                  ReceivedKV, TransferStats, WirePlan, check_compatible, choose_backend,
+                                  chunk_ranges, gpu_uuid, merge_runs, plan_transfer, resolve_backend)
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender, KVSendTransfer
 
 __all__ = ["BACKENDS", "DEFAULT_PAIR_NAME", "DEFAULT_TIMEOUT_S", "PROTOCOL_VERSION", "RECEIVER_RANK", "SENDER_RANK",
            "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "TransferStats", "WirePlan",

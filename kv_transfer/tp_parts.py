@@ -1,0 +1,101 @@
+"""Tensor-parallel parts: a request's KV between engines of different TP sizes moves in
+parts, straight from rank to rank, each part one share of the KV heads over a pair of
+its own (nothing is gathered on one rank).
+
+    kv_transfer_parts(src_size, dst_size, num_kv_heads)   who sends which heads to whom
+    receive_part(...)                                      one part into a rank's heads, accounted once
+    close_on_ranks(...)                                    close what keys name on worker ranks
+
+A part lands in a head slice of the receiving rank's cache (``cache[..., h0:h1, :]``);
+the sender gathers its own head slice (see protocol.py, ``KVLayout.check_cache``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import kv_head_range
+from engine.rank_calls import RankCallError, call
+from kv_transfer.protocol import KVChannelClosed, TransferStats
+from kv_transfer.receiver import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class KVPart(NamedTuple):
+    """One piece of a request's KV between two tensor-parallel engines: what sender rank
+    ``src_rank`` sends to receiver rank ``dst_rank``, as local head ranges of each one's cache."""
+
+    src_rank: int
+    dst_rank: int
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+
+
+def kv_transfer_parts(src_size: int, dst_size: int, num_kv_heads: int) -> list[KVPart]:
+    """Who sends which heads to whom when a TP = ``src_size`` engine hands a request's KV to a
+    TP = ``dst_size`` one: every receiver rank gets each of its heads once, from the lowest
+    sender rank that holds it, straight from rank to rank (nothing gathered on one rank).
+
+    kv_transfer_parts(2, 1, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(1, 0, (0, 4), (4, 8))]"""
+    parts = []
+    for dst in range(dst_size):
+        d0, d1 = kv_head_range(dst, dst_size, num_kv_heads)
+        for src in range(src_size):
+            s0, s1 = kv_head_range(src, src_size, num_kv_heads)
+            lo, hi = max(d0, s0), min(d1, s1)
+            first_holder = src == 0 or kv_head_range(src - 1, src_size, num_kv_heads)[1] <= lo
+            if lo < hi and first_holder:
+                parts.append(KVPart(src, dst, (lo - s0, hi - s0), (lo - d0, hi - d0)))
+    return parts
+
+
+def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, timeout: float) -> None:
+    """Call handler ``name`` with ``key`` on each (rank, key) of ``pairs``, to close what that
+    key names there; a rank already gone (or one that fails) is logged, not raised."""
+    for rank, key in pairs:
+        try:
+            call(store, rank, name, {"key": key}, timeout)
+        except (RankCallError, TimeoutError) as exc:
+            logger.debug("closing rank %d's KV pair %s: %s", rank, key, exc)
+
+
+def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name: str,
+                 admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None],
+                 rank: int = 0, draft_cache: torch.Tensor | None = None) -> tuple[bool, TransferStats | None]:
+    """Receive one part of a request's KV into ``heads`` and account for it exactly once:
+    ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
+    (landed, or failed after admission) or ``refused`` (failed before it, the request known).
+    Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
+    receiving rank, named in the figures with the part's end (time.time()). ``draft_cache``: a
+    draft model's cache, whose blocks come in the same transfer (the figures' ``draft``)."""
+    admitted: list[str] = []
+    part = uuid.uuid4().hex  # names this part to rank 0, whose answer may come after we gave up
+
+    def validate(request_id: str, dst_block_ids: list[int]) -> None:
+        admitted.append(request_id)
+        admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts, part=part)
+
+    try:
+        rid, _, stats, meta = receiver.recv(heads, validate=validate, draft_cache=draft_cache)
+    except KVChannelClosed:
+        logger.info("%s: closed", name)
+        return False, None
+    except BaseException as exc:  # anything: the request's state must hear of it
+        rid = admitted[0] if admitted else getattr(exc, "request_id", None)
+        why = f"{name} failed: {str(exc) or type(exc).__name__}"
+        logger.warning("%s%s", f"request {rid}: " if rid else "", why)
+        if admitted:
+            ended(request_id=rid, error=why, part=part)
+        elif rid is not None:
+            refused(request_id=rid, error=why)
+        return receiver.is_usable and isinstance(exc, Exception), None
+    ended(request_id=rid, error=None, part=part, meta=meta, figures={
+        "num_bytes": stats.num_bytes, "num_blocks": stats.num_blocks, "seconds": stats.seconds,
+        "backend": stats.backend, "rank": rank, "end": time.time(), "draft": draft_cache is not None})
+    return True, stats
