@@ -4,8 +4,8 @@ from a prefill server (or is computed here in local-prefill mode).
 Remote prefill, as seen from one request (states are the engine's):
   Generate() -> engine.reserve (WAITING_FOR_BLOCKS) -> "reserved" delta ->
   Reserved message -> PrefillStarted from the prefill server -> the KV
-  receiver begins and ends the receive -> RUNNING with the prefill's first
-  token -> token deltas.
+  transfer's scheduler side begins and ends the receive -> RUNNING with the
+  prefill's first token -> token deltas.
 This servicer only translates between protobuf and the engine's operations.
 Every way out (finish, client cancel, deadline, KV failure, abort) ends in
 the engine's one finish path, which frees the request's blocks.
@@ -19,13 +19,14 @@ import grpc
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from kv_transfer import KVReceiveScheduler, KVReceiveWorker
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.convert import logprobs_to_proto, sampling_from_proto
-from decode_service.kv_receiver import KVReceivers
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc import tracing
 from rpc.engine_server import EngineServicerBase, admission_status, deadline_of, error_status
+from rpc.layout_convert import channel_offer_to_proto, channel_request_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,16 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     def __init__(self, kv_host: str, local_prefill: bool = False) -> None:
         super().__init__()
         self.kv_host, self.local_prefill = kv_host, local_prefill
-        self.kv_receivers: KVReceivers | None = None
+        self.kv_receivers: KVReceiveWorker | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         engine_pb2_grpc.add_DecodeServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
         self.bridge = EngineBridge(engine, "decode", address, metrics)
-        self.kv_receivers = KVReceivers(self.bridge, self.kv_host, engine.config.scheduler.kv_transfer_timeout,
-                                        metrics.record_transfer if metrics else None)
+        timeout = engine.config.scheduler.kv_transfer_timeout
+        self.kv_receivers = KVReceiveWorker(engine, KVReceiveScheduler(self.bridge.loop, timeout), self.kv_host,
+                                            timeout, metrics.record_transfer if metrics else None)
         self.bridge.start()
 
     def close(self) -> None:
@@ -133,8 +135,12 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
 
     async def OpenKVChannel(self, request: engine_pb2.OpenKVChannelRequest, context):
         await self._ready(context)  # UNAVAILABLE until the engine is up
+        receivers = self.kv_receivers
+        assert receivers is not None
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self.kv_receivers.open, request)
+            offer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: receivers.open(channel_request_from_proto(request)))
+            return channel_offer_to_proto(offer)
         except ValueError as exc:  # incompatible layout or device
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OverflowError as exc:

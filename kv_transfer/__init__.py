@@ -1,6 +1,17 @@
 """KV-cache block transfer from a prefill process (sender) to a decode process (receiver).
 
-A *pair* is one (prefill, decode) couple with its own 2-rank torch.distributed
+One package, one interface with two roles (README.md has the diagram):
+
+    scheduler side   what to send or receive for a request, admission, its transfer state
+                     prefill: KVSendScheduler      decode: KVReceiveScheduler
+    worker side      moving bytes, tensor-parallel parts
+                     prefill: KVSendWorker          decode: KVReceiveWorker
+                     TP ranks 1..N-1: rank_worker (installed over engine.rank_calls)
+
+The services translate RPCs into calls on these and the engine's named operations; what
+two servers say to set up a channel is ``ChannelRequest`` / ``ChannelOffer``.
+
+Below the roles, the pair and its protocol. A *pair* is one (prefill, decode) couple with its own 2-rank torch.distributed
 group, created lazily the first time the prefill server sends to that decode
 server (never ``init_process_group``: one process holds many pairs).
 
@@ -58,14 +69,22 @@ pair stays in sync.
 """
 from __future__ import annotations
 
+from kv_transfer.channel import ChannelOffer, ChannelRequest, OpenChannel, RankEndpoint
+from kv_transfer.layout import engine_layout
 from kv_transfer.protocol import (BACKENDS, DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION,
                                   RECEIVER_RANK, SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError,
                                   ReceivedKV, TransferStats, WirePlan, check_compatible, choose_backend,
                                   chunk_ranges, gpu_uuid, merge_runs, plan_transfer, resolve_backend)
+from kv_transfer.receive_scheduler import KVReceiveScheduler, ReceiveProgress
+from kv_transfer.receive_worker import KVReceiveWorker
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.send_scheduler import KVSendScheduler
+from kv_transfer.send_worker import KVSendWorker
 from kv_transfer.sender import KVSender, KVSendTransfer
 
 __all__ = ["BACKENDS", "DEFAULT_PAIR_NAME", "DEFAULT_TIMEOUT_S", "PROTOCOL_VERSION", "RECEIVER_RANK", "SENDER_RANK",
            "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "TransferStats", "WirePlan",
            "check_compatible", "choose_backend", "chunk_ranges", "gpu_uuid", "merge_runs", "plan_transfer",
-           "resolve_backend", "KVReceiver", "KVSender", "KVSendTransfer"]
+           "resolve_backend", "KVReceiver", "KVSender", "KVSendTransfer",
+           "ChannelOffer", "ChannelRequest", "OpenChannel", "RankEndpoint", "engine_layout",
+           "KVSendScheduler", "KVSendWorker", "KVReceiveScheduler", "KVReceiveWorker", "ReceiveProgress"]

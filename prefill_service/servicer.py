@@ -11,8 +11,10 @@ while a send reads them, whatever happens to the RPC.
 
 With ``--kv-send layerwise`` (the default) the send starts earlier, when the
 engine schedules the prompt's last chunk, and each layer leaves as the
-forward pass finishes it (``prefill_service/layerwise.py``); held, the
-request only adds its first token to that send and waits for it to end.
+forward pass finishes it; held, the request only adds its first token to that
+send and waits for it to end. Which send a request gets, and its state, are the
+KV transfer's scheduler side (``kv_transfer.KVSendScheduler``); this servicer
+translates the RPC into its calls and the engine's operations.
 """
 from __future__ import annotations
 
@@ -20,24 +22,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
 
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAMismatch
-from kv_transfer import KVTransferError
-from kv_transfer.layout import engine_layout
+from kv_transfer import ChannelOffer, ChannelRequest, KVSendScheduler, KVTransferError
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from prefill_service.kv_sender import KVSenders
 from prefill_service.flags import KV_SEND_MODES, PAIRS_PER_DECODE
-from prefill_service.layerwise import LayerwiseSends
 from rpc.convert import logprob_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc import tls, tracing
 from rpc.engine_server import EngineServicerBase, admission_status, deadline_of, error_status
+from rpc.layout_convert import channel_offer_from_proto, channel_request_to_proto
 from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -53,9 +52,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         if kv_send not in KV_SEND_MODES:
             raise ValueError(f"--kv-send must be one of {', '.join(KV_SEND_MODES)}, got {kv_send!r}")
         self.kv_send, self.pairs_per_decode = kv_send, pairs_per_decode
-        self.senders: KVSenders | None = None
-        self.layerwise: LayerwiseSends | None = None
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        self.sends: KVSendScheduler | None = None
         self._decode_stubs: dict[str, engine_pb2_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._notifications: set[asyncio.Task] = set()
@@ -64,28 +61,15 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         engine_pb2_grpc.add_PrefillServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
-        tp = engine.config.tensor_parallel_size
-        if tp > 1 and self.kv_send == "layerwise":
-            logger.info("--tensor-parallel-size %d: the KV is sent after prefill (each rank its own heads); "
-                        "layer-wise sending needs one rank", tp)
-            self.kv_send = "after-prefill"
         self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
-        # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
-        layout = engine_layout(engine)
-        self.senders = KVSenders(engine.kv_cache, layout, address, engine.config.scheduler.kv_transfer_timeout,
-                                 engine.tp, engine.draft_kv_cache)
-        if self.kv_send == "layerwise":
-            self.layerwise = engine.layerwise_sink = LayerwiseSends(self.senders, layout.num_layers,
-                                                                    self.pairs_per_decode)
+        self.sends = KVSendScheduler.attach(engine, address, _open_kv_channel, self.kv_send == "layerwise",
+                                            self.pairs_per_decode)
         self.bridge.start()
 
     def close(self) -> None:
-        if self.layerwise is not None:
-            self.layerwise.close()
-        if self.senders is not None:
-            self.senders.close()
+        if self.sends is not None:
+            self.sends.close()
         super().close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def Prefill(self, request: engine_pb2.PrefillRequest, context) -> engine_pb2.PrefillResponse:
         bridge = await self._ready(context)
@@ -96,13 +80,13 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             queue = bridge.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        send = d = stats = None
+        sends = self.sends
+        assert sends is not None
+        d = stats = None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             skip = request.num_skip_blocks  # the decode side has these leading blocks cached
-            dst = list(request.dst_block_ids)[skip:]
-            if self.layerwise is not None and skip >= 0:
-                self.layerwise.expect(rid, request.decode_address, dst, skip)
+            sends.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip)
             try:
                 await bridge.run(lambda e: _add_prefill(e, request, prompt, params, deadline))
             except (OverflowError, ValueError) as exc:
@@ -111,35 +95,19 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             t_first = time.time()
             meta = {"first_token": d.token_ids[0],
                     "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
-            streamed = self.layerwise.take(rid) if self.layerwise is not None else None
-            if streamed is not None:  # sending since its last chunk began: the token completes it
-                streamed.meta.put(meta)
-                send = asyncio.wrap_future(streamed.future)  # type: ignore[arg-type]
+            # sending since its last chunk began (layer-wise): the token completes it
+            send = sends.first_token(rid, meta)
             if not 0 <= skip < len(d.block_ids):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
-            def send_after_prefill(src: list[int]) -> asyncio.Future:
-                return asyncio.get_running_loop().run_in_executor(
-                    self._pool, self.senders.send, request.decode_address, rid, src, dst, meta)  # type: ignore[union-attr]
-
             try:
-                if streamed is not None:
-                    try:
-                        stats = await asyncio.shield(send)
-                    except KVTransferError as exc:
-                        if not streamed.may_redo:
-                            raise
-                        logger.info("request %s: layer-wise KV send did not start (%s); sending after "
-                                    "prefill", rid, exc)
-                        send = send_after_prefill(streamed.src_block_ids)
-                        stats = await asyncio.shield(send)
-                else:
+                if send is None:
                     try:
                         block_ids = await bridge.run(lambda e: e.begin_send(rid))
                     except ValueError as exc:  # expired or aborted since it was held
                         await context.abort(grpc.StatusCode.ABORTED, str(exc))
-                    send = send_after_prefill(block_ids[skip:])
-                    stats = await asyncio.shield(send)
+                    send = sends.send_after_prefill(rid, block_ids[skip:])
+                stats = await asyncio.shield(asyncio.wrap_future(send))
             except KVTransferError as exc:
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {request.decode_address} "
@@ -159,17 +127,11 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 resp.logprob.CopyFrom(logprob_to_proto(d.logprobs[0]))
             return resp
         finally:
-            untaken = self.layerwise.forget(rid) if self.layerwise is not None else None
-            if untaken is not None:  # a layer-wise send began, the RPC ended before its token
-                send = asyncio.wrap_future(untaken.future)  # type: ignore[arg-type]
+            reading = sends.end(rid)  # the send still reading the blocks (one that never got its token ends aborted)
             if stats is None:  # failed or cancelled: whatever state it is in, end it
                 bridge.abort(rid)  # (blocks a send still reads wait for its release below)
-            if send is None:
-                pass
-            elif send.done():
-                bridge.submit(lambda e: e.release_after_send(rid))
-            else:  # the send still reads the blocks: release when it ends
-                send.add_done_callback(lambda _: bridge.submit(lambda e: e.release_after_send(rid)))
+            if reading is not None:  # release the blocks once the send is done with them
+                reading.add_done_callback(lambda _: bridge.submit(lambda e: e.release_after_send(rid)))
             bridge.close_stream(rid)
             if d is not None and d.times is not None:  # after the response has gone
                 asyncio.get_running_loop().call_soon(_record_spans, rid, trace_ctx, d, stats,
@@ -217,6 +179,18 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return (await self._ready(context)).load_info()
+
+
+def _open_kv_channel(decode_address: str, request: ChannelRequest, timeout: float) -> ChannelOffer:
+    """Ask a decode server for a KV channel (``OpenKVChannel``); the KV transfer's worker side
+    calls this, in a send thread, the first time it sends there."""
+    with tls.channel(decode_address, CHANNEL_OPTIONS) as ch:
+        try:
+            resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(channel_request_to_proto(request), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
+                                  f"{exc.details() or exc.code()}") from exc
+    return channel_offer_from_proto(resp)
 
 
 def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int, now: float) -> None:

@@ -103,24 +103,23 @@ def test_a_stranger_naming_a_peer_cannot_replace_its_pair(monkeypatch, tiny_llam
     the stranger's pair fails authentication and the peer's pair keeps working."""
     import asyncio
 
-    from decode_service.kv_receiver import KVReceivers
     from engine.config import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from pdserve.v1 import engine_pb2
+    from kv_transfer import ChannelRequest, KVReceiveScheduler, KVReceiveWorker
     from rpc.engine_bridge import EngineBridge
-    from rpc.layout_convert import layout_to_proto
 
     monkeypatch.setenv(KV_SECRET_ENV, "cluster-secret")
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="4MiB"))
     layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
-    request = engine_pb2.OpenKVChannelRequest(peer="prefill:1", layout=layout_to_proto(layout), device="cpu")
+    request = ChannelRequest(peer="prefill:1", layout=layout, device="cpu")
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         bridge = EngineBridge(engine, "decode", "test")
         bridge.start()
-        receivers = KVReceivers(bridge, "127.0.0.1", 30.0)  # a setup bound only: a loaded machine may be slow to connect
+        # 30 s: a setup bound only (a loaded machine may be slow to connect)
+        receivers = KVReceiveWorker(engine, KVReceiveScheduler(bridge.loop, 30.0), "127.0.0.1", 30.0)
         try:
             resp = await loop.run_in_executor(None, receivers.open, request)
             sender = await loop.run_in_executor(None, lambda: KVSender.connect("127.0.0.1", resp.port, layout,

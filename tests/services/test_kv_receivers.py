@@ -10,14 +10,11 @@ import time
 import pytest
 import torch
 
-from decode_service.kv_receiver import KVReceivers
 from engine.config import EngineArgs
-from kv_transfer import KVLayout, KVSender, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import engine_pb2
+from kv_transfer import ChannelRequest, KVLayout, KVReceiveScheduler, KVReceiveWorker, KVSender, KVTransferError
 from rpc.engine_bridge import EngineBridge
-from rpc.layout_convert import layout_to_proto
 
 TIMEOUT = 2.0
 SP = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -28,11 +25,11 @@ def _engine(model_dir, **kw) -> LLMEngine:
                                                  kv_transfer_timeout=TIMEOUT, **kw))
 
 
-def _serve(engine: LLMEngine) -> tuple[EngineBridge, KVReceivers]:
-    """The engine thread, and the decode server's KV receivers on it."""
+def _serve(engine: LLMEngine) -> tuple[EngineBridge, KVReceiveWorker]:
+    """The engine thread, and the decode server's KV receive roles on it."""
     bridge = EngineBridge(engine, "decode", "test")
     bridge.start()
-    return bridge, KVReceivers(bridge, "127.0.0.1", TIMEOUT)
+    return bridge, KVReceiveWorker(engine, KVReceiveScheduler(bridge.loop, TIMEOUT), "127.0.0.1", TIMEOUT)
 
 
 async def _reserve(bridge: EngineBridge, rid: str):
@@ -72,8 +69,8 @@ async def _scenario(engine: LLMEngine) -> None:
     layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)
     source = torch.randn_like(engine.kv_cache)  # the "prefill" side's cache
     try:
-        resp = await loop.run_in_executor(None, receivers.open, engine_pb2.OpenKVChannelRequest(
-            peer="p:1", layout=layout_to_proto(layout), device="cpu"))
+        resp = await loop.run_in_executor(None, receivers.open, ChannelRequest(peer="p:1", layout=layout,
+                                                                               device="cpu"))
         sender = await loop.run_in_executor(None, lambda: KVSender.connect(
             "127.0.0.1", resp.port, layout, timeout=10))
 
@@ -131,9 +128,9 @@ async def _parts_scenario(engine: LLMEngine) -> None:
     source = torch.randn_like(engine.kv_cache)
     senders = []
     try:
-        resp = await loop.run_in_executor(None, receivers.open, engine_pb2.OpenKVChannelRequest(
-            peer="p:1", layout=layout_to_proto(layout), device="cpu", tensor_parallel_size=2))
-        assert [(p.src_rank, p.src_head_start, p.src_head_end) for p in resp.parts] == [(0, 0, 1), (1, 0, 1)]
+        resp = await loop.run_in_executor(None, receivers.open, ChannelRequest(
+            peer="p:1", layout=layout, device="cpu", tensor_parallel_size=2))
+        assert [(p.src_rank, *p.src_heads) for p in resp.parts] == [(0, 0, 1), (1, 0, 1)]
         one_head = KVLayout.of(engine.kv_cache[..., 0:1, :], layout.model)
         for part in resp.parts:
             senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(
@@ -173,9 +170,9 @@ async def _parts_scenario(engine: LLMEngine) -> None:
         await send(0, "lost", dst)
         d = await asyncio.wait_for(q.get(), 10)
         assert d.finish_reason == "abort" and "1 of 2 KV parts" in d.error.message
-        assert "lost" in receivers._parts._assemblies
-        await _until(lambda: not receivers._parts._assemblies, 2 * TIMEOUT + 5)
-        assert not receivers._parts._assemblies
+        assert "lost" in receivers.scheduler._receives
+        await _until(lambda: not receivers.scheduler._receives, 2 * TIMEOUT + 5)
+        assert not receivers.scheduler._receives
         q, dst = await _reserve(bridge, "again")
         await asyncio.gather(send(0, "again", dst), send(1, "again", dst))
         d = await asyncio.wait_for(q.get(), 10)
@@ -198,7 +195,7 @@ def test_a_part_that_ends_before_its_admission_is_refused_when_it_comes(tiny_lla
 async def _late_admission_scenario(engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
     bridge, receivers = _serve(engine)
-    parts = receivers._parts
+    parts = receivers.scheduler
     try:
         q, dst = await _reserve(bridge, "late")
         t0 = time.monotonic()
@@ -212,8 +209,8 @@ async def _late_admission_scenario(engine: LLMEngine) -> None:
         with pytest.raises(ValueError, match="request late is not waiting for KV here"):
             await loop.run_in_executor(None, lambda: parts.admit("late", dst, 2, part="a"))
         await loop.run_in_executor(None, lambda: parts.ended("late", "refused", part="a"))
-        await _until(lambda: not parts._assemblies, 2 * TIMEOUT + 5)
-        assert not parts._assemblies and not parts._admitted and not parts._ended_first
+        await _until(lambda: not parts._receives, 2 * TIMEOUT + 5)
+        assert not parts._receives and not parts._ended_unadmitted
         assert engine.stats().kv_blocks_used == 0
     finally:
         receivers.close()
@@ -239,9 +236,9 @@ async def _tp_decode_scenario(engine: LLMEngine) -> None:
     source = torch.randn(*engine.kv_cache.shape[:4], 2, engine.kv_cache.shape[5])
     senders = []
     try:
-        request = engine_pb2.OpenKVChannelRequest(peer="p:1", layout=layout_to_proto(model_layout), device="cpu")
+        request = ChannelRequest(peer="p:1", layout=model_layout, device="cpu")
         first = await loop.run_in_executor(None, receivers.open, request)
-        assert [(p.src_rank, p.src_head_start, p.src_head_end) for p in first.parts] == [(0, 0, 1), (0, 1, 2)]
+        assert [(p.src_rank, *p.src_heads) for p in first.parts] == [(0, 0, 1), (0, 1, 2)]
         second = await loop.run_in_executor(None, receivers.open, request)  # the peer opens again
         for part in second.parts:
             senders.append(await loop.run_in_executor(None, lambda: KVSender.connect(

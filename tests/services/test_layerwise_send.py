@@ -15,8 +15,7 @@ from kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from prefill_service.kv_sender import KVSenders
-from prefill_service.layerwise import LayerwiseSends
+from kv_transfer import KVSendScheduler, KVSendWorker
 
 DECODE = "decode-0:1"
 LAYER_S = 0.08  # added to each layer of the signalled steps
@@ -80,17 +79,16 @@ def test_engine_signals_the_last_prompt_chunk_layer_by_layer(tiny_llama_dir):
 def pair(tiny_llama_dir):
     prefill, decode = _engine(tiny_llama_dir), _engine(tiny_llama_dir)
     layout = KVLayout.of(prefill.kv_cache, "tiny")
-    senders = KVSenders(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
+    senders = KVSendWorker(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
     receivers = []
-    for slot in (0, 1):  # two pairs to the decode side, as KVSenders.pair(slot=...) opens them
+    for slot in (0, 1):  # two pairs to the decode side, as KVSendWorker.pair(slot=...) opens them
         receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
         senders._senders[(DECODE, slot)] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
         receivers.append(receiver)
-    sends = LayerwiseSends(senders, layout.num_layers)
+    sends = KVSendScheduler(senders, layout.num_layers, pairs_per_decode=4)
     prefill.layerwise_sink = Recording(sends)
     yield prefill, decode, receivers, sends
-    sends.close()
-    senders.close()
+    sends.close()  # and its worker's pairs
     for receiver in receivers:
         receiver.close()
 
@@ -117,13 +115,12 @@ def test_layers_leave_during_prefill_and_land_bit_exact(pair):
     while p.status != RequestStatus.HELD_FOR_SEND:
         prefill.step()
     src = prefill.get_block_ids("r")
-    streamed = sends.take("r")
-    assert streamed is not None and streamed.future is not None
     assert p.is_sending  # since its last chunk was scheduled: no begin_send
     with pytest.raises(ValueError):
         prefill.begin_send("r")
-    streamed.meta.put({"first_token": p.output_token_ids[0]})
-    stats = streamed.future.result(timeout=30)
+    send = sends.first_token("r", {"first_token": p.output_token_ids[0]})
+    assert send is not None  # the send the engine began takes the token
+    stats = send.result(timeout=30)
     t.join(30)
     rid, got_dst, rstats, meta = got["ok"]
     assert (rid, got_dst, meta) == ("r", dst, {"first_token": p.output_token_ids[0]})
@@ -144,7 +141,7 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     p = prefill.add_prefill_request("r", _prompt(4), sp)
     while p.status != RequestStatus.HELD_FOR_SEND:
         prefill.step()
-    sends.forget("r")  # the RPC ended (cancelled) before it handed over the first token
+    sends.end("r")  # the RPC ended (cancelled) before it handed over the first token
     t.join(30)
     assert "aborted" in str(got["err"]) and got["err"].request_id == "r"
     # Aborted while its send may still read the blocks: they stay until the send is released.
@@ -160,9 +157,7 @@ def test_request_ending_before_its_token_aborts_the_transfer(pair):
     while q.status != RequestStatus.HELD_FOR_SEND:
         prefill.step()
     src = prefill.get_block_ids("s")
-    streamed = sends.take("s")
-    streamed.meta.put({"first_token": q.output_token_ids[0]})
-    streamed.future.result(timeout=30)
+    sends.first_token("s", {"first_token": q.output_token_ids[0]}).result(timeout=30)
     t.join(30)
     assert got["ok"].request_id == "s"
     assert torch.equal(decode.kv_cache[:, list(range(40, 50))], prefill.kv_cache[:, src])
@@ -189,7 +184,7 @@ def test_requests_finishing_in_one_step_overlap_on_pairs_of_their_own(pair):
     begun = [c for c in prefill.layerwise_sink.calls if c[0] == "begins"]
     assert len(begun) == 1 and sorted(rid for rid, _ in begun[0][1]) == ["a", "b"]  # one step
     for rid, r in reqs.items():
-        sends.take(rid).meta.put({"first_token": r.output_token_ids[0]})
+        sends.first_token(rid, {"first_token": r.output_token_ids[0]})
     for t in threads:
         t.join(30)
     assert sorted(g.request_id for g in got.values()) == ["a", "b"]
@@ -205,7 +200,7 @@ def test_requests_finishing_in_one_step_overlap_on_pairs_of_their_own(pair):
 def test_pairs_per_decode_is_at_least_one(tiny_llama_dir):
     prefill = _engine(tiny_llama_dir)
     layout = KVLayout.of(prefill.kv_cache, "tiny")
-    senders = KVSenders(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
+    senders = KVSendWorker(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
     with pytest.raises(ValueError, match="kv-pairs-per-decode"):
-        LayerwiseSends(senders, layout.num_layers, pairs_per_decode=0)
-    assert LayerwiseSends(senders, layout.num_layers, pairs_per_decode=2).pairs_per_decode == 2
+        KVSendScheduler(senders, layout.num_layers, pairs_per_decode=0)
+    assert KVSendScheduler(senders, layout.num_layers, pairs_per_decode=2).pairs_per_decode == 2

@@ -1,14 +1,17 @@
-"""Prefill side of KV transfer: one lazily opened pair per decode server.
+"""Worker side of a prefill engine's KV sends: the pairs to each decode server, and the
+bytes of a transfer over them.
 
-The first transfer to a decode server asks it (gRPC ``OpenKVChannel``) for a
-rendezvous, then joins a 2-rank torch.distributed group there; later
-transfers reuse the pair. A failed pair is dropped and reopened next time.
-Runs in worker threads (blocking sends), never in the engine thread.
+The first transfer to a decode server asks it for a channel (``open_channel``: the
+prefill service's ``OpenKVChannel`` call over gRPC), then joins a 2-rank
+torch.distributed group there; later transfers reuse the pair. A failed pair is dropped
+and reopened next time. Runs in worker threads (blocking sends), never in the engine
+thread.
 
-A tensor-parallel engine opens a pair per rank instead (``RankPairs``): the
-decode server answers with one endpoint per rank, rank 0 joins its own and
-has each worker rank join its own (``kv_transfer.rank_worker``), and every send
-goes out rank by rank, each rank's KV heads from its own cache.
+A tensor-parallel engine, or one that sends to a tensor-parallel decode engine, opens a
+pair per part instead (``RankPairs``): the decode server answers with one endpoint per
+part, rank 0 joins its own and has each worker rank join its own
+(``kv_transfer.rank_worker``), and every send goes out part by part, each rank's KV heads
+from its own cache.
 """
 from __future__ import annotations
 
@@ -19,18 +22,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import grpc
 import torch
 
 from engine.parallel import TPGroup
 from engine.rank_calls import RankCallError, call
-from kv_transfer import KVLayout, KVSender, KVTransferError, TransferStats
+from kv_transfer.channel import ChannelOffer, ChannelRequest, OpenChannel
+from kv_transfer.protocol import KVLayout, KVTransferError, TransferStats
 from kv_transfer.rank_worker import install_rank_handlers
+from kv_transfer.sender import KVSender
 from kv_transfer.tp_parts import close_on_ranks
-from pdserve.v1 import engine_pb2, engine_pb2_grpc
-from rpc.layout_convert import layout_to_proto
-from rpc import tls
-from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,10 @@ def check_block_counts(request_id: str, src_block_ids: list[int], dst_block_ids:
 
 
 class RankPairs:
-    """One channel to a decode server in parts, used like one KVSender by KVSenders: each
+    """One channel to a decode server in parts, used like one KVSender by KVSendWorker: each
     part moves some of the KV heads, between a rank of this engine and a rank of the decode
-    engine (``kv_transfer.tp_parts.kv_transfer_parts``). Rank 0's parts are this process's own
-    pairs (its heads of this cache); a worker rank's are its own (``RankSenders``)."""
+    engine (``tp_parts.kv_transfer_parts``). Rank 0's parts are this process's own pairs (its
+    heads of this cache); a worker rank's are its own (``rank_worker.RankSenders``)."""
 
     def __init__(self, local: list[tuple[KVSender, tuple[int, int]]], store, remote: list[tuple[int, str]],
                  timeout: float) -> None:
@@ -101,13 +101,21 @@ class RankPairs:
         self._pool.shutdown(wait=False)
 
 
-class KVSenders:
+class KVSendWorker:
+    """The pairs of one prefill engine to the decode servers, by (decode server, slot), and
+    the sends over them. Thread-safe: one setup per pair at a time, one transfer per pair at
+    a time (the pair's own lock)."""
+
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float,
-                 tp: TPGroup | None = None, draft_cache: torch.Tensor | None = None) -> None:
-        """``layout``: the model's (every KV head); ``tp``: the engine's tensor-parallel group,
-        whose ranks each send their own heads (None: this process holds them all);
-        ``draft_cache``: a draft model's cache (``layout.draft``), sent beside the target's."""
+                 open_channel: OpenChannel | None = None, tp: TPGroup | None = None,
+                 draft_cache: torch.Tensor | None = None) -> None:
+        """``layout``: the model's (every KV head); ``open_channel``: how to ask a decode
+        server for a channel (the service's gRPC call; None: pairs are only ever given, as
+        in tests); ``tp``: the engine's tensor-parallel group, whose ranks each send their
+        own heads (None: this process holds them all); ``draft_cache``: a draft model's
+        cache (``layout.draft``), sent beside the target's."""
         self.kv_cache = kv_cache
+        self.open_channel = open_channel
         self.draft_cache = draft_cache
         self.layout = layout
         self.my_address = my_address
@@ -133,36 +141,31 @@ class KVSenders:
                 sender.close()
             self._senders.pop(key, None)
             peer = self.my_address if slot == 0 else f"{self.my_address}#{slot}"
-            with tls.channel(decode_address, CHANNEL_OPTIONS) as ch:
-                try:
-                    resp = engine_pb2_grpc.DecodeStub(ch).OpenKVChannel(
-                        engine_pb2.OpenKVChannelRequest(peer=peer, layout=layout_to_proto(self.layout),
-                                                        device=str(self.kv_cache.device),
-                                                        tensor_parallel_size=self.tp.size if self.tp else 1),
-                        timeout=self.timeout)
-                except grpc.RpcError as exc:
-                    raise KVTransferError(f"decode server {decode_address} refused the KV channel: "
-                                          f"{exc.details() or exc.code()}") from exc
-            # resp.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
-            sender = self._connect_parts(resp, peer) if resp.parts else KVSender.connect(
-                resp.host, resp.port, self.layout, backend=resp.backend or "auto", device=self.kv_cache.device,
+            if self.open_channel is None:
+                raise KVTransferError(f"no KV pair to {decode_address}, and no way to ask it for one")
+            offer = self.open_channel(decode_address, ChannelRequest(
+                peer=peer, layout=self.layout, device=str(self.kv_cache.device),
+                tensor_parallel_size=self.tp.size if self.tp else 1), self.timeout)
+            # offer.backend may be "auto": the handshake then settles it from the two GPUs' UUIDs.
+            sender = self._connect_parts(offer, peer) if offer.in_parts else KVSender.connect(
+                offer.host, offer.port, self.layout, backend=offer.backend or "auto", device=self.kv_cache.device,
                 timeout=self.timeout)
-            logger.info("KV channel %d to %s open at %s:%d: %s", slot, decode_address, resp.host, resp.port,
+            logger.info("KV channel %d to %s open at %s:%d: %s", slot, decode_address, offer.host, offer.port,
                         sender.reason)
             self._senders[key] = sender
             return sender
 
-    def _connect_parts(self, resp: engine_pb2.OpenKVChannelResponse, key: str) -> RankPairs:
+    def _connect_parts(self, offer: ChannelOffer, key: str) -> RankPairs:
         """Each part's sending rank joins the pair the decode server opened for it."""
-        backend, store = resp.backend or "auto", self.tp.store if self.tp else None
+        backend, store = offer.backend or "auto", self.tp.store if self.tp else None
         local: list[tuple[KVSender, tuple[int, int]]] = []
         remote: list[tuple[int, str]] = []
         try:
-            for i, part in enumerate(resp.parts):
-                heads = (part.src_head_start, part.src_head_end)
+            for i, part in enumerate(offer.parts):
+                heads = part.src_heads
                 layout = dataclasses.replace(self.layout, num_kv_heads=heads[1] - heads[0])
                 if part.src_rank == 0:
-                    local.append((KVSender.connect(resp.host, part.port, layout, backend=backend,
+                    local.append((KVSender.connect(offer.host, part.port, layout, backend=backend,
                                                    device=self.kv_cache.device, timeout=self.timeout), heads))
                 elif self.tp is None or part.src_rank >= self.tp.size:
                     raise KVTransferError(f"the decode server expects rank {part.src_rank}'s heads; this engine "
@@ -173,12 +176,12 @@ class KVSenders:
                         self._ranks_ready = True
                     part_key = f"{key}/part{i}"
                     call(self.tp.store, part.src_rank, "kv_connect", dict(
-                        key=part_key, host=resp.host, port=part.port, layout=layout.to_dict(),
+                        key=part_key, host=offer.host, port=part.port, layout=layout.to_dict(),
                         heads=list(heads), backend=backend, timeout=self.timeout), 2 * self.timeout)
                     remote.append((part.src_rank, part_key))
         except (KVTransferError, RankCallError, TimeoutError) as exc:
             RankPairs(local, store, remote, self.timeout).close()  # the parts joined so far
-            raise KVTransferError(f"KV pairs to {resp.host}: {exc}") from exc
+            raise KVTransferError(f"KV pairs to {offer.host}: {exc}") from exc
         return RankPairs(local, store, remote, self.timeout)
 
     def sends_in_parts(self, decode_address: str) -> bool:
