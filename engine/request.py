@@ -57,8 +57,8 @@ class RequestError:
     "deadline" (a state or the caller's deadline passed), "kv_transfer"
     (the KV hand-off failed), "invalid_constraint" (its structured-output
     constraint does not compile, in time or at all), "constraint" (no token
-    meets its constraint: FINISHED_ERROR) or "sampling" (no valid token could be sampled
-    from its logits)."""
+    meets its constraint: FINISHED_ERROR), "sampling" (no valid token could be sampled
+    from its logits) or "lora" (its adapter's files changed since the adapter was loaded)."""
 
     kind: str
     message: str

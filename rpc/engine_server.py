@@ -78,7 +78,7 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 # failed precondition: the prefill tier's Prefill call.
 _ERROR_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "kv_transfer": grpc.StatusCode.ABORTED,
                 "invalid_constraint": grpc.StatusCode.INVALID_ARGUMENT,
-                "constraint": grpc.StatusCode.FAILED_PRECONDITION}
+                "constraint": grpc.StatusCode.FAILED_PRECONDITION, "lora": grpc.StatusCode.FAILED_PRECONDITION}
 
 
 def admission_status(exc: Exception) -> grpc.StatusCode:

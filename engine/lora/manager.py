@@ -157,6 +157,19 @@ class LoRAManager:
             self._load_slot(free[0], info)
             self._slot_use.move_to_end(free[0])
 
+    def unusable(self, infos: list[LoRAInfo]) -> dict[str, str]:
+        """The adapters of ``infos`` that cannot be placed in a slot, by name, with the reason:
+        not in a slot and their files changed since they were loaded. Checked before a step
+        runs, so that only their requests fail (the host copy read here serves ``activate``)."""
+        bad: dict[str, str] = {}
+        for info in {i.name: i for i in infos}.values():
+            if self._slot_of(info) is None:
+                try:
+                    self._host_adapter(info)
+                except LoRAError as e:
+                    bad[info.name] = str(e)
+        return bad
+
     def activate(self, infos: list[LoRAInfo]) -> dict[str, int]:
         """A slot for each adapter of a step (at most ``max_loras`` distinct ones)."""
         want = {i.name: i for i in infos}
