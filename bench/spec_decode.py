@@ -22,6 +22,7 @@ step (steps = engine steps that ran a forward pass).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -109,6 +110,8 @@ def _break_even(cost: float, k: int) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
+    from engine.scheduler import Scheduler
+    from engine.speculative import Speculator
 
     if args.model_shape:
         from bench.model_shapes import shape_dir
@@ -124,8 +127,9 @@ def main(args: argparse.Namespace) -> int:
         spec = {"method": "draft_model", "model": str(shape_dir(args.draft_shape)), "num_speculative_tokens": k}
     args.speculative_config = json.dumps(spec)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    sched = engine.scheduler
-    ngram, drafter = sched.speculator, sched.batch_speculator
+    configured = engine.scheduler.speculator  # the n-gram lookup, or the draft model's rounds
+    assert configured is not None
+    drafter = configured.propose_batch
     drafting = [0.0, 0]  # seconds in the draft's rounds, rounds
     if drafter is not None:
         def timed(batch):
@@ -134,31 +138,41 @@ def main(args: argparse.Namespace) -> int:
             drafting[0] += time.perf_counter() - t
             drafting[1] += 1
             return out
-    if args.proposer != "ngram":
-        # k proposals every step (random weights: a draft's are never accepted, and in 16 bits
-        # the oracle's stop matching after a tie flips; the adaptive k would then ask for one):
-        # the mechanics of k, not of the adaptation.
-        adaptive = sched._proposal_len
 
-        def fixed_k(req, budget: int) -> int:
-            req.spec_k = None  # the scheduler's own bounds, from num_speculative_tokens every step
-            return adaptive(req, budget)
-        sched._proposal_len = fixed_k
+    def use(speculator: Speculator | None) -> Scheduler:
+        """The engine's scheduler for the next run (idle between runs), built with
+        ``speculator`` (None: plain decoding): the scheduler takes it only when built."""
+        old = engine.scheduler
+        sched = Scheduler(engine.config.scheduler, engine.config.cache, engine.num_blocks, speculator=speculator,
+                          grammars=old.grammars, max_loras=old.max_loras, max_waiting=old.max_waiting)
+        if args.proposer != "ngram":
+            # k proposals every step (random weights: a draft's are never accepted, and in 16 bits
+            # the oracle's stop matching after a tie flips; the adaptive k would then ask for one):
+            # the mechanics of k, not of the adaptation.
+            adaptive = sched._proposal_len
+
+            def fixed_k(req, budget: int) -> int:
+                req.spec_k = None  # the scheduler's own bounds, from num_speculative_tokens every step
+                return adaptive(req, budget)
+            sched._proposal_len = fixed_k
+        engine.scheduler = sched
+        return sched
+
     result: dict = {"config": engine.config.describe(), "proposer": args.proposer, "k": k, "batches": {}}
     for b in sizes:
         prompts = _prompts(args, engine, b)
-        sched.speculator = sched.batch_speculator = None  # plain decoding
+        use(None)  # plain decoding
         plain_prof: dict = {}
         plain_s, plain_out, plain_steps = _run(engine, prompts, args.output_len, args.profile, plain_prof)
         drafting[:] = [0.0, 0]
+        speculator = configured
         if drafter is not None:
-            sched.batch_speculator = timed
+            speculator = dataclasses.replace(configured, propose_batch=timed)
         elif args.proposer == "oracle":
             futures = {tuple(p): o for p, o in zip(prompts, plain_out)}
-            sched.speculator = lambda req, n: futures[tuple(req.prompt_token_ids)][
-                req.num_output_tokens:req.num_output_tokens + n]
-        else:
-            sched.speculator = ngram
+            speculator = dataclasses.replace(configured, propose=lambda req, n: futures[tuple(req.prompt_token_ids)][
+                req.num_output_tokens:req.num_output_tokens + n])
+        sched = use(speculator)
         before = (sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens, list(sched.spec.accepted_per_position))
         spec_prof: dict = {}
         spec_s, spec_out, spec_steps = _run(engine, prompts, args.output_len, args.profile, spec_prof)

@@ -81,10 +81,11 @@ class BlockPool:
         # The prefix index feed: hashes stored/evicted since the last
         # take_events(). Nothing is recorded until someone subscribes, and at
         # most max_events are kept (then the feed is marked lost and the
-        # consumer resynchronises from ``cached``).
+        # consumer resynchronises from a snapshot()). Only take_events() and
+        # snapshot() clear the buffer and the mark.
         self._events: list[tuple[bool, int]] | None = None
         self._max_events = 0
-        self.events_lost = False
+        self._events_lost = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,17 +167,29 @@ class BlockPool:
         """Start recording stored/evicted hashes for ``take_events``."""
         if max_events < 1:
             raise ValueError("max_events must be at least 1")
-        self._events, self._max_events, self.events_lost = [], max_events, False
+        self._events, self._max_events, self._events_lost = [], max_events, False
 
     def _record(self, stored: bool, block_hash: int) -> None:
         if self._events is None:
             return
         if len(self._events) >= self._max_events:
             self._events.clear()
-            self.events_lost = True
+            self._events_lost = True
         self._events.append((stored, block_hash))
 
-    def take_events(self) -> list[tuple[bool, int]]:
-        """(stored?, hash) in order since the last call (empty until subscribed)."""
+    def take_events(self) -> tuple[list[tuple[bool, int]], bool]:
+        """((stored?, hash) in order since the last call, lost): lost when the buffer
+        overflowed since then (the events are only the latest; a new ``snapshot`` is
+        exact). Empty until subscribed. Clears the buffer and the lost mark."""
         events, self._events = self._events or [], [] if self._events is not None else None
-        return events
+        lost, self._events_lost = self._events_lost, False
+        return events, lost
+
+    def snapshot(self) -> list[int]:
+        """Every hash cached now, recording from here on (subscribed now if not yet): what
+        was buffered and the lost mark are dropped, ``take_events`` continues from this."""
+        if self._events is None:
+            self.subscribe_events()
+        else:
+            self._events, self._events_lost = [], False
+        return list(self.cached)

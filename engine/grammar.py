@@ -3,9 +3,10 @@ and one matcher per constrained request (xgrammar does the compiling and matchin
 
     register(req)      the request's grammar starts compiling (a worker thread; the
                        compiled-grammar cache is keyed by the spec's hash, LRU, bounded)
-    poll(req)          WAIT (compiling) | READY | DONE (the grammar is complete: the
-                       request has its whole output) | ERROR (message): first brings the
-                       matcher up to the request's output tokens, accepting each once
+    poll(req)          a GrammarState (engine/structured_outputs.py): WAIT (compiling) |
+                       READY | DONE (the grammar is complete: the request has its whole
+                       output) | ERROR (message): first brings the matcher up to the
+                       request's output tokens, accepting each once
     fill(rows)         the next-token bitmask of each row ([ceil(V / 32)] int32, bit v of
                        word v // 32 set: token v allowed), from its matcher
     free(request_id)   the request ended
@@ -30,7 +31,6 @@ finishing in the background (a compile cannot be interrupted) and its result cac
 """
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import re
@@ -47,20 +47,13 @@ import numpy as np
 import torch
 
 from engine.request import Request
-from engine.structured_outputs import MAX_WHITESPACE, StructuredOutputsParams
+from engine.structured_outputs import MAX_WHITESPACE, GrammarState, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _MAX_CACHED = 256  # compiled grammars kept (LRU)
 # Masks of this many rows or more are filled on xgrammar's threads, fewer one by one: on the
 # H200 machine one by one was faster at 32 rows, the threads at 64 (docs/benchmarks.md).
 _BATCH_FILL_ROWS, _BATCH_FILL_THREADS = 64, "auto"
-
-
-class Poll(enum.Enum):
-    WAIT = enum.auto()
-    READY = enum.auto()
-    DONE = enum.auto()
-    ERROR = enum.auto()
 
 
 @dataclass
@@ -76,7 +69,11 @@ class _RequestGrammar:
 
 @dataclass
 class GrammarManager:
-    """Owns the compiler, the compiled-grammar cache and every live request's matcher."""
+    """Owns the compiler, the compiled-grammar cache and every live request's matcher.
+
+    Cheap to create (the engine makes one at start and hands it to the scheduler): the
+    tokenizer and xgrammar load at the first compile, in a compile thread, so an engine
+    that serves no constrained request never loads them."""
 
     tokenizer_path: Path
     vocab_size: int  # the model's logits width (the bitmask covers it)
@@ -94,6 +91,18 @@ class GrammarManager:
     on_compiled: Callable[[], None] | None = None
     _stop_words: np.ndarray | None = None  # [ceil(V / 32)] int32: the stop tokens' bits
     _batch_matcher: Any = None  # xgrammar's BatchGrammarMatcher: masks of many rows on threads
+    _has_tokenizer: bool = False  # check_tokenizer found one (looked for until then)
+
+    def check_tokenizer(self) -> None:
+        """ValueError when ``tokenizer_path`` has no tokenizer to compile against: a
+        constrained request is refused at admission rather than failing to compile."""
+        if self._has_tokenizer:
+            return
+        path = self.tokenizer_path
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise ValueError(f"structured outputs need the model's tokenizer, and {path} has none "
+                             "(pass --tokenizer DIR)")
+        self._has_tokenizer = True
 
     # ---- compiling ------------------------------------------------------------------------------
     def _get_compiler(self):
@@ -152,28 +161,28 @@ class GrammarManager:
             return
         self._requests[req.request_id] = _RequestGrammar(self._compiled(params), time.monotonic())
 
-    def poll(self, req: Request) -> tuple[Poll, str]:
+    def poll(self, req: Request) -> tuple[GrammarState, str]:
         """Where ``req``'s grammar stands (module docstring); the message explains ERROR."""
         g = self._requests.get(req.request_id)
         if g is None:
             self.register(req)
             g = self._requests[req.request_id]
         if g.error is not None:
-            return Poll.ERROR, g.error
+            return GrammarState.ERROR, g.error
         if g.matcher is None:
             if not g.future.done():
                 # Counted from when compiling could start: loading the tokenizer (once) is not the
                 # constraint's doing.
                 ready = self._compiler_ready_at
                 if ready is None or time.monotonic() - max(g.started, ready) <= self.max_compile_seconds:
-                    return Poll.WAIT, ""
+                    return GrammarState.WAIT, ""
                 g.error = (f"compiling the {req.sampling_params.structured_outputs.kind} constraint took longer "
                            f"than --max-grammar-compile-seconds {self.max_compile_seconds:g}")
-                return Poll.ERROR, g.error
+                return GrammarState.ERROR, g.error
             exc = g.future.exception()
             if exc is not None:
                 g.error = f"invalid {req.sampling_params.structured_outputs.kind}: {_first_line(exc)}"
-                return Poll.ERROR, g.error
+                return GrammarState.ERROR, g.error
             import xgrammar as xgr
 
             g.matcher = xgr.GrammarMatcher(g.future.result())
@@ -182,14 +191,14 @@ class GrammarManager:
             token = out[g.num_accepted]
             if g.matcher.is_terminated() or not g.matcher.accept_token(token):
                 g.error = f"token {token} at output position {g.num_accepted} does not match the constraint"
-                return Poll.ERROR, g.error
+                return GrammarState.ERROR, g.error
             g.num_accepted += 1
             g.mask = None
         if g.matcher.is_terminated():
-            return Poll.DONE, ""
+            return GrammarState.DONE, ""
         if g.mask is None:
             self._set_masks([g])
-        return (Poll.DONE, "") if g.only_stop else (Poll.READY, "")
+        return (GrammarState.DONE, "") if g.only_stop else (GrammarState.READY, "")
 
     def _set_masks(self, grammars: list[_RequestGrammar]) -> None:
         """Each one's next mask (one batched fill on xgrammar's threads) and whether it

@@ -182,3 +182,14 @@ class KVCacheManager:
         """Drop all per-request state of a finished request."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
+
+    # ---- the prefix index feed (the pool's events) ----------------------
+    def cache_snapshot(self) -> list[int]:
+        """Every full-block hash cached now; prefix-cache events are recorded from here on
+        (``take_cache_events``)."""
+        return self.pool.snapshot()
+
+    def take_cache_events(self) -> tuple[list[tuple[bool, int]], bool]:
+        """((stored?, hash) in order, lost) since the last call or snapshot; lost: the
+        buffer overflowed and only a new snapshot is exact."""
+        return self.pool.take_events()

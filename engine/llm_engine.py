@@ -39,17 +39,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
+from engine.grammar import GrammarManager
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.planner import plan_step
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import ngram_propose
+from engine.speculative import Speculator
 from engine.step_plan import StepPlan, StepRuntime
+from engine.structured_outputs import GrammarState
 
 if TYPE_CHECKING:
     from engine.draft_model import DraftProposer
-    from engine.grammar import GrammarManager
     from engine.lora.config import LoRAInfo
     from engine.lora.manager import LoRAManager
 
@@ -139,36 +140,36 @@ class LLMEngine:
                                   extra_block_bytes=draft_block_bytes(config, draft) if draft is not None else 0)
         # Closed by close(), or when the engine is dropped or the process ends.
         self._close_tp = weakref.finalize(self, _close_tensor_parallel, self.runner, self._workers)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        mc, sc = config.model, config.scheduler
+        self.eos_token_ids = mc.eos_token_ids
         self.drafter: DraftProposer | None = None
+        speculator = None
         if draft is not None:  # a draft model's proposals, a step's rows at once (engine/draft_model.py)
             from engine.draft_model import DraftProposer
 
             self.drafter = DraftProposer(config, draft, self.runner.num_blocks)
-            self.scheduler.batch_speculator = self.drafter.propose
+            speculator = Speculator.from_config(spec, propose_batch=self.drafter.propose)
         elif spec is not None:  # n-gram proposals, from the request's own tokens (engine/speculative.py)
-            self.scheduler.speculator = lambda req, k: ngram_propose(req.all_token_ids, k, spec.prompt_lookup_min,
-                                                                     spec.prompt_lookup_max)
-        if spec is not None:
-            self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
-            self.scheduler.disable_spec_above = spec.disable_by_batch_size
-        if self.runner.lora is not None:
-            self.scheduler.max_loras = self.runner.lora.max_loras
-        mc, sc = config.model, config.scheduler
+            speculator = Speculator.from_config(spec)
+        # Structured outputs: cheap to make, the tokenizer and xgrammar load at the first compile.
+        self.grammars = GrammarManager(config.tokenizer or mc.path, mc.vocab_size, self.eos_token_ids,
+                                       config.max_grammar_compile_seconds,
+                                       on_compiled=lambda: self.on_background_done and self.on_background_done())
+        self.scheduler = Scheduler(sc, config.cache, self.runner.num_blocks, speculator=speculator,
+                                   grammars=self.grammars,
+                                   max_loras=self.runner.lora.max_loras if self.runner.lora is not None else None)
         capacity = self.runner.num_blocks * config.cache.block_size
         logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s)", self.runner.num_blocks, capacity,
                     self.runner.num_blocks * self.runner.block_bytes / 2**20, config.kv_dtype)
         if capacity < sc.max_model_len:
             logger.warning("the KV cache holds %d tokens, less than --max-model-len %d", capacity,
                            sc.max_model_len)
-        self.eos_token_ids = mc.eos_token_ids
         self._outside_step: list[Request] = []  # advanced or finished by an operation; reported next step
         self._next_expiry_check = 0.0
         self.layerwise_sink: LayerwiseSink | None = None  # prefill tier: KV sent as layers finish
         self._in_flight: LaunchedStep | None = None  # a decode step queued, its tokens not read yet
         self.num_steps_total = 0
         self.num_steps_ahead_total = 0
-        self.grammars: GrammarManager | None = None  # structured outputs: made at the first constrained request
         # Called from another thread when background work (a grammar compile) ends: set by
         # whoever waits for work between steps (the engine loop), to wake up.
         self.on_background_done: Callable[[], None] | None = None
@@ -209,8 +210,7 @@ class LLMEngine:
         compiler's threads. Idempotent."""
         self._close_tp()
         self._workers = []
-        if self.grammars is not None:
-            self.grammars.close()
+        self.grammars.close()
         if self.drafter is not None:
             self.drafter.close()
 
@@ -277,7 +277,7 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate()
         if params.structured_outputs is not None:
-            self._grammar_manager()
+            self.grammars.check_tokenizer()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time)
         req.deadline = deadline
         req.lora = lora
@@ -311,26 +311,11 @@ class LLMEngine:
                    for r in q if r.lora is not None}
         return sorted(running), sorted(waiting - running)
 
-    def _grammar_manager(self) -> GrammarManager:
-        """The structured outputs' grammars (made once; ValueError when there is no tokenizer)."""
-        if self.grammars is None:
-            from engine.grammar import GrammarManager
-
-            path = self.config.tokenizer or self.config.model.path
-            if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-                raise ValueError(f"structured outputs need the model's tokenizer, and {path} has none "
-                                 "(pass --tokenizer DIR)")
-            self.grammars = GrammarManager(path, self.config.model.vocab_size, self.eos_token_ids,
-                                           self.config.max_grammar_compile_seconds,
-                                           on_compiled=lambda: self.on_background_done and self.on_background_done())
-            self.scheduler.grammars = self.grammars
-        return self.grammars
-
     def _constrain(self, req: Request) -> Request:
         """A queued request with a constraint starts compiling it now (off the engine loop; the
         decode tier's while the prefill tier computes the prompt)."""
         if req.sampling_params.structured_outputs is not None:
-            self._grammar_manager().register(req)
+            self.grammars.register(req)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -410,7 +395,7 @@ class LLMEngine:
         """Bound the waiting queue (servers: ``--max-queued-requests``; past
         it ``add_request`` raises OverflowError). The offline API leaves it
         unbounded."""
-        self.scheduler.max_waiting = max_waiting
+        self.scheduler.limit_waiting(max_waiting)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.scheduler.kv.get_block_ids(request_id)
@@ -427,19 +412,12 @@ class LLMEngine:
     def cache_snapshot(self) -> list[int]:
         """Start recording prefix-cache events (if not yet) and return every
         full-block hash cached now; ``take_cache_events`` continues from here."""
-        pool = self.scheduler.kv.pool
-        if not pool.is_recording:
-            pool.subscribe_events()
-        pool.take_events()
-        pool.events_lost = False
-        return list(pool.cached)
+        return self.scheduler.kv.cache_snapshot()
 
     def take_cache_events(self) -> tuple[list[tuple[bool, int]], bool]:
         """(events in order: (stored?, hash), lost) since the last call; lost
         means the buffer overflowed and only a new snapshot is exact."""
-        pool = self.scheduler.kv.pool
-        lost, pool.events_lost = pool.events_lost, False
-        return pool.take_events(), lost
+        return self.scheduler.kv.take_cache_events()
 
     def _report(self, req: Request | None) -> None:
         if req is not None:
@@ -553,8 +531,8 @@ class LLMEngine:
         """What the runner calls before sampling a step with constrained rows that sample:
         each gets its next-token bitmask (computed on the host while the device runs the
         forward pass). None when the step has none."""
-        if self.grammars is None or not any(s.samples and s.request.sampling_params.structured_outputs is not None
-                                            for s in out.scheduled):
+        if not self.grammars.num_requests or not any(
+                s.samples and s.request.sampling_params.structured_outputs is not None for s in out.scheduled):
             return None
         grammars = self.grammars
 
@@ -568,18 +546,16 @@ class LLMEngine:
         """The masks of a step scheduled ahead, after the tokens before it were taken: for its
         constrained rows still running with a mask ready (a row the tokens finished samples
         unmasked, and its token is thrown away)."""
-        assert self.grammars is not None
         rows = [s for s in step.scheduled if s.samples and s.request.sampling_params.structured_outputs is not None
                 and s.request.status == RequestStatus.RUNNING
-                and self.grammars.poll(s.request)[0].name == "READY"]
+                and self.grammars.poll(s.request)[0] is GrammarState.READY]
         for s, mask in zip(rows, self.grammars.fill([s.request for s in rows]) if rows else []):
             s.bitmask = mask
 
     def wait_for_background(self, timeout: float) -> None:
         """After a step that did no work: wait (at most ``timeout`` s) for background work that
         may let one run (a grammar compiling), rather than step again at once."""
-        if self.grammars is not None:
-            self.grammars.wait(timeout)
+        self.grammars.wait(timeout)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, outcomes to report, or a step in flight to read."""

@@ -28,18 +28,24 @@ ends (``kv_received`` / ``kv_failed`` / ``release_held``): never freed under
 a transfer.
 
 The scheduler owns the queues, every request's status and
-``num_computed_tokens``; the KV cache manager owns the blocks.
+``num_computed_tokens``; the KV cache manager owns the blocks. Its collaborators
+come through the constructor and stay for its life: the speculator
+(engine/speculative.py), the structured-output grammars (engine/grammar.py), the
+LoRA limit and the waiting-queue bound (the one value set later, by
+``limit_waiting``: servers bound the queue, the offline API does not).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestError, RequestStatus
+from engine.speculative import Speculator
+from engine.structured_outputs import GrammarState
 
 
 @dataclass
@@ -64,14 +70,18 @@ class SpecStats:
 
 class Grammars(Protocol):
     """The engine's structured-output grammars (engine/grammar.py), as the scheduler asks them:
-    ``poll(req)`` -> (state, message), state ``.name`` one of WAIT, READY, DONE, ERROR;
-    ``prefetch`` takes a step's new tokens in one batch before they are polled one by one."""
+    ``poll(req)`` -> (state, message); ``prefetch`` takes a step's new tokens in one batch
+    before they are polled one by one; ``num_requests``: constrained requests live (none:
+    nothing to prefetch)."""
 
-    def poll(self, req: Request) -> tuple[Any, str]: ...
+    def poll(self, req: Request) -> tuple[GrammarState, str]: ...
 
     def prefetch(self, pairs: Sequence[tuple[Request, int]]) -> None: ...
 
     def free(self, request_id: str) -> None: ...
+
+    @property
+    def num_requests(self) -> int: ...
 
 S = RequestStatus
 # A reservation whose prefill has not started, for a caller that set no
@@ -134,7 +144,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, *,
+                 speculator: Speculator | None = None, grammars: Grammars | None = None,
+                 max_loras: int | None = None, max_waiting: int | None = None) -> None:
+        """``speculator``: proposals for decoding rows (None: no speculative decoding);
+        ``grammars``: what holds requests to their structured-output constraints (None:
+        nothing does; the engine always gives its manager, which loads nothing until used);
+        ``max_loras``: distinct adapters in one step (None: no LoRA); ``max_waiting``: the
+        bound of the waiting queue for ``add_request`` (None: unbounded)."""
+        if max_loras is not None and max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.config = sched
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.sliding_window)
         self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED
@@ -144,20 +163,49 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # HELD_FOR_SEND
         self.pending_free: dict[str, Request] = {}  # finished; a transfer still uses their blocks
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
-        self.max_waiting: int | None = None  # bound of ``waiting`` for add_request (servers set it)
-        self.grammars: Grammars | None = None  # set by the engine when a request has a constraint
-        # Speculative decoding: proposals for a decoding request (request, at most k) -> tokens;
-        # or, for a proposer that runs a model (a draft), for a step's rows at once:
-        # [(request, k, its block table)] -> {request id: tokens}, blocks for the k taken first
-        self.speculator: Callable[[Request, int], list[int]] | None = None
-        self.batch_speculator: Callable[[list[tuple[Request, int, list[int]]]], dict[str, list[int]]] | None = None
-        self.num_speculative_tokens = 0
-        self.disable_spec_above: int | None = None  # --speculative-config's disable_by_batch_size
-        self.max_loras: int | None = None  # --max-loras: distinct adapters per step (None: no LoRA)
+        self._max_waiting: int | None = None
+        self.limit_waiting(max_waiting)
+        self._grammars = grammars
+        self._speculator = speculator
+        # (the speculator's two kinds apart: the step reads them for every decoding row)
+        self._propose = speculator.propose if speculator is not None else None
+        self._propose_batch = speculator.propose_batch if speculator is not None else None
+        self._max_loras = max_loras
         self.spec = SpecStats()
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
+
+    # ---- collaborators and limits (read-only: given at construction) ----
+    @property
+    def speculator(self) -> Speculator | None:
+        return self._speculator
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k: the most proposals a row verifies in a step (0 without a speculator)."""
+        return self._speculator.num_speculative_tokens if self._speculator is not None else 0
+
+    @property
+    def grammars(self) -> Grammars | None:
+        return self._grammars
+
+    @property
+    def max_loras(self) -> int | None:
+        """Distinct adapters in one step (``--max-loras``); None without LoRA."""
+        return self._max_loras
+
+    @property
+    def max_waiting(self) -> int | None:
+        """The bound of the waiting queue for ``add_request``; None: unbounded."""
+        return self._max_waiting
+
+    def limit_waiting(self, max_waiting: int | None) -> None:
+        """Bound the waiting queue (a server's ``--max-queued-requests``, known once the
+        engine is built; past it ``add_request`` raises OverflowError). None: unbounded."""
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"the waiting-queue bound must be at least 0, got {max_waiting}")
+        self._max_waiting = max_waiting
 
     # ---- admission -------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -176,8 +224,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request to be computed here (WAITING). Raises
         OverflowError when ``max_waiting`` requests already wait."""
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise OverflowError(f"the waiting queue is full ({self.max_waiting} requests waiting to run)")
+        if self._max_waiting is not None and len(self.waiting) >= self._max_waiting:
+            raise OverflowError(f"the waiting queue is full ({self._max_waiting} requests waiting to run)")
         self._admit(request)
         self.waiting.append(request)
 
@@ -320,7 +368,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()  # ids in out.scheduled, kept alongside it (no rebuild per request)
         loras: set[str] = set()  # the step's adapters (at most max_loras)
-        drafted = self._batch_proposals(budget) if self.batch_speculator is not None else {}
+        drafted = self._batch_proposals(budget) if self._propose_batch is not None else {}
         # Decode-first: stable sort puts requests with one token to compute first.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
@@ -348,14 +396,14 @@ class Scheduler:
         not complete: those wait for ``schedule``)."""
         if req.sampling_params.structured_outputs is None:
             return True
-        return self.grammars is not None and self.grammars.poll(req)[0].name == "READY"
+        return self._grammars is not None and self._grammars.poll(req)[0] is GrammarState.READY
 
     def _lora_fits(self, req: Request, loras: set[str]) -> bool:
         """Whether ``req``'s adapter can join the step's (``loras``, added to when it can): a
         step runs at most ``max_loras`` adapters; a request under another waits its turn."""
-        if req.lora is None or self.max_loras is None or req.lora.name in loras:
+        if req.lora is None or self._max_loras is None or req.lora.name in loras:
             return True
-        if len(loras) >= self.max_loras:
+        if len(loras) >= self._max_loras:
             return False
         loras.add(req.lora.name)
         return True
@@ -454,14 +502,14 @@ class Scheduler:
     def _proposals(self, req: Request, budget: int, drafted: dict[str, list[int]]) -> list[int]:
         """Tokens to verify after a decoding request's pending one (none without a
         speculator), never past max_tokens or the step's budget."""
-        if (self.speculator is None and self.batch_speculator is None) or not self._speculates(req):
+        if self._speculator is None or not self._speculates(req):
             return []
         k = self._proposal_len(req, budget)
         if k <= 0:
             return []
-        if self.batch_speculator is not None:
+        if self._propose is None:  # proposed per step (_batch_proposals)
             return drafted.get(req.request_id, [])[:k]
-        return self.speculator(req, k)[:k]
+        return self._propose(req, k)[:k]
 
     def _proposal_len(self, req: Request, budget: int) -> int:
         """How many proposals to ask for: the request's current k, never past max_tokens or
@@ -477,7 +525,8 @@ class Scheduler:
     @property
     def speculation_off(self) -> bool:
         """More requests run than ``disable_by_batch_size``: no proposals this step."""
-        return self.disable_spec_above is not None and len(self.running) > self.disable_spec_above
+        above = self._speculator.disable_by_batch_size if self._speculator is not None else None
+        return above is not None and len(self.running) > above
 
     def _may_speculate(self, reqs: list[Request]) -> bool:
         """Whether some of ``reqs`` would get proposals next step: any that may, with a draft
@@ -485,12 +534,12 @@ class Scheduler:
         still in flight: a guess, which only decides whether the step waits for it)."""
         if self.speculation_off:
             return False
-        if self.batch_speculator is not None:
+        if self._propose_batch is not None:
             return any(self._speculates(r) for r in reqs)
-        if self.speculator is None:
+        if self._propose is None:
             return False
         k = self.num_speculative_tokens
-        return any(self._speculates(r) and r.max_tokens - r.num_output_tokens > 2 and self.speculator(r, k)
+        return any(self._speculates(r) and r.max_tokens - r.num_output_tokens > 2 and self._propose(r, k)
                    for r in reqs)
 
     def _batch_proposals(self, budget: int) -> dict[str, list[int]]:
@@ -504,7 +553,8 @@ class Scheduler:
             k = self._proposal_len(req, budget)
             if k > 0 and self.kv.allocate_slots(req, 1 + k) is not None:
                 batch.append((req, k, self.kv.get_block_ids(req.request_id)))
-        return self.batch_speculator(batch) if batch else {}
+        assert self._propose_batch is not None
+        return self._propose_batch(batch) if batch else {}
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, loras: set[str]) -> None:
         deferred: list[Request] = []  # constraints still compiling, adapters past max_loras: they keep their place
@@ -538,16 +588,16 @@ class Scheduler:
         compiled and has taken the request's tokens: True while it compiles (the request
         waits), or when it ends here (the constraint failed to compile, or is complete:
         ``out.finished``)."""
-        if self.grammars is None or req.sampling_params.structured_outputs is None:
+        if self._grammars is None or req.sampling_params.structured_outputs is None:
             return False
-        state, message = self.grammars.poll(req)
-        if state.name == "READY":
+        state, message = self._grammars.poll(req)
+        if state is GrammarState.READY:
             return False
-        if state.name == "ERROR":
+        if state is GrammarState.ERROR:
             self._finish(req, S.FINISHED_ABORTED, RequestError("invalid_constraint", f"request {req.request_id}: "
                                                                                       f"{message}"))
             out.finished.append(req)
-        elif state.name == "DONE":
+        elif state is GrammarState.DONE:
             req.stop_reason = "constraint"
             self._finish(req, S.FINISHED_STOPPED)
             out.finished.append(req)
@@ -574,8 +624,8 @@ class Scheduler:
         is the new token of ``out.scheduled[i]`` or None for a partial chunk.
         Returns the requests that got a token (finished ones included)."""
         updated = []
-        if self.grammars is not None:  # constrained rows' next masks, in one batch
-            self.grammars.prefetch([(s.request, tok) for s, tok in zip(out.scheduled, sampled)
+        if self._grammars is not None and self._grammars.num_requests:  # constrained rows' next masks, in one batch
+            self._grammars.prefetch([(s.request, tok) for s, tok in zip(out.scheduled, sampled)
                                     if isinstance(tok, int) and tok >= 0 and s.request.status == S.RUNNING
                                     and s.request.sampling_params.structured_outputs is not None])
         for i, s in enumerate(out.scheduled):
@@ -627,11 +677,11 @@ class Scheduler:
         if req.times.first_token is None:
             req.times.first_token = time.time()
         status = req.check_stop()
-        if status is None and self.grammars is not None and req.sampling_params.structured_outputs is not None:
-            state, message = self.grammars.poll(req)  # WAIT: still compiling, the token is taken later
-            if state.name == "DONE":
+        if status is None and self._grammars is not None and req.sampling_params.structured_outputs is not None:
+            state, message = self._grammars.poll(req)  # WAIT: still compiling, the token is taken later
+            if state is GrammarState.DONE:
                 status, req.stop_reason = S.FINISHED_STOPPED, "constraint"
-            elif state.name == "ERROR":
+            elif state is GrammarState.ERROR:
                 status = S.FINISHED_ERROR
                 req.error = RequestError("constraint", f"request {req.request_id}: {message}")
         if status is None:
@@ -675,8 +725,8 @@ class Scheduler:
             del self.held[rid]
         req.status, req.error, req.state_deadline = status, error or req.error, None
         req.times.finished = time.time()
-        if self.grammars is not None:
-            self.grammars.free(rid)
+        if self._grammars is not None:
+            self._grammars.free(rid)
         if busy:
             self.pending_free[rid] = req
             return

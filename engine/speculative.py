@@ -1,5 +1,6 @@
-"""Speculative decoding's configuration (``--speculative-config``, vLLM's JSON) and the
-n-gram proposer. Torch-free: the gateway and the config read it.
+"""Speculative decoding's configuration (``--speculative-config``, vLLM's JSON), what the
+scheduler is given to speculate with (``Speculator``) and the n-gram proposer. Torch-free:
+the gateway, the config and the scheduler read it.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4}
@@ -28,7 +29,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -99,6 +103,47 @@ class SpeculativeConfig:
         """What a KV pair's two sides must agree on (the decode tier verifies with it)."""
         return json.dumps({"method": self.method, "k": self.num_speculative_tokens,
                            "model": str(self.model) if self.model else None}, sort_keys=True)
+
+
+# A decoding request's proposals: (request, at most k) -> tokens (the n-gram lookup).
+Propose = Callable[["Request", int], list[int]]
+# A step's rows at once, for a proposer that runs a model (a draft): [(request, k, its block
+# table)] -> {request id: tokens}; the scheduler takes the blocks for the k positions first.
+ProposeBatch = Callable[[list[tuple["Request", int, list[int]]]], dict[str, list[int]]]
+
+
+@dataclass(frozen=True)
+class Speculator:
+    """What the scheduler is given to speculate with: one proposer, per request
+    (``propose``) or per step (``propose_batch``), k, and the batch size above which no
+    step carries proposals (None: any)."""
+
+    num_speculative_tokens: int
+    propose: Propose | None = None
+    propose_batch: ProposeBatch | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.propose is None) == (self.propose_batch is None):
+            raise ValueError("a Speculator proposes per request or per step: give exactly one of propose, "
+                             "propose_batch")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, propose_batch: ProposeBatch | None = None) -> Speculator:
+        """``--speculative-config``'s: the n-gram lookup of the request's own tokens, or, for a
+        draft model, its ``propose_batch``."""
+        if config.method == "draft_model":
+            if propose_batch is None:
+                raise ValueError("a draft_model speculator needs the draft's propose_batch")
+            return cls(config.num_speculative_tokens, propose_batch=propose_batch,
+                       disable_by_batch_size=config.disable_by_batch_size)
+        if propose_batch is not None:
+            raise ValueError("the ngram speculator proposes from each request's own tokens: no propose_batch")
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        return cls(config.num_speculative_tokens, propose=lambda req, k: ngram_propose(req.all_token_ids, k, lo, hi),
+                   disable_by_batch_size=config.disable_by_batch_size)
 
 
 def ngram_propose(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

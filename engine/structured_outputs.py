@@ -21,6 +21,7 @@ output that does not match its schema. The grammar engine finds the other errors
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -118,6 +119,17 @@ class StructuredOutputsParams:
                 check_schema(parsed)
             elif not isinstance(parsed, dict) or parsed.get("type") != "structural_tag":
                 raise ValueError('structured_outputs.structural_tag must be an object with "type": "structural_tag"')
+
+
+class GrammarState(enum.Enum):
+    """Where a request's constraint stands, as the grammar manager (engine/grammar.py) reports
+    it and the scheduler acts on it; here, without the grammar engine, so the scheduler
+    imports it for nothing."""
+
+    WAIT = enum.auto()  # compiling: the request waits
+    READY = enum.auto()  # compiled and caught up with the request's tokens: its next mask is known
+    DONE = enum.auto()  # the grammar is complete: the request has its whole output
+    ERROR = enum.auto()  # it failed to compile, timed out, or a token did not match (with a message)
 
 
 def check_schema(schema: Any, path: str = "#") -> None:

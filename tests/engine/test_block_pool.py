@@ -41,7 +41,29 @@ def test_free_queue_lru_order_and_eviction():
     got = pool.get_new_blocks(4)
     assert [g.block_id for g in got] == [2, 3, 1, 0]
     assert pool.get_cached_block(111) is None  # evicted when reused
-    assert pool.take_events() == [(True, 111), (False, 111)]
+    assert pool.take_events() == ([(True, 111), (False, 111)], False)
+
+
+def test_the_event_feed_is_bounded_and_its_owner_clears_lost():
+    """Past max_events the buffer is dropped and marked lost; take_events returns and clears
+    the mark; a snapshot starts recording (if not yet), drops the buffer and clears it."""
+    pool = BlockPool(8)
+    assert pool.take_events() == ([], False)  # nothing recorded before a subscriber
+    pool.subscribe_events(max_events=2)
+    blocks = pool.get_new_blocks(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i)
+    assert pool.take_events() == ([(True, 102)], True)  # the third event found the buffer full
+    assert pool.take_events() == ([], False)
+    pool.cache_block(pool.get_new_blocks(1)[0], 103)
+    pool.cache_block(pool.get_new_blocks(1)[0], 104)
+    pool.cache_block(pool.get_new_blocks(1)[0], 105)  # lost again
+    assert sorted(pool.snapshot()) == [100, 101, 102, 103, 104, 105]
+    assert pool.take_events() == ([], False)  # the snapshot is exact: nothing before it, not lost
+    fresh = BlockPool(4)
+    assert fresh.snapshot() == [] and fresh.is_recording
+    fresh.cache_block(fresh.get_new_blocks(1)[0], 7)
+    assert fresh.take_events() == ([(True, 7)], False)
 
 
 def test_double_free_is_caught():

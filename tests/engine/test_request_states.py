@@ -355,8 +355,8 @@ def test_long_run_state_does_not_grow():
     growth = sum(st.size_diff for st in after.compare_to(before, "filename"))
     assert growth < 64 * 1024, f"{growth} bytes retained after 3000 more requests"
     assert_no_leak(s)
-    assert s.kv.pool.take_events() == [] and len(s.kv.pool.cached) <= 64
+    assert s.kv.pool.take_events() == ([], False) and len(s.kv.pool.cached) <= 64
     s.kv.pool.subscribe_events(max_events=50)
     serve(3300, 30)
-    events = s.kv.pool.take_events()
-    assert len(events) <= 50 and s.kv.pool.events_lost
+    events, lost = s.kv.pool.take_events()
+    assert len(events) <= 50 and lost

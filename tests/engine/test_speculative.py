@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.sampler import SamplingRow, verify_async
-from engine.speculative import SpeculativeConfig, ngram_propose
+from engine.speculative import SpeculativeConfig, Speculator, ngram_propose
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,17 @@ def _run(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
 
 
+def _proposing(monkeypatch, propose) -> None:
+    """Engines built from here on (an n-gram ``--speculative-config``) propose with
+    ``propose(request, k)`` instead of the n-gram lookup; k and disable_by_batch_size stay
+    the config's. (The scheduler takes its speculator when it is built.)"""
+    def from_config(config: SpeculativeConfig, propose_batch=None) -> Speculator:
+        assert config.method == "ngram" and propose_batch is None
+        return Speculator(config.num_speculative_tokens, propose=propose,
+                          disable_by_batch_size=config.disable_by_batch_size)
+    monkeypatch.setattr(Speculator, "from_config", staticmethod(from_config))
+
+
 def test_ngram_proposals():
     assert ngram_propose([1, 2, 3, 4, 1, 2, 3], 3, 1, 4) == [4, 1, 2]  # longest suffix first, what followed it
     assert ngram_propose([5, 9, 5, 8, 5], 2, 1, 4) == [8, 5]  # the latest occurrence wins
@@ -45,7 +56,7 @@ def test_ngram_proposals():
     assert ngram_propose([1, 2, 3, 1, 2], 3, 3, 3) == []  # shorter than prompt_lookup_min: nothing
 
 
-def test_greedy_output_is_plain_decodings(model_dir):
+def test_greedy_output_is_plain_decodings(model_dir, monkeypatch):
     prompts = _prompts()
     plain = LLM(str(model_dir), **ENGINE)
     eos = _run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0][0][7]
@@ -67,11 +78,11 @@ def test_greedy_output_is_plain_decodings(model_dir):
         right = continuation[tuple(req.prompt_token_ids)][done:done + k]
         return [0 if (done + j) % 8 == 7 else t for j, t in enumerate(right)]
 
+    _proposing(monkeypatch, oracle)
     for llm in (LLM(str(model_dir), **ENGINE, speculative_config=SPEC),
                 # preemption in the middle of speculative steps
                 LLM(str(model_dir), num_gpu_blocks_override=24, max_model_len=512, block_size=4,
                     max_num_batched_tokens=48, speculative_config=SPEC)):
-        llm.engine.scheduler.speculator = oracle
         assert _run(llm, prompts, params) == want
         stats = llm.engine.scheduler.spec
         assert stats.num_accepted_tokens > 40 and stats.accepted_per_position[3] > 3, stats
@@ -80,11 +91,11 @@ def test_greedy_output_is_plain_decodings(model_dir):
     assert llm.engine.scheduler.num_preemptions_total > 0
 
 
-def test_rejected_positions_give_their_blocks_back(model_dir):
+def test_rejected_positions_give_their_blocks_back(model_dir, monkeypatch):
     # Every proposal a wrong guess: each step takes blocks for 1 + 4 positions and keeps
     # only what one accepted token needs.
+    _proposing(monkeypatch, lambda req, k: [0] * k)  # token 0 is never the argmax here
     llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
-    llm.engine.scheduler.speculator = lambda req, k: [0] * k  # token 0 is never the argmax here
     req = llm.engine.add_request("r", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=12,
                                                                          ignore_eos=True))
     while not req.is_finished:
@@ -95,19 +106,20 @@ def test_rejected_positions_give_their_blocks_back(model_dir):
     assert llm.engine.scheduler.spec.num_accepted_tokens == 0 and len(req.output_token_ids) == 12
 
 
-def test_k_follows_the_acceptance(model_dir):
+def test_k_follows_the_acceptance(model_dir, monkeypatch):
     """A row asks for one more proposal than it last had accepted: all wrong, it asks for 1
     from the second step on; all right, it keeps asking for num_speculative_tokens."""
+    want = _run(LLM(str(model_dir), **ENGINE, speculative_config=SPEC), [list(range(3, 20))],
+                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0][0]
     for right in (False, True):
-        llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
-        want = _run(llm, [list(range(3, 20))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0][0]
         asked: list[int] = []
 
         def speculator(req, k: int, right=right) -> list[int]:
             asked.append(k)
             done = req.num_output_tokens
             return want[done:done + k] if right else [0] * k  # token 0 is never the argmax here
-        llm.engine.scheduler.speculator = speculator
+        _proposing(monkeypatch, speculator)
+        llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC)
         got = _run(llm, [list(range(3, 20))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         assert got[0][0] == want
         # (the last steps ask for fewer: never past max_tokens)
@@ -160,20 +172,22 @@ def test_configuration_is_checked(model_dir):
             EngineArgs(model=str(model_dir), device="cpu", speculative_config=bad).create_engine_config()
 
 
-def test_no_proposals_while_more_requests_run_than_disable_by_batch_size(model_dir):
+def test_no_proposals_while_more_requests_run_than_disable_by_batch_size(model_dir, monkeypatch):
     """vLLM's disable_by_batch_size: while more requests run than that, steps carry no
     proposals (the speculator is not even asked); as they finish, speculation resumes."""
     assert SpeculativeConfig.parse(SPEC).disable_by_batch_size == 64  # the measured default
     assert SpeculativeConfig.parse(SPEC[:-1] + ', "disable_by_batch_size": null}').disable_by_batch_size is None
-    llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC[:-1] + ', "disable_by_batch_size": 2}')
+    config = SPEC[:-1] + ', "disable_by_batch_size": 2}'
     prompts = _prompts()[:3]
     running_when_asked: list[int] = []
-    ngram = llm.engine.scheduler.speculator
+    ngram = Speculator.from_config(SpeculativeConfig.parse(config)).propose
 
     def speculator(req, k):
         running_when_asked.append(len(llm.engine.scheduler.running))
         return ngram(req, k)
-    llm.engine.scheduler.speculator = speculator
+    _proposing(monkeypatch, speculator)
+    llm = LLM(str(model_dir), **ENGINE, speculative_config=config)
+    assert llm.engine.scheduler.speculator.disable_by_batch_size == 2
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30)]
     plain = LLM(str(model_dir), **ENGINE)
     assert _run(llm, prompts, lengths) == _run(plain, prompts, lengths)
@@ -188,6 +202,15 @@ def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch
     prompts = _prompts() * 2
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = _run(LLM(str(model_dir), **ENGINE), prompts, params)
+    continuation = {tuple(p): toks for p, (toks, _) in zip(prompts, want)}
+    proposals = iter(range(10**6))
+
+    def oracle(req, k: int) -> list[int]:  # right, wrong, short and empty proposals in turn
+        done, turn = req.num_output_tokens, next(proposals) % 4
+        right = continuation[tuple(req.prompt_token_ids)][done:done + k]
+        return [right, [0] * k, right[:1], []][turn]
+
+    _proposing(monkeypatch, oracle)
     llm = LLM(str(model_dir), **ENGINE, speculative_config=SPEC, max_num_seqs=8, graphs_without_capture=True)
     graphs = llm.engine.runner.graphs
     assert graphs.verify_len == 5 and graphs.verify_sizes == [1, 2, 4, 8]
@@ -199,15 +222,6 @@ def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch
         return replay(size, splits, query_len)
 
     graphs.replay = counted
-    continuation = {tuple(p): toks for p, (toks, _) in zip(prompts, want)}
-    proposals = iter(range(10**6))
-
-    def oracle(req, k: int) -> list[int]:  # right, wrong, short and empty proposals in turn
-        done, turn = req.num_output_tokens, next(proposals) % 4
-        right = continuation[tuple(req.prompt_token_ids)][done:done + k]
-        return [right, [0] * k, right[:1], []][turn]
-
-    llm.engine.scheduler.speculator = oracle
     assert _run(llm, prompts, params) == want
     assert replays.count(5) > 5 and llm.engine.scheduler.spec.num_accepted_tokens > 10
     pool = llm.engine.scheduler.kv.pool

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.grammar import Poll
 from engine.request import Request, RequestStatus
 from engine.sampler import SAMPLE_FAILED, Sampler, SamplingRow
-from engine.structured_outputs import StructuredOutputsParams
+from engine.structured_outputs import GrammarState, StructuredOutputsParams
 from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -191,7 +190,7 @@ def test_no_token_meeting_the_constraint_finishes_with_error(llm):
     so = SamplingParams(max_tokens=8, structured_outputs={"choice": ["A"]})
     req = engine.add_request("stuck", [1, 2, 3], so)
     other = engine.add_request("fine", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    while engine.grammars.poll(req)[0] == Poll.WAIT:  # compiled before the step that samples it
+    while engine.grammars.poll(req)[0] == GrammarState.WAIT:  # compiled before the step that samples it
         pass
     out = engine.scheduler.schedule()
     assert [s.request for s in out.scheduled] == [req, other]
@@ -203,35 +202,49 @@ def test_no_token_meeting_the_constraint_finishes_with_error(llm):
     assert other.status == RequestStatus.FINISHED_LENGTH and len(other.output_token_ids) == 3
 
 
+def test_grammars_load_nothing_until_a_constraint_is_compiled(tmp_path):
+    """The engine hands its grammar manager to the scheduler at start, and neither loads a
+    tokenizer nor xgrammar then: a model without a tokenizer serves unconstrained requests,
+    and refuses a constrained one at admission."""
+    llm = LLM(str(make_tiny_model(tmp_path / "model")), **ENGINE)
+    grammars = llm.engine.grammars
+    assert llm.engine.scheduler.grammars is grammars and grammars._compiler is None
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    assert grammars._compiler is None and grammars.num_requests == 0
+    with pytest.raises(ValueError, match="structured outputs need the model's tokenizer"):
+        llm.engine.add_request("c", [1, 2, 3], SamplingParams(structured_outputs={"choice": ["A"]}))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_the_matcher_takes_each_token_once(llm):
     # The decode tier appends the prefill tier's first token itself; polling twice, or after
     # more tokens came, accepts every token exactly once.
-    grammars = llm.engine._grammar_manager()
+    grammars = llm.engine.grammars
     req = Request("m", [1, 2, 3], SamplingParams(structured_outputs={"choice": ["Paris is nice", "Rome"]}))
     tok = llm.tokenizer
     ids = tok.encode("Paris is nice", add_special_tokens=False)
     grammars.register(req)
-    state = Poll.WAIT
-    while state == Poll.WAIT:
+    state = GrammarState.WAIT
+    while state == GrammarState.WAIT:
         state, _ = grammars.poll(req)
     for i, t in enumerate(ids):
         req.append_output_token(t)
-        assert grammars.poll(req)[0] == (Poll.DONE if i == len(ids) - 1 else Poll.READY)
-        assert grammars.poll(req)[0] == (Poll.DONE if i == len(ids) - 1 else Poll.READY)  # nothing new
+        assert grammars.poll(req)[0] == (GrammarState.DONE if i == len(ids) - 1 else GrammarState.READY)
+        assert grammars.poll(req)[0] == (GrammarState.DONE if i == len(ids) - 1 else GrammarState.READY)  # nothing new
     grammars.free(req.request_id)
     late = Request("late", [1, 2, 3], SamplingParams(structured_outputs={"choice": ["Paris is nice", "Rome"]}))
     for t in ids:  # tokens that arrived before the grammar was looked at: taken in one go
         late.append_output_token(t)
     grammars.register(late)
-    while (state := grammars.poll(late)[0]) == Poll.WAIT:
+    while (state := grammars.poll(late)[0]) == GrammarState.WAIT:
         pass
-    assert state == Poll.DONE
+    assert state == GrammarState.DONE
     wrong = Request("wrong", [1, 2, 3], SamplingParams(structured_outputs={"choice": ["Rome"]}))
     wrong.append_output_token(ids[0])
     grammars.register(wrong)
-    while (result := grammars.poll(wrong))[0] == Poll.WAIT:
+    while (result := grammars.poll(wrong))[0] == GrammarState.WAIT:
         pass
-    assert result[0] == Poll.ERROR and "does not match the constraint" in result[1]
+    assert result[0] == GrammarState.ERROR and "does not match the constraint" in result[1]
     for r in (late, wrong):
         grammars.free(r.request_id)
 

@@ -86,7 +86,7 @@ def test_waiting_queue_bound():
 
     for i in range(5):  # unbounded unless a server sets the bound (the offline LLM queues any number)
         s.add_request(req(i))
-    s.max_waiting = 5
+    s.limit_waiting(5)
     with pytest.raises(OverflowError, match="waiting queue is full"):
         s.add_request(req(5))
     assert "r5" not in s.requests and len(s.waiting) == 5
