@@ -42,7 +42,7 @@ from engine.config import EngineArgs, EngineConfig
 from engine.grammar import GrammarManager
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.planner import plan_step
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestError, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import Speculator
@@ -436,7 +436,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         result.reserved += out.reserved
         result.started = out.started
-        result.updated += out.finished
+        result.updated += out.finished + self._drop_unusable_adapters(out)
         if not out.is_empty:
             result.num_batched_tokens = out.num_batched_tokens
             self.num_steps_total += 1
@@ -450,6 +450,25 @@ class LLMEngine:
             else:
                 result.updated += self.scheduler.update_from_output(out, *launched.result())
         return self._once_each(result)
+
+    def _drop_unusable_adapters(self, out: SchedulerOutput) -> list[Request]:
+        """Requests of the step whose adapter cannot be placed in a slot (its files changed
+        since it was loaded) end with that error and leave the step; the rest run. (The rows
+        of a step ahead that lead it ran in the step in flight: their adapters hold slots.)"""
+        lora = self.runner.lora
+        infos = [s.request.lora for s in out.scheduled if s.request.lora is not None]
+        bad = lora.unusable(infos) if lora is not None and infos else {}
+        if not bad:
+            return []
+        failed = []
+        for s in out.scheduled:
+            if s.request.lora is not None and s.request.lora.name in bad:
+                error = RequestError("lora", f"request {s.request.request_id}: {bad[s.request.lora.name]}")
+                req = self.scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_ABORTED, error)
+                if req is not None:
+                    failed.append(req)
+        out.scheduled = [s for s in out.scheduled if not s.request.is_finished]
+        return failed
 
     def _step_runtime(self) -> StepRuntime:
         # Steps are queued ahead only without layer-wise sends (they read each step's outcome).
@@ -473,7 +492,7 @@ class LLMEngine:
         if ahead is not None:
             result.reserved += ahead.reserved
             result.started += ahead.started
-            result.updated += ahead.finished
+            result.updated += ahead.finished + self._drop_unusable_adapters(ahead)
             plan = plan_step(ahead.scheduled, self._step_runtime())
             before_sampling = None
             if self._bitmasks_of(ahead) is not None:

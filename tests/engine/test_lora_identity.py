@@ -6,12 +6,14 @@ while its tensors are in neither the host cache nor a slot, are refused when a r
 needs them ("changed since it was loaded"), until the adapter is loaded again."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAError
+from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from engine.request import RequestStatus
 from tests.engine.families import assert_greedy_match, hf_greedy, make_family_model, random_prompts
 from tests.engine.lora_adapters import make_adapter, peft_model
 
@@ -82,9 +84,21 @@ def test_files_changed_since_loaded_are_refused_until_loaded_again(setup, tmp_pa
     assert lora.held() == ["y"]
 
     _retrain(x, new)
-    with pytest.raises(LoRAError, match=r"LoRA adapter 'x': the files at .* changed since it was loaded; "
-                                        r"load it again"):
-        _tokens(llm, prompts[:1], "x")
+    # The request under "x" ends with the reason; one under "y" beside it runs on (a step that
+    # raised here stopped a server's engine loop, and every request after it).
+    engine = llm.engine
+    changed = engine.add_request("changed", prompts[0], SP, lora_name="x")
+    other = engine.add_request("other", prompts[1], SP, lora_name="y")
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert changed.status is RequestStatus.FINISHED_ABORTED and changed.error is not None
+    assert changed.error.kind == "lora" and changed.num_output_tokens == 0
+    assert re.fullmatch(r"request changed: LoRA adapter 'x': the files at .* changed since it was loaded; "
+                        r"load it again", changed.error.message), changed.error.message
+    assert other.status is RequestStatus.FINISHED_LENGTH and other.num_output_tokens == MAX_TOKENS
+    assert engine.stats().kv_blocks_used == 0
     assert lora.get("x") == loaded  # still registered as it was checked
 
     # Loaded again, the new files are served.
