@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
 from engine.grammar import GrammarManager
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.launched_step import LaunchedStep
+from engine.model_runner import ModelRunner
 from engine.planner import plan_step
 from engine.request import Request, RequestError, RequestStatus
 from engine.sampling_params import SamplingParams
