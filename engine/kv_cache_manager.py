@@ -43,6 +43,11 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by live requests (idle prefix-cache blocks count as free)."""
+        return self.pool.num_used_blocks
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

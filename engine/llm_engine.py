@@ -585,7 +585,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                           kv_blocks_used=s.kv.pool.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
+                           kv_blocks_used=s.kv.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
                            prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
                            num_preemptions_total=s.num_preemptions_total, num_steps_total=self.num_steps_total,
                            num_steps_ahead_total=self.num_steps_ahead_total)

@@ -427,23 +427,14 @@ class Scheduler:
         (``LLMEngine._step_ahead``). (Blocks taken for the rows before a None are kept: their
         requests need them the step after.)"""
         loras: set[str] = set()
-        if not all(self._lora_fits(r, loras) for r in self.running):  # more adapters than one step takes
-            return None
-        if self._may_speculate(self.running):  # a step with proposals is scheduled after the tokens are read
+        if self.ahead_blocked_by(in_flight, loras) is not None:
             return None
         rows = in_flight.scheduled
-        if any(s.request.status != S.RUNNING or s.request.hold_kv_on_finish or s.draft_token_ids
-               or (s.samples and s.request.sampling_params.has_penalties) for s in rows):
-            return None
         leading = [s for s in rows if s.samples]
         in_flight_chunk = {s.request.request_id: s.num_new_tokens for s in rows if not s.samples}
         lead_ids = {s.request.request_id for s in leading}
         rest = [r for r in self.running if r.request_id not in lead_ids]
-        if not all(self._grammar_ready(r) for r in rest):
-            return None
         budget = self.config.max_num_batched_tokens - len(leading)
-        if budget < 0:
-            return None
         # (request, tokens, positions in flight before them, tokens in flight it takes as input)
         plan = [(s.request, 1, s.num_new_tokens, 1) for s in leading]
         # Decode-first, as schedule(): a stable sort over the running order.
@@ -466,6 +457,32 @@ class Scheduler:
         self._schedule_waiting(budget, out, loras)  # (arrivals do not depend on the tokens in flight)
         self._reserve_waiting(out)  # after the rows' blocks: a None above must not drop a reservation
         return out
+
+    def ahead_blocked_by(self, in_flight: SchedulerOutput, loras: set[str] | None = None) -> str | None:
+        """Why the step after ``in_flight`` cannot be scheduled before its tokens are read, or
+        None when it can (``schedule_ahead``; blocks are checked as it allocates them).
+        ``loras`` collects the running requests' adapters. Whether a step so scheduled is
+        queued ahead is the step planner's (engine/planner.py)."""
+        loras = set() if loras is None else loras
+        if not all(self._lora_fits(r, loras) for r in self.running):
+            return "more adapters than one step takes"
+        if self._may_speculate(self.running):
+            return "proposals (a step with them is scheduled after the tokens are read)"
+        for s in in_flight.scheduled:
+            if s.request.status != S.RUNNING:
+                return "a row in flight no longer runs"
+            if s.request.hold_kv_on_finish:
+                return "a row in flight is held for a KV send"
+            if s.draft_token_ids:
+                return "a row in flight verifies proposals"
+            if s.samples and s.request.sampling_params.has_penalties:
+                return "a row in flight samples with penalties (they read its tokens)"
+        lead_ids = {s.request.request_id for s in in_flight.scheduled if s.samples}
+        if not all(self._grammar_ready(r) for r in self.running if r.request_id not in lead_ids):
+            return "a constraint not in flight is not compiled yet"
+        if len(lead_ids) > self.config.max_num_batched_tokens:
+            return "more rows in flight than the token budget"
+        return None
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput,
                              scheduled: set[str]) -> bool:
