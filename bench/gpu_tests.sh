@@ -9,7 +9,7 @@ files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
   files=(tests/kernels tests/engine/test_cuda_graphs_gpu.py tests/engine/test_cuda_engine.py
          tests/engine/test_fp8_kv_engine.py tests/engine/test_gemm_backend.py tests/engine/test_model_families_gpu.py
-         tests/test_kv_transfer.py tests/e2e/test_gpu_cluster.py)
+         tests/kv_transfer tests/e2e/test_gpu_cluster.py)
 fi
 mkdir -p "$out/tests"
 [ -d "$serve_wheels" ] && need_stack  # (the cluster test starts a gateway)

@@ -13,8 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.model_loader import iter_safetensors
-from engine.parallel import Shard, check_tp_size, kv_head_range
-from kv_transfer.tp_parts import KVPart, kv_transfer_parts
+from engine.parallel import Shard, check_tp_size
 from tests.conftest import make_tiny_model
 from tests.processes import pid_alive as _alive
 
@@ -104,83 +103,6 @@ def test_tp2_decode_graph_steps_share_rank0s_inputs(tiny_llama_dir, monkeypatch)
     one = LLM(str(tiny_llama_dir), **kw)
     assert one.engine.runner.graphs is None
     assert got == [o.outputs[0].token_ids for o in one.generate(PROMPTS, sp)]
-
-
-def test_kv_transfer_parts_cover_every_receiver_head_once_rank_to_rank():
-    assert kv_transfer_parts(2, 1, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(1, 0, (0, 4), (4, 8))]
-    assert kv_transfer_parts(1, 2, 8) == [KVPart(0, 0, (0, 4), (0, 4)), KVPart(0, 1, (4, 8), (0, 4))]
-    assert kv_transfer_parts(4, 2, 2) == [KVPart(0, 0, (0, 1), (0, 1)), KVPart(2, 1, (0, 1), (0, 1))]
-    for heads in (1, 2, 4, 8):
-        sizes = [n for n in (1, 2, 4, 8) if heads % n == 0 or n % heads == 0]
-        for p in sizes:
-            for d in sizes:
-                got = {}
-                for part in kv_transfer_parts(p, d, heads):
-                    s_lo, _ = kv_head_range(part.src_rank, p, heads)
-                    d_lo, d_hi = kv_head_range(part.dst_rank, d, heads)
-                    src = range(s_lo + part.src_heads[0], s_lo + part.src_heads[1])  # global heads sent
-                    dst = range(d_lo + part.dst_heads[0], d_lo + part.dst_heads[1])
-                    assert list(src) == list(dst) and d_lo <= dst.start and dst.stop <= d_hi
-                    for h in dst:
-                        assert (part.dst_rank, h) not in got  # each receiver head once
-                        got[(part.dst_rank, h)] = part.src_rank
-                want = {(r, h) for r in range(d) for h in range(*kv_head_range(r, d, heads))}
-                assert set(got) == want, (p, d, heads)
-
-
-def test_each_rank_sends_its_own_kv_heads(tiny_llama_dir):
-    """A TP = 2 engine's KV leaves rank by rank (rank 0 in-process, rank 1 through a call to
-    its worker), each rank's heads over a pair of their own, into one TP = 1 cache: what lands
-    is what one rank computes (up to the all-reduce's summation order), rank 0's heads bit for bit."""
-    import threading
-
-    from engine.rank_calls import RankCallError, call
-    from kv_transfer import KVLayout, KVReceiver, KVSender
-    from kv_transfer.rank_worker import install_rank_handlers
-
-    kw = dict(KW, block_size=4, num_gpu_blocks_override=12)
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    one = LLM(str(tiny_llama_dir), **kw)
-    one.generate([PROMPTS[3]], sp)
-    full = one.engine.kv_cache
-    tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw)
-    try:
-        tp.generate([PROMPTS[3]], sp)
-        install_rank_handlers(tp.engine.tp, 30.0)  # as the KV roles do when they are built
-        landed = torch.zeros_like(full)
-        blocks = list(range(full.shape[1]))
-        ends = []
-        for part in kv_transfer_parts(2, 1, 2):
-            dst = landed[..., part.dst_heads[0]:part.dst_heads[1], :]
-            receiver, port = KVReceiver.listen("127.0.0.1", KVLayout.of(dst, "tiny"), timeout=20.0)
-            ends.append(receiver)
-            got = threading.Thread(target=receiver.recv, args=(dst,), kwargs={"timeout": 20.0})
-            got.start()
-            lo, hi = part.src_heads
-            if part.src_rank == 0:
-                sender = KVSender.connect("127.0.0.1", port, KVLayout.of(dst, "tiny"), timeout=20.0)
-                ends.append(sender)
-                sender.send("r", blocks, blocks, tp.engine.kv_cache[..., lo:hi, :])
-            else:
-                store = tp.engine.tp.store
-                call(store, part.src_rank, "kv_connect", dict(
-                    key="p", host="127.0.0.1", port=port, layout=KVLayout.of(dst, "tiny").to_dict(),
-                    heads=[lo, hi], backend="auto", timeout=20.0), 30.0)
-                stats = call(store, part.src_rank, "kv_send",
-                             dict(key="p", request_id="r", src=blocks, dst=blocks, meta={}), 30.0)
-                assert stats["num_blocks"] == len(blocks)
-                with pytest.raises(RankCallError, match="no KV pair"):
-                    call(store, part.src_rank, "kv_send",
-                         dict(key="nope", request_id="r", src=[], dst=[], meta={}), 30.0)
-                call(store, part.src_rank, "kv_close", dict(key="p"), 30.0)
-            got.join(20.0)
-        assert landed.abs().sum() > 0
-        assert torch.equal(landed[..., 0:1, :], tp.engine.kv_cache)
-        torch.testing.assert_close(landed, full, rtol=1e-5, atol=1e-5)
-        for end in ends:
-            end.close()
-    finally:
-        tp.engine.close()
 
 
 def test_shards_and_shard_by_shard_reads(tiny_llama_dir):

@@ -1,6 +1,6 @@
-"""Layer-wise KV send: the engine signals each layer of a prompt's last
-chunk, the prefill side's sends post layers as they come, and the first token
-rides in the trailer. Real engines and a real gloo pair; the forward pass is
+"""Layer-wise KV send (KVSendScheduler over KVSendWorker): the engine signals each
+layer of a prompt's last chunk, the prefill side's sends post layers as they come,
+and the first token rides in the trailer. Real engines and a real gloo pair; the forward pass is
 slowed per layer so that overlap shows in the receiver's clock."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The decode server's KV receive loop against a real engine thread and a real
-gloo pair: every receive it begins ends in the engine (received or failed),
+"""The decode side's KV roles (KVReceiveWorker, KVReceiveScheduler) against a real
+engine thread and a real gloo pair: every receive it begins ends in the engine (received or failed),
 also when the engine refuses the destination blocks or answers too late, and
 the pair keeps working afterwards."""
 from __future__ import annotations
