@@ -11,9 +11,10 @@ One package, one interface with two roles (README.md has the diagram):
 The services translate RPCs into calls on these and the engine's named operations; what
 two servers say to set up a channel is ``ChannelRequest`` / ``ChannelOffer``.
 
-Below the roles, the pair and its protocol. A *pair* is one (prefill, decode) couple with its own 2-rank torch.distributed
-group, created lazily the first time the prefill server sends to that decode
-server (never ``init_process_group``: one process holds many pairs).
+Below the roles, the pair and its protocol. A *pair* is one (prefill, decode) couple
+with its own 2-rank torch.distributed group, created lazily the first time the prefill
+server sends to that decode server (never ``init_process_group``: one process holds
+many pairs).
 
 Setup (addresses travel over gRPC; that is the services' job, not this module's)::
 
