@@ -41,34 +41,19 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.runtime_config import BLAS_ENV, BLAS_LIBRARIES, parse_blas_setting
+
 logger = logging.getLogger(__name__)
 
-BLAS_ENV = "PDSERVE_DECODE_BLAS"  # read by engine/runtime_config.py; named here in errors
-LIBRARIES = ("cublas", "cublaslt", "default")
+# The setting's parser lives with the runtime config (torch-free: validated at start-up).
+LIBRARIES = BLAS_LIBRARIES
+parse = parse_blas_setting
 AUTO_MARGIN = 0.01  # auto: another library must beat the default one by this much (timing noise)
 AUTO_ROUNDS = 5  # auto: rounds of AUTO_REPLAYS replays per candidate, interleaved, median kept
 AUTO_REPLAYS = 3
 
 # rows -> the library its graph was captured under, of the last capture (logs and tests)
 chosen: dict[int, str] = {}
-
-
-def parse(text: str | None) -> str | list[tuple[int, str]] | None:
-    """The setting: None (off), "auto", a library name, or a table [(max rows, library)]
-    ascending by rows. Raises ValueError on anything else."""
-    text = (text or "").strip().lower()
-    if not text:
-        return None
-    if text == "auto" or text in LIBRARIES:
-        return text
-    table = []
-    for part in text.split(","):
-        rows, sep, lib = part.partition(":")
-        if not sep or not rows.strip().isdigit() or lib.strip() not in LIBRARIES:
-            raise ValueError(f"{BLAS_ENV}={text!r}: expected auto, one of {', '.join(LIBRARIES)}, "
-                             f"or rows:library pairs such as 8:cublaslt,256:cublas")
-        table.append((int(rows), lib.strip()))
-    return sorted(table)
 
 
 def library_for(setting: str | list[tuple[int, str]] | None, rows: int) -> str | None:

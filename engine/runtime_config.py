@@ -40,6 +40,7 @@ CPU_BUILD_TIMEOUT_ENV = "PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT"
 LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 REMOVED_GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
 KERNEL_CHOICES = ("auto", "triton", "reference")
+BLAS_LIBRARIES = ("cublas", "cublaslt", "default")
 # Past ~2k tokens a step of an 8B model is compute-bound and its launches are a few percent.
 DEFAULT_MIXED_GRAPHS = (256, 512, 1024, 2048)
 
@@ -65,9 +66,7 @@ class RuntimeConfig:
             raise ValueError(f"{CPU_BUILD_TIMEOUT_ENV} must be a positive number of seconds, got "
                              f"{self.cpu_attention_build_timeout}")
         if self.decode_blas is not None:
-            from engine.gemm_backend import parse
-
-            parse(self.decode_blas)  # ValueError naming the variable
+            parse_blas_setting(self.decode_blas)  # ValueError naming the variable
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> "RuntimeConfig":
@@ -131,3 +130,21 @@ def parse_mixed_graph_sizes(text: str) -> tuple[int, ...]:
     if not sizes or sizes[0] < 1:
         raise ValueError(f"{MIXED_GRAPHS_ENV} must be positive token counts, got {text!r}")
     return tuple(sizes)
+
+
+def parse_blas_setting(text: str | None) -> str | list[tuple[int, str]] | None:
+    """The setting: None (off), "auto", a library name, or a table [(max rows, library)]
+    ascending by rows. Raises ValueError on anything else."""
+    text = (text or "").strip().lower()
+    if not text:
+        return None
+    if text == "auto" or text in BLAS_LIBRARIES:
+        return text
+    table = []
+    for part in text.split(","):
+        rows, sep, lib = part.partition(":")
+        if not sep or not rows.strip().isdigit() or lib.strip() not in BLAS_LIBRARIES:
+            raise ValueError(f"{BLAS_ENV}={text!r}: expected auto, one of {', '.join(BLAS_LIBRARIES)}, "
+                             f"or rows:library pairs such as 8:cublaslt,256:cublas")
+        table.append((int(rows), lib.strip()))
+    return sorted(table)
