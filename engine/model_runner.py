@@ -147,7 +147,8 @@ class ModelRunner:
                 memory_profile.check_free_memory(free, total, cc.gpu_memory_utilization, str(self.device))
         self.runtime = config.runtime
         self.ops = select_ops(self.device, self.runtime.kernels)
-        logger.info("kernels: %s", self.ops.__name__)
+        logger.info("kernels: %s", self.ops.describe_kernels(self.device, config.model.torch_dtype,
+                                                             self.runtime.cpu_attention_build_timeout))
         mc, cc = config.model, config.cache
         self.block_size = cc.block_size
         self.tp = tp

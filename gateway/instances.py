@@ -24,6 +24,13 @@ whether it is in a device slot now; ``max_loras`` slots). ``lora_adapter`` and
 ``needs_lora_swap`` read that for routing (gateway/lora.py, gateway/router.py);
 ``InstanceRegistry.poll_once(instances)`` refreshes it at once after a load or
 unload.
+
+Logs: a server that has never been healthy is loading (or not started yet): it
+gets one line, ``waiting for decode server HOST:PORT to load``, and a warning
+only if it is still not serving ``LOAD_WARNING_S`` after it was added (a
+refused connection or NOT_SERVING before that is the normal start). Once a
+server has been healthy, each change to unhealthy is a warning with its
+reason.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from rpc.server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 _LATE_POLLS_TOLERATED = 3  # consecutive late polls before a busy server counts as unhealthy
+# A server not serving this long after it was added gets a warning (before: "waiting for ... to load").
+LOAD_WARNING_S = 120.0
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -61,9 +70,13 @@ class Instance:
     (fresher than the polled load between two polls); ``num_queued_tokens``
     the prompt tokens it is prefilling for them."""
 
-    def __init__(self, role: str, address: str) -> None:
+    def __init__(self, role: str, address: str, load_warning_s: float = LOAD_WARNING_S) -> None:
         self.role = role
         self.address = address
+        self.added_at = time.monotonic()
+        self.load_warning_s = load_warning_s
+        self.has_been_healthy = False
+        self._load_logged = 0  # 1: "waiting for ... to load" logged; 2: the late warning too
         self.channel = tls.aio_channel(address, _CHANNEL_OPTIONS)
         self.stub: Any = (engine_pb2_grpc.PrefillStub(self.channel) if role == PREFILL
                           else engine_pb2_grpc.DecodeStub(self.channel))
@@ -137,10 +150,19 @@ class Instance:
         if not self.is_healthy:
             logger.info("%s server %s is healthy (%d/%d KV blocks used)", self.role, self.address,
                         load.kv_blocks_used, load.kv_blocks_total)
-        self.is_healthy, self.error = True, None
+        self.is_healthy, self.error, self.has_been_healthy = True, None, True
 
     def set_unhealthy(self, reason: str) -> None:
-        if self.is_healthy or self.error != reason:
+        if not self.has_been_healthy:  # loading, or not started yet: see the module docstring
+            waited = time.monotonic() - self.added_at
+            if self._load_logged == 0:
+                logger.info("waiting for %s server %s to load", self.role, self.address)
+                self._load_logged = 1
+            if self._load_logged == 1 and waited >= self.load_warning_s:
+                logger.warning("%s server %s is still not serving %.0f s after the gateway found it: %s", self.role,
+                               self.address, waited, reason)
+                self._load_logged = 2
+        elif self.is_healthy or self.error != reason:
             logger.warning("%s server %s is unhealthy: %s", self.role, self.address, reason)
         self.is_healthy, self.error = False, reason
 

@@ -6,6 +6,8 @@ it imports torch and triton only, never the engine or services.
 """
 from __future__ import annotations
 
+import torch
+
 from kernels import reference
 from kernels.activation import silu_and_mul
 from kernels.fp8_gemm import fp8_gemm, fp8_quantize
@@ -18,7 +20,18 @@ from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import rotary_embedding
 
+
+def describe_kernels(device: torch.device, dtype: torch.dtype,
+                     cpu_attention_build_timeout: float | None = None) -> str:
+    """What serves a step on these kernels, for the model runner's start-up log line
+    (``kernels.reference.describe_kernels`` is the references' own)."""
+    blas = " (cuBLAS)" if device.type == "cuda" else ""
+    return (f"Triton (attention, norms, RoPE, activations, MoE, FP8 and int4 GEMMs; kernels/), "
+            f"16-bit and float32 GEMMs torch's{blas}")
+
+
 __all__ = [
+    "describe_kernels",
     "fp8_gemm",
     "fp8_quantize",
     "fused_add_rms_norm",

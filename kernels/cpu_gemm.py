@@ -23,6 +23,11 @@ _lock = threading.Lock()
 _state: dict = {}  # "ok": whether oneDNN's op runs here (probed once)
 
 
+def onednn_available() -> bool:
+    """Whether ``linear`` runs oneDNN's GEMM for float32 here (probed once; F.linear if not)."""
+    return _onednn_ok()
+
+
 def _onednn_ok() -> bool:
     ok = _state.get("ok")
     if ok is not None:

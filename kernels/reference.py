@@ -8,6 +8,8 @@ They are vectorized over tokens; paged attention loops over sequences only.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,28 @@ from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 K
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
 from kernels.lora_reference import lora_expand, lora_group, lora_shrink  # noqa: F401
+
+
+def describe_kernels(device: torch.device, dtype: torch.dtype,
+                     cpu_attention_build_timeout: float | None = None) -> str:
+    """What serves a step on these references, for the model runner's start-up log line.
+    On the CPU, attention is the compiled CPU attention (built or loaded here, as the
+    runner's warm-up would, so the line says which runs) and float32 GEMMs oneDNN's."""
+    if device.type != "cpu":
+        return "PyTorch references (kernels.reference), GEMMs torch's"
+    from kernels import cpu_gemm
+
+    # The engine's attention layer calls kernels.cpu_attention on the CPU and has imported it
+    # before a runner exists; it imports this module, so it is looked up rather than imported.
+    cpu_attention = sys.modules.get("kernels.cpu_attention")
+    if cpu_attention is not None and cpu_attention.extension(cpu_attention_build_timeout) is not None:
+        attention = "compiled (kernels/cpu_attention.py)"
+    else:
+        why = cpu_attention.unavailable_reason() if cpu_attention is not None else "not in use"
+        attention = f"PyTorch reference ({why})"
+    gemms = "oneDNN's" if dtype == torch.float32 and cpu_gemm.onednn_available() else "torch's F.linear"
+    return (f"attention {attention}, GEMMs {gemms}, norms, RoPE and activations PyTorch "
+            "(kernels.reference)")
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kernels"
 PROJECT_PACKAGES = {"engine", "gateway", "prefill_service", "decode_service", "pdserve", "bench", "tests"}
 ALLOWED_IMPORTS = {"__future__", "torch", "triton", "kernels", "os", "functools", "math", "typing", "dataclasses",
-                   "logging", "threading", "time", "fcntl"}
+                   "logging", "threading", "time", "fcntl", "sys", "argparse"}
 
 
 def test_import_pulls_in_no_project_package():
@@ -68,6 +68,26 @@ def test_public_api():
         "store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
         "fused_moe", "moe_route", "int4_gemm", "fp8_gemm", "fp8_quantize", "lora_group", "lora_shrink", "lora_expand",
     }
-    assert launchers | {"reference"} == set(kernels.__all__)
-    for name in launchers:
+    assert launchers | {"reference", "describe_kernels"} == set(kernels.__all__)
+    for name in [*launchers, "describe_kernels"]:
         assert callable(getattr(kernels, name)) and callable(getattr(kernels.reference, name))
+
+
+def test_describe_kernels_names_what_serves_a_step():
+    """The model runner's start-up line ("kernels: ..."): on the CPU the compiled attention
+    (or the reference, with the reason) and oneDNN's float32 GEMMs, not just a module name."""
+    from kernels import cpu_attention, cpu_gemm
+
+    cpu = torch.device("cpu")
+    attention = ("compiled (kernels/cpu_attention.py)" if cpu_attention.extension() is not None
+                 else f"PyTorch reference ({cpu_attention.unavailable_reason()})")
+    gemms = "oneDNN's" if cpu_gemm.onednn_available() else "torch's F.linear"
+    rest = "norms, RoPE and activations PyTorch (kernels.reference)"
+    assert kernels.reference.describe_kernels(cpu, torch.float32) == f"attention {attention}, GEMMs {gemms}, {rest}"
+    assert (kernels.reference.describe_kernels(cpu, torch.bfloat16)
+            == f"attention {attention}, GEMMs torch's F.linear, {rest}")
+    assert (kernels.reference.describe_kernels(torch.device("cuda", 0), torch.bfloat16)
+            == "PyTorch references (kernels.reference), GEMMs torch's")
+    assert kernels.describe_kernels(torch.device("cuda", 0), torch.bfloat16) == (
+        "Triton (attention, norms, RoPE, activations, MoE, FP8 and int4 GEMMs; kernels/), 16-bit and float32 GEMMs "
+        "torch's (cuBLAS)")
