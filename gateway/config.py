@@ -2,7 +2,8 @@
 
 ``add_cli_args`` declares the flags (vLLM's names where the meaning is the
 same); ``GatewayConfig.from_args`` checks them and is the only place that
-reads the environment (``PDSERVE_API_KEY``; the ``OTEL_*`` variables are
+reads the environment (``PDSERVE_API_KEY``, vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; the ``OTEL_*`` variables are
 rpc/tracing.py's).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for /v1/load_lora_adapter
 DEFAULT_MAX_REQUEST_BODY = "4MiB"
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
@@ -32,7 +34,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="context length: prompt + completion tokens (default: the model's "
                         "max_position_embeddings)")
     g.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC servers bind")
-    g.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)")
+    g.add_argument("--http-port", "--port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port (0 = any free; --port: vLLM's name for it)")
     g.add_argument("--grpc-port", type=int, default=50051, help="pdserve.v1.Gateway gRPC port (0 = any free)")
     g.add_argument("--prefill", default="",
                    help="prefill servers, comma-separated: HOST:PORT (a fixed server), dns:NAME:PORT (every "
@@ -59,6 +62,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     add_chat_args(g)
+    add_runtime_lora_args(g)
     r = parser.add_argument_group("KV-aware routing")
     r.add_argument("--redis-url", default=None,
                    help="read the prefix index from Redis, e.g. redis://127.0.0.1:6379/0 (the engine servers "
@@ -92,6 +96,20 @@ def add_chat_args(g: argparse._ArgumentGroup) -> None:
                         "its calls are parsed out of its answer (needs --tool-call-parser)")
 
 
+def add_runtime_lora_args(g: argparse._ArgumentGroup) -> None:
+    """``--allow-runtime-lora-updating`` (`pdserve up` passes it on)."""
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and their gRPC methods), "
+                        f"which load and unload adapters on every engine server; also {RUNTIME_LORA_ENV}=True in "
+                        "the environment, as vLLM")
+
+
+def runtime_lora_updating_from_env(environ: dict[str, str] | None = None) -> bool:
+    """vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: "1" or "true" (any case) turn it on."""
+    value = (os.environ if environ is None else environ).get(RUNTIME_LORA_ENV, "")
+    return value.strip().lower() in ("1", "true")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Validated gateway settings. Model-derived values (the context length)
@@ -122,6 +140,7 @@ class GatewayConfig:
     chat_template: str | None = None  # a file, or the template itself
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating or vLLM's variable
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -177,7 +196,9 @@ class GatewayConfig:
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)),
                    chat_template=getattr(args, "chat_template", None),
                    tool_call_parser=getattr(args, "tool_call_parser", None),
-                   enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
+                   enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                   allow_runtime_lora_updating=(getattr(args, "allow_runtime_lora_updating", False)
+                                                or runtime_lora_updating_from_env()))
 
 
 DNS_PREFIX = "dns:"  # dns:NAME:PORT, every address NAME resolves to

@@ -174,7 +174,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                               context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:
         await self._check_auth(context)
         return await self._lora_results(context, self._service.load_lora_adapter(
-            request.lora_name, request.lora_path, context.time_remaining()))
+            request.lora_name, request.lora_path, context.time_remaining(), load_inplace=request.load_inplace))
 
     async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> gateway_pb2.LoRAAdapterResults:

@@ -9,8 +9,9 @@ A request's ``model`` is the served model name or a LoRA adapter some engine
 server lists (``GatewayService.resolve_model``); responses carry that name.
 /v1/models lists the base model (``parent`` null) and one card per known
 adapter (``root``: its directory, ``parent``: the served model name). The
-adapter endpoints take vLLM's bodies (``{"lora_name", "lora_path"}``,
-``{"lora_name"}``), act on every engine server and answer
+adapter endpoints (with ``--allow-runtime-lora-updating``) take vLLM's bodies
+(``{"lora_name", "lora_path", "load_inplace"}``, ``{"lora_name"}``), act on every
+engine server and answer
 ``{"lora_name", "servers": [{"address", "role", "ok", "error"}]}`` when all
 succeed, else the error gateway/lora.py derives from the failures.
 
@@ -27,6 +28,12 @@ Limits and keys: a request body longer than ``max_request_body`` bytes gets
 ``Retry-After``. Every error is ``{"error": {"message", "type", "param",
 "code"}}``; bodies that do not parse or have the wrong types are 400s.
 
+Bodies are JSON whatever their ``Content-Type`` says (``_AnyContentType``:
+curl's ``-d`` alone sends ``application/x-www-form-urlencoded``, some clients
+send none); a body that is not JSON is a 400 ``invalid_json`` giving the line
+and column of the fault, and the Content-Type it came with when that was not
+``application/json``.
+
 Each request's trace starts when its handler does (continuing a
 ``traceparent`` header) and is ended by ``GatewayService.generate``, or here
 when the request fails before that.
@@ -34,6 +41,7 @@ when the request fails before that.
 from __future__ import annotations
 
 import asyncio
+import email.message
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -84,6 +92,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
                   telemetry=_TELEMETRY)
     _install_error_handlers(app, service)
+    app.add_middleware(_AnyContentType)
     app.add_middleware(_BodyLimit, max_bytes=max_request_body, on_error=service.on_error)
     auth = Depends(_auth_dependency(api_key))
     v1 = APIRouter(prefix="/v1", dependencies=[auth])
@@ -100,7 +109,8 @@ def create_app(service: GatewayService, api_key: str | None = None,
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, Any]:
-        return _lora_results(body.lora_name, await service.load_lora_adapter(body.lora_name, body.lora_path))
+        return _lora_results(body.lora_name, await service.load_lora_adapter(body.lora_name, body.lora_path,
+                                                                             load_inplace=body.load_inplace))
 
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
@@ -319,6 +329,66 @@ class _BodyLimit:
         await JSONResponse(error.to_openai(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
+# The Content-Type a POST came with, where _AnyContentType replaced it (None: it had none).
+_SENT_CONTENT_TYPE = "pdserve.sent_content_type"
+
+
+def _is_json_media_type(value: bytes | None) -> bool:
+    if not value:
+        return False
+    message = email.message.Message()
+    message["content-type"] = value.decode("latin-1")
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+class _AnyContentType:
+    """ASGI middleware: a POST whose Content-Type is missing or not JSON is read as JSON
+    all the same (FastAPI would not parse it and answer that the body is not an object);
+    the header it came with is kept in the scope for the error when it is not JSON."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = list(scope.get("headers") or ())
+            sent = next((v for k, v in headers if k == b"content-type"), None)
+            if not _is_json_media_type(sent):
+                scope = {**scope, _SENT_CONTENT_TYPE: sent.decode("latin-1") if sent else None,
+                         "headers": [(k, v) for k, v in headers if k != b"content-type"]
+                         + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
+def _body_error(request: Request, e: RequestValidationError) -> GatewayError | None:
+    """The error of a body that is not a JSON object (not JSON: with the line and
+    column; empty; another JSON value), else None (a field's own error)."""
+    errors = e.errors()
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid" and isinstance(e.body, str) and len(loc) == 2:
+        doc, pos = e.body, int(loc[1])
+        line, column = doc.count("\n", 0, pos) + 1, pos - doc.rfind("\n", 0, pos)
+        reason = (first.get("ctx") or {}).get("error", "not JSON")
+        message = f"the request body is not valid JSON: {reason} at line {line}, column {column}"
+    elif loc == ("body",) and first.get("type") == "missing":
+        message = "the request body is empty; send a JSON object"
+    elif loc == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
+        got = type(first.get("input")).__name__
+        kind = {"list": "an array", "str": "a string", "int": "a number", "float": "a number",
+                "bool": "a boolean", "NoneType": "null"}.get(got, got)
+        message = f"the request body must be a JSON object, got {kind}"
+    else:
+        return None
+    if _SENT_CONTENT_TYPE in request.scope:
+        sent = request.scope[_SENT_CONTENT_TYPE]
+        message += (f" (it was sent as Content-Type: {sent:.100}; send JSON with Content-Type: application/json)"
+                    if sent else " (it was sent without a Content-Type; send JSON with Content-Type: "
+                                 "application/json)")
+    return invalid(message, code="invalid_json")
+
+
 def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, e: GatewayError) -> JSONResponse:
@@ -326,13 +396,15 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
         return JSONResponse(e.to_openai(), status_code=e.kind.http_status, headers=e.http_headers())
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in e.errors()[:5]:
-            loc = ".".join(f"{x!s:.40}" for x in err.get("loc", ()) if x != "body")
-            msg = f"{err.get('msg')!s:.200}"
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        error = invalid("invalid request: " + "; ".join(parts))
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        error = _body_error(request, e)
+        if error is None:
+            parts = []
+            for err in e.errors()[:5]:
+                loc = ".".join(f"{x!s:.40}" for x in err.get("loc", ()) if x != "body")
+                msg = f"{err.get('msg')!s:.200}"
+                parts.append(f"{loc}: {msg}" if loc else msg)
+            error = invalid("invalid request: " + "; ".join(parts))
         service.on_error(error)
         return JSONResponse(error.to_openai(), status_code=400)
 
@@ -344,8 +416,11 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        # 400 here: a body FastAPI could not parse (not JSON, not UTF-8, nested too deep).
+        # 400 here: a body FastAPI could not parse (not UTF-8, nested too deep).
         message = f"invalid request: {e.detail}" if e.status_code == 400 else str(e.detail)
+        code = None
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":
+            message, code = "the request body cannot be read as JSON (JSON is UTF-8 text)", "invalid_json"
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                          "code": None}}
+                          "code": code}}
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))

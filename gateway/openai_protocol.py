@@ -10,9 +10,14 @@ non-text modalities, prediction) are refused with a 400 that names the option.
 What the output must match, on both endpoints: OpenAI's ``response_format``
 (``text``, ``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
 (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``),
-not both. Chat requests also take ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` (``tool_plan``; gateway/tool_parsers.py): ``none`` leaves
-the tools out of the prompt; ``auto`` (the default when tools are given) needs
+not both; vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar`` are its ``json``, ``regex``, ``choice`` and ``grammar`` (one of
+them, alone: with ``response_format`` or ``structured_outputs`` it is a 400 naming
+both), ``guided_decoding_backend`` may name xgrammar (or ``auto``), and
+``guided_whitespace_pattern`` is refused (JSON comes out compact). Chat
+requests also take ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+(``tool_plan``; gateway/tool_parsers.py): ``none`` leaves the tools out of the
+prompt; ``auto`` (the default when tools are given) needs
 ``--enable-auto-tool-choice``; ``required`` and a named function need
 ``--tool-call-parser`` and are enforced by a constraint, which excludes
 ``response_format`` and ``structured_outputs``.
@@ -109,6 +114,13 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
+    # vLLM's older names for structured_outputs' kinds (guided decoding): see output_constraint.
+    guided_json: Union[str, dict[str, Any], bool, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Accepted only to be refused by name (see _check_unsupported).
     functions: Any = None
     function_call: Any = None
@@ -134,13 +146,39 @@ class _SamplingRequest(BaseModel):
             raise invalid("stream_options is only allowed when stream is true", param="stream_options")
 
     def output_constraint(self) -> StructuredOutputsParams | None:
-        """What ``response_format`` or ``structured_outputs`` asks the output to match."""
+        """What ``response_format``, ``structured_outputs`` or vLLM's older ``guided_*``
+        fields ask the output to match (one of the three)."""
         given = self.response_format is not None and self.response_format.type != "text"
+        guided = self._guided()
+        if guided:
+            kind = next(iter(guided))
+            if len(guided) > 1:
+                raise invalid("give one of guided_json, guided_regex, guided_choice, guided_grammar, got "
+                              f"{' and '.join(f'guided_{k}' for k in guided)}", param=f"guided_{kind}")
+            for other, present in (("response_format", given),
+                                   ("structured_outputs", self.structured_outputs is not None)):
+                if present:
+                    raise invalid(f"give guided_{kind} or {other}, not both (guided_{kind} is vLLM's older name "
+                                  f"for structured_outputs.{kind})", param=f"guided_{kind}")
+            return guided_outputs(guided)
         if given and self.structured_outputs is not None:
             raise invalid("give response_format or structured_outputs, not both", param="response_format")
         if self.structured_outputs is not None:
             return structured_outputs_from_json(self.structured_outputs)
         return self.response_format.to_structured_outputs() if self.response_format is not None else None
+
+    def _guided(self) -> dict[str, Any]:
+        """The ``guided_*`` kinds given, by structured_outputs' names (``json``, ...); a 400
+        for a backend other than xgrammar and for ``guided_whitespace_pattern``."""
+        backend = self.guided_decoding_backend
+        if backend is not None and backend not in GUIDED_BACKENDS:
+            raise invalid(f"guided_decoding_backend {backend!r:.60} is not available: pdserve's engine servers "
+                          f"compile every constraint with xgrammar (give {' or '.join(GUIDED_BACKENDS)}, or leave "
+                          "it out)", param="guided_decoding_backend")
+        if self.guided_whitespace_pattern is not None:
+            raise invalid("guided_whitespace_pattern is not supported: JSON output is compact (no whitespace "
+                          "between tokens)", param="guided_whitespace_pattern")
+        return {kind: value for kind in GUIDED_KINDS if (value := getattr(self, f"guided_{kind}")) is not None}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured: StructuredOutputsParams | None) -> SamplingParams:
@@ -352,6 +390,25 @@ def structured_outputs_from_json(spec: dict[str, Any]) -> StructuredOutputsParam
     return _structured("structured_outputs", **kw)
 
 
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")  # guided_json, ... : structured_outputs' kinds
+GUIDED_BACKENDS = ("xgrammar", "auto")
+
+
+def guided_outputs(guided: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's older ``guided_<kind>`` (one kind) as the structured_outputs constraint it
+    was renamed to; a 400 naming the ``guided_<kind>`` field otherwise."""
+    (kind, value), = guided.items()
+    if kind == "json" and isinstance(value, (dict, bool)):  # a schema; text is passed as it is
+        value = json.dumps(value, ensure_ascii=False)
+    elif kind == "choice":
+        value = tuple(value)
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValueError as e:
+        raise invalid(str(e).replace(f"structured_outputs.{kind}", f"guided_{kind}"),
+                      param=f"guided_{kind}") from e
+
+
 def _structured(param: str, **kw: Any) -> StructuredOutputsParams:
     """StructuredOutputsParams(**kw), its ValueError a 400 naming ``param``."""
     try:
@@ -413,11 +470,13 @@ def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[
 
 class LoadLoRAAdapterRequest(BaseModel):
     """``POST /v1/load_lora_adapter`` (vLLM's body): the name requests will give as
-    ``model``, and the adapter's directory as the engine servers see it."""
+    ``model``, the adapter's directory as the engine servers see it, and whether it may
+    replace an adapter of that name already loaded."""
 
     model_config = _STRICT
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

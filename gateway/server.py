@@ -82,15 +82,20 @@ def load_input_processor(cfg: GatewayConfig) -> InputProcessor:
 
     path = resolve_model_path(cfg.model)
     name = cfg.served_model_name or (DEFAULT_MODEL if cfg.model in (None, DEFAULT_MODEL) else Path(cfg.model).name)
+    # vLLM serves a model under its --model string: requests may name it so too (not with --served-model-name).
+    aliases = [cfg.model, cfg.model.rstrip("/")] if cfg.model and not cfg.served_model_name else []
     model = ModelConfig.from_dir(path, dtype="float32", load_format="auto", served_model_name=name)
     max_len = cfg.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                          f"{model.max_position_embeddings}")
     template = read_chat_template(cfg.chat_template) if cfg.chat_template else None
-    inputs = InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size, chat_template=template)
-    logger.info("gateway: model=%s path=%s max_model_len=%d chat_template=%s (renders tools: %s)", name, path,
-                max_len, cfg.chat_template or "the model's", "yes" if inputs.renders_tools else "no")
+    inputs = InputProcessor(load_tokenizer(path), name, max_len, model.vocab_size, chat_template=template,
+                            model_aliases=aliases)
+    also = f" (also as {', '.join(inputs.model_aliases)})" if inputs.model_aliases else ""
+    logger.info("gateway: model=%s%s path=%s max_model_len=%d chat_template=%s (renders tools: %s)", name, also,
+                path, max_len, cfg.chat_template or "the model's",
+                "yes" if inputs.renders_tools else "no: give --chat-template FILE for tool calls")
     return inputs
 
 
@@ -132,7 +137,11 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
                     cfg.kv_load_failure_policy)
     parser = get_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
-                             cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice)
+                             cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice,
+                             cfg.allow_runtime_lora_updating)
+    if cfg.allow_runtime_lora_updating:
+        logger.info("runtime LoRA updating on: /v1/load_lora_adapter and /v1/unload_lora_adapter act on every "
+                    "engine server")
     rpc = RpcServer(join_host_port(cfg.host, cfg.grpc_port), [GATEWAY_SERVICE], internal=False,
                     port_flag="--grpc-port")
     add_gateway_servicer(GatewayServicer(service, cfg.api_key, cfg.max_request_body), rpc.server)

@@ -22,7 +22,10 @@ LoRA adapters: ``resolve_model`` turns a request's ``model`` into the adapter it
 selects (the served model name: the base model, None; a name some engine server
 lists: that adapter; anything else: 404 ``model_not_found``); ``lora_adapters`` are
 the known ones (for /v1/models); ``load_lora_adapter`` / ``unload_lora_adapter`` fan
-out to every engine server (gateway/lora.py).
+out to every engine server (gateway/lora.py), as vLLM guards them: only with
+``--allow-runtime-lora-updating`` (or ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; a 404
+naming both otherwise), and a load of a name some server already lists only with
+``load_inplace`` (a 400 otherwise, in vLLM's words).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from gateway.active_requests import ActiveRequests
-from gateway.errors import GatewayError, invalid
+from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.instances import InstanceRegistry
 from gateway.lora import LoRAAdmin, ServerResult, known_adapters
 from gateway.metrics import GatewayMetrics
@@ -59,8 +62,10 @@ class GatewayService:
     def __init__(self, inputs: InputProcessor, registry: InstanceRegistry, metrics: GatewayMetrics,
                  request_timeout: float, max_queued_requests: int | None = None,
                  log_requests: bool = True, router: Router | None = None,
-                 tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False) -> None:
+                 tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False,
+                 allow_runtime_lora_updating: bool = False) -> None:
         self.inputs = inputs
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = tool_parser  # --tool-call-parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.registry = registry
@@ -93,14 +98,30 @@ class GatewayService:
         """The ``model`` responses carry: the adapter's name, else the served model name."""
         return lora_name or self.served_model_name
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str,
-                                timeout: float | None = None) -> list[ServerResult]:
-        """Load an adapter on every engine server; GatewayError unless all succeed."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None,
+                                load_inplace: bool = False) -> list[ServerResult]:
+        """Load an adapter on every engine server; GatewayError unless all succeed (and
+        unless runtime updates are on, and the name is new or ``load_inplace``)."""
+        self._check_runtime_lora_updating("load_lora_adapter")
+        if not load_inplace and isinstance(lora_name, str) and lora_name in self.lora_adapters():
+            raise invalid(f"The lora adapter '{lora_name:.256}' has already been loaded. If you want to load the "
+                          "adapter in place, set 'load_inplace' to True.", code="lora_adapter_already_loaded",
+                          param="lora_name")
         return await self.lora.load(lora_name, lora_path, timeout)
 
     async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> list[ServerResult]:
-        """Unload an adapter from every engine server; GatewayError unless all succeed."""
+        """Unload an adapter from every engine server; GatewayError unless all succeed
+        (and unless runtime updates are on)."""
+        self._check_runtime_lora_updating("unload_lora_adapter")
         return await self.lora.unload(lora_name, timeout)
+
+    def _check_runtime_lora_updating(self, method: str) -> None:
+        if not self.allow_runtime_lora_updating:
+            raise GatewayError(ErrorKind.NOT_FOUND,
+                               f"{method} is off: loading and unloading LoRA adapters at run time needs the gateway "
+                               "(or pdserve up) started with --allow-runtime-lora-updating, or with "
+                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, as vLLM",
+                               code="runtime_lora_updating_disabled")
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (for logprobs)."""

@@ -1,9 +1,9 @@
 """Prompts in, validated token ids out: the model's tokenizer and chat
-template, the model-name check (the served model, or a LoRA adapter an engine
-server lists), the context-length check, and the checks every prompt and
-sampling parameter passes whichever front end it came through (text is
-valid Unicode, token ids inside the vocabulary, chat roles known, messages
-bounded in count).
+template, the model-name check (the served model, also by its ``--model``
+string, or a LoRA adapter an engine server lists), the context-length check,
+and the checks every prompt and sampling parameter passes whichever front end
+it came through (text is valid Unicode, token ids inside the vocabulary, chat
+roles known, messages bounded in count).
 
 Encoding runs off the event loop on two single-thread pools, each with its
 own copy of the tokenizer (Hugging Face fast tokenizers must not be used
@@ -64,12 +64,16 @@ class InputProcessor:
     """Owns the tokenizer (encode side) and the limits a prompt must respect."""
 
     def __init__(self, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
-                 long_prompt_chars: int = LONG_PROMPT_CHARS, chat_template: str | None = None) -> None:
+                 long_prompt_chars: int = LONG_PROMPT_CHARS, chat_template: str | None = None,
+                 model_aliases: Collection[str] = ()) -> None:
+        """``model_aliases``: other names a request's ``model`` may give the base model by
+        (the ``--model`` string as typed, which vLLM serves under)."""
         self.tokenizer = tokenizer
         # The template chats are rendered with (--chat-template, else the model's own; None: no chat).
         self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None) or None
         self.renders_tools = self.chat_template is not None and template_reads_tools(self.chat_template)
         self.served_model_name = served_model_name
+        self.model_aliases = tuple(dict.fromkeys(a for a in model_aliases if a and a != served_model_name))
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.long_prompt_chars = long_prompt_chars
@@ -86,9 +90,10 @@ class InputProcessor:
 
     def check_model(self, model: str | None, lora_adapters: Collection[str] = ()) -> str | None:
         """The LoRA adapter ``model`` selects: None for the base model (``model``
-        empty or the served model name, which wins over an adapter of that name),
-        ``model`` when it is one of ``lora_adapters``; NOT_FOUND otherwise."""
-        if not model or model == self.served_model_name:
+        empty, the served model name or one of ``model_aliases``, which win over an
+        adapter of that name), ``model`` when it is one of ``lora_adapters``;
+        NOT_FOUND naming every name served otherwise."""
+        if not model or model == self.served_model_name or model in self.model_aliases:
             return None
         if model in lora_adapters:
             return model
@@ -96,9 +101,11 @@ class InputProcessor:
         shown = ", ".join(f"`{n:.100}`" for n in names[:_MAX_LISTED_ADAPTERS])
         more = f" and {len(names) - _MAX_LISTED_ADAPTERS} more" if len(names) > _MAX_LISTED_ADAPTERS else ""
         adapters = f" and the LoRA adapters {shown}{more}" if names else ""
+        aliases = (f" (also as {', '.join(f'`{a}`' for a in self.model_aliases)}, its --model)"
+                   if self.model_aliases else "")
         raise GatewayError(ErrorKind.NOT_FOUND,
                            f"The model `{model:.200}` does not exist. This server serves "
-                           f"`{self.served_model_name}`{adapters}.", code="model_not_found", param="model")
+                           f"`{self.served_model_name}`{aliases}{adapters}.", code="model_not_found", param="model")
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Every sampling parameter in range (SamplingParams.validate, with

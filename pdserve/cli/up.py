@@ -35,7 +35,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
-from gateway.config import add_chat_args
+from gateway.config import add_chat_args, add_runtime_lora_args
 from prefill_service.flags import add_kv_send_args
 from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
@@ -62,7 +62,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-mode", choices=("disaggregated", "local"), default="disaggregated",
                    help="local: no prefill servers, decode servers prefill themselves (colocated baseline)")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI HTTP port")
+    g.add_argument("--http-port", "--port", type=int, default=8000,
+                   help="gateway OpenAI HTTP port (--port: vLLM's name for it)")
     g.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     g.add_argument("--prefill-port", type=int, default=50061, help="first prefill server port")
     g.add_argument("--decode-port", type=int, default=50071, help="first decode server port")
@@ -84,6 +85,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
     add_chat_args(p.add_argument_group("chat template and tool calls (gateway)"))
+    add_runtime_lora_args(p.add_argument_group("LoRA adapters at run time (gateway)"))
     pg = p.add_argument_group("prefill servers")
     add_kv_send_args(pg)
     pg.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -285,6 +287,8 @@ class Cluster:
                 gw += [flag, str(value)]
         if a.enable_auto_tool_choice:
             gw.append("--enable-auto-tool-choice")
+        if a.allow_runtime_lora_updating:
+            gw.append("--allow-runtime-lora-updating")
         gw += tls.tls_flags(a)
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]

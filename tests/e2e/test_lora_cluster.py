@@ -54,7 +54,8 @@ def cluster(setup):
     decode_plain = EngineServer("decode", [*FLAGS, "--model", str(base)])
     engines = [prefill, decode_a, decode_plain]
     gw = GatewayProcess("lora", ["--model", str(base), "--prefill", prefill.address,
-                                 "--decode", f"{decode_a.address},{decode_plain.address}"])
+                                 "--decode", f"{decode_a.address},{decode_plain.address}",
+                                 "--allow-runtime-lora-updating"])
     with running_cluster(engines, gw):
         gw.engines = engines  # type: ignore[attr-defined]
         yield gw

@@ -34,7 +34,7 @@ def _cluster_processes(default_model_dir: Path):
     procs = {
         "main": GatewayProcess("main", ["--prefill", fake.prefill_address, "--decode", fake.decode_address,
                                         "--api-key", API_KEY, "--request-timeout", "20",
-                                        "--shutdown-timeout", "5"]),
+                                        "--shutdown-timeout", "5", "--allow-runtime-lora-updating"]),
         "local": GatewayProcess("local", ["--decode", fake_local.decode_address, "--max-model-len", "64",
                                           "--served-model-name", "tiny"]),
         "down": GatewayProcess("down", ["--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:1,127.0.0.1:7"]),

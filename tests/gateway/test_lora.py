@@ -455,7 +455,8 @@ def _front_ends(fakes, tokenizer, body):
         reg = _registry(fakes[:1])
         await reg.poll_once()
         inputs = InputProcessor(tokenizer, MODEL, max_model_len=2048, vocab_size=49152)
-        service = GatewayService(inputs, reg, GatewayMetrics(MODEL), request_timeout=10, log_requests=False)
+        service = GatewayService(inputs, reg, GatewayMetrics(MODEL), request_timeout=10, log_requests=False,
+                                 allow_runtime_lora_updating=True)
         server = grpc.aio.server()
         add_gateway_servicer(GatewayServicer(service, KEY), server)
         port = server.add_insecure_port("127.0.0.1:0")
