@@ -6,7 +6,10 @@
     pdserve trace REQUEST_ID | --slowest N   where a request's time went
 
 Every command takes ``--config FILE`` (YAML keyed by long flag names; the
-command line wins): see config_file.py.
+command line wins): see config_file.py. A flag no command knows is refused
+with the nearest known ones (``did you mean --prefill-port?``). Output piped
+into a reader that stops early (``pdserve trace ID | head``) ends the command
+quietly, without a traceback.
 
 The package sits above every other layer (it imports the services, the engine
 and bench; nothing but bench and the tests imports it):
@@ -22,10 +25,12 @@ and bench; nothing but bench and the tests imports it):
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from typing import Callable
 
-from pdserve.cli.config_file import add_config_flag, with_config_files
+from pdserve.cli.config_file import add_config_flag, command_parser, with_config_files
 
 
 def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
@@ -91,12 +96,48 @@ def main(argv: list[str] | None = None) -> int:
         argv = with_config_files(parser, argv)
     except ValueError as exc:  # exits 2 with the usage line, as a bad flag does
         parser.error(str(exc))
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # exits 2 with the command's usage line
+        command, _ = command_parser(parser, argv)
+        command.error(unrecognized_message(command, extras))
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that has gone shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except KeyboardInterrupt:
         return 130
     except ValueError as exc:  # configuration errors: one clear line, no traceback
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's "unrecognized arguments" with, for each unknown flag, the
+    nearest flag ``parser`` knows (a typo, or vLLM's underscores)."""
+    known = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    hints = []
+    for token in extras:
+        if not token.startswith("--") or token == "--":
+            continue
+        name = token.split("=", 1)[0]
+        near = difflib.get_close_matches(name.replace("_", "-"), known, n=1, cutoff=0.6)
+        if near:
+            hints.append((name, near[0]))
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if len(hints) == 1:
+        return f"{message}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{message}; did you mean {', '.join(f'{near} (for {name})' for name, near in hints)}?"
+    return f"{message} (the flags: {parser.prog} --help)"
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``pdserve trace ID | head -1``): stop quietly, as
+    a command that SIGPIPE ends does, with no traceback. What is still buffered would fail
+    again in Python's flush at exit ("Exception ignored ..."): stdout becomes /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0

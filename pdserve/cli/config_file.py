@@ -54,7 +54,7 @@ def with_config_files(parser: argparse.ArgumentParser, argv: list[str],
     """``argv`` with the settings of its ``--config`` files inserted as flags
     after the (sub)command names. Raises ValueError naming the file and key
     for anything a file cannot set."""
-    command, at = _command_parser(parser, argv)
+    command, at = command_parser(parser, argv)
     options = command._option_string_actions
     typed = _typed_flags(argv[at:], options)
     files = [value for flag, value in typed if flag == CONFIG_FLAG]
@@ -84,7 +84,7 @@ def with_config_files(parser: argparse.ArgumentParser, argv: list[str],
     return argv[:at] + tokens + argv[at:]
 
 
-def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.ArgumentParser, int]:
+def command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.ArgumentParser, int]:
     """The innermost subcommand's parser named by ``argv`` and the index just
     after its name (``pdserve bench serve ...`` -> the ``serve`` parser, 3)."""
     at = 0
