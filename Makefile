@@ -1,5 +1,6 @@
 # Two entry points: `make run` (install what is missing, start the local
-# cluster on the default model) and `make test` (install, run the suite).
+# cluster on the default model; ARGS="..." passes flags to pdserve up) and
+# `make test` (install, run the suite).
 # `make compose-test` runs docker-compose.yml for real in a Docker engine
 # (root and apt: it installs Docker where it is missing); .ci/run calls it.
 PYTHON ?= python3
@@ -44,9 +45,12 @@ cpu-kernels: $(STAMP)
 		echo "ninja could not be installed: the CPU attention will use the reference"
 	@$(PY) -m kernels.cpu_attention $(if $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT),--build-timeout $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT))
 
+# ARGS: flags for pdserve up, e.g. make run ARGS="--decode 2 --http-port 8080".
+ARGS ?=
+
 run: install
 	@echo "starting pdserve up (the first start converts the default model, ~20 s)"
-	$(VENV)/bin/pdserve up
+	$(VENV)/bin/pdserve up $(ARGS)
 
 # Two pytest-xdist workers (a 2-core machine's cores: a worker is idle while the servers
 # it started load or a request streams), whole modules (or groups sharing a session's
