@@ -4,9 +4,11 @@
 # machine. The trees are copies of two commits (made here with `git archive`, carried as .gpu):
 #   mkdir -p .gpu/before .gpu/after
 #   git archive BASE | tar -x -C .gpu/before; git archive HEAD | tar -x -C .gpu/after
-#   bash bench/gpu_before_after.sh SECTION...     # decode-step | offline
+#   bash bench/gpu_before_after.sh SECTION...     # decode-step | offline | serve
 # decode-step: Llama-3.1-8B shape, batch 1/32/128/256, 1k context, before/after/before/after.
 # offline: 256 x (512 in, 128 out), before then after. JSON per run in $OUT.
+# serve: colocated goodput, `bench/gpu_serve.sh defaults` in each tree (RATES, default 8,12),
+#   results in $OUT/before and $OUT/after (carry .gpucache too: the serving stack's wheels).
 source "$(dirname "$0")/gpu_common.sh"
 root=$PWD
 for section in "$@"; do
@@ -25,6 +27,12 @@ for section in "$@"; do
            --num-prompts 256 --min-prompt-len 512 --max-prompt-len 512 --output-len 128 \
            --max-num-batched-tokens 8192 --skip-transformers --output-json "$out/offline-$tree.json" 2>&1 \
            | grep -vE "^(WARNING|INFO)")
+      done ;;
+    serve)
+      for tree in before after; do
+        mkdir -p "$out/$tree"
+        (cd "$root/.gpu/$tree" && ln -sfn "$root/.gpucache" .gpucache \
+           && OUT="$out/$tree" RATES=${RATES:-8,12} bash bench/gpu_serve.sh defaults 2>&1 | grep -vE "^(WARNING|INFO)")
       done ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
