@@ -70,6 +70,7 @@ WORKDIR /app
 # directories would merge their contents).
 COPY pyproject.toml README.md ./
 COPY engine/ engine/
+COPY kv_transfer/ kv_transfer/
 COPY kernels/ kernels/
 COPY rpc/ rpc/
 COPY gateway/ gateway/

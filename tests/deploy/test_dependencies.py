@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kernels", "rpc", "gateway", "prefill_service", "decode_service", "pdserve", "bench")
+PACKAGES = ("engine", "kv_transfer", "kernels", "rpc", "gateway", "prefill_service", "decode_service", "pdserve", "bench")
 
 
 def _project() -> dict:
