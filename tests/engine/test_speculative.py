@@ -191,7 +191,8 @@ def test_no_proposals_while_more_requests_run_than_disable_by_batch_size(model_d
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 12, 30)]
     plain = LLM(str(model_dir), **ENGINE)
     assert _run(llm, prompts, lengths) == _run(plain, prompts, lengths)
-    assert running_when_asked and max(running_when_asked) <= 2
+    # Asked while 2 ran (not more than 2: allowed) and while 1 ran, never while 3 ran.
+    assert sorted(set(running_when_asked)) == [1, 2], running_when_asked
 
 
 def test_verify_steps_on_the_graph_path_give_eager_tokens(model_dir, monkeypatch):
