@@ -136,6 +136,25 @@ def test_plot_without_matplotlib_fails_before_any_request(monkeypatch, tmp_path,
     assert not (tmp_path / "r.json").exists()
 
 
+def test_a_failed_request_makes_the_exit_status_one(tmp_path):
+    """Requests that fail (nothing listens at the address) are counted and make ``bench
+    serve`` exit 1, at one rate and in a sweep."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--num-prompts", "2",
+              "--input-len", "4", "--output-len", "2"]
+    one, swept = tmp_path / "one.json", tmp_path / "sweep.json"
+    assert cli.main(common + ["--request-rate", "inf", "--output-json", str(one)]) == 1
+    result = json.loads(one.read_text())
+    assert result["completed"] == 0 and result["failed"] == 2 and result["errors"]
+    assert cli.main(common + ["--request-rate", "50,inf", "--settle-seconds", "0", "--output-json", str(swept)]) == 1
+    runs = json.loads(swept.read_text())["sweep"]
+    assert [(r["completed"], r["failed"]) for r in runs] == [(0, 2), (0, 2)]
+
+
 @pytest.fixture(scope="module")
 def real_cluster(default_model_dir):
     """One prefill and one decode server on the default model (CPU) behind a gateway."""
