@@ -71,3 +71,69 @@ def pytest_collection_modifyitems(config, items) -> None:
         module = item.nodeid.split("::", 1)[0]
         shares_gateways = module.startswith("tests/gateway/") and "_cluster_processes" in item.fixturenames
         item.add_marker(pytest.mark.xdist_group("gateway-cluster" if shares_gateways else module))
+
+
+# No server outlives the suite. Each process tests/processes.py starts is in a process group
+# of its own (its children with it) and registered there. A fixture whose setup raises, or a
+# test that fails, has what it started and left running killed (group and all) at once; at the
+# end of the session (in each pytest-xdist worker, after every fixture's teardown) whatever
+# those helpers started and is still alive is killed, and the session fails naming it.
+def _started_count() -> int:
+    import sys
+
+    processes = sys.modules.get("tests.processes")  # not imported: nothing started
+    return len(processes.started_processes()) if processes else 0
+
+
+def _kill_started_since(count: int) -> None:
+    import sys
+
+    processes = sys.modules.get("tests.processes")
+    if processes is not None:
+        for p in processes.started_processes()[count:]:
+            if p.group_alive():
+                p.kill()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = _started_count()
+    outcome = yield
+    if outcome.excinfo is not None:  # its teardown will not run: stop what it started
+        _kill_started_since(before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = _started_count()
+    outcome = yield
+    if outcome.excinfo is not None:
+        _kill_started_since(before)
+
+
+def _leak_report(alive: dict) -> str:
+    return "servers started by the tests still alive at the end of the session (killed now):\n" + "\n".join(
+        f"  {p.name}: pids {pids} (group {p.proc.pid}): {' '.join(p.argv[1:])}" for p, pids in alive.items())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_outlives_the_session():
+    """Set up before, so torn down after, every other session fixture."""
+    yield
+    import sys
+
+    processes = sys.modules.get("tests.processes")
+    if processes is not None and (alive := processes.kill_all()):
+        pytest.fail(_leak_report(alive), pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The last word (a process started after the fixture above was torn down, or a run
+    interrupted before it): kill, report, and fail the session."""
+    import sys
+
+    processes = sys.modules.get("tests.processes")
+    if processes is not None and (alive := processes.kill_all()):
+        sys.stderr.write("\n" + _leak_report(alive) + "\n")
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -2,6 +2,7 @@
 watched for the ready line and its stderr kept in a log file."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -103,6 +104,64 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
 
+
+# Every process the helpers below start, for the session-end check (tests/conftest.py) and
+# the clean-up of a failed fixture or test. Each is started in a session (so a process group)
+# of its own, whose id is its pid: stopping it, or sweeping up after it, kills the whole group,
+# and so the processes it started itself (tensor-parallel ranks, the servers of `pdserve up`),
+# which no test starts in a session of their own. Per process: each pytest-xdist worker keeps
+# its own and checks its own.
+KILL_GRACE_S = 10.0  # how long a process stopped on a failure path gets after SIGTERM
+_started: list["ServiceProcess"] = []
+_started_lock = threading.Lock()
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, start time in clock ticks) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _group_members(pgid: int, since: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid`` started at or after
+    ``since`` (the group leader's start time: a group id reused later is not this group)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) and st[1] == pgid and st[0] != "Z" and st[2] >= since:
+            members.append(int(entry))
+    return members
+
+
+def started_processes() -> list["ServiceProcess"]:
+    """Every ServiceProcess this process has started (in start order)."""
+    with _started_lock:
+        return list(_started)
+
+
+def leftovers(procs: list["ServiceProcess"] | None = None) -> dict["ServiceProcess", list[int]]:
+    """Of ``procs`` (default: all started), those with a process of their group still alive,
+    with those pids."""
+    out = {}
+    for p in started_processes() if procs is None else procs:
+        if members := p.group_alive():
+            out[p] = members
+    return out
+
+
+def kill_all(procs: list["ServiceProcess"] | None = None) -> dict["ServiceProcess", list[int]]:
+    """SIGKILL the groups of ``procs`` (default: all started) still alive; returns what was alive."""
+    alive = leftovers(procs)
+    for p in alive:
+        p.kill_group()
+    return alive
+
+
+atexit.register(kill_all)  # an interrupted run (KeyboardInterrupt, an internal error) leaves none
+
 class ServiceProcess:
     """A pdserve service subprocess; ``wait_ready`` returns its ready line."""
 
@@ -115,8 +174,13 @@ class ServiceProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pdserve-{name}-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
         full_env.update(TOKENIZERS_PARALLELISM="false", **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=full_env)
+        self.argv = [sys.executable, "-m", module, *argv]
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=full_env, start_new_session=True)
+        st = _stat(self.proc.pid)
+        self._start_ticks = st[2] if st else 0
+        with _started_lock:
+            _started.append(self)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -153,15 +217,49 @@ class ServiceProcess:
             self.proc.send_signal(signal.SIGTERM)
         self._terminated = True
 
+    def group_alive(self) -> list[int]:
+        """The live processes of its process group: itself and what it started (and left)."""
+        return _group_members(self.proc.pid, self._start_ticks)
+
+    def kill_group(self) -> None:
+        """SIGKILL its whole process group, reap it, and wait (a few seconds at most) until
+        the rest of the group (children, reaped by whoever adopted them) is gone too."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def kill(self, grace: float = KILL_GRACE_S) -> None:
+        """For a failure path: SIGTERM, and SIGKILL to the whole group after ``grace`` seconds
+        (or at once when it has exited and left processes of its group behind). Never raises."""
+        try:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
+        finally:
+            if self.group_alive():
+                self.kill_group()
+
+    def __enter__(self) -> "ServiceProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then the exit code (killed, and raising, after ``timeout``)."""
+        """SIGTERM, then the exit code (killed, with its group, and raising, after ``timeout``).
+        Whatever its group still holds once it has exited (children it left) is killed."""
         self.terminate()
         try:
             code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        except BaseException:  # TimeoutExpired, or an interrupt while waiting
+            self.kill_group()
             raise
+        if self.group_alive():
+            self.kill_group()
         if code == 0:  # keep the log only when something went wrong
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
@@ -263,6 +361,24 @@ def running_cluster(engines: list[ServiceProcess], gateway: GatewayProcess,
             p.wait_ready()
         gateway.wait_healthy(api_key=api_key)
         yield gateway
-    finally:
-        codes = [p.stop() for p in procs]
+    except BaseException:
+        for p in procs:  # every one, whatever the first's stop does
+            p.kill()
+        raise
+    codes = stop_all(procs)
     assert codes == [0] * len(procs), [p.logs() for p in procs]
+
+
+def stop_all(procs: list[ServiceProcess], timeout: float = 60.0) -> list[int]:
+    """``stop()`` each in turn, every one stopped (killed, with its group) even where an
+    earlier one's stop raised; the exit codes, or the first error once all are stopped."""
+    codes, error = [], None
+    for p in procs:
+        try:
+            codes.append(p.stop(timeout))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+            p.kill(grace=0)
+            error = error or exc
+    if error is not None:
+        raise error
+    return codes
