@@ -420,7 +420,7 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
         message = f"invalid request: {e.detail}" if e.status_code == 400 else str(e.detail)
         code = None
         if e.status_code == 400 and e.detail == "There was an error parsing the body":
-            message, code = "the request body cannot be read as JSON (JSON is UTF-8 text)", "invalid_json"
+            message, code = "the request body cannot be read as JSON: it is not UTF-8 text, or it is nested too deeply", "invalid_json"
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                           "code": code}}
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))

@@ -52,7 +52,7 @@ SENT_AS = "; send JSON with Content-Type: application/json)"
     (b'["Hello"]', AS_JSON, "the request body must be a JSON object, got an array"),
     (b'"Hello"', "text/plain", "the request body must be a JSON object, got a string (it was sent as "
                                "Content-Type: text/plain" + SENT_AS),
-    (b'{"prompt": "\xff"}', AS_JSON, "the request body cannot be read as JSON (JSON is UTF-8 text)"),
+    (b'{"prompt": "\xff"}', AS_JSON, "the request body cannot be read as JSON: it is not UTF-8 text, or it is nested too deeply"),
 ])
 def test_a_body_that_is_not_a_json_object_says_where_and_what(cluster, body, content_type, message):
     r = _post(cluster, body, content_type)
