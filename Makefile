@@ -55,10 +55,11 @@ run: install
 # Two pytest-xdist workers (a 2-core machine's cores: a worker is idle while the servers
 # it started load or a request streams), whole modules (or groups sharing a session's
 # processes: tests/conftest.py) per worker, in file order; PYTEST_WORKERS=0 runs in one process.
+# The ten slowest tests are listed at the end of every run.
 PYTEST_WORKERS ?= 2
 
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
 
 compose-test: install-test
 	tests/compose/docker_host.sh
