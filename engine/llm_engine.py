@@ -457,8 +457,10 @@ class LLMEngine:
         since it was loaded) end with that error and leave the step; the rest run. (The rows
         of a step ahead that lead it ran in the step in flight: their adapters hold slots.)"""
         lora = self.runner.lora
+        if lora is None:  # (every step: nothing to look at without adapters)
+            return []
         infos = [s.request.lora for s in out.scheduled if s.request.lora is not None]
-        bad = lora.unusable(infos) if lora is not None and infos else {}
+        bad = lora.unusable(infos) if infos else {}
         if not bad:
             return []
         failed = []

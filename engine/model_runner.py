@@ -317,7 +317,7 @@ class ModelRunner:
             logits = self.graphs.replay(step.size, None, q)
             logits = logits[[i * q + j for i in which for j in range(1 + len(rows[i].draft_token_ids))]]
         else:
-            logits = self._forward_eager(out, ahead_ids, on_layer)
+            logits = self._forward_eager(out, ahead_ids, on_layer, samples=bool(which))
         if any(rows[i].draft_token_ids for i in which):
             if before_sampling is not None:
                 before_sampling(out)
@@ -336,17 +336,17 @@ class ModelRunner:
                             which)
 
     def _forward_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
-                       on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
+                       on_layer: Callable[[int], None] | None, samples: bool) -> torch.Tensor | None:
         """An eager forward pass of the step: the logits of its sampled positions, None when no
-        row samples. ``ahead_ids``: the leading rows' inputs on the device (rows a step ahead
-        are one token each, so token i is row i's)."""
+        row samples (``samples``: whether any does). ``ahead_ids``: the leading rows' inputs on
+        the device (rows a step ahead are one token each, so token i is row i's)."""
         input_ids, positions, meta, sample_idx = self._prepare(out)
         if ahead_ids is not None:
             input_ids[:ahead_ids.shape[0]].copy_(ahead_ids)
         if self.tp is not None:
             self.wire.broadcast_step(input_ids, positions, meta, sample_idx)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-        return self.model.compute_logits(hidden[sample_idx]) if any(s.samples for s in out.scheduled) else None
+        return self.model.compute_logits(hidden[sample_idx]) if samples else None
 
     def _sample_with_proposals(self, out: SchedulerOutput, which: list[int], logits: torch.Tensor
                                ) -> tuple[list, list | None]:
