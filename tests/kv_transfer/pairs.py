@@ -9,12 +9,14 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
+import pytest
 import torch
 
-from kv_transfer import KVLayout, KVReceiver, KVSender, WirePlan
+from kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, WirePlan
 
 SMALL = dict(num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)
 
@@ -204,3 +206,16 @@ class Pair:
         """The receiver's heads within its whole cache."""
         offset = (self.cache.data_ptr() - self.whole.data_ptr()) // self.cache.element_size()
         return slice(offset // self.spec["head_dim"], offset // self.spec["head_dim"] + self.cache.shape[4])
+
+
+def assert_broken_after_death(pair: Pair, doomed: Peer) -> None:
+    """After the sending peer died mid-transfer: the receiver is marked broken, refuses
+    another receive, closes within SLACK_S, and the peer ended by SIGKILL."""
+    assert not pair.receiver.is_usable
+    with pytest.raises(KVTransferError, match="broken"):
+        pair.receiver.recv(pair.cache, timeout=1.0)
+    start = time.monotonic()
+    pair.receiver.close()
+    assert time.monotonic() - start < SLACK_S
+    doomed.proc.join(10)
+    assert doomed.proc.exitcode == -signal.SIGKILL

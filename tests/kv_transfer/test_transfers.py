@@ -4,7 +4,6 @@ transfer, and closing or killing either side ends the other's wait within the de
 from __future__ import annotations
 
 import random
-import signal
 import threading
 import time
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from kv_transfer import KVChannelClosed, KVTransferError, merge_runs
-from tests.kv_transfer.pairs import DRAFT, SLACK_S, SMALL, Pair, Peer
+from tests.kv_transfer.pairs import assert_broken_after_death, DRAFT, SLACK_S, SMALL, Pair, Peer
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
@@ -221,14 +220,7 @@ def test_gloo_sender_killed_mid_transfer(peer: Peer) -> None:
         failed, ended = outcome[0]
         assert isinstance(failed, KVTransferError) and not isinstance(failed, KVChannelClosed), repr(failed)
         assert failed.request_id == "r" and ended - died < timeout + SLACK_S, (failed, ended - died)
-        assert not pair.receiver.is_usable
-        with pytest.raises(KVTransferError, match="broken"):
-            pair.receiver.recv(pair.cache, timeout=1.0)
-        start = time.monotonic()
-        pair.receiver.close()
-        assert time.monotonic() - start < SLACK_S
-        doomed.proc.join(10)
-        assert doomed.proc.exitcode == -signal.SIGKILL
+        assert_broken_after_death(pair, doomed)
     finally:
         if doomed.proc.is_alive():
             doomed.proc.kill()
