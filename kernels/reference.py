@@ -18,6 +18,7 @@ from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 K
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
 from kernels.lora_reference import lora_expand, lora_group, lora_shrink  # noqa: F401
+from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_norm  # noqa: F401
 
 
 def describe_kernels(device: torch.device, dtype: torch.dtype,
