@@ -14,12 +14,13 @@ from typing import Iterable
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "indexed", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.indexed = True  # its hash is published to the prefix index (cache groups: group 0's)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -125,19 +126,22 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                self._record(False, block.block_hash)
+                if block.indexed:
+                    self._record(False, block.block_hash)
             block.block_hash = None
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: int, indexed: bool = True) -> None:
         """Register a full, computed block under its chained hash. If another
-        block already holds that hash, this one stays unhashed (a duplicate)."""
+        block already holds that hash, this one stays unhashed (a duplicate).
+        ``indexed``: publish it to the prefix index's feed (events, snapshot)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return
-        block.block_hash = block_hash
+        block.block_hash, block.indexed = block_hash, indexed
         self.cached[block_hash] = block
-        self._record(True, block_hash)
+        if indexed:
+            self._record(True, block_hash)
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue
@@ -192,4 +196,4 @@ class BlockPool:
             self.subscribe_events()
         else:
             self._events, self._events_lost = [], False
-        return list(self.cached)
+        return [h for h, b in self.cached.items() if b.indexed]

@@ -28,9 +28,9 @@ from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig,
 logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # RoPE variants engine/layers/rotary.py builds; activations engine/layers/activation.py runs.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -85,6 +85,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     # --quantization and the checkpoint's quantization_config, resolved (None: 16/32-bit weights)
     quantization: QuantizationConfig | None = None
+    # per layer, where a family varies them (empty: every layer has num_kv_heads x head_dim and
+    # its own KV): (KV heads, head size) and the earlier layer whose KV it reads (Gemma 4)
+    kv_shapes: tuple[tuple[int, int], ...] = ()
+    kv_sources: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
@@ -99,6 +103,8 @@ class ModelConfig:
 
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        if arch in GEMMA4_ARCHITECTURES:
+            cfg = _gemma4_config(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         _refuse_unsupported(arch, cfg)
@@ -112,7 +118,7 @@ class ModelConfig:
         if act not in _ACTIVATIONS:
             raise ValueError(f"{arch}: unsupported activation {act!r} (supported: {', '.join(_ACTIVATIONS)})")
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        return ModelConfig(
+        model = ModelConfig(
             path=path,
             served_model_name=served_model_name,
             architecture=arch,
@@ -120,7 +126,8 @@ class ModelConfig:
             load_format=load_format,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # a MoE config with no dense layer may leave it out (Qwen3.5-MoE)
+            intermediate_size=cfg.get("intermediate_size", 0) if num_experts else cfg["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -134,7 +141,9 @@ class ModelConfig:
             seed=seed,
             layer_types=_layer_types(arch, cfg, num_layers),
             sliding_window=cfg.get("sliding_window"),
-            partial_rotary_factor=float(rope["full_attention"].get("partial_rotary_factor", 1.0)),
+            # else config.json's top level (older configs), else the family's default (transformers')
+            partial_rotary_factor=float(rope["full_attention"].get("partial_rotary_factor", cfg.get(
+                "partial_rotary_factor", 0.25 if arch in LINEAR_ATTENTION_ARCHS else 1.0))),
             hidden_act=act,
             num_experts=num_experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if num_experts else 0,
@@ -142,6 +151,7 @@ class ModelConfig:
             quantization=resolve_quantization(quantization, cfg, load_format),
             hf_config=cfg,
         )
+        return dataclasses.replace(model, **_gemma4_fields(cfg)) if arch in GEMMA4_ARCHITECTURES else model
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -149,6 +159,14 @@ class ModelConfig:
         if not self.layer_types:
             return (None,) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @property
+    def layer_kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        return self.kv_shapes or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
+    def layer_kv_sources(self) -> tuple[int | None, ...]:
+        return self.kv_sources or (None,) * self.num_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -171,14 +189,34 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+# Families with Gated DeltaNet linear-attention layers (engine/layers/gated_delta_net.py), and
+# those whose MoE blocks may have a sigmoid-gated shared expert (engine/layers/moe.py).
+LINEAR_ATTENTION_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+_SHARED_EXPERT_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+_LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                          "linear_value_head_dim")
+
+
 def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
     """Config fields that would change the model's arithmetic in ways not implemented."""
     if cfg.get("attn_logit_softcapping") is not None:
         raise ValueError(f"{arch}: attn_logit_softcapping is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{arch}: use_bidirectional_attention is not supported (decoder-only serving)")
-    if cfg.get("shared_expert_intermediate_size"):
+    if cfg.get("shared_expert_intermediate_size") and arch not in _SHARED_EXPERT_ARCHS:
         raise ValueError(f"{arch}: shared experts are not supported")
+    if arch in LINEAR_ATTENTION_ARCHS:
+        missing = [k for k in _LINEAR_ATTENTION_KEYS if not cfg.get(k)]
+        if missing:
+            raise ValueError(f"{arch}: the config does not give {', '.join(missing)}")
+        nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        if nv % nk:
+            raise ValueError(f"{arch}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
+        if (cfg.get("hidden_act") or "silu") != "silu":
+            raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (the linear-attention "
+                             "convolution runs SiLU)")
+        if cfg.get("attn_output_gate") is False:
+            raise ValueError(f"{arch}: attn_output_gate false is not supported (full attention is gated)")
 
 
 def _common_window(windows: tuple[int | None, ...]) -> int | None:
@@ -225,12 +263,23 @@ def _layer_types(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, 
     """Which layers attend within a sliding window: the config's ``layer_types`` when it
     has them; else every layer when it names a window (Mistral, Mixtral, Phi-3), from
     ``max_window_layers`` on where ``use_sliding_window`` says so (Qwen2), or Gemma 3's
-    older ``sliding_window_pattern`` (every n-th layer full)."""
+    older ``sliding_window_pattern`` (every n-th layer full). Linear-attention families
+    without ``layer_types``: every ``full_attention_interval``-th layer (4th) full, the rest
+    linear_attention, as transformers fills them in."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
+    if types is None and arch in LINEAR_ATTENTION_ARCHS:  # transformers' default: every n-th layer full
+        n = cfg.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
     if types is not None:
         if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
             raise ValueError(f"{arch}: unsupported layer_types {types!r} (supported: {', '.join(LAYER_TYPES)})")
+        if "linear_attention" in types and arch not in LINEAR_ATTENTION_ARCHS:
+            raise ValueError(f"{arch}: linear_attention layers are not supported in this family (only in "
+                             f"{', '.join(LINEAR_ATTENTION_ARCHS)})")
+        if arch in LINEAR_ATTENTION_ARCHS and "sliding_attention" in types:
+            raise ValueError(f"{arch}: sliding_attention layers are not supported (its layers are full_attention "
+                             "or linear_attention)")
         if "sliding_attention" in types and not window:
             raise ValueError(f"{arch}: layer_types names sliding_attention but sliding_window is not set")
         return tuple(types)
@@ -241,6 +290,95 @@ def _layer_types(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, 
         return tuple("sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers))
     first = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+
+
+# ---- Gemma 4 (engine/models/gemma4.py) -------------------------------------------------
+GEMMA4_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+# transformers 5.23's Gemma4TextConfig defaults, for what a config.json leaves out
+_GEMMA4_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    attention_bias=False, sliding_window=512, final_logit_softcapping=None, use_bidirectional_attention=None,
+    vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, attention_k_eq_v=False,
+    num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, num_experts=None,
+    top_k_experts=None, moe_intermediate_size=None)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+# what a per_layer_config entry may override (the full layers' head size and KV heads)
+_GEMMA4_PER_LAYER = ("head_dim", "num_key_value_heads")
+
+
+def _gemma4_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 4 config.json as transformers reads it: the defaults filled in, the last layer
+    made full attention, and ``per_layer_config`` (the full layers' head size and KV heads)
+    made from ``global_head_dim`` / ``num_global_key_value_heads`` where the file has none.
+    A multimodal checkpoint (Gemma4ForConditionalGeneration) is served by its text model:
+    its ``text_config``, beside which the vision and audio towers are left unread."""
+    if arch == "Gemma4ForConditionalGeneration":
+        if not isinstance(cfg.get("text_config"), dict):
+            raise ValueError(f"{arch}: config.json has no text_config")
+        text = dict(cfg["text_config"])
+        for key in ("quantization_config", "tie_word_embeddings"):
+            if key in cfg:
+                text[key] = cfg[key]
+        cfg = text
+    cfg = {**_GEMMA4_DEFAULTS, **cfg}
+    n = cfg["num_hidden_layers"]
+    types = list(cfg.get("layer_types") or
+                 ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    if types and types[-1] != "full_attention":  # transformers forces it (with a warning)
+        logger.warning("%s: the last layer must use full attention; it is made so, as transformers does", arch)
+        types[-1] = "full_attention"
+    cfg["layer_types"] = types
+    cfg["rope_parameters"] = cfg.get("rope_parameters") or _GEMMA4_ROPE
+    for layer_type, r in cfg["rope_parameters"].items():
+        kind = (r or {}).get("rope_type", "default")
+        if kind not in ("default", "proportional") and (r.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"{arch}: partial_rotary_factor with rope_type {kind!r} ({layer_type}) is not "
+                             "supported (transformers runs it only with 'proportional' or 'default')")
+    if cfg.get("use_bidirectional_attention") == "vision":
+        cfg["use_bidirectional_attention"] = None  # only image tokens attend both ways: none among text
+    if "per_layer_config" not in cfg:
+        full = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg["attention_k_eq_v"] and cfg.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        cfg["per_layer_config"] = {str(i): full for i, t in enumerate(types) if t == "full_attention"}
+    for layer, override in (cfg["per_layer_config"] or {}).items():
+        unknown = sorted(set(override) - set(_GEMMA4_PER_LAYER))
+        if unknown:
+            raise ValueError(f"{arch}: per_layer_config overrides {unknown} (layer {layer}) are not supported "
+                             f"(supported: {', '.join(_GEMMA4_PER_LAYER)})")
+    if cfg["enable_moe_block"] and not (cfg["num_experts"] and cfg["top_k_experts"] and cfg["moe_intermediate_size"]):
+        raise ValueError(f"{arch}: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+    return cfg
+
+
+def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 4 config (``_gemma4_config``'s): each layer's KV shape
+    and, for the last ``num_kv_shared_layers`` layers, the layer whose KV they read: the last
+    layer of their type before them (transformers' kv_sharing_modes "reuse" and "store")."""
+    n, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    overrides = {int(i): o for i, o in (cfg["per_layer_config"] or {}).items()}
+    shapes = tuple((overrides.get(i, {}).get("num_key_value_heads", cfg["num_key_value_heads"]),
+                    overrides.get(i, {}).get("head_dim", cfg["head_dim"])) for i in range(n))
+    first_shared = n - (cfg["num_kv_shared_layers"] or 0)
+    sources: list[int | None] = [None] * n
+    for i in range(max(first_shared, 0), n):
+        before = [j for j in range(max(first_shared, 0)) if types[j] == types[i]]
+        if not before:
+            raise ValueError(f"Gemma 4: layer {i} ({types[i]}) reads the KV of an earlier {types[i]} layer, but "
+                             f"none comes before the {cfg['num_kv_shared_layers']} KV-sharing layers")
+        sources[i] = before[-1]
+        if shapes[i] != shapes[before[-1]]:
+            raise ValueError(f"Gemma 4: layer {i} reads the KV of layer {before[-1]}, whose shape "
+                             f"{shapes[before[-1]]} differs from its own {shapes[i]}")
+    moe = bool(cfg["enable_moe_block"])
+    return dict(kv_shapes=shapes, kv_sources=tuple(sources) if first_shared < n else (),
+                partial_rotary_factor=1.0,  # "proportional" RoPE spans the whole head (its zeros turn nothing)
+                num_experts=cfg["num_experts"] if moe else 0, num_experts_per_tok=cfg["top_k_experts"] if moe else 0,
+                moe_intermediate_size=cfg["moe_intermediate_size"] if moe else 0)
 
 
 @dataclass(frozen=True)
@@ -254,6 +392,9 @@ class CacheConfig:
     # are released (engine/kv_cache_manager.py). None: a full-attention layer keeps them all.
     sliding_window: int | None = None
     cache_dtype: str = "auto"  # --kv-cache-dtype, resolved: auto (the model's) | fp8_e4m3
+    # KV cache groups (engine/kv_cache_groups.py): each kind of layer keeps what it reads.
+    # False (--disable-hybrid-kv-cache-manager): one table for every layer, as before groups.
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -323,7 +464,8 @@ class EngineConfig:
         return (f"model={m.served_model_name} path={m.path} arch={m.architecture} dtype={m.dtype} "
                 f"quantization={quant} "
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
-                f"block_size={c.block_size} kv_cache_dtype={c.cache_dtype} max_num_seqs={s.max_num_seqs} "
+                f"block_size={c.block_size} kv_cache_dtype={c.cache_dtype} hybrid_kv_cache={c.hybrid_kv_cache} "
+                f"max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} {self.runtime.describe()} "
                 f"tensor_parallel_size={self.tensor_parallel_size} "
@@ -346,6 +488,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
@@ -395,6 +538,10 @@ class EngineArgs:
                        help="context length (default: the model's max_position_embeddings)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="one block table for every layer: windowed layers keep every block of the context "
+                            "as full ones do (default: each kind of layer keeps what it reads; "
+                            "docs/architecture.md, KV cache groups)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations, CUDA graphs and KV cache; "
                             "it must be free when the engine starts (memory of other processes is not counted "
@@ -511,7 +658,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
-                            sliding_window=_common_window(model.layer_windows), cache_dtype=cache_dtype)
+                            sliding_window=_common_window(model.layer_windows), cache_dtype=cache_dtype,
+                            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

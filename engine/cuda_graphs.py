@@ -91,36 +91,42 @@ class DecodeInputs:
     input id is that token, which ``upload`` copies from the device
     (``ahead_ids``) over the placeholder ``fill`` wrote.
 
-    Device layout (views are what a graph captures):
-        i64  [3, M]       ids | positions | slots
-        i32  [M + M*W]    seq_lens | block-table staging (bucket x width, packed)
+    Device layout (views are what a graph captures), with G KV cache groups:
+        i64  [2 + G, M]   ids | positions | each group's slots
+        i32  [2M + G*M*W] seq_lens | state slots | block-table staging (group x bucket x width, packed)
         qsl  [M + 1]      0, 1, ..., M (one query per row, constant)
-        tables [M, W]     block tables, W = cdiv(max_model_len, block_size)
+        tables [G, M, W]  block tables, W = cdiv(max_model_len, block_size)
+    Padding rows use the scratch state slot (``state_scratch``: writes nowhere that matters).
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, max_query_len: int = 1) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int | Sequence[int],
+                 device: torch.device, max_query_len: int = 1, state_scratch: int | None = None) -> None:
         m, w, q = max_num_seqs, max_blocks_per_seq, max_query_len
-        self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
+        self.block_sizes = (block_size,) if isinstance(block_size, int) else tuple(block_size)
+        self.block_size = min(self.block_sizes)
+        g = self.num_groups = len(self.block_sizes)
+        self.max_num_seqs, self.max_blocks_per_seq = m, w
         self.max_query_len = q
+        self.state_scratch = state_scratch  # None: the model has no linear-attention state
         self.device = device
         pin = device.type == "cuda"
-        self._staging = [(torch.zeros(3, m * q, dtype=torch.int64, pin_memory=pin),
-                          torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._staging = [(torch.zeros(2 + g, m * q, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(2 * m + g * m * w, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         # each staging's last upload (an event never recorded is complete)
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pin else None
         self._turn = 0
         self._use_staging(0)
-        self.i64 = torch.zeros(3, m * q, dtype=torch.int64, device=device)
-        self.i32 = torch.zeros(m + m * w, dtype=torch.int32, device=device)
+        self.i64 = torch.zeros(2 + g, m * q, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(2 * m + g * m * w, dtype=torch.int32, device=device)
         self.i32[:m] = 1
+        self.i32[m:2 * m] = state_scratch or 0
         # query_start_loc of rows of one query (0, 1, ..., M), and of verify rows of q
         self.qsl = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.qsl_verify = self.qsl * q
         # A verify row's padding reaches up to q - 1 positions past the last real one: the
         # extra columns keep its (discarded) block lookups inside the buffer.
-        self.tables = torch.zeros(m, w + -(-(q - 1) // block_size), dtype=torch.int32, device=device)
-        self.i64[2] = -1  # before any fill: every row is padding
+        self.tables = torch.zeros(g, m, w + -(-(q - 1) // self.block_size), dtype=torch.int32, device=device)
+        self.i64[2:] = -1  # before any fill: every row is padding
 
     def _use_staging(self, turn: int) -> None:
         self._turn = turn
@@ -132,22 +138,38 @@ class DecodeInputs:
               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) of a padded batch of ``size`` rows of ``query_len``
         tokens each (1, or the verify length)."""
-        n = size * query_len
+        n, m = size * query_len, self.max_num_seqs
         qsl = self.qsl if query_len == 1 else self.qsl_verify
-        meta = AttentionMetadata(slot_mapping=self.i64[2, :n], block_tables=self.tables[:size],
+        meta = AttentionMetadata(slot_mapping=self.i64[2:, :n], block_tables=self.tables[:, :size],
                                  query_start_loc=qsl[:size + 1], seq_lens=self.i32[:size],
+                                 state_slots=self.i32[m:m + size] if self.state_scratch is not None else None,
                                  num_splits=num_splits)
         return self.i64[0, :n], self.i64[1, :n], meta
+
+    def _width(self, scheduled: Sequence[ScheduledRequest]) -> int:
+        width = max(len(t) for s in scheduled for t in s.block_ids)
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table has {width} blocks; the buffers hold {self.max_blocks_per_seq}")
+        return width
+
+    def _fill_tables_and_slots(self, scheduled: Sequence[ScheduledRequest], size: int, width: int) -> None:
+        h32, m, g_count = self._h32, self.max_num_seqs, self.num_groups
+        staged = h32[2 * m:2 * m + g_count * size * width].reshape(g_count, size, width)
+        staged.fill(0)
+        for i, s in enumerate(scheduled):
+            for g, t in enumerate(s.block_ids):
+                staged[g, i, :len(t)] = t
+        h32[m:m + size] = self.state_scratch or 0
+        if self.state_scratch is not None:
+            h32[m:m + len(scheduled)] = [s.state_slot for s in scheduled]
 
     def fill(self, scheduled: Sequence[ScheduledRequest], size: int) -> int:
         """Write a pure-decode batch, padded to ``size`` rows, into the host
         buffers. Returns the block-table width used (the longest table)."""
-        n, m, bs = len(scheduled), self.max_num_seqs, self.block_size
+        n, m = len(scheduled), self.max_num_seqs
         if not 1 <= n <= size <= m:
             raise ValueError(f"batch of {n} does not fit a padded size of {size} (at most {m})")
-        width = max(len(s.block_ids) for s in scheduled)
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"a block table has {width} blocks; the buffers hold {self.max_blocks_per_seq}")
+        width = self._width(scheduled)
         self._use_staging(1 - self._turn)
         if self._copied is not None:
             self._copied[self._turn].synchronize()  # its copies were queued two steps ago: done, in practice
@@ -156,33 +178,31 @@ class DecodeInputs:
         h64[1, :n] = pos
         known = [s.request.all_token_ids[p] if not s.lookahead else 0 for s, p in zip(scheduled, pos.tolist())]
         h64[0, :n] = known
-        h64[2, :n] = np.fromiter((s.block_ids[p // bs] for s, p in zip(scheduled, pos.tolist())),
-                                 dtype=np.int64, count=n) * bs + pos % bs
+        for g, bs in enumerate(self.block_sizes):
+            h64[2 + g, :n] = np.fromiter((s.block_ids[g][p // bs] for s, p in zip(scheduled, pos.tolist())),
+                                         dtype=np.int64, count=n) * bs + pos % bs
         h64[0, n:size] = 0
         h64[1, n:size] = 0
-        h64[2, n:size] = -1
+        h64[2:, n:size] = -1
         h32[:n] = pos + 1
         h32[n:size] = 1
-        tables = h32[m:m + size * width].reshape(size, width)
-        tables.fill(0)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.block_ids)] = s.block_ids
+        self._fill_tables_and_slots(scheduled, size, width)
         return width
 
     def fill_verify(self, scheduled: Sequence[ScheduledRequest], size: int) -> int:
         """Write a verify batch (each row: its pending token, then its proposals) padded to
         ``size`` rows of ``max_query_len`` tokens into the host buffers; the table width."""
-        n, m, bs, q = len(scheduled), self.max_num_seqs, self.block_size, self.max_query_len
+        n, m, q = len(scheduled), self.max_num_seqs, self.max_query_len
         if not 1 <= n <= size <= m:
             raise ValueError(f"batch of {n} does not fit a padded size of {size} (at most {m})")
-        width = max(len(s.block_ids) for s in scheduled)
+        width = self._width(scheduled)
         self._use_staging(1 - self._turn)
         if self._copied is not None:
             self._copied[self._turn].synchronize()
         h64, h32 = self._h64, self._h32
         ids = np.zeros((size, q), dtype=np.int64)
         pos = np.zeros((size, q), dtype=np.int64)
-        slots = np.full((size, q), -1, dtype=np.int64)
+        slots = np.full((self.num_groups, size, q), -1, dtype=np.int64)
         lens = np.full(size, q, dtype=np.int32)  # padding rows: q queries over keys 0..q-1 of block 0
         for i, s in enumerate(scheduled):
             p0, drafts = s.request.num_computed_tokens, s.draft_token_ids
@@ -191,14 +211,13 @@ class DecodeInputs:
             ids[i, 1:real] = drafts
             pos[i] = np.arange(p0, p0 + q)
             where = pos[i, :real]
-            slots[i, :real] = np.asarray(s.block_ids, dtype=np.int64)[where // bs] * bs + where % bs
+            for g, bs in enumerate(self.block_sizes):
+                slots[g, i, :real] = np.asarray(s.block_ids[g], dtype=np.int64)[where // bs] * bs + where % bs
             lens[i] = p0 + q
-        h64[0, :size * q], h64[1, :size * q], h64[2, :size * q] = ids.ravel(), pos.ravel(), slots.ravel()
+        h64[0, :size * q], h64[1, :size * q] = ids.ravel(), pos.ravel()
+        h64[2:, :size * q] = slots.reshape(self.num_groups, -1)
         h32[:size] = lens
-        tables = h32[m:m + size * width].reshape(size, width)
-        tables.fill(0)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.block_ids)] = s.block_ids
+        self._fill_tables_and_slots(scheduled, size, width)
         return width
 
     def upload(self, size: int, width: int, ahead_ids: torch.Tensor | None = None) -> None:
@@ -215,13 +234,13 @@ class DecodeInputs:
         self.place_tables(size, width)
 
     def staged_i32(self, size: int, width: int) -> torch.Tensor:
-        """The device i32 buffer's used part for a batch: seq_lens, then the staged tables."""
-        return self.i32[:self.max_num_seqs + size * width]
+        """The device i32 buffer's used part for a batch: seq_lens, state slots, the staged tables."""
+        return self.i32[:2 * self.max_num_seqs + self.num_groups * size * width]
 
     def place_tables(self, size: int, width: int) -> None:
-        """Staged block tables -> the [M, W] tables the graphs read (on the device)."""
-        m = self.max_num_seqs
-        self.tables[:size, :width].copy_(self.i32[m:m + size * width].view(size, width))
+        """Staged block tables -> the [G, M, W] tables the graphs read (on the device)."""
+        m, g = self.max_num_seqs, self.num_groups
+        self.tables[:, :size, :width].copy_(self.i32[2 * m:2 * m + g * size * width].view(g, size, width))
 
 
 class MixedInputs:
@@ -240,21 +259,26 @@ class MixedInputs:
     host, uploaded from pinned memory without a sync (the caching host allocator keeps each
     staging tensor until its copy ran)."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 max_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int | Sequence[int],
+                 device: torch.device, max_tokens: int, state_scratch: int | None = None) -> None:
         m, w = max_num_seqs, max_blocks_per_seq
-        self.max_num_seqs, self.max_blocks_per_seq, self.block_size = m, w, block_size
+        self.block_sizes = (block_size,) if isinstance(block_size, int) else tuple(block_size)
+        g = len(self.block_sizes)
+        self.max_num_seqs, self.max_blocks_per_seq = m, w
         self.max_tokens, self.device = max_tokens, device
-        self.i64 = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)  # ids | positions | slots
-        self.i64[2] = -1
+        self.state_scratch = state_scratch  # padding sequences' state slot (None: no linear layers)
+        self.i64 = torch.zeros(2 + g, max_tokens, dtype=torch.int64, device=device)  # ids | positions | slots
+        self.i64[2:] = -1
         self.qsl = torch.zeros(m + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(m, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(m, w, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((m,), state_scratch or 0, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(g, m, w, dtype=torch.int32, device=device)
         self.rows = torch.zeros(m, dtype=torch.int64, device=device)
 
     def views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        meta = AttentionMetadata(slot_mapping=self.i64[2, :size], block_tables=self.tables,
-                                 query_start_loc=self.qsl, seq_lens=self.seq_lens, num_splits=1)
+        meta = AttentionMetadata(slot_mapping=self.i64[2:, :size], block_tables=self.tables,
+                                 query_start_loc=self.qsl, seq_lens=self.seq_lens, num_splits=1,
+                                 state_slots=self.state_slots if self.state_scratch is not None else None)
         return self.i64[0, :size], self.i64[1, :size], meta, self.rows
 
     def fill_and_upload(self, scheduled: Sequence[ScheduledRequest], size: int,
@@ -262,23 +286,27 @@ class MixedInputs:
         """The step (a mixed-step plan's: ``engine.planner.mixed_bucket``) into the buffers; ``ahead_ids``: as ``DecodeInputs.upload`` (the
         leading rows a step ahead are one token each, so row i's token is token i)."""
         n, m = len(scheduled), self.max_num_seqs
-        a = step_arrays(scheduled, self.block_size)  # the step as an eager one runs it, then padded
+        # the step as an eager one runs it, then padded
+        a = step_arrays(scheduled, self.block_sizes, linear_state=self.state_scratch is not None)
         total = a.ids.shape[0]
         qsl = np.full(m + 1, size, dtype=np.int32)  # the padding sequence takes the spare tokens, the rest none
         qsl[:n + 1] = a.query_start_loc
         lens = np.zeros(m, dtype=np.int32)
         lens[:n] = a.seq_lens
         lens[n] = size - total
-        i64 = np.zeros((3, size), dtype=np.int64)
-        i64[0, :total], i64[1, :total], i64[2, :total] = a.ids, a.positions, a.slots
+        i64 = np.zeros((2 + len(self.block_sizes), size), dtype=np.int64)
+        i64[0, :total], i64[1, :total], i64[2:, :total] = a.ids, a.positions, a.slots
         i64[1, total:] = np.arange(size - total)
-        i64[2, total:] = -1
-        tables = np.zeros((m, self.max_blocks_per_seq), dtype=np.int32)
-        tables[:n, :a.tables.shape[1]] = a.tables
+        i64[2:, total:] = -1
+        tables = np.zeros((len(self.block_sizes), m, self.max_blocks_per_seq), dtype=np.int32)
+        tables[:, :n, :a.tables.shape[2]] = a.tables
         rows = np.zeros(m, dtype=np.int64)
         rows[:len(a.sample_idx)] = a.sample_idx
+        states = np.full(m, self.state_scratch or 0, dtype=np.int32)
+        if a.state_slots is not None:
+            states[:n] = a.state_slots
         for dst, src in ((self.i64[:, :size], i64), (self.qsl, qsl), (self.seq_lens, lens), (self.tables, tables),
-                         (self.rows, rows)):
+                         (self.rows, rows), (self.state_slots, states)):
             host = torch.from_numpy(src)
             dst.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         if ahead_ids is not None:
@@ -325,7 +353,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.verify_len = inputs.max_query_len
         self.verify_sizes = sorted(verify_sizes) if self.verify_len > 1 else []
-        unbounded = inputs.max_blocks_per_seq * inputs.block_size
+        unbounded = inputs.max_blocks_per_seq * min(inputs.block_sizes)
         self.variants = {s: sorted((variants or {}).get(s) or [(unbounded, None)]) for s in self.sizes}
         self.use_graphs = use_graphs
         self.decode_blas = decode_blas

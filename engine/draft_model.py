@@ -120,7 +120,7 @@ class DraftProposer:
         prefill tier: rows whose KV is sent), into the same blocks. The prefill tier's cached
         blocks all came through here, so a row's draft KV is valid wherever its target's is."""
         step = SchedulerOutput(scheduled=[ScheduledRequest(_DraftRow(s.request, s.request.num_computed_tokens),  # type: ignore[arg-type]
-                                                           s.num_new_tokens, s.block_ids) for s in rows])
+                                                           s.num_new_tokens, s.block_ids[:1]) for s in rows])
         if not step.scheduled:
             return
         self._run(step)
@@ -137,7 +137,7 @@ class DraftProposer:
         active = rows
         while active:
             step = SchedulerOutput(scheduled=[ScheduledRequest(row, row.num_tokens - row.num_computed_tokens,  # type: ignore[arg-type]
-                                                               blocks) for row, _, blocks, _ in active])
+                                                               (blocks,)) for row, _, blocks, _ in active])
             sampled, _ = self._run(step)
             still = []
             for (row, k, blocks, req), token in zip(active, sampled):

@@ -76,7 +76,9 @@ def build_decode_graphs(runner: RunnerParts, use_graphs: bool) -> DecodeGraphs:
     sizes = capture_sizes(sc.max_num_seqs)
     max_blocks = cdiv(sc.max_model_len, runner.block_size)
     verify_len, verify_sizes = verify_graph_shape(runner)
-    inputs = DecodeInputs(sc.max_num_seqs, max_blocks, runner.block_size, runner.device, verify_len)
+    spec = runner.cache_spec
+    scratch = spec.num_state_slots if spec.num_state_slots else None  # the slot padding rows write
+    inputs = DecodeInputs(sc.max_num_seqs, max_blocks, spec.block_sizes, runner.device, verify_len, scratch)
     variants: dict[int, list[tuple[int, int | None]]] = {}
     if runner.ops.__name__ == "kernels":
         from kernels.paged_attention import paged_attention_num_splits
@@ -92,7 +94,7 @@ def build_decode_graphs(runner: RunnerParts, use_graphs: bool) -> DecodeGraphs:
     mixed = None
     if mixed_sizes:
         mixed = (runner.forward_rows_logits,
-                 MixedInputs(sc.max_num_seqs, max_blocks, runner.block_size, runner.device, max(mixed_sizes)))
+                 MixedInputs(sc.max_num_seqs, max_blocks, spec.block_sizes, runner.device, max(mixed_sizes), scratch))
     return DecodeGraphs(runner.forward_logits, runner.kv_cache, inputs, sizes, variants, use_graphs=use_graphs,
                         other_threads_may_use_cuda=runner.tp is not None, verify_sizes=verify_sizes,
                         mixed=mixed, mixed_sizes=mixed_sizes, decode_blas=runner.runtime.decode_blas)

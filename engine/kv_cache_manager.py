@@ -1,22 +1,28 @@
-"""Per-request block tables on top of the block pool.
+"""Per-request block tables, one per KV cache group, on one block pool; and the state slots
+of linear-attention layers.
 
-The scheduler talks to this class only; ``BlockPool`` internals (free queue,
-ref counts, the hash map) stay behind it.
+The scheduler talks to this class only; ``BlockPool`` internals (free queue, ref counts,
+the hash map) stay behind it. The groups (engine/kv_cache_groups.py) share the pool: a
+request holds, per group, a table of that group's blocks; a request's need is the sum of
+its groups' needs, and it is allocated all or nothing.
 
-Which token ranges of a request are where, at allocation time::
+Which token ranges of a request are where, at allocation time (each group alike)::
 
     | computed (KV in cache)      | new this step         | not yet scheduled |
     0                   num_computed_tokens   +num_new_tokens         num_tokens
     | prefix-cache hit | own blocks |
 
-Only full blocks whose every token is computed are hashed and cached.
+Only full blocks whose every token is computed are hashed and cached, per group (a block
+of one group holds other layers' KV than the same tokens' block of another).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
+from engine.kv_cache_groups import FULL, SLIDING, KVCacheGroup, KVCacheLayout, build_layout
 from engine.request import Request
 
 
@@ -24,20 +30,68 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class GroupTables:
+    """One group's tables: per request its blocks (and their ids), how many leading ones are
+    registered in the prefix cache and how many were released as out of the window."""
+
+    def __init__(self, index: int, group: KVCacheGroup) -> None:
+        self.index, self.group = index, group
+        self.block_size = group.block_size
+        # Keys in the pool: group 0's are the block hashes (what the prefix index publishes);
+        # another group's are its own, derived from them.
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.num_dead_blocks: dict[str, int] = {}
+
+    def key(self, block_hash: int) -> int:
+        return block_hash if self.index == 0 else hash((block_hash, self.index))
+
+    def need(self, request: Request, num_tokens: int, num_hits: int) -> int:
+        have = len(self.req_blocks.get(request.request_id, ())) + num_hits
+        return max(0, cdiv(num_tokens, self.block_size) - have)
+
+
+class StateSlots:
+    """The linear-attention state slots: one per request that has begun computing, taken at
+    its first allocation and given back when its blocks are (preemption recomputes it)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
+        self.slot_of: dict[str, int] = {}
+
+    def take(self, request_id: str) -> None:
+        if request_id not in self.slot_of:
+            self.slot_of[request_id] = self.free.pop()
+
+    def give_back(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, layout: KVCacheLayout | None = None,
+                 num_state_slots: int = 0) -> None:
+        """``layout``: the model's cache groups (None: one group of every layer, windowed when
+        ``sliding_window`` is set); ``num_state_slots``: linear-attention state slots."""
+        if layout is None:
+            kind = "sliding_attention" if sliding_window is not None else "full_attention"
+            layout = build_layout([kind], [sliding_window], block_size)
+        self.layout = layout
         self.block_size = block_size
-        self.enable_caching = enable_caching
-        # Every layer attends within this many keys: leading blocks that have left the
-        # window are released as a request advances (free_dead_blocks). None: keep all.
-        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept alongside
-        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks so far
-        self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the pool
-        self.num_dead_blocks: dict[str, int] = {}  # leading blocks released as out of the window
+        self.groups = [GroupTables(i, g) for i, g in enumerate(layout.groups)]
+        # A prefix hit is a whole number of every group's blocks.
+        self.hit_unit = math.lcm(*(g.block_size for g in layout.groups))
+        # Without a snapshot of the linear state at a block boundary, a prefix hit cannot
+        # restore it: hybrid models compute every prompt whole (a snapshot store comes later).
+        self.enable_caching = enable_caching and not layout.has_linear
+        self.states = StateSlots(num_state_slots) if layout.has_linear else None
+        if layout.has_linear and num_state_slots < 1:
+            raise ValueError("a model with linear-attention layers needs state slots")
+        self.req_hashes: dict[str, dict[int, list[int]]] = {}  # request -> block size -> hashes so far
 
     @property
     def num_blocks(self) -> int:
@@ -49,82 +103,94 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Blocks of every group that ``num_tokens`` tokens take (no block released)."""
+        return sum(g.group.blocks_needed(num_tokens) for g in self.groups)
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        hashes = self.req_hashes.setdefault(request.request_id, [])
-        bs, tokens = self.block_size, request.all_token_ids
+    def _block_hashes(self, request: Request, num_full_blocks: int, block_size: int | None = None) -> list[int]:
+        bs = block_size or self.block_size
+        hashes = self.req_hashes.setdefault(request.request_id, {}).setdefault(bs, [])
+        tokens = request.all_token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else request.cache_root
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, as blocks and a token count.
-        At least one token is always left to compute (its logits are needed).
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+        """Longest cached prefix of the request in every group, as each group's blocks and a
+        token count. At least one token is always left to compute (its logits are needed).
         Does not take references: ``allocate_slots`` does."""
+        none: list[list[KVBlock]] = [[] for _ in self.groups]
         if not self.enable_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVBlock] = []
-        for h in self._block_hashes(request, max_blocks):
-            b = self.pool.get_cached_block(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks, len(blocks) * self.block_size
-
-    def _num_new_blocks(self, request: Request, num_new_tokens: int,
-                        new_computed_blocks: Sequence[KVBlock]) -> int | None:
-        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        need = max(0, self.blocks_needed(num_computed + num_new_tokens) - have)
-        # Cache hits sitting in the free queue stop being free once touched.
-        hits_in_free_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return need if need <= self.pool.num_free_blocks - hits_in_free_queue else None
+            return none, 0
+        num_tokens = (request.num_tokens - 1) // self.hit_unit * self.hit_unit
+        found: list[list[KVBlock]] = []
+        for g in self.groups:
+            blocks: list[KVBlock] = []
+            for h in self._block_hashes(request, num_tokens // g.block_size, g.block_size):
+                b = self.pool.get_cached_block(g.key(h))
+                if b is None:
+                    break
+                blocks.append(b)
+            num_tokens = min(num_tokens, len(blocks) * g.block_size // self.hit_unit * self.hit_unit)
+            found.append(blocks)
+        if num_tokens == 0:
+            return none, 0
+        return [blocks[:num_tokens // g.block_size] for g, blocks in zip(self.groups, found)], num_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
-        """Take the prefix-cache hits and enough new blocks for
-        ``num_new_tokens`` more tokens. Returns the new blocks, or None (and
-        changes nothing) when there are not enough free blocks."""
-        need = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
-        if need is None:
-            return None
+                       new_computed_blocks: Sequence[Sequence[KVBlock]] = ()) -> list[KVBlock] | None:
+        """Take the prefix-cache hits (per group, from ``get_computed_blocks``) and enough new
+        blocks in every group for ``num_new_tokens`` more tokens, and a state slot on its first
+        call. Returns the new blocks, or None (and changes nothing) when they do not fit."""
+        hits = list(new_computed_blocks) or [[] for _ in self.groups]
         rid = request.request_id
-        blocks = self.req_blocks.setdefault(rid, [])
-        ids = self.req_block_ids.setdefault(rid, [])
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            ids.extend(b.block_id for b in new_computed_blocks)
-            self.num_cached_blocks[rid] = len(blocks)
-        new = self.pool.get_new_blocks(need) if need else []
-        if new:
+        num_hit_tokens = len(hits[0]) * self.groups[0].block_size
+        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        needs = [g.need(request, total, len(h)) for g, h in zip(self.groups, hits)]
+        # Cache hits sitting in the free queue stop being free once touched.
+        hits_in_free_queue = sum(1 for h in hits for b in h if b.ref_cnt == 0)
+        if sum(needs) > self.pool.num_free_blocks - hits_in_free_queue:
+            return None
+        if self.states is not None and rid not in self.states.slot_of:
+            if not self.states.free:
+                return None
+            self.states.take(rid)
+        new_all: list[KVBlock] = []
+        for g, h, need in zip(self.groups, hits, needs):
+            blocks = g.req_blocks.setdefault(rid, [])
+            ids = g.req_block_ids.setdefault(rid, [])
+            if h:
+                self.pool.touch(h)
+                blocks.extend(h)
+                ids.extend(b.block_id for b in h)
+                g.num_cached_blocks[rid] = len(blocks)
+            new = self.pool.get_new_blocks(need) if need else []
             blocks.extend(new)
             ids.extend(b.block_id for b in new)
-        return new
+            new_all.extend(new)
+        return new_all
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's newly full and computed blocks."""
+        """Register the request's newly full and computed blocks, in every group."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
-        num_full = min(num_computed_tokens // self.block_size, len(blocks))
-        start = self.num_cached_blocks.get(rid, 0)
-        if num_full <= start:
-            return
-        hashes = self._block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
-        self.num_cached_blocks[rid] = num_full
+        for g in self.groups:
+            blocks = g.req_blocks.get(rid, [])
+            num_full = min(num_computed_tokens // g.block_size, len(blocks))
+            start = g.num_cached_blocks.get(rid, 0)
+            if num_full <= start:
+                continue
+            hashes = self._block_hashes(request, num_full, g.block_size)
+            for i in range(start, num_full):
+                self.pool.cache_block(blocks[i], g.key(hashes[i]), indexed=g.index == 0)
+            g.num_cached_blocks[rid] = num_full
 
     def free_dead_blocks(self, request: Request) -> int:
-        """Release the request's leading blocks that no query of it reads again: with every
-        layer windowed, the next query (position ``num_computed_tokens``) and every later
-        one see only keys at or past ``num_computed_tokens - sliding_window + 1``::
+        """Release the request's leading blocks that no query of it reads again, in each
+        windowed group: the next query (position ``num_computed_tokens``) and every later one
+        see only keys at or past ``num_computed_tokens - sliding_window + 1``::
 
             | dead: released        | window of the next query | next
             0                 dead * block_size          num_computed_tokens
@@ -132,56 +198,77 @@ class KVCacheManager:
         A released block keeps its id in the request's table (the kernels never read it)
         and, once registered, its hash: it stays a prefix-cache hit until evicted. Blocks
         not yet registered are kept. Requests whose KV will be sent (``hold_kv_on_finish``)
-        keep every block: the send reads them all. Returns how many were released."""
-        if self.sliding_window is None or request.hold_kv_on_finish:
+        keep every block: the send reads them all. Full-attention groups keep theirs.
+        Returns how many were released."""
+        if request.hold_kv_on_finish:
             return 0
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        if not blocks:
-            return 0
-        dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        dead = min(dead, len(blocks) - 1)
-        if self.enable_caching:
-            dead = min(dead, self.num_cached_blocks.get(rid, 0))
-        start = self.num_dead_blocks.get(rid, 0)
-        if dead <= start:
-            return 0
-        self.pool.free_blocks(reversed(blocks[start:dead]))
-        self.num_dead_blocks[rid] = dead
-        return dead - start
+        rid, released = request.request_id, 0
+        for g in self.groups:
+            if g.group.kind != SLIDING:
+                continue
+            blocks = g.req_blocks.get(rid)
+            if not blocks:
+                continue
+            dead = (request.num_computed_tokens - g.group.sliding_window + 1) // g.block_size
+            dead = min(dead, len(blocks) - 1)
+            if self.enable_caching:
+                dead = min(dead, g.num_cached_blocks.get(rid, 0))
+            start = g.num_dead_blocks.get(rid, 0)
+            if dead <= start:
+                continue
+            self.pool.free_blocks(reversed(blocks[start:dead]))
+            g.num_dead_blocks[rid] = dead
+            released += dead - start
+        return released
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Release the request's trailing blocks past the first ``num_tokens`` tokens: blocks
         a speculative step took for proposals that were rejected (never registered; their
         KV is never read, the next steps write over the positions). Returns how many."""
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        if not blocks:
-            return 0
-        keep = max(self.blocks_needed(num_tokens), self.num_cached_blocks.get(rid, 0))
-        extra = blocks[keep:]
-        if not extra:
-            return 0
-        del blocks[keep:]
-        del self.req_block_ids[rid][keep:]
-        self.pool.free_blocks(reversed(extra))
-        return len(extra)
+        rid, released = request.request_id, 0
+        for g in self.groups:
+            blocks = g.req_blocks.get(rid)
+            if not blocks:
+                continue
+            keep = max(cdiv(num_tokens, g.block_size), g.num_cached_blocks.get(rid, 0))
+            extra = blocks[keep:]
+            if not extra:
+                continue
+            del blocks[keep:]
+            del g.req_block_ids[rid][keep:]
+            self.pool.free_blocks(reversed(extra))
+            released += len(extra)
+        return released
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds a reference to (its table less the released ones)."""
-        return len(self.req_blocks.get(request_id, ())) - self.num_dead_blocks.get(request_id, 0)
+        """Blocks the request holds a reference to (its tables less the released ones)."""
+        return sum(len(g.req_blocks.get(request_id, ())) - g.num_dead_blocks.get(request_id, 0)
+                   for g in self.groups)
+
+    def get_block_table(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group (copies: the kept lists grow)."""
+        return tuple(list(g.req_block_ids.get(request_id, ())) for g in self.groups)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return list(self.req_block_ids.get(request_id, ()))  # a copy: the kept list grows
+        """The request's block ids, every group's table in group order (one group: its table)."""
+        return [b for g in self.groups for b in g.req_block_ids.get(request_id, ())]
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's linear-attention state slot (-1: none)."""
+        return -1 if self.states is None else self.states.slot_of.get(request_id, -1)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first, so its prefix is evicted
-        last). Hashes are kept: a preempted request recomputes the same ones."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_block_ids.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        dead = self.num_dead_blocks.pop(request.request_id, 0)  # released already
-        self.pool.free_blocks(reversed(blocks[dead:]))
+        """Release the request's blocks (tail first, so its prefix is evicted last) and its
+        state slot. Hashes are kept: a preempted request recomputes the same ones."""
+        rid = request.request_id
+        for g in self.groups:
+            blocks = g.req_blocks.pop(rid, [])
+            g.req_block_ids.pop(rid, None)
+            g.num_cached_blocks.pop(rid, None)
+            dead = g.num_dead_blocks.pop(rid, 0)  # released already
+            self.pool.free_blocks(reversed(blocks[dead:]))
+        if self.states is not None:
+            self.states.give_back(rid)
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""
@@ -190,7 +277,7 @@ class KVCacheManager:
 
     # ---- the prefix index feed (the pool's events) ----------------------
     def cache_snapshot(self) -> list[int]:
-        """Every full-block hash cached now; prefix-cache events are recorded from here on
+        """Every group-0 block hash cached now; prefix-cache events are recorded from here on
         (``take_cache_events``)."""
         return self.pool.snapshot()
 
@@ -198,3 +285,6 @@ class KVCacheManager:
         """((stored?, hash) in order, lost) since the last call or snapshot; lost: the
         buffer overflowed and only a new snapshot is exact."""
         return self.pool.take_events()
+
+
+__all__ = ["KVCacheManager", "cdiv", "FULL", "SLIDING"]

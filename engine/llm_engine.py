@@ -158,10 +158,13 @@ class LLMEngine:
                                        on_compiled=lambda: self.on_background_done and self.on_background_done())
         self.scheduler = Scheduler(sc, config.cache, self.runner.num_blocks, speculator=speculator,
                                    grammars=self.grammars,
-                                   max_loras=self.runner.lora.max_loras if self.runner.lora is not None else None)
-        capacity = self.runner.num_blocks * config.cache.block_size
-        logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s)", self.runner.num_blocks, capacity,
-                    self.runner.num_blocks * self.runner.block_bytes / 2**20, config.kv_dtype)
+                                   max_loras=self.runner.lora.max_loras if self.runner.lora is not None else None,
+                                   layout=self.runner.layout, num_state_slots=self.runner.cache_spec.num_state_slots)
+        layout = self.runner.layout
+        # tokens of context the cache holds were every group to keep every block
+        capacity = self.runner.num_blocks // layout.num_groups * config.cache.block_size
+        logger.info("KV cache blocks: %d (%d tokens, %.1f MiB of %s); groups: %s", self.runner.num_blocks, capacity,
+                    self.runner.num_blocks * self.runner.block_bytes / 2**20, config.kv_dtype, layout.describe())
         if capacity < sc.max_model_len:
             logger.warning("the KV cache holds %d tokens, less than --max-model-len %d", capacity,
                            sc.max_model_len)
@@ -532,7 +535,7 @@ class LLMEngine:
         step (their KV leaves layer by layer as the forward pass goes), or None."""
         if self.layerwise_sink is None:
             return None
-        finishing = [(s.request.request_id, list(s.block_ids)) for s in out.scheduled
+        finishing = [(s.request.request_id, [b for t in s.block_ids for b in t]) for s in out.scheduled
                      if s.samples and s.request.hold_kv_on_finish]
         return self.layerwise_sink.step_begins(finishing) if finishing else None
 

@@ -42,36 +42,39 @@ def check_free_memory(free: int, total: int, utilization: float, device: str) ->
                          f"hold {(total - free) / gib:.1f} GiB): lower it, or free the GPU")
 
 
-def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_size: int | None = None
-                   ) -> AttentionMetadata:
+def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_sizes: Sequence[int] | int | None = None,
+                   *, num_groups: int = 1) -> AttentionMetadata:
     """Attention metadata of fresh sequences of ``query_lens`` tokens each (every token is
-    new: seq_len = query length). ``block_size`` None: nothing is written (slot -1) and every
-    sequence reads block 0; else each sequence writes its keys into blocks of its own, numbered
-    from 0 in order (a scratch cache must hold them)."""
+    new: seq_len = query length). ``block_sizes`` (each KV cache group's) None: nothing is
+    written (slot -1) and every sequence reads block 0 (``num_groups`` groups alike); else each
+    sequence writes its keys into blocks of its own, numbered from 0 in order in every group
+    (a scratch cache must hold them)."""
     lens = torch.tensor(list(query_lens), dtype=torch.int32)
     qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
     torch.cumsum(lens, 0, out=qsl[1:])
     total = int(qsl[-1])
-    if block_size is None:
-        slots = torch.full((total,), -1, dtype=torch.long)
-        tables = torch.zeros(len(lens), 1, dtype=torch.int32)
+    if isinstance(block_sizes, int):
+        block_sizes = (block_sizes,)
+    if block_sizes is None:
+        slots = torch.full((num_groups, total), -1, dtype=torch.long)
+        tables = torch.zeros(num_groups, len(lens), 1, dtype=torch.int32)
     else:
-        widths = [cdiv(n, block_size) for n in lens.tolist()]
-        tables = torch.zeros(len(lens), max(widths), dtype=torch.int32)
-        slots = torch.empty(total, dtype=torch.long)
-        first = 0
-        for i, (n, w) in enumerate(zip(lens.tolist(), widths)):
-            tables[i, :w] = torch.arange(first, first + w, dtype=torch.int32)
-            slots[qsl[i]:qsl[i + 1]] = first * block_size + torch.arange(n)
-            first += w
+        width = max(cdiv(n, bs) for bs in block_sizes for n in lens.tolist())
+        tables = torch.zeros(len(block_sizes), len(lens), width, dtype=torch.int32)
+        slots = torch.empty(len(block_sizes), total, dtype=torch.long)
+        for g, bs in enumerate(block_sizes):
+            first = 0
+            for i, n in enumerate(lens.tolist()):
+                w = cdiv(n, bs)
+                tables[g, i, :w] = torch.arange(first, first + w, dtype=torch.int32)
+                slots[g, qsl[i]:qsl[i + 1]] = first * bs + torch.arange(n)
+                first += w
     return AttentionMetadata(slot_mapping=slots.to(device), block_tables=tables.to(device),
                              query_start_loc=qsl.to(device), seq_lens=lens.to(device))
 
 
 def _scratch_cache(runner: RunnerParts, num_blocks: int) -> torch.Tensor:
-    mc = runner.config.model
-    return torch.zeros(mc.num_layers, num_blocks, 2, runner.block_size, runner.kv_heads, mc.head_dim,
-                       dtype=runner.kv_dtype, device=runner.device)
+    return runner.cache_spec.new_kv_cache(num_blocks, runner.device)
 
 
 def determine_num_blocks(runner: RunnerParts, with_graphs: bool) -> int:
@@ -79,8 +82,9 @@ def determine_num_blocks(runner: RunnerParts, with_graphs: bool) -> int:
     cc = runner.config.cache
     if cc.num_gpu_blocks_override is not None:
         return cc.num_gpu_blocks_override
+    state_bytes = runner.cache_spec.state_bytes  # allocated already: the CUDA profile's peak counts them
     if cc.kv_cache_memory is not None:
-        budget = cc.kv_cache_memory
+        budget = cc.kv_cache_memory - state_bytes  # the flag's bytes hold the blocks and the state slots
     else:  # CUDA: total * utilization - (weights + activation peak of a full-budget step) - graphs
         peak = profile_peak_memory(runner)
         graphs = graph_memory_estimate(runner) if with_graphs else 0
@@ -88,6 +92,9 @@ def determine_num_blocks(runner: RunnerParts, with_graphs: bool) -> int:
         budget = int(total * cc.gpu_memory_utilization) - peak - graphs
         logger.info("memory profile: peak %.2f GiB (weights + activations), CUDA graphs %.2f GiB, "
                     "KV budget %.2f GiB", peak / 2**30, graphs / 2**30, budget / 2**30)
+    if state_bytes:
+        logger.info("linear-attention state: %d slots, %.1f MiB", runner.cache_spec.num_state_slots,
+                    state_bytes / 2**20)
     num_blocks = budget // (runner.block_bytes + runner.extra_block_bytes)
     if num_blocks < 1:
         raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
@@ -104,7 +111,7 @@ def profile_peak_memory(runner: RunnerParts) -> int:
     cache = _scratch_cache(runner, cdiv(n, runner.block_size))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(dev)
-    meta = dummy_metadata([n], dev, runner.block_size)
+    meta = runner.cache_spec.dummy_metadata([n], dev, written=True)
     hidden = runner.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), cache, meta)
     runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):])
     torch.cuda.synchronize()
@@ -139,7 +146,7 @@ def activation_peak(runner: RunnerParts, num_tokens: int, logits_rows: int | Non
     peak, with the logits of every row (None) or of the first ``logits_rows``."""
     dev = runner.device
     cache = _scratch_cache(runner, 1)
-    meta = dummy_metadata([1] * num_tokens, dev)
+    meta = runner.cache_spec.dummy_metadata([1] * num_tokens, dev, written=False)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     rows = None if logits_rows is None else torch.arange(logits_rows, device=dev)
     torch.cuda.synchronize()

@@ -2,9 +2,12 @@
 tensor and the per-step input tensors. It turns a ``SchedulerOutput`` into
 one forward pass and samples the rows that reached the end of their tokens.
 
-KV cache layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads,
-head_dim]`` — for each layer a run of consecutive blocks is one contiguous
-chunk holding both K and V (what the KV transfer sends). Its dtype is the
+KV cache layout: ``[num_slots, num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` — a block is a page in every slot, and slot s of a block taken by
+KV cache group g holds the KV of g's s-th layer (engine/kv_cache_groups.py; one
+group: slot = layer). For each slot a run of consecutive blocks is one contiguous
+chunk holding both K and V (what the KV transfer sends). Linear-attention layers
+keep a state slot per sequence instead (``linear_states``, engine/cache_spec.py). Its dtype is the
 model's, or float8_e4m3fn with ``--kv-cache-dtype fp8`` (one byte an element:
 twice the blocks of a 16-bit cache in the same memory), each layer then
 quantizing with its ``kv_scales`` (engine/kv_cache_dtype.py).
@@ -63,9 +66,11 @@ from typing import Callable, Sequence
 import torch
 
 from engine import graph_setup, memory_profile, model_setup
+from engine.cache_spec import CacheSpec
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KVScales
+from engine.kv_cache_groups import model_layout
 from engine.launched_step import LaunchedStep
 from engine.layers.attention import AttentionMetadata
 from engine.lora.config import LoRAConfig
@@ -154,8 +159,16 @@ class ModelRunner:
         self.tp = tp
         self.wire = TPWire(self) if tp is not None else None  # rank 0 -> the other ranks (engine/tp_wire.py)
         self.model = load_model(mc, self.device, self.ops, tp, expert_parallel=config.enable_expert_parallel)
-        self.kv_heads = self.model.shard.num_local_kv_heads  # this rank's share of every block
         self.kv_dtype: torch.dtype = getattr(torch, config.kv_dtype)
+        # The cache groups (engine/kv_cache_groups.py): each layer's group and slot, the pages.
+        self.layout = model_layout(mc, cc.block_size, hybrid=cc.hybrid_kv_cache)
+        self.model.set_cache_layout(self.layout)
+        self.cache_spec = CacheSpec.of(self.model, self.layout, cc.block_size, self.kv_dtype,
+                                       config.scheduler.max_num_seqs)
+        self.kv_heads = self.cache_spec.kv_heads  # this rank's share of every block
+        # The linear-attention state slots (bound to their layers before any forward pass).
+        self.linear_states = self.cache_spec.new_linear_states(self.device)
+        self.model.bind_linear_states(self.linear_states)
         log = tp is None or tp.rank == 0
         self.kv_scales: KVScales | None = model_setup.set_kv_scales(self.model, config, log)  # None unless FP8
         model_setup.set_dense_prefill(self.model, self.runtime.dense_prefill)
@@ -171,8 +184,7 @@ class ModelRunner:
         self.num_blocks = memory_profile.determine_num_blocks(self, with_graphs=self.use_cuda_graphs)
         if tp is not None:  # every rank holds the same blocks: the smallest cache decides
             self.num_blocks = tp.all_min(self.num_blocks)
-        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cc.block_size, self.kv_heads,
-                                    mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = self.cache_spec.new_kv_cache(self.num_blocks, self.device)
         self.sampler = Sampler()
         warm_up_kernels(self)
         self.graphs: DecodeGraphs | None = None
@@ -224,13 +236,12 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block on this rank (its share of the KV heads)."""
-        mc = self.config.model
-        return mc.kv_bytes_per_token(self.config.kv_dtype) * self.kv_heads // mc.num_kv_heads * self.block_size
+        """Bytes of one block on this rank (its share of the KV heads), every slot's page."""
+        return self.cache_spec.block_bytes
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's flat inputs (``engine.step_inputs``) on the device; the adapters' rows."""
-        a = step_arrays(out.scheduled, self.block_size)
+        a = step_arrays(out.scheduled, self.cache_spec.block_sizes, linear_state=bool(self.linear_states))
         if self.lora is not None:
             self.lora.set_step([s.request.lora for s in out.scheduled], a.counts)
         return device_inputs(a, self.device)

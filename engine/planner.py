@@ -71,7 +71,7 @@ def is_verify_step(scheduled: Sequence[ScheduledRequest], verify_len: int) -> bo
 
 
 def _widest(scheduled: Sequence[ScheduledRequest]) -> int:
-    return max(len(s.block_ids) for s in scheduled)
+    return max(len(t) for s in scheduled for t in s.block_ids)
 
 
 def decode_graph(scheduled: Sequence[ScheduledRequest], g: GraphMenu) -> tuple[int, int | None] | None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from engine.cache_spec import CacheSpec
+    from engine.kv_cache_groups import KVCacheLayout
     from engine.config import EngineConfig
     from engine.cuda_graphs import DecodeGraphs
     from engine.layers.attention import AttentionMetadata
@@ -25,7 +27,9 @@ class RunnerParts(Protocol):
     tp: TPGroup | None
     lora: LoRAManager | None
     graphs: DecodeGraphs | None
-    kv_cache: torch.Tensor  # [layers, blocks, 2, block_size, kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [slots, blocks, 2, block_size, kv_heads, head_dim] (engine/cache_spec.py)
+    cache_spec: CacheSpec
+    layout: KVCacheLayout
     block_size: int
     kv_heads: int  # this rank's share
     kv_dtype: torch.dtype

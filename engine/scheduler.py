@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_groups import KVCacheLayout
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestError, RequestStatus
 from engine.speculative import Speculator
@@ -95,7 +96,7 @@ _TRANSFER_GRACE_S = 5.0
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table after allocation
+    block_ids: tuple[list[int], ...]  # the request's whole block table after allocation, per KV cache group
     # A row scheduled a step ahead (Scheduler.schedule_ahead): the step still in flight
     # computes ``computed_ahead`` positions of the request before this row's (their KV is
     # being written) and samples ``lookahead`` tokens the host has not read yet (0 or 1; a
@@ -109,6 +110,7 @@ class ScheduledRequest:
     # A speculating decode row: tokens proposed after its pending one, verified this step
     # (num_new_tokens = 1 + len; engine/speculative.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1  # the request's linear-attention state slot (-1: the model has none)
 
     @property
     def start(self) -> int:
@@ -146,16 +148,20 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, *,
                  speculator: Speculator | None = None, grammars: Grammars | None = None,
-                 max_loras: int | None = None, max_waiting: int | None = None) -> None:
+                 max_loras: int | None = None, max_waiting: int | None = None,
+                 layout: KVCacheLayout | None = None, num_state_slots: int = 0) -> None:
         """``speculator``: proposals for decoding rows (None: no speculative decoding);
         ``grammars``: what holds requests to their structured-output constraints (None:
         nothing does; the engine always gives its manager, which loads nothing until used);
         ``max_loras``: distinct adapters in one step (None: no LoRA); ``max_waiting``: the
-        bound of the waiting queue for ``add_request`` (None: unbounded)."""
+        bound of the waiting queue for ``add_request`` (None: unbounded); ``layout``: the
+        model's KV cache groups (None: one group) and ``num_state_slots`` its linear-attention
+        state slots (engine/kv_cache_manager.py)."""
         if max_loras is not None and max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.config = sched
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.sliding_window)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.sliding_window,
+                                 layout=layout, num_state_slots=num_state_slots)
         self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED
         self.running: list[Request] = []  # RUNNING
         self.block_waiting: deque[Request] = deque()  # WAITING_FOR_BLOCKS, first come first served
@@ -383,13 +389,18 @@ class Scheduler:
                 drafts = []  # no room for the proposals: a plain step (proposals never preempt)
             if drafts or self._allocate_or_preempt(req, num_new, out, scheduled):
                 num_new += len(drafts)
-                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id),
-                                                      draft_token_ids=drafts))
+                out.scheduled.append(self._row(req, num_new, draft_token_ids=drafts))
                 scheduled.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
             self._schedule_waiting(budget, out, loras)
         return out
+
+    def _row(self, req: Request, num_new: int, **fields) -> ScheduledRequest:
+        """The step's row of ``req``: its block tables and state slot as allocated now."""
+        rid = req.request_id
+        return ScheduledRequest(req, num_new, self.kv.get_block_table(rid), state_slot=self.kv.state_slot(rid),
+                                **fields)
 
     def _grammar_ready(self, req: Request) -> bool:
         """An unconstrained request, or one whose grammar has its next mask (not compiling,
@@ -452,8 +463,7 @@ class Scheduler:
         for req, num_new, done, lookahead in plan:
             if self.kv.allocate_slots(req, done + num_new) is None:
                 return None
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id), lookahead,
-                                                  computed_ahead=done))
+            out.scheduled.append(self._row(req, num_new, lookahead=lookahead, computed_ahead=done))
         self._schedule_waiting(budget, out, loras)  # (arrivals do not depend on the tokens in flight)
         self._reserve_waiting(out)  # after the rows' blocks: a None above must not drop a reservation
         return out
@@ -569,7 +579,7 @@ class Scheduler:
                 continue
             k = self._proposal_len(req, budget)
             if k > 0 and self.kv.allocate_slots(req, 1 + k) is not None:
-                batch.append((req, k, self.kv.get_block_ids(req.request_id)))
+                batch.append((req, k, self.kv.get_block_table(req.request_id)[0]))
         assert self._propose_batch is not None
         return self._propose_batch(batch) if batch else {}
 
@@ -596,7 +606,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = S.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            out.scheduled.append(self._row(req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
 

@@ -19,16 +19,19 @@ from engine.scheduler import ScheduledRequest
 class StepArrays:
     ids: np.ndarray  # [T] int64; a row a step ahead: 0 (its input is the token in flight, on the device)
     positions: np.ndarray  # [T] int64
-    slots: np.ndarray  # [T] int64 cache slot of each token
-    tables: np.ndarray  # [n, longest table] int32, 0 after each row's blocks
+    slots: np.ndarray  # [G, T] int64 cache slot of each token, per KV cache group
+    tables: np.ndarray  # [G, n, longest table] int32, 0 after each row's blocks
     query_start_loc: np.ndarray  # [n + 1] int64
     seq_lens: np.ndarray  # [n] int64
     counts: np.ndarray  # [n] int64 tokens of each row
     sample_idx: list[int]  # the last position of each sampling row; every position of a speculating row
+    state_slots: np.ndarray | None = None  # [n] int32 linear-attention state slots (None: no such layers)
 
 
-def step_arrays(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepArrays:
-    n, bs = len(scheduled), block_size
+def step_arrays(scheduled: Sequence[ScheduledRequest], block_sizes: Sequence[int],
+                linear_state: bool = False) -> StepArrays:
+    """``block_sizes``: each KV cache group's; ``linear_state``: the rows carry state slots."""
+    n = len(scheduled)
     starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
     counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
     ends = starts + counts
@@ -43,14 +46,20 @@ def step_arrays(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepA
         for s, a, b in zip(scheduled, starts.tolist(), ends.tolist())), dtype=np.int64, count=total)
     row = np.repeat(np.arange(n), counts)  # each token's request
     positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)
-    widths = [len(s.block_ids) for s in scheduled]
-    tables = np.zeros((n, max(widths)), dtype=np.int32)
-    for i, (s, w) in enumerate(zip(scheduled, widths)):
-        tables[i, :w] = s.block_ids
-    slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+    g_count = len(block_sizes)
+    width = max(len(t) for s in scheduled for t in s.block_ids)
+    tables = np.zeros((g_count, n, width), dtype=np.int32)
+    for i, s in enumerate(scheduled):
+        for g, t in enumerate(s.block_ids):
+            tables[g, i, :len(t)] = t
+    slots = np.empty((g_count, total), dtype=np.int64)
+    for g, bs in enumerate(block_sizes):
+        slots[g] = tables[g, row, positions // bs].astype(np.int64) * bs + positions % bs
+    state_slots = (np.fromiter((s.state_slot for s in scheduled), dtype=np.int32, count=n)
+                   if linear_state else None)
     sample_idx = [p for i, s in enumerate(scheduled) if s.samples
                   for p in (range(int(qsl[i]), int(qsl[i + 1])) if s.draft_token_ids else (int(qsl[i + 1]) - 1,))]
-    return StepArrays(ids, positions, slots, tables, qsl, ends, counts, sample_idx)
+    return StepArrays(ids, positions, slots, tables, qsl, ends, counts, sample_idx, state_slots)
 
 
 def device_inputs(a: StepArrays, device: torch.device
@@ -64,6 +73,7 @@ def device_inputs(a: StepArrays, device: torch.device
         return to_device(torch.from_numpy(x).to(dtype), device)
 
     meta = AttentionMetadata(slot_mapping=up(a.slots, torch.long), block_tables=up(a.tables, torch.int32),
-                             query_start_loc=up(a.query_start_loc, torch.int32), seq_lens=up(a.seq_lens, torch.int32))
+                             query_start_loc=up(a.query_start_loc, torch.int32), seq_lens=up(a.seq_lens, torch.int32),
+                             state_slots=None if a.state_slots is None else up(a.state_slots, torch.int32))
     rows = up(np.asarray(a.sample_idx, dtype=np.int64), torch.long)
     return up(a.ids, torch.long), up(a.positions, torch.long), meta, rows

@@ -53,10 +53,12 @@ class TPWire:
     def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        sample_idx: torch.Tensor) -> None:
         """An eager step's inputs to every other rank (a header, then one int64 payload)."""
-        b, w = meta.block_tables.shape
+        _, b, w = meta.block_tables.shape  # [G, B, W]: G is the layout's, known to every rank
         self._header(_STEP, input_ids.shape[0], b, w, sample_idx.shape[0])
-        parts = [input_ids, positions, meta.slot_mapping, meta.block_tables.flatten(), meta.query_start_loc,
+        parts = [input_ids, positions, meta.slot_mapping.flatten(), meta.block_tables.flatten(), meta.query_start_loc,
                  meta.seq_lens, sample_idx]
+        if meta.state_slots is not None:
+            parts.append(meta.state_slots)
         lora = self.runner.lora
         if lora is not None:  # each token's adapter slot (-1 throughout: none)
             parts.append(lora.batch.token_slots[:input_ids.shape[0]] if lora.batch.active
@@ -112,11 +114,15 @@ class TPWire:
                 r.lora.follow_slot(t, data)
                 continue
             lora_t = t if r.lora is not None else 0
-            payload = self.tp.broadcast(torch.empty(3 * t + b * w + 2 * b + 1 + s + lora_t, dtype=torch.int64,
-                                                    device=dev))
-            ids, pos, slots, tables, qsl, lens, idx, lora_slots = payload.split([t, t, t, b * w, b + 1, b, s, lora_t])
-            meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32),
-                                     query_start_loc=qsl.to(torch.int32), seq_lens=lens.to(torch.int32))
+            g = r.layout.num_groups
+            states = b if r.cache_spec.num_state_slots else 0
+            payload = self.tp.broadcast(torch.empty(2 * t + g * t + g * b * w + 2 * b + 1 + s + states + lora_t,
+                                                    dtype=torch.int64, device=dev))
+            ids, pos, slots, tables, qsl, lens, idx, state_slots, lora_slots = payload.split(
+                [t, t, g * t, g * b * w, b + 1, b, s, states, lora_t])
+            meta = AttentionMetadata(slot_mapping=slots.view(g, t), block_tables=tables.view(g, b, w).to(torch.int32),
+                                     query_start_loc=qsl.to(torch.int32), seq_lens=lens.to(torch.int32),
+                                     state_slots=state_slots.to(torch.int32) if states else None)
             if r.lora is not None:
                 r.lora.batch.set_device(lora_slots.to(torch.int32))
             hidden = r.model(ids, pos, r.kv_cache, meta)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.layers.linear import LinearBase
-from engine.memory_profile import dummy_metadata
 
 if TYPE_CHECKING:
     from engine.runner_parts import RunnerParts
@@ -35,7 +34,7 @@ def warm_up_kernels(runner: RunnerParts) -> None:
         return
     mc, dev, model = runner.config.model, runner.device, runner.model
     budget = runner.config.scheduler.max_num_batched_tokens
-    meta = dummy_metadata([3, 1], dev)
+    meta = runner.cache_spec.dummy_metadata([3, 1], dev, written=False)
     hidden = model(torch.zeros(4, dtype=torch.long, device=dev), torch.tensor([0, 1, 2, 0], device=dev),
                    runner.kv_cache, meta)
     model.compute_logits(hidden[[2, 3]])

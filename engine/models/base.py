@@ -25,8 +25,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache_dtype import is_kv_scale_name
-from engine.layers.attention import AttentionMetadata
+from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import LMHead, VocabEmbedding
+from engine.layers.linear_state import LinearState, LinearStateShape
 from engine.layers.moe import FusedMoE, MoEMethod
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -99,11 +100,57 @@ class CausalLM(nn.Module):
         ``on_layer(i)`` is called once layer i's work (its KV writes included) is queued."""
         h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(positions, h, residual, kv_cache[i], meta)
+            h, residual = layer(positions, h, residual, self.layer_kv(kv_cache, i), meta)
             if on_layer is not None:
                 on_layer(i)
         h, _ = self.model.norm(h, residual)
         return h
+
+    # ---- the cache layout (engine/kv_cache_groups.py) -------------------------
+    def set_cache_layout(self, layout) -> None:  # layout: engine.kv_cache_groups.KVCacheLayout
+        """Point every attention layer at its group and slot, and at its group's view of the
+        page (its block size, heads and head size). Without a call: layer i reads slot i."""
+        views: list[tuple[int, tuple[int, int] | None] | None] = []
+        for i, layer in enumerate(self.model.layers):
+            place = layout.places[i]
+            attn = [m for m in layer.modules() if isinstance(m, Attention)]
+            if place is None or not attn:
+                views.append(None)
+                continue
+            for m in attn:
+                m.kv_group = place[0]
+                m.store = m.store and layout.stores[i]
+            shape = None if layout.is_simple else (attn[0].num_kv_heads, attn[0].head_dim)
+            views.append((place[1], shape))
+        self.__dict__["_kv_views"] = views
+
+    def layer_kv(self, kv_cache: torch.Tensor, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s KV: its slot of ``kv_cache`` [num_slots, num_blocks, 2, block_size,
+        H_kv, D], viewed at its group's shape. None for a layer without KV (linear attention)."""
+        views = self.__dict__.get("_kv_views")
+        if views is None:
+            return kv_cache[index]
+        view = views[index]
+        if view is None:
+            return None
+        t = kv_cache[view[0]]
+        return t if view[1] is None else t.view(t.shape[0], 2, -1, *view[1])
+
+    def linear_layers(self) -> list[nn.Module]:
+        """The linear-attention modules (those with a ``linear_state_shape``), in layer order."""
+        return [m for m in self.modules() if callable(getattr(m, "linear_state_shape", None))]
+
+    def linear_state_shapes(self) -> list[LinearStateShape]:
+        """One state slot of each linear-attention layer on this rank (empty: none)."""
+        return [m.linear_state_shape() for m in self.linear_layers()]
+
+    def bind_linear_states(self, states: list[LinearState]) -> None:
+        """Hand each linear-attention layer its state tensors (``linear_state``)."""
+        layers = self.linear_layers()
+        if len(states) != len(layers):
+            raise ValueError(f"{len(states)} linear states for {len(layers)} linear-attention layers")
+        for m, st in zip(layers, states):
+            m.linear_state = st
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, vocab] float32 on every rank (the ranks' column blocks gathered)."""

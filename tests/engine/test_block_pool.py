@@ -77,12 +77,12 @@ def test_double_free_is_caught():
 def test_prefix_hit_shares_blocks_with_ref_counts():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     r1 = _req("r1", list(range(10)))  # 2 full blocks + 2 tokens
-    assert kv.get_computed_blocks(r1) == ([], 0)
+    assert kv.get_computed_blocks(r1) == ([[]], 0)  # per cache group: one group here
     assert [b.block_id for b in kv.allocate_slots(r1, 10)] == [0, 1, 2]
     kv.cache_blocks(r1, 10)
     r2 = _req("r2", list(range(8)) + [99, 98, 97])
     hits, n = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hits] == [0, 1] and n == 8
+    assert [b.block_id for b in hits[0]] == [0, 1] and n == 8
     new = kv.allocate_slots(r2, 3, hits)
     assert [b.block_id for b in new] == [3]
     assert [b.ref_cnt for b in kv.pool.blocks[:4]] == [2, 2, 1, 1]
@@ -101,7 +101,7 @@ def test_whole_prompt_hit_leaves_one_token_to_compute():
     kv.cache_blocks(r1, 8)
     r2 = _req("r2", list(range(8)))
     hits, n = kv.get_computed_blocks(r2)
-    assert n == 4 and [b.block_id for b in hits] == [0]
+    assert n == 4 and [b.block_id for b in hits[0]] == [0]
 
 
 def test_allocation_counts_free_cached_hits_and_fails_cleanly():

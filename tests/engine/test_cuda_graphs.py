@@ -41,7 +41,7 @@ def test_padded_size_is_the_smallest_that_holds_the_batch(n, size):
 def _sched(prompt: list[int], computed: int, new: int, blocks: list[int]) -> ScheduledRequest:
     r = Request(f"r{len(prompt)}-{computed}", prompt, SamplingParams(max_tokens=8))
     r.num_computed_tokens = computed
-    return ScheduledRequest(r, new, blocks)
+    return ScheduledRequest(r, new, (blocks,))
 
 
 def test_pure_decode_means_one_last_token_each():
@@ -66,11 +66,11 @@ def test_fill_writes_rows_and_padding(tmp_path):
     ids, positions, meta = inp.views(4, num_splits=3)
     assert ids.tolist() == [105, 42, 16, 0]
     assert positions.tolist() == [5, 0, 16, 0]
-    assert meta.slot_mapping.tolist() == [2 * bs + 1, 11 * bs, 12 * bs, -1]
+    assert meta.slot_mapping.tolist() == [[2 * bs + 1, 11 * bs, 12 * bs, -1]]  # [G, T]: one group
     assert meta.seq_lens.tolist() == [6, 1, 17, 1]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert meta.block_tables.shape == (4, 5)
-    assert meta.block_tables.tolist() == [[9, 2, 0, 0, 0], [11, 0, 0, 0, 0], [1, 3, 8, 0, 12], [0, 0, 0, 0, 0]]
+    assert meta.block_tables.shape == (1, 4, 5)
+    assert meta.block_tables.tolist() == [[[9, 2, 0, 0, 0], [11, 0, 0, 0, 0], [1, 3, 8, 0, 12], [0, 0, 0, 0, 0]]]
     assert meta.num_splits == 3
     assert ids.dtype == positions.dtype == meta.slot_mapping.dtype == torch.int64
     assert meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start_loc.dtype == torch.int32
@@ -106,16 +106,16 @@ def test_buffers_match_the_eager_inputs(tiny_llama_dir):
     assert size == 4
     graphs.inputs.upload(size, graphs.inputs.fill(out.scheduled, size))
     ids_g, pos_g, meta_g = graphs.inputs.views(size)
-    n, w = 3, meta_e.block_tables.shape[1]
+    n, w = 3, meta_e.block_tables.shape[2]
     assert torch.equal(ids_g[:n], ids_e) and torch.equal(pos_g[:n], pos_e)
-    assert torch.equal(meta_g.slot_mapping[:n], meta_e.slot_mapping)
+    assert torch.equal(meta_g.slot_mapping[:, :n], meta_e.slot_mapping)
     assert torch.equal(meta_g.seq_lens[:n], meta_e.seq_lens)
     assert torch.equal(meta_g.query_start_loc[:n + 1], meta_e.query_start_loc)
-    assert torch.equal(meta_g.block_tables[:n, :w], meta_e.block_tables)
+    assert torch.equal(meta_g.block_tables[:, :n, :w], meta_e.block_tables)
     assert sample_idx.tolist() == [0, 1, 2]
     # The padding row writes nowhere and reads block 0 only.
-    assert meta_g.slot_mapping[n:].tolist() == [-1] and meta_g.seq_lens[n:].tolist() == [1]
-    assert meta_g.block_tables[n:, 0].tolist() == [0]
+    assert meta_g.slot_mapping[:, n:].tolist() == [[-1]] and meta_g.seq_lens[n:].tolist() == [1]
+    assert meta_g.block_tables[:, n:, 0].tolist() == [[0]]
 
 
 def test_decode_through_the_buffers_matches_eager(tiny_llama_dir):

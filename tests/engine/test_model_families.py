@@ -68,7 +68,8 @@ def test_prefix_hits_and_preemption(models, name):
     m = hf_model(d)
     want = hf_greedy(m, prompts, MAX_TOKENS)
     # Too few blocks for the batch; a model windowed on every layer holds far fewer per request.
-    blocks = 13 if name == "phi3-window" else 24
+    # Gemma 3: a block is one layer's page (three groups of one layer; 72 would be 24 blocks' memory).
+    blocks = {"phi3-window": 13, "gemma3": 36}.get(name, 24)
     llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4)
     assert_greedy_match(m, prompts[:1], want[:1], _generate(llm, prompts[:1]))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -195,7 +196,8 @@ def test_all_window_models_release_blocks_behind_the_window(models, caching):
     llm = LLM(str(d), num_gpu_blocks_override=10, block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=caching)
     e, kv = llm.engine, llm.engine.scheduler.kv
-    assert kv.sliding_window == WINDOW
+    (group,) = kv.groups  # one group of every layer, windowed
+    assert group.group.sliding_window == WINDOW
     req = e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     most = 0
     while e.has_unfinished_requests():
@@ -205,11 +207,13 @@ def test_all_window_models_release_blocks_behind_the_window(models, caching):
             assert kv.pool.num_used_blocks == kv.num_held_blocks("r")
             # the next query (position n) sees keys n - WINDOW + 1 .. n: every block from
             # there on is held, every one before it released
-            blocks, live_from = kv.req_blocks["r"], max(0, req.num_computed_tokens - WINDOW + 1) // 4
+            blocks, live_from = group.req_blocks["r"], max(0, req.num_computed_tokens - WINDOW + 1) // 4
             assert all(b.ref_cnt > 0 for b in blocks[live_from:])
-            assert kv.num_dead_blocks.get("r", 0) == min(live_from, len(blocks) - 1)
+            assert group.num_dead_blocks.get("r", 0) == min(live_from, len(blocks) - 1)
     assert_greedy_match(m, [prompt], want, [req.output_token_ids])
     assert most <= WINDOW // 4 + 2 + 4  # + one 16-token prefill chunk in flight
     assert kv.pool.num_used_blocks == 0 and kv.pool.num_free_blocks == kv.pool.num_blocks
     gemma = LLM(str(models["gemma3"]), kv_cache_memory="8MiB", block_size=4)
-    assert gemma.engine.scheduler.kv.sliding_window is None
+    # Gemma 3: its full layers' group keeps every block, its windowed ones' groups release theirs
+    assert [g.kind for g in gemma.engine.scheduler.kv.layout.groups][0] == "full"
+    assert "sliding" in {g.kind for g in gemma.engine.scheduler.kv.layout.groups}

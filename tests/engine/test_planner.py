@@ -25,7 +25,7 @@ def _row(prompt_len: int, computed: int, new: int, blocks: int = 1, drafts: int 
     r = Request(f"r{prompt_len}-{computed}-{new}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=64))
     r.num_computed_tokens = computed
     r.hold_kv_on_finish = held
-    return ScheduledRequest(r, new, list(range(blocks)), draft_token_ids=list(range(7, 7 + drafts)))
+    return ScheduledRequest(r, new, (list(range(blocks)),), draft_token_ids=list(range(7, 7 + drafts)))
 
 
 def _decode(n: int, context: int = 10, blocks: int = 1) -> list[ScheduledRequest]:

@@ -44,7 +44,7 @@ def used(s: Scheduler) -> int:
 def assert_no_leak(s: Scheduler):
     pool = s.kv.pool
     assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not s.kv.req_blocks and not s.requests and not s.pending_free
+    assert not s.kv.groups[0].req_blocks and not s.requests and not s.pending_free
     assert not (s.waiting or s.running or s.block_waiting or s.reserved or s.held)
 
 

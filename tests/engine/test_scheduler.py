@@ -41,7 +41,7 @@ def assert_no_leak(s: Scheduler):
     pool = s.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not s.kv.req_blocks and not s.requests
+    assert not s.kv.groups[0].req_blocks and not s.requests
 
 
 def test_chunked_prefill_respects_budget():
@@ -128,12 +128,12 @@ def test_random_workload_never_leaks():
         if rng.random() < 0.1 and live:
             s.finish_request(rng.choice(live).request_id)
         step(s)
-        held = {b.block_id for v in s.kv.req_blocks.values() for b in v}
+        held = {b.block_id for v in s.kv.groups[0].req_blocks.values() for b in v}
         assert s.kv.pool.num_used_blocks == len(held)
         # the block tables kept as ids follow the blocks through allocation, preemption and frees
-        assert s.kv.req_block_ids == {rid: [b.block_id for b in v] for rid, v in s.kv.req_blocks.items()}
+        assert s.kv.groups[0].req_block_ids == {rid: [b.block_id for b in v] for rid, v in s.kv.groups[0].req_blocks.items()}
         for b in s.kv.pool.blocks:
-            assert b.ref_cnt == sum(b in v for v in s.kv.req_blocks.values())
+            assert b.ref_cnt == sum(b in v for v in s.kv.groups[0].req_blocks.values())
             assert (b.ref_cnt == 0) == (b.prev_free is not None)
     run_to_end(s)
     assert_no_leak(s)

@@ -1,0 +1,73 @@
+"""What a runner's caches are, on this rank: the KV pages of every group (engine/kv_cache_groups.py)
+and the linear-attention state slots. The runner owns the tensors; this says their shapes,
+their bytes, and makes them (and the dummy metadata the memory profile and warm-up run on)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache_groups import KVCacheLayout
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.linear_state import LinearState, LinearStateShape
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    layout: KVCacheLayout
+    block_size: int  # tokens per block of the widest group (a narrower group's blocks hold more)
+    kv_heads: int  # this rank's KV heads of the widest group's layers
+    head_dim: int
+    kv_dtype: torch.dtype
+    num_state_slots: int = 0
+    state_shapes: list[LinearStateShape] = field(default_factory=list)
+
+    @staticmethod
+    def of(model: torch.nn.Module, layout: KVCacheLayout, block_size: int, kv_dtype: torch.dtype,
+           num_state_slots: int) -> "CacheSpec":
+        """The spec of ``model`` (its layout already set) on this rank."""
+        heads = {(m.num_kv_heads, m.head_dim) for m in model.modules() if isinstance(m, Attention)}
+        kv_heads, head_dim = max(heads, key=lambda hd: hd[0] * hd[1])
+        shapes = model.linear_state_shapes()
+        return CacheSpec(layout, block_size, kv_heads, head_dim, kv_dtype,
+                         num_state_slots if shapes else 0, shapes)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(g.block_size for g in self.layout.groups)
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One slot of one block: [2, block_size, kv_heads, head_dim]."""
+        return (2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block on this rank: a page in every slot."""
+        return self.layout.num_slots * 2 * self.block_size * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        return (self.num_state_slots + 1) * sum(s.bytes for s in self.state_shapes) if self.state_shapes else 0
+
+    def new_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """[num_slots, num_blocks, 2, block_size, kv_heads, head_dim], zeroed."""
+        return torch.zeros(self.layout.num_slots, num_blocks, *self.page_shape, dtype=self.kv_dtype, device=device)
+
+    def new_linear_states(self, device: torch.device) -> list[LinearState]:
+        """Every linear-attention layer's slots, and one more: the scratch slot (index
+        ``num_state_slots``) that padding rows of a CUDA graph's batch write."""
+        n = self.num_state_slots + 1 if self.state_shapes else 0
+        return [LinearState(torch.zeros(n, *s.conv, dtype=s.conv_dtype, device=device),
+                            torch.zeros(n, *s.ssm, dtype=s.ssm_dtype, device=device)) for s in self.state_shapes]
+
+    def dummy_metadata(self, query_lens: list[int], device: torch.device, written: bool) -> AttentionMetadata:
+        """Fresh sequences of ``query_lens`` tokens (engine.memory_profile.dummy_metadata) for
+        every group; written: into blocks numbered from 0 (a scratch cache), else nowhere."""
+        from engine.memory_profile import dummy_metadata
+
+        meta = dummy_metadata(query_lens, device, self.block_sizes if written else None,
+                              num_groups=self.layout.num_groups)
+        if self.num_state_slots:  # row b in slot b (rows past the slots share them: a dummy pass only)
+            meta.state_slots = (torch.arange(len(query_lens), dtype=torch.int32) % (self.num_state_slots + 1)).to(device)
+        return meta
