@@ -10,12 +10,12 @@ import torch
 
 from kernels import reference
 from kernels.activation import silu_and_mul
+from kernels.causal_conv1d import causal_conv1d
 from kernels.fp8_gemm import fp8_gemm, fp8_quantize
 from kernels.fused_moe import fused_moe
+from kernels.gated_delta import gated_delta_rule, gated_rms_norm
 from kernels.int4_gemm import int4_gemm
 from kernels.kv_cache import store_kv_cache
-# Gated DeltaNet (linear attention): the references until the Triton kernels land.
-from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_norm  # noqa: F401
 from kernels.lora import lora_expand, lora_group, lora_shrink
 from kernels.moe_routing import moe_route
 from kernels.paged_attention import paged_attention
