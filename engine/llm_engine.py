@@ -248,6 +248,11 @@ class LLMEngine:
         return self.runner.kv_cache
 
     @property
+    def cache_layout(self):  # -> engine.kv_cache_groups.KVCacheLayout
+        """The KV cache groups: which layers share a table, and the cache's slots."""
+        return self.runner.layout
+
+    @property
     def draft_kv_cache(self):  # -> torch.Tensor | None
         """A draft model's KV cache (``--speculative-config`` method draft_model), whose blocks
         travel with the target's; None without one."""

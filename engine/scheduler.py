@@ -253,7 +253,9 @@ class Scheduler:
         skips those leading blocks)."""
         while self.block_waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
             req = self.block_waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # One group: the sender skips the blocks this cache has. Several: a received
+            # prompt is whole (the hand-off's block lists carry no per-group skip).
+            hits, num_hit = self.kv.get_computed_blocks(req) if len(self.kv.groups) == 1 else ([], 0)
             if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hits) is None:
                 return
             self.block_waiting.popleft()

@@ -77,6 +77,10 @@ class KVLayout:
     model_dtype: str = ""  # "": the same as dtype
     weights: str = ""  # the weight quantization ("": none)
     draft: KVLayout | None = None  # a draft model's cache, sent beside this one
+    # The KV cache groups (engine/kv_cache_groups.py): "" for one group of every layer (then
+    # num_layers is the model's), else each group's kind, layers and block size, and the
+    # slots (num_layers counts slots: a block holds a page of each).
+    groups: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, dict):  # from JSON (the pair's hello)

@@ -97,12 +97,13 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, num_blocks, 2, bs, H_kv, D].
         Returns the final hidden states [T, hidden] (logits via compute_logits).
-        ``on_layer(i)`` is called once layer i's work (its KV writes included) is queued."""
+        ``on_layer(s)`` is called once every write to slot s of the cache is queued (one group:
+        slot s is layer s; see ``slot_done``)."""
         h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(positions, h, residual, self.layer_kv(kv_cache, i), meta)
             if on_layer is not None:
-                on_layer(i)
+                self.slot_done(i, on_layer)
         h, _ = self.model.norm(h, residual)
         return h
 
@@ -123,6 +124,21 @@ class CausalLM(nn.Module):
             shape = None if layout.is_simple else (attn[0].num_kv_heads, attn[0].head_dim)
             views.append((place[1], shape))
         self.__dict__["_kv_views"] = views
+        # slot s is written once the last layer storing into it has run
+        last: dict[int, int] = {}
+        for i, place in enumerate(layout.places):
+            if place is not None and layout.stores[i]:
+                last[place[1]] = i
+        self.__dict__["_slot_after"] = {i: s for s, i in last.items()}
+
+    def slot_done(self, index: int, on_layer: Callable[[int], None]) -> None:
+        """After layer ``index``: ``on_layer(slot)`` when it was the last layer writing that slot
+        of the cache (what a layer-wise KV send waits for); without a layout, slot = layer."""
+        after = self.__dict__.get("_slot_after")
+        if after is None:
+            on_layer(index)
+        elif index in after:
+            on_layer(after[index])
 
     def layer_kv(self, kv_cache: torch.Tensor, index: int) -> torch.Tensor | None:
         """Layer ``index``'s KV: its slot of ``kv_cache`` [num_slots, num_blocks, 2, block_size,

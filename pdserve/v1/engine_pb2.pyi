@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_dtype", "weights", "draft")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_dtype", "weights", "draft", "groups")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class KVLayout(_message.Message):
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -31,7 +32,8 @@ class KVLayout(_message.Message):
     model_dtype: str
     weights: str
     draft: KVLayout
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., draft: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    groups: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., draft: _Optional[_Union[KVLayout, _Mapping]] = ..., groups: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "dst_block_ids", "num_skip_blocks", "lora_name", "lora_fingerprint")
