@@ -102,9 +102,17 @@ class KVCacheManager:
         """Blocks held by live requests (idle prefix-cache blocks count as free)."""
         return self.pool.num_used_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks of every group that ``num_tokens`` tokens take (no block released)."""
-        return sum(g.group.blocks_needed(num_tokens) for g in self.groups)
+    def blocks_needed(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Blocks of every group that ``num_tokens`` tokens take at most at once: every block,
+        or with ``chunk`` (computed ``chunk`` tokens a step at most, blocks behind the window
+        released) a windowed group's window, the chunk and the block in progress."""
+        total = 0
+        for g in self.groups:
+            n = g.group.blocks_needed(num_tokens)
+            if chunk is not None and g.group.kind == SLIDING:
+                n = min(n, cdiv(g.group.sliding_window - 1 + chunk, g.block_size) + 1)
+            total += n
+        return total
 
     def _block_hashes(self, request: Request, num_full_blocks: int, block_size: int | None = None) -> list[int]:
         bs = block_size or self.block_size

@@ -214,17 +214,21 @@ class Scheduler:
         self._max_waiting = max_waiting
 
     # ---- admission -------------------------------------------------------
-    def check_fits(self, request: Request) -> None:
-        """Raise ValueError when the request can never run on this cache."""
-        need = self.kv.blocks_needed(request.num_prompt_tokens + 1)
+    def check_fits(self, request: Request, whole: bool = False) -> None:
+        """Raise ValueError when the request can never run on this cache. ``whole``: its prompt's
+        blocks are taken at once (a reservation for a received prompt)."""
+        # a windowed group holds its window and a step's chunk, unless the KV is held for a send
+        # or arrives whole
+        chunk = None if whole or request.hold_kv_on_finish else self.config.max_num_batched_tokens
+        need = self.kv.blocks_needed(request.num_prompt_tokens + 1, chunk)
         if need > self.kv.num_blocks:
             raise ValueError(f"the prompt needs {need} KV blocks but the cache has only "
                              f"{self.kv.num_blocks}; use a shorter prompt or a larger --kv-cache-memory")
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, whole: bool = False) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.check_fits(request)
+        self.check_fits(request, whole)
         self.requests[request.request_id] = request
 
     def add_request(self, request: Request) -> None:
@@ -243,7 +247,7 @@ class Scheduler:
         if len(self.block_waiting) >= self.config.max_queued_requests:
             raise OverflowError(f"decode queue is full ({self.config.max_queued_requests} requests "
                                 "waiting for KV blocks)")
-        self._admit(request)
+        self._admit(request, whole=True)
         request.status = S.WAITING_FOR_BLOCKS
         self.block_waiting.append(request)
 
