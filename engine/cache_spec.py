@@ -19,18 +19,25 @@ class CacheSpec:
     kv_heads: int  # this rank's KV heads of the widest group's layers
     head_dim: int
     kv_dtype: torch.dtype
-    num_state_slots: int = 0
+    num_state_slots: int = 0  # one per running sequence
     state_shapes: list[LinearStateShape] = field(default_factory=list)
+    num_snapshots: int = 0  # prefix-cache snapshots (engine/linear_state_cache.py)
 
     @staticmethod
     def of(model: torch.nn.Module, layout: KVCacheLayout, block_size: int, kv_dtype: torch.dtype,
-           num_state_slots: int) -> "CacheSpec":
+           num_state_slots: int, num_snapshots: int = 0) -> "CacheSpec":
         """The spec of ``model`` (its layout already set) on this rank."""
         heads = {(m.num_kv_heads, m.head_dim) for m in model.modules() if isinstance(m, Attention)}
         kv_heads, head_dim = max(heads, key=lambda hd: hd[0] * hd[1])
         shapes = model.linear_state_shapes()
         return CacheSpec(layout, block_size, kv_heads, head_dim, kv_dtype,
-                         num_state_slots if shapes else 0, shapes)
+                         num_state_slots if shapes else 0, shapes, num_snapshots if shapes else 0)
+
+    @property
+    def num_state_slots_total(self) -> int:
+        """Running sequences' slots, the scratch slot (index ``num_state_slots``: padding rows of
+        a CUDA graph's batch write it), then the snapshots'."""
+        return self.num_state_slots + 1 + self.num_snapshots if self.state_shapes else 0
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -48,16 +55,15 @@ class CacheSpec:
 
     @property
     def state_bytes(self) -> int:
-        return (self.num_state_slots + 1) * sum(s.bytes for s in self.state_shapes) if self.state_shapes else 0
+        return self.num_state_slots_total * sum(s.bytes for s in self.state_shapes)
 
     def new_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """[num_slots, num_blocks, 2, block_size, kv_heads, head_dim], zeroed."""
         return torch.zeros(self.layout.num_slots, num_blocks, *self.page_shape, dtype=self.kv_dtype, device=device)
 
     def new_linear_states(self, device: torch.device) -> list[LinearState]:
-        """Every linear-attention layer's slots, and one more: the scratch slot (index
-        ``num_state_slots``) that padding rows of a CUDA graph's batch write."""
-        n = self.num_state_slots + 1 if self.state_shapes else 0
+        """Every linear-attention layer's slots (``num_state_slots_total``)."""
+        n = self.num_state_slots_total
         return [LinearState(torch.zeros(n, *s.conv, dtype=s.conv_dtype, device=device),
                             torch.zeros(n, *s.ssm, dtype=s.ssm_dtype, device=device)) for s in self.state_shapes]
 

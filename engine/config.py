@@ -323,6 +323,10 @@ def _gemma4_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         for key in ("quantization_config", "tie_word_embeddings"):
             if key in cfg:
                 text[key] = cfg[key]
+        # image, video and audio placeholders: read as the pad token, as transformers does without media
+        text["placeholder_token_ids"] = [cfg.get(k) or d for k, d in (("image_token_id", 258_880),
+                                                                        ("video_token_id", 258_884),
+                                                                        ("audio_token_id", 258_881))]
         cfg = text
     cfg = {**_GEMMA4_DEFAULTS, **cfg}
     n = cfg["num_hidden_layers"]
@@ -395,6 +399,10 @@ class CacheConfig:
     # KV cache groups (engine/kv_cache_groups.py): each kind of layer keeps what it reads.
     # False (--disable-hybrid-kv-cache-manager): one table for every layer, as before groups.
     hybrid_kv_cache: bool = True
+    # Linear-attention models' prefix cache (engine/linear_state_cache.py): state snapshots kept
+    # (None: one per --max-num-seqs; 0: their prompts are computed whole) and their spacing.
+    linear_state_snapshots: int | None = None
+    linear_state_snapshot_interval: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -405,6 +413,11 @@ class CacheConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
+        if self.linear_state_snapshots is not None and self.linear_state_snapshots < 0:
+            raise ValueError(f"--linear-state-snapshots must be at least 0, got {self.linear_state_snapshots}")
+        if self.linear_state_snapshot_interval < 1 or self.linear_state_snapshot_interval % self.block_size:
+            raise ValueError(f"--linear-state-snapshot-interval must be a positive multiple of --block-size "
+                             f"({self.block_size}), got {self.linear_state_snapshot_interval}")
         if self.cache_dtype not in ("auto", FP8_E4M3):
             raise ValueError(f"CacheConfig.cache_dtype must be auto or {FP8_E4M3}, got {self.cache_dtype!r}")
 
@@ -489,6 +502,8 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     disable_hybrid_kv_cache_manager: bool = False
+    linear_state_snapshots: int | None = None
+    linear_state_snapshot_interval: int = 256
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
@@ -542,6 +557,13 @@ class EngineArgs:
                        help="one block table for every layer: windowed layers keep every block of the context "
                             "as full ones do (default: each kind of layer keeps what it reads; "
                             "docs/architecture.md, KV cache groups)")
+        g.add_argument("--linear-state-snapshots", type=int, default=None,
+                       help="linear-attention models (Qwen3.5, Qwen3-Next): prefix-cache snapshots of the "
+                            "recurrent state kept beside the running sequences' (default: --max-num-seqs; "
+                            "0: prompts are computed whole); each holds one state of every linear layer")
+        g.add_argument("--linear-state-snapshot-interval", type=int, default=256,
+                       help="tokens between the state snapshots a prompt leaves (a multiple of --block-size); "
+                            "a prefix hit resumes at the last one")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations, CUDA graphs and KV cache; "
                             "it must be free when the engine starts (memory of other processes is not counted "
@@ -659,7 +681,9 @@ class EngineArgs:
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,
                             sliding_window=_common_window(model.layer_windows), cache_dtype=cache_dtype,
-                            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager)
+                            hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
+                            linear_state_snapshots=self.linear_state_snapshots,
+                            linear_state_snapshot_interval=self.linear_state_snapshot_interval)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

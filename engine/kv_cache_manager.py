@@ -23,6 +23,7 @@ from typing import Sequence
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
 from engine.kv_cache_groups import FULL, SLIDING, KVCacheGroup, KVCacheLayout, build_layout
+from engine.linear_state_cache import StateSnapshots
 from engine.request import Request
 
 
@@ -73,9 +74,12 @@ class StateSlots:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  sliding_window: int | None = None, layout: KVCacheLayout | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_snapshots: int = 0, snapshot_interval: int = 256) -> None:
         """``layout``: the model's cache groups (None: one group of every layer, windowed when
-        ``sliding_window`` is set); ``num_state_slots``: linear-attention state slots."""
+        ``sliding_window`` is set); ``num_state_slots``: linear-attention state slots (one per
+        running sequence); ``num_state_snapshots`` more hold prefix-cache snapshots of them every
+        ``snapshot_interval`` tokens (engine/linear_state_cache.py; 0: hybrid prompts are
+        computed whole)."""
         if layout is None:
             kind = "sliding_attention" if sliding_window is not None else "full_attention"
             layout = build_layout([kind], [sliding_window], block_size)
@@ -85,9 +89,17 @@ class KVCacheManager:
         self.groups = [GroupTables(i, g) for i, g in enumerate(layout.groups)]
         # A prefix hit is a whole number of every group's blocks.
         self.hit_unit = math.lcm(*(g.block_size for g in layout.groups))
-        # Without a snapshot of the linear state at a block boundary, a prefix hit cannot
-        # restore it: hybrid models compute every prompt whole (a snapshot store comes later).
-        self.enable_caching = enable_caching and not layout.has_linear
+        # A hybrid model's prefix hit restores the linear state from a snapshot: without any,
+        # its prompts are computed whole.
+        self.snapshots: StateSnapshots | None = None
+        if layout.has_linear and enable_caching and num_state_snapshots > 0:
+            if snapshot_interval % self.hit_unit:
+                raise ValueError(f"the state snapshot interval {snapshot_interval} is not a multiple of the "
+                                 f"blocks' {self.hit_unit} tokens")
+            # slots: running ones, the scratch slot, then the snapshots'
+            self.snapshots = StateSnapshots(num_state_slots + 1, num_state_snapshots, snapshot_interval)
+        self.enable_caching = enable_caching and (not layout.has_linear or self.snapshots is not None)
+        self.restore_from: dict[str, int] = {}  # request -> the snapshot slot its prefix hit restores
         self.states = StateSlots(num_state_slots) if layout.has_linear else None
         if layout.has_linear and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs state slots")
@@ -142,9 +154,50 @@ class KVCacheManager:
                 blocks.append(b)
             num_tokens = min(num_tokens, len(blocks) * g.block_size // self.hit_unit * self.hit_unit)
             found.append(blocks)
+        if self.snapshots is not None:  # and the linear state at that boundary, or an earlier one
+            num_tokens = self._snapshot_boundary(request, num_tokens)
         if num_tokens == 0:
             return none, 0
         return [blocks[:num_tokens // g.block_size] for g, blocks in zip(self.groups, found)], num_tokens
+
+    def _boundary_hash(self, request: Request, num_tokens: int) -> int:
+        bs = self.groups[0].block_size
+        return self._block_hashes(request, num_tokens // bs, bs)[num_tokens // bs - 1]  # (the list may be longer)
+
+    def _snapshot_boundary(self, request: Request, num_tokens: int) -> int:
+        """The longest boundary within ``num_tokens`` that has a state snapshot (0: none); the
+        snapshot is noted for ``take_restore``."""
+        assert self.snapshots is not None
+        self.restore_from.pop(request.request_id, None)
+        b = num_tokens // self.snapshots.interval * self.snapshots.interval
+        while b > 0:
+            slot = self.snapshots.find(self._boundary_hash(request, b))
+            if slot is not None:
+                self.restore_from[request.request_id] = slot
+                return b
+            b -= self.snapshots.interval
+        return 0
+
+    # ---- linear-attention state: chunks, snapshots, restores ----------------
+    def chunk_len(self, request: Request, start: int, num_new: int) -> int:
+        """Tokens of a chunk from ``start`` to compute this step: ``num_new``, cut to end on a
+        state snapshot boundary where it crosses one (engine/linear_state_cache.py)."""
+        if self.snapshots is None or num_new <= 1:
+            return num_new
+        return self.snapshots.chunk_end(start, num_new, request.num_prompt_tokens)
+
+    def snapshot_after(self, request: Request, end: int) -> tuple[int, int] | None:
+        """(the request's slot, a snapshot slot) to copy once a step computed its tokens up to
+        ``end``, where that is a boundary without a snapshot yet; else None."""
+        if self.snapshots is None or end % self.snapshots.interval or end > request.num_tokens or end == 0:
+            return None
+        dst = self.snapshots.take(self._boundary_hash(request, end))
+        return None if dst is None else (self.state_slot(request.request_id), dst)
+
+    def take_restore(self, request: Request) -> tuple[int, int] | None:
+        """(snapshot slot, the request's slot) to copy before its first step after a prefix hit."""
+        src = self.restore_from.pop(request.request_id, None)
+        return None if src is None else (src, self.state_slot(request.request_id))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[Sequence[KVBlock]] = ()) -> list[KVBlock] | None:
@@ -277,6 +330,7 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks[dead:]))
         if self.states is not None:
             self.states.give_back(rid)
+        self.restore_from.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""

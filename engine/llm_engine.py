@@ -159,7 +159,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, config.cache, self.runner.num_blocks, speculator=speculator,
                                    grammars=self.grammars,
                                    max_loras=self.runner.lora.max_loras if self.runner.lora is not None else None,
-                                   layout=self.runner.layout, num_state_slots=self.runner.cache_spec.num_state_slots)
+                                   layout=self.runner.layout, num_state_slots=self.runner.cache_spec.num_state_slots,
+                                   num_state_snapshots=self.runner.cache_spec.num_snapshots)
         layout = self.runner.layout
         # tokens of context the cache holds were every group to keep every block
         capacity = self.runner.num_blocks // layout.num_groups * config.cache.block_size

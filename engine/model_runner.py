@@ -91,6 +91,16 @@ logger = logging.getLogger(__name__)
 _armed_forward_fault: int | None = None  # arm_forward_fault(); None = off
 
 
+def state_snapshots(config: EngineConfig, tp: TPGroup | None) -> int:
+    """Prefix-cache snapshots of linear-attention state (engine/linear_state_cache.py) this
+    runner keeps: none without prefix caching or under tensor parallelism (the copies are rank
+    0's alone), else --linear-state-snapshots (default: one per --max-num-seqs)."""
+    cc = config.cache
+    if not cc.enable_prefix_caching or tp is not None:
+        return 0
+    return config.scheduler.max_num_seqs if cc.linear_state_snapshots is None else cc.linear_state_snapshots
+
+
 def select_ops(device: torch.device, choice: str = "auto") -> ModuleType:
     """The kernel module for ``device``: ``kernels`` (Triton) or
     ``kernels.reference``, by ``choice`` (``RuntimeConfig.kernels``)."""
@@ -164,7 +174,7 @@ class ModelRunner:
         self.layout = model_layout(mc, cc.block_size, hybrid=cc.hybrid_kv_cache)
         self.model.set_cache_layout(self.layout)
         self.cache_spec = CacheSpec.of(self.model, self.layout, cc.block_size, self.kv_dtype,
-                                       config.scheduler.max_num_seqs)
+                                       config.scheduler.max_num_seqs, state_snapshots(config, tp))
         self.kv_heads = self.cache_spec.kv_heads  # this rank's share of every block
         # The linear-attention state slots (bound to their layers before any forward pass).
         self.linear_states = self.cache_spec.new_linear_states(self.device)
@@ -305,6 +315,7 @@ class ModelRunner:
         Rows with proposals are verified and read before this returns."""
         ahead_ids = self._ahead_ids(out, in_flight)
         self._count_forward()
+        self._copy_states(out.state_restores)  # prefix hits: a snapshot into the request's slot
         rows = out.scheduled
         which = [i for i, s in enumerate(rows) if s.samples]
         if plan.path is StepPath.DECODE_GRAPH:
@@ -329,11 +340,22 @@ class ModelRunner:
             logits = logits[[i * q + j for i in which for j in range(1 + len(rows[i].draft_token_ids))]]
         else:
             logits = self._forward_eager(out, ahead_ids, on_layer, samples=bool(which))
+        self._copy_states(out.state_snapshots)  # chunks that ended on a boundary: their slot kept
         if any(rows[i].draft_token_ids for i in which):
             if before_sampling is not None:
                 before_sampling(out)
             return LaunchedStep(out, None, which, done=self._sample_with_proposals(out, which, logits))
         return self._queue_sampling(out, logits, which, before_sampling)
+
+    def _copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy linear-attention state slots (src, dst) in every linear layer, queued in order."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for st in self.linear_states:
+            st.conv.index_copy_(0, dst, st.conv.index_select(0, src))
+            st.ssm.index_copy_(0, dst, st.ssm.index_select(0, src))
 
     def _queue_sampling(self, out: SchedulerOutput, logits: torch.Tensor | None, which: Sequence[int],
                         before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:

@@ -135,6 +135,11 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)  # ended while scheduling (cache too small)
     reserved: list[Request] = field(default_factory=list)  # decode tier: blocks reserved this step
     started: list[Request] = field(default_factory=list)  # scheduled for the first time this step
+    # Linear-attention state copies (src slot, dst slot; engine/linear_state_cache.py): prefix
+    # hits' snapshots into their rows' slots before the forward pass, and the slots of chunks
+    # that ended on a snapshot boundary into snapshot slots after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -149,19 +154,22 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, *,
                  speculator: Speculator | None = None, grammars: Grammars | None = None,
                  max_loras: int | None = None, max_waiting: int | None = None,
-                 layout: KVCacheLayout | None = None, num_state_slots: int = 0) -> None:
+                 layout: KVCacheLayout | None = None, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0) -> None:
         """``speculator``: proposals for decoding rows (None: no speculative decoding);
         ``grammars``: what holds requests to their structured-output constraints (None:
         nothing does; the engine always gives its manager, which loads nothing until used);
         ``max_loras``: distinct adapters in one step (None: no LoRA); ``max_waiting``: the
         bound of the waiting queue for ``add_request`` (None: unbounded); ``layout``: the
         model's KV cache groups (None: one group) and ``num_state_slots`` its linear-attention
-        state slots (engine/kv_cache_manager.py)."""
+        state slots, ``num_state_snapshots`` their prefix-cache snapshots (engine/kv_cache_manager.py)."""
         if max_loras is not None and max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.config = sched
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.sliding_window,
-                                 layout=layout, num_state_slots=num_state_slots)
+                                 layout=layout, num_state_slots=num_state_slots,
+                                 num_state_snapshots=num_state_snapshots,
+                                 snapshot_interval=cache.linear_state_snapshot_interval)
         self.waiting: deque[Request] = deque()  # WAITING, PREEMPTED
         self.running: list[Request] = []  # RUNNING
         self.block_waiting: deque[Request] = deque()  # WAITING_FOR_BLOCKS, first come first served
@@ -389,24 +397,30 @@ class Scheduler:
                 continue
             if self._held_by_constraint(req, out) or not self._lora_fits(req, loras):
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self.kv.chunk_len(req, req.num_computed_tokens,
+                                        min(req.num_tokens - req.num_computed_tokens, budget))
             drafts = self._proposals(req, budget, drafted) if num_new == 1 else []
             if drafts and self.kv.allocate_slots(req, num_new + len(drafts)) is None:
                 drafts = []  # no room for the proposals: a plain step (proposals never preempt)
             if drafts or self._allocate_or_preempt(req, num_new, out, scheduled):
                 num_new += len(drafts)
-                out.scheduled.append(self._row(req, num_new, draft_token_ids=drafts))
+                out.scheduled.append(self._row(req, num_new, out, draft_token_ids=drafts))
                 scheduled.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
             self._schedule_waiting(budget, out, loras)
         return out
 
-    def _row(self, req: Request, num_new: int, **fields) -> ScheduledRequest:
-        """The step's row of ``req``: its block tables and state slot as allocated now."""
+    def _row(self, req: Request, num_new: int, out: SchedulerOutput, **fields) -> ScheduledRequest:
+        """The step's row of ``req``: its block tables and state slot as allocated now (and the
+        snapshot of that slot after the step, where its chunk ends on a boundary)."""
         rid = req.request_id
-        return ScheduledRequest(req, num_new, self.kv.get_block_table(rid), state_slot=self.kv.state_slot(rid),
-                                **fields)
+        row = ScheduledRequest(req, num_new, self.kv.get_block_table(rid), state_slot=self.kv.state_slot(rid),
+                               **fields)
+        snapshot = self.kv.snapshot_after(req, row.start + num_new)
+        if snapshot is not None:
+            out.state_snapshots.append(snapshot)
+        return row
 
     def _grammar_ready(self, req: Request) -> bool:
         """An unconstrained request, or one whose grammar has its next mask (not compiling,
@@ -462,14 +476,15 @@ class Scheduler:
                 break
             if left[req.request_id] <= 0:
                 continue
-            num_new = min(left[req.request_id], budget)
-            plan.append((req, num_new, in_flight_chunk.get(req.request_id, 0), 0))
+            done = in_flight_chunk.get(req.request_id, 0)
+            num_new = self.kv.chunk_len(req, req.num_computed_tokens + done, min(left[req.request_id], budget))
+            plan.append((req, num_new, done, 0))
             budget -= num_new
         out = SchedulerOutput()
         for req, num_new, done, lookahead in plan:
             if self.kv.allocate_slots(req, done + num_new) is None:
                 return None
-            out.scheduled.append(self._row(req, num_new, lookahead=lookahead, computed_ahead=done))
+            out.scheduled.append(self._row(req, num_new, out, lookahead=lookahead, computed_ahead=done))
         self._schedule_waiting(budget, out, loras)  # (arrivals do not depend on the tokens in flight)
         self._reserve_waiting(out)  # after the rows' blocks: a None above must not drop a reservation
         return out
@@ -601,9 +616,12 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, budget)
+            num_new = self.kv.chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
+            restore = self.kv.take_restore(req)  # a hybrid model's hit: its state from the snapshot
+            if restore is not None:
+                out.state_restores.append(restore)
             self.waiting.popleft()
             if req.times.first_scheduled is None:  # first admission, not a resume
                 req.times.first_scheduled = time.time()
@@ -612,7 +630,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = S.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._row(req, num_new))
+            out.scheduled.append(self._row(req, num_new, out))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
 

@@ -1,0 +1,77 @@
+"""Hybrid linear-attention models through the offline API: chunked prefill carries the state
+across steps, prefix hits restore it from a snapshot (engine/linear_state_cache.py), preempted
+requests recompute it, and every token is transformers' (float32, first difference only at a
+tie). Tiny random Qwen3-Next / Qwen3.5 checkpoints written by transformers itself."""
+from __future__ import annotations
+
+import pytest
+
+from engine.linear_state_cache import StateSnapshots
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.engine.families import assert_greedy_match, hf_greedy, hf_model, random_prompts
+from tests.engine.test_qwen3_next import make_checkpoint
+
+MAX_TOKENS = 10
+SP = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3-next", "qwen3.5"])
+def hybrid(request, tmp_path_factory):
+    d = make_checkpoint(tmp_path_factory.mktemp("hybrid") / request.param, request.param, seed=7)
+    return d, hf_model(d)
+
+
+def _prompts():
+    base = random_prompts([41], seed=3)[0]  # a shared prefix past five boundaries of 8
+    return [base + t for t in random_prompts([5, 13, 2], seed=4)] + random_prompts([23], seed=5)
+
+
+def test_prefix_hits_restore_the_state(hybrid):
+    d, m = hybrid
+    prompts = _prompts()
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    llm = LLM(str(d), block_size=4, max_num_batched_tokens=8, linear_state_snapshot_interval=8)
+    outs = llm.generate(prompts[:1], SP) + llm.generate(prompts[1:], SP)
+    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
+    # the prefix up to the last boundary with a snapshot (40 of 41 shared tokens) came from the cache
+    assert [o.num_cached_tokens for o in outs] == [0, 40, 40, 0]
+    kv = llm.engine.scheduler.kv
+    assert kv.num_used_blocks == 0 and not kv.states.slot_of and len(kv.states.free) == 256
+
+
+def test_without_snapshots_prompts_are_computed_whole(hybrid):
+    d, m = hybrid
+    prompts = _prompts()[:2]
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    llm = LLM(str(d), block_size=4, linear_state_snapshots=0)
+    outs = llm.generate(prompts[:1], SP) + llm.generate(prompts[1:], SP)
+    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+
+
+def test_preempted_requests_recompute_their_state(hybrid):
+    """Too few blocks for the batch: requests are preempted mid-decode and recompute (from a
+    snapshot where one is kept); their slots go back and tokens stay transformers'."""
+    d, m = hybrid
+    prompts = random_prompts([30, 26, 33, 21], seed=9)
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    llm = LLM(str(d), block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=16,
+              linear_state_snapshot_interval=8)
+    outs = llm.generate(prompts, SP)
+    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
+    s = llm.engine.scheduler
+    assert s.num_preemptions_total > 0
+    assert s.kv.num_used_blocks == 0 and not s.kv.states.slot_of
+
+
+def test_chunks_end_on_snapshot_boundaries():
+    snaps = StateSnapshots(first_slot=5, num_snapshots=2, interval=8)
+    assert snaps.chunk_end(0, 100, 41) == 40  # the prompt's last boundary before its final token
+    assert snaps.chunk_end(40, 1, 41) == 1
+    assert snaps.chunk_end(0, 20, 41) == 16  # a middle chunk ends on the last boundary it reaches
+    assert snaps.chunk_end(3, 4, 41) == 4  # reaches none
+    assert snaps.chunk_end(41, 1, 41) == 1  # decoding
+    a, b, c = snaps.take(11), snaps.take(22), snaps.take(33)  # the third evicts the oldest
+    assert (a, b) == (5, 6) and c == 5 and snaps.find(11) is None and snaps.find(22) == 6
+    assert snaps.take(22) is None  # kept already
