@@ -26,8 +26,10 @@ Two ways to run it, the same result to float32 rounding:
 Chunks never cross sequences: tiles of a varlen batch are numbered from query_start_loc as
 the attention kernels number theirs (``_attention_common``), no host sync.
 
-``gated_delta_rule`` picks recurrent for decode-shaped or short batches (T < 64 or
-T <= 4 B) and chunked otherwise, from shapes alone.
+``gated_delta_rule`` splits a batch by length as the reference does: sequences of 64 tokens or
+more take the chunked kernels, the rest the recurrent one. Both are launched over the whole batch
+and each program skips the other form's sequences (no host sync, CUDA-graph safe); the chunked
+kernels are not launched at all when no sequence can be that long (T < 64 + B - 1).
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ def _recurrent_kernel(
     state_ptr,  # [num_slots, Hv, Dk, Dv] float32, in place
     slots_ptr, query_start_loc_ptr, init_ptr,
     scale,
+    max_len,  # sequences of max_len tokens or more are the chunked kernels' (skipped here)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
     stride_sn, stride_sh, stride_sk,
     GROUP: tl.constexpr,  # v heads per q/k head
@@ -104,6 +107,8 @@ def _recurrent_kernel(
     h = hv // GROUP
     bos = tl.load(query_start_loc_ptr + seq)
     eos = tl.load(query_start_loc_ptr + seq + 1)
+    if eos - bos >= max_len:
+        return
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     init = (tl.load(init_ptr + seq) != 0) & (slot >= 0)
     dk = tl.arange(0, BK)
@@ -178,6 +183,7 @@ def _chunk_prepare_kernel(
     gc_ptr,  # [T, Hv] float32, contiguous (out)
     k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr,
     num_seqs, HV,
+    min_len,  # sequences shorter than min_len are the recurrent kernel's (skipped here)
     stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, PREC: tl.constexpr,
@@ -186,7 +192,7 @@ def _chunk_prepare_kernel(
     hv = tl.program_id(1).to(tl.int64)
     h = hv // GROUP
     seq, start, length, tok0 = _locate_tile(query_start_loc_ptr, num_seqs, tile, 64)
-    if tok0 >= length:
+    if (tok0 >= length) | (length < min_len):
         return
     r = tl.arange(0, 16)
     dk = tl.arange(0, BK)
@@ -324,6 +330,7 @@ def _chunk_scan_kernel(
     o_ptr, q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr,
     state_ptr, slots_ptr, query_start_loc_ptr, init_ptr,
     scale,
+    min_len,  # as the prepare kernel's
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
     stride_sn, stride_sh, stride_sk,
     HV,
@@ -335,6 +342,8 @@ def _chunk_scan_kernel(
     h = hv // GROUP
     start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     length = tl.load(query_start_loc_ptr + seq + 1) - start
+    if length < min_len:
+        return
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     init = (tl.load(init_ptr + seq) != 0) & (slot >= 0)
     dk = tl.arange(0, BK)
@@ -404,48 +413,40 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def use_chunked(num_tokens: int, num_seqs: int) -> bool:
-    """Whether ``gated_delta_rule`` takes the chunked form for a batch of these shapes."""
-    return num_tokens >= CHUNK and num_tokens > 4 * num_seqs
+_ALL = 2**31 - 1
+# Launch parameters (bench/gpu_linear_attention.py times them).
+RECURRENT_CONFIG = {"num_warps": 4}
+PREPARE_CONFIG = {"num_warps": 4}
+# num_stages 1: pipelined, the chunk loop's float32 tiles overflow shared memory at Dk 128.
+# On an H100 the 8k-token scan took 2.36-2.48 ms in every (bv 32/64, warps 4/8, stages 1/2) tried.
+SCAN_CONFIG = {"bv": 64, "num_warps": 4, "num_stages": 1}
 
 
-def gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state,
-                               scale=None, use_qk_l2norm=True):
-    """``gated_delta_rule`` by the recurrent kernel whatever the shapes."""
-    _check(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state)
+def launches_chunked(num_tokens: int, num_seqs: int) -> bool:
+    """Whether ``gated_delta_rule`` launches the chunked kernels for a batch of these shapes:
+    when a sequence of CHUNK tokens can be in it (every sequence holding at least one token)."""
+    return num_tokens >= CHUNK + num_seqs - 1
+
+
+def _launch_recurrent(q, k, v, g, beta, ssm_state, state_slots, qsl, init, o, scale, use_qk_l2norm, max_len):
     T, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
-    o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    if B == 0:
-        return o
-    scale = Dk ** -0.5 if scale is None else float(scale)
     bk = max(16, next_pow2(Dk))
     bv = min(max(16, next_pow2(Dv)), 16 if B * Hv < 512 else 32)
-    grid = (B, Hv, triton.cdiv(Dv, bv))
-    _recurrent_kernel[grid](
-        o, q, k, v, g, beta, ssm_state, state_slots, query_start_loc.to(torch.int32),
-        has_initial_state.view(torch.uint8), scale,
+    _recurrent_kernel[(B, Hv, triton.cdiv(Dv, bv))](
+        o, q, k, v, g, beta, ssm_state, state_slots, qsl, init, scale, max_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, L2NORM=bool(use_qk_l2norm),
-        num_warps=4 if bk * bv >= 2048 else 2,
+        num_warps=RECURRENT_CONFIG["num_warps"] if bk * bv >= 2048 else 2,
     )
-    return o
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state,
-                             scale=None, use_qk_l2norm=True):
-    """``gated_delta_rule`` by the chunked kernels (chunks of 64 tokens) whatever the shapes."""
-    _check(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state)
+def _launch_chunked(q, k, v, g, beta, ssm_state, state_slots, qsl, init, o, scale, use_qk_l2norm, min_len):
     T, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
-    o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    if B == 0:
-        return o
-    scale = Dk ** -0.5 if scale is None else float(scale)
-    qsl = query_start_loc.to(torch.int32)
     prec = _dot_precision(v.dtype)
     bk = max(16, next_pow2(Dk))
     bv_full = max(16, next_pow2(Dv))
@@ -453,20 +454,50 @@ def gated_delta_rule_chunked(q, k, v, g, beta, ssm_state, state_slots, query_sta
     u = torch.empty((T, Hv, Dv), dtype=torch.float32, device=v.device)
     gc = torch.empty((T, Hv), dtype=torch.float32, device=v.device)
     _chunk_prepare_kernel[(T // CHUNK + B, Hv)](
-        w, u, gc, k, v, g, beta, qsl, B, Hv,
+        w, u, gc, k, v, g, beta, qsl, B, Hv, min_len,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv_full, L2NORM=bool(use_qk_l2norm), PREC=prec,
-        num_warps=4,
+        num_warps=PREPARE_CONFIG["num_warps"],
     )
-    bv = min(bv_full, 32)
+    bv = min(bv_full, SCAN_CONFIG["bv"])
     _chunk_scan_kernel[(B, Hv, triton.cdiv(Dv, bv))](
-        o, q, k, w, u, gc, ssm_state, state_slots, qsl, has_initial_state.view(torch.uint8), scale,
+        o, q, k, w, u, gc, ssm_state, state_slots, qsl, init, scale, min_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), Hv,
         GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=bk, BV=bv, L2NORM=bool(use_qk_l2norm), PREC=prec,
-        num_warps=4,
+        num_warps=SCAN_CONFIG["num_warps"], num_stages=SCAN_CONFIG["num_stages"],
     )
+
+
+def _run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state, scale, use_qk_l2norm,
+         recurrent_max_len, chunked_min_len):
+    _check(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state)
+    T, Hv, Dv = v.shape
+    o = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    if state_slots.shape[0] == 0:
+        return o
+    scale = k.shape[2] ** -0.5 if scale is None else float(scale)
+    args = (q, k, v, g, beta, ssm_state, state_slots, query_start_loc.to(torch.int32),
+            has_initial_state.view(torch.uint8), o, scale, use_qk_l2norm)
+    if recurrent_max_len > 0:
+        _launch_recurrent(*args, recurrent_max_len)
+    if chunked_min_len < _ALL:
+        _launch_chunked(*args, chunked_min_len)
     return o
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state,
+                               scale=None, use_qk_l2norm=True):
+    """``gated_delta_rule`` by the recurrent kernel alone, every sequence."""
+    return _run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state, scale, use_qk_l2norm,
+                recurrent_max_len=_ALL, chunked_min_len=_ALL)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state,
+                             scale=None, use_qk_l2norm=True):
+    """``gated_delta_rule`` by the chunked kernels (chunks of 64 tokens) alone, every sequence."""
+    return _run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state, scale, use_qk_l2norm,
+                recurrent_max_len=0, chunked_min_len=0)
 
 
 def gated_delta_rule(
@@ -483,19 +514,22 @@ def gated_delta_rule(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """Gated delta rule over a varlen batch with per-sequence state (the contract of
-    ``kernels.linear_reference.gated_delta_rule``): recurrent kernel for decode-shaped and
-    short batches, chunked kernels otherwise (``use_chunked``).
+    ``kernels.linear_reference.gated_delta_rule``). Sequences of CHUNK (64) tokens or more take
+    the chunked kernels, the others the recurrent kernel, both launched over the whole batch
+    (each program skips the other form's sequences: no host sync); a batch with no room for such
+    a sequence (``launches_chunked``) launches the recurrent kernel alone.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (any token/head strides, last dim contiguous); g, beta:
     [T, Hv]; ssm_state: [num_slots, Hv, Dk, Dv] float32 (last dim contiguous), updated in place;
     state_slots: [B] int (distinct; < 0: a padding row, starts from zeros, no state written);
     query_start_loc: [B+1] int; has_initial_state: [B] bool. Returns o [T, Hv, Dv] in v's dtype.
     """
-    T = v.shape[0]
-    B = state_slots.shape[0]
-    run = gated_delta_rule_chunked if use_chunked(T, B) else gated_delta_rule_recurrent
-    return run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state,
-               scale=scale, use_qk_l2norm=use_qk_l2norm)
+    if launches_chunked(v.shape[0], state_slots.shape[0]):
+        split = CHUNK
+        return _run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state, scale,
+                    use_qk_l2norm, recurrent_max_len=split, chunked_min_len=split)
+    return _run(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initial_state, scale, use_qk_l2norm,
+                recurrent_max_len=_ALL, chunked_min_len=_ALL)
 
 
 # ---------------------------------------------------------------------------------------------

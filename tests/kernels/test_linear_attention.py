@@ -8,6 +8,7 @@ kernels.gated_delta) against the references, under the interpreter on CPU.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -266,6 +267,9 @@ def test_delta_reference_scale_and_no_l2norm():
 
 
 def _hf_per_sequence(fn, q, k, v, g, beta, state, slots, qsl, init, **kw):
+    if "repeat_interleave" not in inspect.getsource(fn):  # transformers before GQA support (5.17 had none)
+        q = q.repeat_interleave(v.shape[1] // q.shape[1], dim=1)
+        k = k.repeat_interleave(v.shape[1] // k.shape[1], dim=1)
     outs, states = [], {}
     for b in range(len(slots)):
         s, e, slot = int(qsl[b]), int(qsl[b + 1]), int(slots[b])
@@ -346,6 +350,8 @@ _DELTA_CASES = [
     ([3, 1, 2], 1, 2, 32, 16),  # short rows (speculative)
     ([70, 1, 0, 65, 2], 2, 4, 16, 16),  # prefill chunks beside decode rows, a partial last chunk, an empty row
     ([130], 1, 1, 16, 32),
+    pytest.param([1, 100, 3], 2, 4, 128, 128,
+                 marks=pytest.mark.skipif(DEVICE != "cuda", reason="the model's head dims: CUDA only")),
 ]
 
 
@@ -389,7 +395,8 @@ def test_triton_gated_delta_scale_no_l2norm_and_continuation():
                                   scale=0.5, use_qk_l2norm=False)
     got_state = state.clone()
     outs = []
-    for s, e, fn in [(0, 66, delta_kernels.gated_delta_rule_chunked), (66, 70, delta_kernels.gated_delta_rule_recurrent)]:
+    parts = [(0, 66, delta_kernels.gated_delta_rule_chunked), (66, 70, delta_kernels.gated_delta_rule_recurrent)]
+    for s, e, fn in parts:
         outs.append(fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], got_state,
                        *_state_args([e - s], 2, [True], gen, slots=[1]), scale=0.5, use_qk_l2norm=False))
     torch.testing.assert_close(torch.cat(outs), expect, atol=5e-5, rtol=5e-5)
@@ -397,11 +404,14 @@ def test_triton_gated_delta_scale_no_l2norm_and_continuation():
 
 
 def test_triton_delta_dispatch_and_checks():
-    assert not delta_kernels.use_chunked(1, 1)
-    assert not delta_kernels.use_chunked(128, 128)  # decode
-    assert not delta_kernels.use_chunked(63, 1)
-    assert delta_kernels.use_chunked(8192, 1)
-    assert delta_kernels.use_chunked(600, 33)  # a long prefill beside decode rows
+    # The chunked kernels are launched when a sequence of 64 tokens fits the batch (each sequence has a token).
+    assert not delta_kernels.launches_chunked(1, 1)
+    assert not delta_kernels.launches_chunked(128, 128)  # decode
+    assert not delta_kernels.launches_chunked(190, 128)  # no room for 64 tokens beside 127 rows
+    assert not delta_kernels.launches_chunked(63, 1)
+    assert delta_kernels.launches_chunked(64, 1)
+    assert delta_kernels.launches_chunked(8192, 1)
+    assert delta_kernels.launches_chunked(96, 33)  # a 64-token prefill beside 32 decode rows
     q, k, v, g, beta, state, gen = _delta_inputs([3], 2, 3, 16, 16, torch.float32, 2, seed=13)
     qsl, slots, init = _batch([3], 2, [True], gen)
     with pytest.raises(ValueError, match="multiple"):
