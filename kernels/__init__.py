@@ -33,11 +33,14 @@ def describe_kernels(device: torch.device, dtype: torch.dtype,
 
 
 __all__ = [
+    "causal_conv1d",
     "describe_kernels",
     "fp8_gemm",
     "fp8_quantize",
     "fused_add_rms_norm",
     "fused_moe",
+    "gated_delta_rule",
+    "gated_rms_norm",
     "int4_gemm",
     "lora_expand",
     "lora_group",

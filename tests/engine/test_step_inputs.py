@@ -14,17 +14,20 @@ from engine.sampling_params import SamplingParams
 from engine.step_plan import StepPlan
 
 
-def _reference(out, bs: int):
-    ids, positions, slots, qsl, seq_lens, sample_idx = [], [], [], [0], [], []
-    width = max(len(s.block_ids) for s in out.scheduled)
-    tables = torch.zeros(len(out.scheduled), width, dtype=torch.int32)
+def _reference(out, block_sizes):
+    """Per KV cache group g: slots [G, T] and tables [G, B, W] (one group for the tiny model)."""
+    ids, positions, qsl, seq_lens, sample_idx = [], [], [0], [], []
+    slots = [[] for _ in block_sizes]
+    width = max(len(t) for s in out.scheduled for t in s.block_ids)
+    tables = torch.zeros(len(block_sizes), len(out.scheduled), width, dtype=torch.int32)
     for i, s in enumerate(out.scheduled):
         start = s.request.num_computed_tokens
         end = start + s.num_new_tokens
         ids += s.request.all_token_ids[start:end]
         positions += range(start, end)
-        slots += [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-        tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        for g, bs in enumerate(block_sizes):
+            slots[g] += [s.block_ids[g][p // bs] * bs + p % bs for p in range(start, end)]
+            tables[g, i, :len(s.block_ids[g])] = torch.tensor(s.block_ids[g], dtype=torch.int32)
         qsl.append(qsl[-1] + s.num_new_tokens)
         seq_lens.append(end)
         if s.samples:
@@ -48,7 +51,7 @@ def test_step_inputs_match_a_per_token_construction(tiny_llama_dir):
             out = engine.scheduler.schedule()
             if out.scheduled:
                 ids, pos, meta, sample_idx = engine.runner._prepare(out)
-                want = _reference(out, bs)
+                want = _reference(out, engine.runner.cache_spec.block_sizes)
                 assert ids.tolist() == want[0] and pos.tolist() == want[1]
                 assert meta.slot_mapping.tolist() == want[2] and torch.equal(meta.block_tables, want[3])
                 assert meta.query_start_loc.tolist() == want[4] and meta.seq_lens.tolist() == want[5]
