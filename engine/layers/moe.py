@@ -19,6 +19,11 @@ a stacked tensor. A quantized checkpoint's per-expert tensors beside the weight
 ``experts.gate_up_proj_weight_scale`` (``MoEMethod``: the plain one here, FP8 in
 engine/quantization/fp8.py).
 
+A shared expert (Qwen3-Next, Qwen3.5-MoE: ``shared_expert``, a dense gated MLP every token
+goes through, scaled by ``sigmoid(shared_expert_gate x)`` where the block has that gate) is
+added to the experts' output. Under tensor parallelism its down projection is not reduced
+on its own: its partial sum joins the experts' in the block's one all-reduce.
+
 Per-expert load: the routing op adds the tokens routed to each expert into the layer's
 row of a counter the model owns (on the device, no host sync; CUDA-graph padding rows
 are not counted), read when metrics are scraped.
@@ -32,7 +37,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import Part, ReplicatedLinear, copy_rows, split_range, tp_rank_size
+from engine.layers.linear import Part, ReplicatedLinear, RowParallelLinear, copy_rows, split_range, tp_rank_size
 from engine.parallel import TPGroup
 
 
@@ -70,7 +75,10 @@ class MoEMethod:
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None,
-                 expert_parallel: bool = False, method: MoEMethod | None = None) -> None:
+                 expert_parallel: bool = False, method: MoEMethod | None = None,
+                 shared_expert: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
+        """``shared_expert``: a dense MLP (``forward(x)``) added to every token's output, scaled
+        by ``sigmoid(shared_expert_gate x)`` when ``shared_expert_gate``."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
@@ -92,6 +100,14 @@ class FusedMoE(nn.Module):
         self.method.create_weights(self)
         self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
         self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1) if shared_expert is not None and \
+            shared_expert_gate else None
+        for m in () if shared_expert is None else shared_expert.modules():
+            if isinstance(m, RowParallelLinear):  # reduced with the experts' output (forward)
+                if m.bias is not None:
+                    raise ValueError("a shared expert's row-parallel projection with a bias is not supported")
+                m.tp = None
 
     def add_expert_param(self, name: str, tensor: torch.Tensor, kind: str, *, div: int = 1, split: bool = True,
                          keep_dtype: bool = False) -> nn.Parameter:
@@ -123,6 +139,11 @@ class FusedMoE(nn.Module):
             # attention is tensor-parallel, so no dispatch is needed).
             ids = ids - self.first_expert
         out = self.method.apply(self, x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

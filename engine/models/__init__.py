@@ -10,6 +10,9 @@ config needs no torch).
     gemma3.py       Gemma 3 (text)                                  (1 + w) norms around attention and MLP, GELU-tanh,
                                                                     scaled embeddings, local/global RoPE and windows
     phi3.py         Phi-3                                           fused qkv_proj / gate_up_proj checkpoints
+    qwen3_next.py   Qwen3-Next                                      Gated DeltaNet linear attention beside gated full
+                                                                    attention, experts with a gated shared expert
+    qwen3_5.py      Qwen3.5, Qwen3.5-MoE (text)                     Qwen3-Next with its DeltaNet projections apart
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+    "Qwen3NextForCausalLM": "engine.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 

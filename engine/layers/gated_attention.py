@@ -1,0 +1,65 @@
+"""Gated full attention (Qwen3-Next, Qwen3.5): the paged-cache attention of
+engine/layers/attention.py with an output gate.
+
+    x -> q_proj (per head: the query's D rows, then its gate's D rows), k_proj, v_proj
+      -> (1 + w) q/k RMSNorms per head -> RoPE (partial: the first rotary_dim dims)
+      -> store K/V, paged attention -> o * sigmoid(gate) -> o_proj
+
+The q part of ``qkv_proj`` is twice the heads' width and splits by heads under tensor
+parallelism as the query does (a head's query and gate rows stay on one rank).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.config import ModelConfig
+from engine.layers.attention import QKV_SHARDS, Attention, AttentionMetadata
+from engine.layers.linear import ColumnParallelLinear, LinearMethods, Part, RowParallelLinear, method_for
+from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import Shard, TPGroup
+from kernels import cpu_attention, reference
+
+
+class GatedAttention(Attention):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, shard: Shard, tp: TPGroup | None,
+                 rope: RotaryEmbedding, *, methods: LinearMethods | None = None, prefix: str = "") -> None:
+        super().__init__(cfg, ops, shard, tp, rope, qk_norm="offset", methods=methods, prefix=prefix)
+        d = self.head_dim
+        (q_lo, q_hi), (kv_lo, kv_hi) = shard.q_heads, shard.kv_heads
+        kv_part = Part(cfg.num_kv_heads * d, kv_lo * d, kv_hi * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [Part(2 * cfg.num_heads * d, 2 * q_lo * d, 2 * q_hi * d),
+                                                               kv_part, kv_part],
+                                             bias=cfg.attention_bias, shard_ids=QKV_SHARDS,
+                                             method=method_for(methods, prefix, "qkv_proj",
+                                                               [f"{s}_proj" for s in QKV_SHARDS]))
+        if cfg.attention_bias:  # transformers gives o_proj the bias too
+            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, "attention heads", bias=True,
+                                            method=method_for(methods, prefix, "o_proj"))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t, d, h = x.shape[0], self.head_dim, self.num_heads
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)
+        q, k = self.q_norm.norm(q.reshape(-1, d)), self.k_norm.norm(k.reshape(-1, d))
+        q, k = self.rope(positions, q.view(t, h, d), k.view(t, self.num_kv_heads, d))
+        o = self.attend(q, k, v.reshape(t, self.num_kv_heads, d), kv, meta)
+        return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Store this step's K/V and attend over the cache: Attention.forward's second half
+        (the same calls, the same switches)."""
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        ops = cpu_attention if self.ops is reference else self.ops
+        g = self.kv_group
+        if self.store:
+            ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping[g], **scales)
+        window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        new_kv = {"new_k": k, "new_v": v} if self.dense_prefill and self.store and ops.__name__ == "kernels" else {}
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables[g], meta.query_start_loc,
+                                   meta.seq_lens, self.scale, num_splits=meta.num_splits,
+                                   step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv)
