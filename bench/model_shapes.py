@@ -43,6 +43,42 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# Gemma 3-12B (text): five windowed layers of 1,024 keys to one full layer.
+SHAPES["gemma-3-12b"] = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
+    intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+    rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True, query_pre_attn_scalar=256,
+    sliding_window=1024, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh",
+    rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    bos_token_id=2, eos_token_id=1)
+# Qwen3.5-27B (text): 64 layers, three Gated DeltaNet layers to one gated full-attention layer;
+# the linear-attention heads are transformers 5.23's Qwen3_5TextConfig defaults.
+SHAPES["qwen3.5-27b"] = dict(
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
+    intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                            "full_attention"] * 16,
+    bos_token_id=248044, eos_token_id=248044)
+
+# Gemma 4 E2B (the text model of google/gemma-4-E2B-it): four windowed layers of 512 keys to one
+# full layer, whose KV heads are twice as wide (512); the last 20 layers read the KV of layers 13
+# (windowed) and 14 (full) and have double-wide MLPs; per-layer inputs of 256.
+SHAPES["gemma-4-e2b"] = dict(
+    architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=262144, hidden_size=1536,
+    intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+    global_head_dim=512, attention_k_eq_v=False, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    tie_word_embeddings=True, sliding_window=512, hidden_activation="gelu_pytorch_tanh",
+    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, num_kv_shared_layers=20,
+    use_double_wide_mlp=True, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+    final_logit_softcapping=30.0, enable_moe_block=False,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
+    bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
 # A draft model's shape beside llama-3.1-8b (the same vocabulary and RoPE, a tied embedding)
 SHAPES["llama-3.2-1b"] = dict(SHAPES["llama-3.1-8b"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                               head_dim=64, tie_word_embeddings=True,

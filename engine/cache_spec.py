@@ -3,11 +3,13 @@ and the linear-attention state slots. The runner owns the tensors; this says the
 their bytes, and makes them (and the dummy metadata the memory profile and warm-up run on)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv_cache_groups import KVCacheLayout
+from engine.kv_cache_manager import cdiv
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.linear_state import LinearState, LinearStateShape
 
@@ -68,12 +70,41 @@ class CacheSpec:
                             torch.zeros(n, *s.ssm, dtype=s.ssm_dtype, device=device)) for s in self.state_shapes]
 
     def dummy_metadata(self, query_lens: list[int], device: torch.device, written: bool) -> AttentionMetadata:
-        """Fresh sequences of ``query_lens`` tokens (engine.memory_profile.dummy_metadata) for
+        """Fresh sequences of ``query_lens`` tokens (``dummy_metadata`` below) for
         every group; written: into blocks numbered from 0 (a scratch cache), else nowhere."""
-        from engine.memory_profile import dummy_metadata
-
         meta = dummy_metadata(query_lens, device, self.block_sizes if written else None,
                               num_groups=self.layout.num_groups)
         if self.num_state_slots:  # row b in slot b (rows past the slots share them: a dummy pass only)
             meta.state_slots = (torch.arange(len(query_lens), dtype=torch.int32) % (self.num_state_slots + 1)).to(device)
         return meta
+
+
+def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_sizes: Sequence[int] | int | None = None,
+                   *, num_groups: int = 1) -> AttentionMetadata:
+    """Attention metadata of fresh sequences of ``query_lens`` tokens each (every token is
+    new: seq_len = query length). ``block_sizes`` (each KV cache group's) None: nothing is
+    written (slot -1) and every sequence reads block 0 (``num_groups`` groups alike); else each
+    sequence writes its keys into blocks of its own, numbered from 0 in order in every group
+    (a scratch cache must hold them)."""
+    lens = torch.tensor(list(query_lens), dtype=torch.int32)
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=qsl[1:])
+    total = int(qsl[-1])
+    if isinstance(block_sizes, int):
+        block_sizes = (block_sizes,)
+    if block_sizes is None:
+        slots = torch.full((num_groups, total), -1, dtype=torch.long)
+        tables = torch.zeros(num_groups, len(lens), 1, dtype=torch.int32)
+    else:
+        width = max(cdiv(n, bs) for bs in block_sizes for n in lens.tolist())
+        tables = torch.zeros(len(block_sizes), len(lens), width, dtype=torch.int32)
+        slots = torch.empty(len(block_sizes), total, dtype=torch.long)
+        for g, bs in enumerate(block_sizes):
+            first = 0
+            for i, n in enumerate(lens.tolist()):
+                w = cdiv(n, bs)
+                tables[g, i, :w] = torch.arange(first, first + w, dtype=torch.int32)
+                slots[g, qsl[i]:qsl[i + 1]] = first * bs + torch.arange(n)
+                first += w
+    return AttentionMetadata(slot_mapping=slots.to(device), block_tables=tables.to(device),
+                             query_start_loc=qsl.to(device), seq_lens=lens.to(device))

@@ -73,7 +73,7 @@ class KVCacheLayout:
             parts.append(f"{g.kind}[{len(g.layers)} layers, block {g.block_size}{w}]")
         if self.linear_layers:
             parts.append(f"linear[{len(self.linear_layers)} layers, one state slot per sequence]")
-        shared = sum(1 for s in self.stores if not s)
+        shared = sum(1 for s, p in zip(self.stores, self.places) if not s and p is not None)
         if shared:
             parts.append(f"shared[{shared} layers]")
         return " ".join(parts)

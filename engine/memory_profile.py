@@ -8,7 +8,7 @@ cache gets what the others leave:
                 max_num_batched_tokens) - graphs (their activation pool, logits, buffers)
 
 ``--kv-cache-memory`` (the default on CPU) or ``--num-gpu-blocks-override`` set it instead.
-The forward passes measured here run on dummy inputs (``dummy_metadata``) over a scratch
+The forward passes measured here run on dummy inputs (``engine.cache_spec.dummy_metadata``) over a scratch
 cache, never on the real one.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 from engine.graph_setup import mixed_graph_sizes, verify_graph_shape
 from engine.kv_cache_manager import cdiv
-from engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.runner_parts import RunnerParts
@@ -40,37 +39,6 @@ def check_free_memory(free: int, total: int, utilization: float, device: str) ->
         raise ValueError(f"{device}: {free / gib:.1f} GiB free of {total / gib:.1f} GiB at start-up, less than the "
                          f"{wanted / gib:.1f} GiB --gpu-memory-utilization {utilization:g} asks for (other processes "
                          f"hold {(total - free) / gib:.1f} GiB): lower it, or free the GPU")
-
-
-def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_sizes: Sequence[int] | int | None = None,
-                   *, num_groups: int = 1) -> AttentionMetadata:
-    """Attention metadata of fresh sequences of ``query_lens`` tokens each (every token is
-    new: seq_len = query length). ``block_sizes`` (each KV cache group's) None: nothing is
-    written (slot -1) and every sequence reads block 0 (``num_groups`` groups alike); else each
-    sequence writes its keys into blocks of its own, numbered from 0 in order in every group
-    (a scratch cache must hold them)."""
-    lens = torch.tensor(list(query_lens), dtype=torch.int32)
-    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=qsl[1:])
-    total = int(qsl[-1])
-    if isinstance(block_sizes, int):
-        block_sizes = (block_sizes,)
-    if block_sizes is None:
-        slots = torch.full((num_groups, total), -1, dtype=torch.long)
-        tables = torch.zeros(num_groups, len(lens), 1, dtype=torch.int32)
-    else:
-        width = max(cdiv(n, bs) for bs in block_sizes for n in lens.tolist())
-        tables = torch.zeros(len(block_sizes), len(lens), width, dtype=torch.int32)
-        slots = torch.empty(len(block_sizes), total, dtype=torch.long)
-        for g, bs in enumerate(block_sizes):
-            first = 0
-            for i, n in enumerate(lens.tolist()):
-                w = cdiv(n, bs)
-                tables[g, i, :w] = torch.arange(first, first + w, dtype=torch.int32)
-                slots[g, qsl[i]:qsl[i + 1]] = first * bs + torch.arange(n)
-                first += w
-    return AttentionMetadata(slot_mapping=slots.to(device), block_tables=tables.to(device),
-                             query_start_loc=qsl.to(device), seq_lens=lens.to(device))
 
 
 def _scratch_cache(runner: RunnerParts, num_blocks: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ class CausalLM(nn.Module):
         # Quantized layers' methods, chosen by checkpoint name (engine/quantization/); None: 16-bit.
         self.quant = None if cfg.quantization is None else QuantMethods(cfg.quantization, ops)
         self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)
-                      for t in sorted(set(cfg.layer_types) or {"full_attention"})}
+                      for t in sorted((set(cfg.layer_types) - {"linear_attention"}) or {"full_attention"})}
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.shard, tp)
         self.model.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))

@@ -16,7 +16,6 @@ projections stored apart.
 """
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Iterator
 
@@ -32,7 +31,6 @@ from engine.layers.moe import FusedMoE
 from engine.layers.norm import RMSNorm
 from engine.models.base import CausalLM
 from engine.models.llama import GatedMLP
-from engine.parallel import TPGroup
 
 LINEAR = "linear_attention"
 
@@ -64,18 +62,6 @@ class Qwen3NextForCausalLM(CausalLM):
     norm_offset = True
     fused_qkvz = True  # the DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3.5: apart)
     always_renormalize = False  # top-k weights renormalised by norm_topk_prob (Qwen3.5-MoE: always)
-
-    def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None = None,
-                 expert_parallel: bool = False) -> None:
-        # CausalLM builds a RoPE table per layer type; linear-attention layers use none, so
-        # theirs is built from the full layers' parameters and dropped.
-        # TODO: drop this once CausalLM skips layer types without RoPE.
-        borrowed = LINEAR in cfg.layer_types and LINEAR not in cfg.rope
-        if borrowed:
-            cfg = dataclasses.replace(cfg, rope={**cfg.rope, LINEAR: cfg.rope["full_attention"]})
-        super().__init__(cfg, ops, tp, expert_parallel=expert_parallel)
-        if borrowed:
-            del self.ropes[LINEAR]
 
     def is_sparse(self, index: int) -> bool:
         cfg = self.config
