@@ -320,7 +320,7 @@ def _gemma4_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(cfg.get("text_config"), dict):
             raise ValueError(f"{arch}: config.json has no text_config")
         text = dict(cfg["text_config"])
-        for key in ("quantization_config", "tie_word_embeddings"):
+        for key in ("quantization_config", "tie_word_embeddings", "eos_token_id"):
             if key in cfg:
                 text[key] = cfg[key]
         # image, video and audio placeholders: read as the pad token, as transformers does without media
@@ -354,6 +354,10 @@ def _gemma4_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"{arch}: per_layer_config overrides {unknown} (layer {layer}) are not supported "
                              f"(supported: {', '.join(_GEMMA4_PER_LAYER)})")
+    if cfg["hidden_size_per_layer_input"] and cfg["vocab_size_per_layer_input"] < cfg["vocab_size"]:
+        raise ValueError(f"{arch}: vocab_size_per_layer_input {cfg['vocab_size_per_layer_input']} below vocab_size "
+                         f"{cfg['vocab_size']} is not supported (the per-layer embedding has no row for the ids "
+                         "past it; transformers fails on them)")
     if cfg["enable_moe_block"] and not (cfg["num_experts"] and cfg["top_k_experts"] and cfg["moe_intermediate_size"]):
         raise ValueError(f"{arch}: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
     return cfg

@@ -19,6 +19,10 @@ Variants (``rope_type``):
               (transformers switches a whole sequence to the long factors once it
               passes that length, re-rotating keys it has cached: a paged KV cache
               keeps each key as first rotated, so here the factor goes by position.)
+    proportional  Gemma 4's full layers: a table as wide as the head whose first
+              partial_rotary_factor * head_dim / 2 frequencies are theta ** -(2i / head_dim)
+              and the rest 0 (cos 1, sin 0: those pairs do not turn), all divided by
+              ``factor``; built with rotary_dim = head_dim (the caller's).
 Any other ``rope_type`` is refused when the config is read (engine/config.py).
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -46,6 +50,13 @@ def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
     return torch.where(medium, smoothed, scaled)
+
+
+def _proportional(theta: float, head_dim: int, p: dict[str, Any]) -> torch.Tensor:
+    angles = int(p.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32)])
+    return inv / p.get("factor", 1.0)
 
 
 def _yarn(theta: float, dim: int, p: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
@@ -91,6 +102,8 @@ def rope_cos_sin_cache(rotary_dim: int, rope: dict[str, Any], max_positions: int
         inv = _llama3(inv, rope)
     elif kind == "yarn":
         inv, scale = _yarn(theta, rotary_dim, rope, max_positions)
+    elif kind == "proportional":
+        inv = _proportional(theta, rotary_dim, rope)
     elif kind == "longrope":
         original = rope["original_max_position_embeddings"]
         factor = rope.get("factor") or max_positions / original

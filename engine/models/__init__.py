@@ -9,6 +9,10 @@ config needs no torch).
     mixtral.py      Mixtral                                         experts on every layer (w1/w3/w2 names)
     gemma3.py       Gemma 3 (text)                                  (1 + w) norms around attention and MLP, GELU-tanh,
                                                                     scaled embeddings, local/global RoPE and windows
+    gemma4.py       Gemma 4 (text; a multimodal                     Gemma 3's layout with plain-w norms, no attention
+                    checkpoint's text model)                        scale, per-layer KV shapes, V = K on full layers,
+                                                                    V norms, KV shared by the last layers, per-layer
+                                                                    token inputs, experts beside the MLP
     phi3.py         Phi-3                                           fused qkv_proj / gate_up_proj checkpoints
     qwen3_next.py   Qwen3-Next                                      Gated DeltaNet linear attention beside gated full
                                                                     attention, experts with a gated shared expert
@@ -26,6 +30,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
+    "Gemma4ForCausalLM": "engine.models.gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "engine.models.gemma4:Gemma4ForConditionalGeneration",
     "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
     "Qwen3NextForCausalLM": "engine.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
