@@ -217,15 +217,19 @@ class KVCacheManager:
             if not self.states.free:
                 return None
             self.states.take(rid)
-        new_all: list[KVBlock] = []
-        for g, h, need in zip(self.groups, hits, needs):
+        # Every group's hits first: a hit still in the free queue must not be handed out as
+        # another group's new block.
+        for g, h in zip(self.groups, hits):
             blocks = g.req_blocks.setdefault(rid, [])
-            ids = g.req_block_ids.setdefault(rid, [])
             if h:
                 self.pool.touch(h)
                 blocks.extend(h)
-                ids.extend(b.block_id for b in h)
+                g.req_block_ids.setdefault(rid, []).extend(b.block_id for b in h)
                 g.num_cached_blocks[rid] = len(blocks)
+        new_all: list[KVBlock] = []
+        for g, need in zip(self.groups, needs):
+            blocks = g.req_blocks[rid]
+            ids = g.req_block_ids.setdefault(rid, [])
             new = self.pool.get_new_blocks(need) if need else []
             blocks.extend(new)
             ids.extend(b.block_id for b in new)

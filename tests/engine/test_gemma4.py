@@ -190,18 +190,12 @@ def test_greedy_matches_transformers(models, references, name):
         assert pool.num_free_blocks == pool.num_blocks
 
 
-# The engine's KV cache manager takes each group's prefix-cache hits group by group, after
-# the earlier groups' new blocks: a later group's hit sitting in the free queue can be handed
-# out first as an earlier group's new block (KVCacheManager.allocate_slots), and its KV is
-# overwritten. Seen on few blocks with prefix hits and preemption together (Gemma 3 alike).
-_HITS_BESIDE_PREEMPTION = pytest.mark.xfail(
-    strict=True, reason="engine: allocate_slots touches a group's hits only after earlier groups took new blocks")
-
-
 @pytest.mark.parametrize("blocks, caching, preempts", [
     pytest.param(36, False, True, id="preemption"),
     pytest.param(60, True, False, id="prefix-hits"),
-    pytest.param(40, True, True, id="prefix-hits-and-preemption", marks=_HITS_BESIDE_PREEMPTION),
+    # every group's hits are taken before any group's new blocks (a hit in the free queue
+    # handed out as another group's new block would be overwritten)
+    pytest.param(40, True, True, id="prefix-hits-and-preemption"),
 ])
 def test_prefix_hits_and_preemption(models, blocks, caching, preempts):
     """A shared prefix longer than the window comes from the cache (every group's blocks);

@@ -147,3 +147,25 @@ def test_gemma3_tokens_hold_while_windowed_groups_free_their_blocks(gemma3):
     assert_greedy_match(m, prompts, want, [r.output_token_ids for r in reqs])
     assert most_window <= WINDOW // 4 + 1 + 8 // 4  # the window, the block in progress, a chunk
     assert kv.num_used_blocks == 0
+
+
+def test_every_groups_hits_are_taken_before_any_new_block():
+    """A later group's hit still in the free queue must not be handed out as an earlier group's
+    new block (its KV would be overwritten while the request reads it as cached)."""
+    layout = build_layout(["sliding_attention", "full_attention"], [WINDOW, None], 4)
+    kv = KVCacheManager(8, 4, True, layout=layout)
+    a, c, d = _req("a", 8), _req("c", 4), _req("d", 4)
+    kv.allocate_slots(a, 8)  # group 0 (full): blocks 0, 1; group 1 (windowed): 2, 3
+    a.num_computed_tokens = 8
+    kv.cache_blocks(a, 8)
+    kv.allocate_slots(c, 4)  # 4, 5
+    kv.forget(a)
+    kv.forget(c)
+    kv.allocate_slots(d, 4)  # 6, 7: the free queue now starts with a's blocks, group 0's first
+    b = _req("b", 9)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8
+    kv.allocate_slots(b, 1, hits)
+    table = kv.get_block_table("b")
+    assert len(set(table[0]) | set(table[1])) == 6  # no block in two places
+    assert all(blk.ref_cnt == 1 for g in kv.groups for blk in g.req_blocks["b"])
