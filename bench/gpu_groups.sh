@@ -12,14 +12,15 @@ sections=("$@")
 for section in "${sections[@]}"; do
   case $section in
     tests)
-      run 240 $py -m pytest -q -p no:cacheprovider tests/engine/test_cache_groups_gpu.py 2>&1 | tail -15 ;;
+      run ${TESTS_LIMIT:-200} $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cache_groups_gpu.py \
+        tests/engine/test_gemma4.py 2>&1 | tail -15 ;;
     capacity)
-      for flag in "" --disable-hybrid-kv-cache-manager; do
-        run 150 $py -m bench.cache_capacity --model-shape gemma-3-12b --context-len 32768 $flag 2>&1 \
+      for flag in ${CAPACITY_FLAGS:-""}; do
+        run 100 $py -m bench.cache_capacity --model-shape gemma-3-12b --context-len 32768 $flag 2>&1 \
           | grep -vE "^(WARNING|INFO)" | tail -2 | tee -a "$out/capacity-gemma-3-12b.jsonl"
       done ;;
     decode)
-      run 240 $py -m pdserve.cli bench decode-step --model-shape qwen3.5-27b --batch-sizes 1,32,128 \
+      run 150 $py -m pdserve.cli bench decode-step --model-shape qwen3.5-27b --batch-sizes 1,32,128 \
         --context-len 1024 --steps 20 --output-json "$out/decode-step-qwen3.5-27b.json" 2>&1 \
         | grep -vE "^(WARNING|INFO)" ;;
     *) echo "unknown section $section"; exit 2 ;;
