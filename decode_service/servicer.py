@@ -98,7 +98,8 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
                 d = await queue.get()
                 if d.event == "reserved":
                     yield engine_pb2.DecodeResponse(reserved=engine_pb2.Reserved(
-                        block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens, lora_fingerprint=fingerprint))
+                        block_ids=d.block_ids, num_cached_tokens=d.num_cached_tokens, lora_fingerprint=fingerprint,
+                        state_slot=d.state_slot))
                     continue
                 finished, last = bool(d.finish_reason), d
                 if d.error is not None and d.finish_reason != "error":  # "error": a finish, with its message

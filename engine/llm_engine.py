@@ -260,6 +260,20 @@ class LLMEngine:
         return self.drafter.kv_cache if self.drafter is not None else None
 
     @property
+    def linear_states(self):  # -> list[engine.layers.linear_state.LinearState]
+        """A hybrid model's linear-attention state slots, one ``LinearState`` per linear layer
+        (``conv`` [slots, conv_dim, K-1], ``ssm`` [slots, H_v, D_k, D_v]; empty without such
+        layers), for the KV transfer plumbing, which reads and writes only the slot the engine
+        handed out for that (``state_slot``)."""
+        return self.runner.linear_states
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's linear-attention state slot (-1: none, or a model without linear
+        layers): a decode-tier reservation's from its reservation on, where its state is to
+        land; a prefill-tier request's while it runs or is held for a send."""
+        return self.scheduler.kv.state_slot(request_id)
+
+    @property
     def kv_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """An FP8 cache's per-layer (k_scale, v_scale); ((), ()) for a cache in the model's
         dtype. Part of what a KV pair's two sides must agree on."""
@@ -364,9 +378,14 @@ class LLMEngine:
         """Decode tier: the prefill server began on the request."""
         return self.scheduler.prefill_started(request_id)
 
-    def begin_kv_receive(self, request_id: str, dst_block_ids: list[int]) -> None:
-        """Decode tier: a transfer into ``dst_block_ids`` begins; ValueError
-        unless they are the request's reserved blocks."""
+    def begin_kv_receive(self, request_id: str, dst_block_ids: list[int], state_slot: int = -1) -> None:
+        """Decode tier: a transfer into ``dst_block_ids`` (and, for a hybrid model, its
+        linear-attention state into ``state_slot``) begins; ValueError unless they are the
+        request's reserved blocks and slot."""
+        mine = self.scheduler.kv.state_slot(request_id)
+        if state_slot != mine and request_id in self.scheduler.reserved:
+            raise ValueError(f"request {request_id}: linear-attention state sent to slot {state_slot}, "
+                             f"reserved slot {mine}")
         self.scheduler.begin_kv_receive(request_id, dst_block_ids)
 
     def kv_received(self, request_id: str, first_token: int, logprob=None,

@@ -279,7 +279,10 @@ class RequestFlow:
                                           sampling=self._sampling, decode_address=decode.address,
                                           dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip,
                                           lora_name=req.lora_name or "",
-                                          lora_fingerprint=reserved.lora_fingerprint),
+                                          lora_fingerprint=reserved.lora_fingerprint,
+                                          # a hybrid model's linear-attention state slot (-1: none)
+                                          dst_state_slot=reserved.state_slot if reserved.HasField("state_slot")
+                                          else None),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:

@@ -32,10 +32,13 @@ Setup (addresses travel over gRPC; that is the services' job, not this module's)
 
 One transfer (the receiver needs to know nothing in advance)::
 
-    control  store queue "hdr"  {"request_id", "runs", "pack", "chunk_layers"}  (JSON)
+    control  store queue "hdr"  {"request_id", "runs", "pack", "chunk_layers"}  (JSON; "draft": a draft
+             model's plan; "state": a hybrid model's {"slot", "bytes"}, the receiver's state slot)
     data     layers cut into chunks of chunk_layers; chunk by chunk, one batch (NCCL group) each:
                pack=False   kv_cache[l, s:s+n] -> kv_cache[l, d:d+n]  for l in chunk, (s, d, n) in runs
                pack=True    gather kv_cache[chunk][:, src] -> one staging message -> scatter into [:, dst]
+             a linear-attention state (every linear layer's conv and ssm of the request's slot, as
+             bytes) rides in the last chunk's batch as one message, before the trailer
              the trailer rides in the last chunk's batch: status (_OK | _ABORTED) and the
              sender's meta (JSON: the first sampled token), known only once prefill is done,
              so a sender can post each layer as prefill computes it (``send_layer``)
@@ -74,7 +77,7 @@ from kv_transfer.channel import ChannelOffer, ChannelRequest, OpenChannel, RankE
 from kv_transfer.layout import engine_layout
 from kv_transfer.protocol import (BACKENDS, DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, PROTOCOL_VERSION,
                                   RECEIVER_RANK, SENDER_RANK, KVChannelClosed, KVLayout, KVTransferError,
-                                  ReceivedKV, TransferStats, WirePlan, check_compatible, choose_backend,
+                                  ReceivedKV, StateMove, TransferStats, WirePlan, check_compatible, choose_backend,
                                   chunk_ranges, gpu_uuid, merge_runs, plan_transfer, resolve_backend)
 from kv_transfer.receive_scheduler import KVReceiveScheduler, ReceiveProgress
 from kv_transfer.receive_worker import KVReceiveWorker
@@ -84,7 +87,7 @@ from kv_transfer.send_worker import KVSendWorker
 from kv_transfer.sender import KVSender, KVSendTransfer
 
 __all__ = ["BACKENDS", "DEFAULT_PAIR_NAME", "DEFAULT_TIMEOUT_S", "PROTOCOL_VERSION", "RECEIVER_RANK", "SENDER_RANK",
-           "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "TransferStats", "WirePlan",
+           "KVChannelClosed", "KVLayout", "KVTransferError", "ReceivedKV", "StateMove", "TransferStats", "WirePlan",
            "check_compatible", "choose_backend", "chunk_ranges", "gpu_uuid", "merge_runs", "plan_transfer",
            "resolve_backend", "KVReceiver", "KVSender", "KVSendTransfer",
            "ChannelOffer", "ChannelRequest", "OpenChannel", "RankEndpoint", "engine_layout",

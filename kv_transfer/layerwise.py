@@ -46,6 +46,7 @@ class StreamedSend:
     future: Future | None = None  # the worker thread's send
     src_block_ids: list[int] = field(default_factory=list)  # what it sends (the request's blocks after skip)
     may_redo: bool = False  # it failed where sending again after prefill can work
+    state_slots: tuple[int, int] = (-1, -1)  # a hybrid model's linear-attention state: (slot here, there)
 
     def cancel(self) -> None:
         """The request ended before its first token: the transfer ends aborted."""
@@ -62,12 +63,14 @@ def stream_send(worker: KVSendWorker, s: StreamedSend, block_ids: list[int], num
     deadline = time.monotonic() + worker.timeout
     src = s.src_block_ids = block_ids[s.skip:]
     check_block_counts(s.request_id, src, s.dst_block_ids)
+    state = worker.state_move(s.request_id, s.state_slots)
     reused = worker.has_pair(s.decode_address, s.slot)
     sender = worker.pair(s.decode_address, slot=s.slot)
     header_sent = False
     try:
+        # a linear-attention state leaves at finish(), with the first token: after the step's forward pass
         transfer = sender.begin(s.request_id, src, s.dst_block_ids, worker.kv_cache, overlap=True,
-                                draft_cache=worker.draft_cache)
+                                draft_cache=worker.draft_cache, state=state)
         header_sent = True
         s.wake_every = transfer.chunk_layers
         return _stream(s, transfer, num_layers, deadline)

@@ -19,8 +19,10 @@ _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directl
 
 # 2: backend from GPU UUIDs, chunked message plan; 3: meta in the trailer; 4: the layout has the KV
 # scales and the model's dtype; 5: a draft model's cache (``KVLayout.draft``) travels in the same
-# transfer, its chunks after the target's (the header's "draft" plan)
-PROTOCOL_VERSION = 5
+# transfer, its chunks after the target's (the header's "draft" plan); 6: a hybrid model's
+# linear-attention state (``KVLayout.linear_state``) travels after the KV, one message before the
+# trailer, into the header's "state" slot
+PROTOCOL_VERSION = 6
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
@@ -64,7 +66,13 @@ class KVLayout:
     ``draft_model``) keeps a second cache, the draft's, with a block for each of the
     target's; its layout is part of the pair's, and every transfer moves the same blocks of
     both caches. A pair matches only if both sides run the same draft (or neither does):
-    a decode server that drafts needs the draft's KV of each prompt from its prefill server."""
+    a decode server that drafts needs the draft's KV of each prompt from its prefill server.
+
+    ``linear_state``: a hybrid model's linear-attention layers keep a fixed-size state per
+    sequence (a slot of each layer's conv and ssm tensors) instead of KV; every transfer moves
+    the request's slot after its blocks. "" for a model without; else the JSON field list
+    ``describe_state`` writes (the layers, and each slot's shapes and dtypes, the whole model's:
+    every head), compared field by field."""
 
     model: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16", "float8_e4m3fn"
@@ -81,6 +89,7 @@ class KVLayout:
     # num_layers is the model's), else each group's kind, layers and block size, and the
     # slots (num_layers counts slots: a block holds a page of each).
     groups: str = ""
+    linear_state: str = ""  # describe_state's JSON ("": no linear-attention layers)
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, dict):  # from JSON (the pair's hello)
@@ -104,6 +113,8 @@ class KVLayout:
                              f"got k_scales {_show(self.k_scales)}, v_scales {_show(self.v_scales)}")
         if not self.model_dtype:
             object.__setattr__(self, "model_dtype", self.dtype)
+        if self.linear_state:
+            state_specs(self.linear_state)  # raises ValueError when malformed
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor, model: str,
@@ -126,8 +137,9 @@ class KVLayout:
 
     def describe(self) -> str:
         """One line for logs and errors."""
+        state = f", {len(state_specs(self.linear_state))} linear-attention layers" if self.linear_state else ""
         return (f"{self.model}: {self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}, "
-                f"{self.dtype}, blocks of {self.block_size}")
+                f"{self.dtype}, blocks of {self.block_size}{state}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
@@ -158,6 +170,97 @@ class KVLayout:
             if not draft_cache.is_contiguous() or draft_cache.device != kv_cache.device:
                 raise ValueError("the draft model's cache must be contiguous, on the target cache's device")
 
+    def check_state(self, states: Sequence[Any] | None) -> None:
+        """The linear-attention state tensors (``.conv``, ``.ssm`` of each linear layer, slots
+        first: the engine's ``linear_states``) are given exactly when this layout has a state,
+        one per linear layer, each slot of this layout's shapes and dtypes, contiguous."""
+        if (states is None) != (not self.linear_state):
+            raise ValueError("the pair's layout has a linear-attention state: give the state tensors"
+                             if states is None else "state tensors given, but the pair's layout has no "
+                             "linear-attention state")
+        if states is None:
+            return
+        specs = state_specs(self.linear_state)
+        got = [(tuple(st.conv.shape[1:]), _dtype_name(st.conv.dtype), tuple(st.ssm.shape[1:]),
+                _dtype_name(st.ssm.dtype)) for st in states]
+        if got != specs:
+            raise ValueError(f"linear-attention state slots {got} do not match the pair's layout {specs}")
+        if not all(st.conv.is_contiguous() and st.ssm.is_contiguous() for st in states):
+            raise ValueError("the linear-attention state tensors must be contiguous")
+
+
+# One linear layer's state slot: (conv shape, conv dtype, ssm shape, ssm dtype)
+StateSpec = tuple[tuple[int, ...], str, tuple[int, ...], str]
+_STATE_KEYS = ("conv_shape", "conv_dtype", "ssm_shape", "ssm_dtype")
+
+
+def describe_state(layers: Sequence[int], specs: Sequence[StateSpec]) -> str:
+    """``KVLayout.linear_state`` of a model whose decoder layers ``layers`` are linear-attention
+    layers with state slots ``specs`` (one each): a JSON list of (name, value) pairs, the
+    layers, then one shared spec ("conv_shape", ...) or, where the layers differ, each one's
+    ("layer3.conv_shape", ...). "" without linear layers."""
+    if len(layers) != len(specs):
+        raise ValueError(f"{len(specs)} state specs for {len(layers)} linear-attention layers")
+    if not layers:
+        return ""
+    fields: list[tuple[str, Any]] = [("layers", list(layers))]
+    per_layer = [(list(c), cd, list(s), sd) for c, cd, s, sd in specs]
+    if all(spec == per_layer[0] for spec in per_layer):
+        fields += list(zip(_STATE_KEYS, per_layer[0]))
+    else:
+        fields += [(f"layer{layer}.{k}", v) for layer, spec in zip(layers, per_layer)
+                   for k, v in zip(_STATE_KEYS, spec)]
+    return json.dumps(fields)
+
+
+def _state_fields(text: str) -> dict[str, Any]:
+    try:
+        fields = {name: value for name, value in json.loads(text)}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"KVLayout.linear_state is not a JSON list of (name, value) pairs: {text!r}") from e
+    if not isinstance(fields.get("layers"), list):
+        raise ValueError(f"KVLayout.linear_state names no layers: {text!r}")
+    return fields
+
+
+def state_specs(text: str) -> list[StateSpec]:
+    """The state spec of each linear layer, in layer order, from ``describe_state``'s text."""
+    fields = _state_fields(text)
+    out: list[StateSpec] = []
+    for layer in fields["layers"]:
+        values = []
+        for k in _STATE_KEYS:
+            value = fields.get(k, fields.get(f"layer{layer}.{k}"))
+            if value is None:
+                raise ValueError(f"KVLayout.linear_state has no {k} for layer {layer}: {text!r}")
+            values.append(value)
+        c, cd, s, sd = values
+        out.append((tuple(int(x) for x in c), str(cd), tuple(int(x) for x in s), str(sd)))
+    return out
+
+
+def state_nbytes(text: str) -> int:
+    """Bytes of one sequence's state (every linear layer's conv and ssm slot)."""
+    def size(shape: tuple[int, ...], dtype: str) -> int:
+        return int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
+    return sum(size(c, cd) + size(s, sd) for c, cd, s, sd in state_specs(text))
+
+
+class StateMove(NamedTuple):
+    """A request's linear-attention state in a transfer: slot ``src_slot`` of each linear
+    layer's ``.conv`` and ``.ssm`` in ``states`` (the engine's ``linear_states``, slots first)
+    goes into the receiver's slot ``dst_slot``."""
+
+    states: Sequence[Any]
+    src_slot: int
+    dst_slot: int
+
+
+def state_views(states: Sequence[Any], slot: int) -> list[torch.Tensor]:
+    """Slot ``slot`` of every linear layer's conv and ssm, as flat bytes (views: writing them
+    writes the slot), in wire order."""
+    return [t[slot].view(torch.uint8).reshape(-1) for st in states for t in (st.conv, st.ssm)]
+
 
 def is_head_slice(kv_cache: torch.Tensor) -> bool:
     """Whether a 6-d cache view is ``parent[..., h0:h1, :]`` of a contiguous parent."""
@@ -184,14 +287,38 @@ def _layout_diffs(a: KVLayout, b: KVLayout, prefix: str = "") -> list[str]:
     ("draft.num_layers ..."); a draft on one side only is named as such."""
     implied = a.model_dtype == a.dtype and b.model_dtype == b.dtype
     diffs = [f"{prefix}{f.name} {_show(getattr(a, f.name))} != {_show(getattr(b, f.name))}"
-             for f in fields(KVLayout) if f.name != "draft" and getattr(a, f.name) != getattr(b, f.name)
-             and not (f.name == "model_dtype" and implied)]
+             for f in fields(KVLayout) if f.name not in ("draft", "linear_state")
+             and getattr(a, f.name) != getattr(b, f.name) and not (f.name == "model_dtype" and implied)]
+    diffs += _state_diffs(a.linear_state, b.linear_state, prefix)
     if a.draft is not None and b.draft is not None:
         diffs += _layout_diffs(a.draft, b.draft, prefix + "draft.")
     elif a.draft != b.draft:
         diffs.append(f"{prefix}draft model {_show(a.draft)} != {_show(b.draft)} (speculative decoding with a draft "
                      "model needs it on both tiers: the prefill server computes the draft's KV of the prompt)")
     return diffs
+
+
+def _state_diffs(a: str, b: str, prefix: str) -> list[str]:
+    """The linear-attention state's fields that differ ("linear_state.ssm_shape [4, 8, 12] !=
+    [2, 8, 12]"), or the state on one side only."""
+    if a == b:
+        return []
+    if not a or not b:
+        def show(text: str) -> str:
+            return "none" if not text else "(" + ", ".join(f"{k} {_show_value(v)}" for k, v in json.loads(text)) + ")"
+        return [f"{prefix}linear_state {show(a)} != {show(b)} (a model with linear-attention layers on one side "
+                "only)"]
+    fa, fb = _state_fields(a), _state_fields(b)
+    names = list(dict.fromkeys([*fa, *fb]))
+    return [f"{prefix}linear_state.{n} {_show_value(fa.get(n))} != {_show_value(fb.get(n))}" for n in names
+            if fa.get(n) != fb.get(n)]
+
+
+def _show_value(value: Any) -> str:
+    """A JSON value of a layout field list: lists as lists, "none" when absent."""
+    if value is None:
+        return "none"
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else repr(value)
 
 
 def _show(value: Any) -> str:
@@ -433,8 +560,9 @@ def decode_trailer(data: torch.Tensor) -> tuple[int, dict[str, Any]]:
 
 
 class ReceivedKV(NamedTuple):
-    """One received transfer: whose, into which blocks, how it went, and the
-    sender's small JSON ``meta`` (e.g. the first sampled token)."""
+    """One received transfer: whose, into which blocks (a linear-attention state's slot is
+    given to the receiver's ``validate``), how it went, and the sender's small JSON ``meta``
+    (e.g. the first sampled token)."""
 
     request_id: str
     dst_block_ids: list[int]

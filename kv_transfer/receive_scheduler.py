@@ -90,10 +90,12 @@ class KVReceiveScheduler:
         """Requests with a receive in progress (or failed and not yet forgotten)."""
         return len(self._receives)
 
-    def admit(self, request_id: str, dst_block_ids: list[int], num_parts: int, part: str) -> None:
-        """A part's header came: may it land in ``dst_block_ids``? The request's first part asks
-        the engine (begin_kv_receive); the others wait for that answer. Raises if not. Every
-        admitted part is ``ended`` later, whatever happens."""
+    def admit(self, request_id: str, dst_block_ids: list[int], num_parts: int, part: str,
+              state_slot: int = -1) -> None:
+        """A part's header came: may it land in ``dst_block_ids`` (and its linear-attention
+        state in ``state_slot``; -1: none)? The request's first part asks the engine
+        (begin_kv_receive); the others wait for that answer. Raises if not. Every admitted part
+        is ``ended`` later, whatever happens."""
         with self._lock:
             if self._ended_unadmitted.pop(part, None) is not None:
                 raise KVTransferError(f"request {request_id}: a KV part's admission came after it ended")
@@ -109,7 +111,8 @@ class KVReceiveScheduler:
                 raise KVTransferError(f"request {request_id}: parts disagree on the destination blocks")
         if first:
             try:
-                self.loop.submit(lambda e: e.begin_kv_receive(request_id, dst_block_ids)).result(self.timeout)
+                self.loop.submit(lambda e: e.begin_kv_receive(request_id, dst_block_ids, state_slot)
+                                 ).result(self.timeout)
             except BaseException as exc:
                 progress.begun.set_exception(exc)
                 raise

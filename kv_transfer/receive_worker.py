@@ -40,7 +40,7 @@ from kv_transfer.protocol import KVTransferError, TransferStats, check_compatibl
 from kv_transfer.rank_worker import install_rank_handlers
 from kv_transfer.receive_scheduler import KVReceiveScheduler
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.tp_parts import close_on_ranks, kv_transfer_parts, receive_part
+from kv_transfer.tp_parts import check_state_ranks, close_on_ranks, kv_transfer_parts, receive_part
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class KVReceiveWorker:
         self.draft_cache: torch.Tensor | None = engine.draft_kv_cache  # a draft model's (one rank only)
         # The model's layout (every KV head), whatever share of them this process holds.
         self.layout = engine_layout(engine)
+        # A hybrid model's linear-attention state slots: each transfer's state lands in one
+        self.linear_states = engine.linear_states if self.layout.linear_state else None
         self.host = host
         self.timeout = timeout
         self.on_transfer = on_transfer
@@ -82,6 +84,9 @@ class KVReceiveWorker:
         """Listen for a prefill server's channel (every part of it); where to dial. Raises
         ValueError when the layouts or devices do not fit, or listening fails, and
         OverflowError when this server has ``max_pairs`` pairs already."""
+        ranks = max(1, request.tensor_parallel_size)
+        check_state_ranks(self.layout.linear_state or request.layout.linear_state, ranks,
+                          self.tp.size if self.tp else 1)
         try:
             check_compatible(self.layout, request.layout, "decode", "prefill")
         except KVTransferError as exc:
@@ -94,7 +99,6 @@ class KVReceiveWorker:
             backend, reason = "auto", "GPUs on both sides: backend settled by GPU UUID in the handshake"
         else:  # a cache in host memory: gloo whatever the GPUs (no UUID needed to know that)
             backend, reason = choose_backend("gpu" if theirs_on_gpu else None, "gpu" if mine_on_gpu else None)
-        ranks = max(1, request.tensor_parallel_size)
         parts = kv_transfer_parts(ranks, self.tp.size if self.tp else 1, self.layout.num_kv_heads)
         logger.info("KV channel from %s (%d prefill rank(s), %d pair(s)): %s", request.peer, ranks, len(parts),
                     reason)
@@ -198,7 +202,8 @@ class KVReceiveWorker:
         """Receive one transfer (one part of a request's KV) into ``heads`` (this cache, or its
         share of the KV heads). False when the pair is done (closed or broken)."""
         go, stats = receive_part(receiver, heads, num_parts, f"KV transfer from {peer}", self.scheduler.admit,
-                                 self.scheduler.ended, self.scheduler.refused, draft_cache=self.draft_cache)
+                                 self.scheduler.ended, self.scheduler.refused, draft_cache=self.draft_cache,
+                                 linear_states=self.linear_states)
         if stats is not None and self.on_transfer is not None:
             self.on_transfer(stats)
         return go

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChanne
                                   KVTransferError, RECEIVER_RANK, ReceivedKV, SENDER_RANK, TransferStats,
                                   TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
                                   decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
-                                  plane_chunks)
+                                  plane_chunks, state_views)
 from kv_transfer.pair import _Pair, _hello, _log_pair_up, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,9 @@ class KVReceiver(_Pair):
         if self._setup_error is not None:
             raise self._setup_error
 
-    def recv(self, kv_cache: torch.Tensor, validate: Callable[[str, list[int]], None] | None = None,
-             timeout: float | None = None, draft_cache: torch.Tensor | None = None) -> ReceivedKV:
+    def recv(self, kv_cache: torch.Tensor, validate: Callable[..., None] | None = None,
+             timeout: float | None = None, draft_cache: torch.Tensor | None = None,
+             linear_states: Sequence[Any] | None = None) -> ReceivedKV:
         """Receive the next transfer into ``kv_cache``: (request_id, dst_block_ids, stats, meta).
 
         Waits up to ``timeout`` s (None: until a transfer comes or the pair closes) for the
@@ -109,8 +110,14 @@ class KVReceiver(_Pair):
         data is in ``kv_cache`` (later work on any stream sees it).
 
         ``draft_cache``: the draft model's cache, given exactly when the pair's layout has a
-        draft; each transfer's same blocks of it land there (``ReceivedKV.stats`` counts both)."""
+        draft; each transfer's same blocks of it land there (``ReceivedKV.stats`` counts both).
+
+        ``linear_states``: a hybrid model's linear-attention state tensors (the engine's
+        ``linear_states``), given exactly when the pair's layout has a state: each transfer's
+        state lands in the slot its header names, which ``validate`` is given as a third
+        argument, ``validate(request_id, dst_block_ids, state_slot)``."""
         self.layout.check_caches(kv_cache, draft_cache)
+        self.layout.check_state(linear_states)
         with self._recv_lock:
             self.wait_connected()
             if self.backend == "nccl" and kv_cache.device != self.device:
@@ -131,6 +138,15 @@ class KVReceiver(_Pair):
                     planes.append((draft_cache, WirePlan(pack=bool(draft["pack"]),
                                                          chunk_layers=int(draft["chunk_layers"]))))
                 chunks = plane_chunks(planes)  # validates
+                state = None  # (the slot it lands in, its bytes)
+                if ("state" in header) != (linear_states is not None):
+                    raise ValueError("the header and the pair disagree on a linear-attention state")
+                if linear_states is not None:
+                    slot = int(header["state"]["slot"])
+                    nbytes = sum(v.numel() for v in state_views(linear_states, 0))
+                    if int(header["state"]["bytes"]) != nbytes:
+                        raise ValueError(f"a state of {header['state']['bytes']} bytes, the layout's is {nbytes}")
+                    state = (slot, nbytes)
             except Exception as e:  # cannot know which messages follow: out of sync for good
                 self._fail("reading a KV header", e)
                 raise KVTransferError(f"malformed KV header {header!r}: {e}") from e
@@ -143,13 +159,19 @@ class KVReceiver(_Pair):
                                           f"[0, {kv_cache.shape[1]}) or repeated: {dst}")
                     err.request_id = request_id
                     raise err
+                if state is not None and not 0 <= state[0] < linear_states[0].conv.shape[0]:
+                    err = KVTransferError(f"request {request_id}: linear-attention state slot {state[0]} out of "
+                                          f"range [0, {linear_states[0].conv.shape[0]})")
+                    err.request_id = request_id
+                    raise err
                 if validate is not None:
-                    validate(request_id, list(dst))
+                    validate(request_id, list(dst), *((state[0],) if state is not None else ()))
                 marks.append(("validated", time.perf_counter()))
 
             try:
-                status, meta, num_messages = self._recv_chunks(request_id, runs, dst_ids, planes, chunks, check,
-                                                               marks)
+                status, meta, num_messages = self._recv_chunks(
+                    request_id, runs, dst_ids, planes, chunks, check, marks,
+                    (linear_states, state[0], state[1]) if state is not None else None)
             except KVTransferError as e:
                 e.request_id = request_id
                 raise
@@ -159,7 +181,7 @@ class KVReceiver(_Pair):
                 err.request_id = request_id
                 raise err
         return ReceivedKV(request_id, list(dst), TransferStats(
-            num_blocks=len(dst), num_bytes=len(dst) * plane_block_bytes(planes),
+            num_blocks=len(dst), num_bytes=len(dst) * plane_block_bytes(planes) + (state[1] if state else 0),
             seconds=time.perf_counter() - start, backend=self.backend,
             num_messages=num_messages, marks=(*marks, ("landed", time.perf_counter()))), meta)
 
@@ -191,14 +213,18 @@ class KVReceiver(_Pair):
 
     def _recv_chunks(self, request_id: str, runs: np.ndarray, dst_ids: np.ndarray,
                      planes: list[tuple[torch.Tensor, WirePlan]], chunks: list[tuple[int, int, int]],
-                     check: Callable[[], None], marks: list[tuple[str, float]]) -> tuple[int, dict[str, Any], int]:
+                     check: Callable[[], None], marks: list[tuple[str, float]],
+                     state: tuple[Sequence[Any], int, int] | None = None) -> tuple[int, dict[str, Any], int]:
         """Post chunk k's receives, then land chunk k - 1, so one chunk is in flight while the
         previous one lands. ``check`` (the destination blocks may be written) runs before
         anything can reach kv_cache: before the first post, or for a packed plan, whose
         messages land in staging first, right after it. If it raises, the rest is drained into
         scratch, kv_cache is not touched, and its exception is raised once the trailer is in.
         Returns (trailer status, the sender's meta, data messages). ``chunks``: (plane, first
-        layer, end layer) in wire order, a plane being one of ``planes`` (cache, its plan)."""
+        layer, end layer) in wire order, a plane being one of ``planes`` (cache, its plan).
+        ``state``: (the linear-attention state tensors, the slot, its bytes): one message before
+        the trailer, staged, then copied into the slot once everything has come (not when
+        drained)."""
         deadline = time.monotonic() + self.timeout
         what = f"request {request_id}: receiving KV"
         kv_cache, plan = planes[0]
@@ -233,6 +259,10 @@ class KVReceiver(_Pair):
                     num_messages += len(targets)
                     staged.append(list(targets) if in_staging and not drain else [])
                     if k == len(chunks) - 1:
+                        if state is not None:
+                            state_buf = self._buffer("state", 0, state[2], torch.uint8, self.wire_device)
+                            targets.append(state_buf)
+                            num_messages += 1
                         targets.append(trailer)
                     works.append(self._post(targets, send=False, what=f"{what} layers {chunks[k][1]}.."))
                     marks.append((f"chunk {k} posted", time.perf_counter()))
@@ -246,6 +276,8 @@ class KVReceiver(_Pair):
                     plane, l0, l1 = chunks[k - 1]
                     self._land(k - 1, (l0, l1), works[k - 1], staged[k - 1], runs, planes[plane][0],
                                dst_index if planes[plane][1].pack else None, deadline, what)
+            if state is not None and not drain:  # every work is over (landed above): the state is in
+                self._land_state(state_buf, state[0], state[1])
             if self.backend == "nccl":
                 done = torch.cuda.Event()
                 done.record()
@@ -319,6 +351,18 @@ class KVReceiver(_Pair):
         if staged[0].device != kv_cache.device:
             self._landed[k % 2] = torch.cuda.Event()
             self._landed[k % 2].record()
+
+    def _land_state(self, data: torch.Tensor, states: Sequence[Any], slot: int) -> None:
+        """Copy a received state (bytes, in ``state_views`` order) into slot ``slot`` of every
+        linear layer, through the states' device when it came through host memory."""
+        views = state_views(states, slot)
+        if data.device != views[0].device:
+            data = self._buffer("state-scatter", 0, data.numel(), torch.uint8, views[0].device).copy_(
+                data, non_blocking=True)
+        offset = 0
+        for v in views:
+            v.copy_(data[offset:offset + v.numel()], non_blocking=True)
+            offset += v.numel()
 
     def close(self) -> None:
         """Stop receiving: a blocked ``recv`` raises KVChannelClosed; the port is released."""

@@ -30,7 +30,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from engine.llm_engine import LLMEngine
 from kv_transfer.channel import OpenChannel
@@ -57,13 +57,18 @@ class _Send:
     meta: dict[str, Any] | None = None  # the first token (and its logprob), once sampled
     future: Future | None = None  # the send reading its blocks, once it has its token
     ended: bool = False  # the RPC is over: nothing more starts
+    dst_state_slot: int = -1  # a hybrid model's: where its linear-attention state goes on the decode server
+    src_state_slot: int = -1  # and where it is here, once known (the engine thread tells)
 
 
 class KVSendScheduler:
     """The sends of one prefill engine, by request; the engine's ``LayerwiseSink`` when its
     sends are layer-wise. Thread-safe (RPC threads, the engine thread, send threads)."""
 
-    def __init__(self, worker: KVSendWorker, num_layers: int, pairs_per_decode: int, layerwise: bool = True) -> None:
+    def __init__(self, worker: KVSendWorker, num_layers: int, pairs_per_decode: int, layerwise: bool = True,
+                 state_slot: Callable[[str], int] | None = None) -> None:
+        """``state_slot``: a request's linear-attention state slot in the engine (its
+        ``state_slot``, called on the engine thread), for a hybrid model's sends."""
         if pairs_per_decode < 1:
             raise ValueError(f"--kv-pairs-per-decode must be at least 1, got {pairs_per_decode}")
         self.worker = worker
@@ -71,6 +76,7 @@ class KVSendScheduler:
         self.pairs_per_decode = pairs_per_decode
         self.layerwise = layerwise
         self.device = worker.kv_cache.device
+        self.state_slot = state_slot
         self._streams = ThreadPoolExecutor(max_workers=_MAX_STREAMS, thread_name_prefix="kv-layerwise")
         self._after_prefill = ThreadPoolExecutor(max_workers=_MAX_AFTER_PREFILL, thread_name_prefix="kv-send")
         self._sends: dict[str, _Send] = {}
@@ -89,19 +95,23 @@ class KVSendScheduler:
         # The model's layout (every KV head): a tensor-parallel engine's ranks each hold a share.
         layout = engine_layout(engine)
         worker = KVSendWorker(engine.kv_cache, layout, my_address, engine.config.scheduler.kv_transfer_timeout,
-                              open_channel, engine.tp, engine.draft_kv_cache)
-        sends = cls(worker, layout.num_layers, pairs_per_decode, layerwise)
+                              open_channel, engine.tp, engine.draft_kv_cache,
+                              engine.linear_states if layout.linear_state else None)
+        sends = cls(worker, layout.num_layers, pairs_per_decode, layerwise, engine.state_slot)
         if layerwise:
             engine.layerwise_sink = sends
         return sends
 
     # ---- RPC threads ------------------------------------------------------
-    def expect(self, request_id: str, decode_address: str, dst_block_ids: list[int], skip: int) -> None:
+    def expect(self, request_id: str, decode_address: str, dst_block_ids: list[int], skip: int,
+               dst_state_slot: int = -1) -> None:
         """Where the request's KV goes: ``dst_block_ids`` on ``decode_address``, which has its
-        first ``skip`` blocks cached. Before the engine sees the request."""
+        first ``skip`` blocks cached, and a hybrid model's linear-attention state: its slot
+        ``dst_state_slot`` there. Before the engine sees the request."""
         may_stream = self.layerwise and skip >= 0 and not self.worker.sends_in_parts(decode_address)
         with self._lock:
-            self._sends[request_id] = _Send(request_id, decode_address, dst_block_ids, skip, may_stream)
+            self._sends[request_id] = _Send(request_id, decode_address, dst_block_ids, skip, may_stream,
+                                            dst_state_slot=dst_state_slot)
 
     def first_token(self, request_id: str, meta: dict[str, Any]) -> Future | None:
         """The first token is sampled (``meta``: it and its logprob, for the decode server) and
@@ -120,11 +130,13 @@ class KVSendScheduler:
         stream.meta.put(meta)
         return future
 
-    def send_after_prefill(self, request_id: str, src_block_ids: list[int]) -> Future:
-        """Send ``src_block_ids`` (every layer) on a worker thread; the request's ``first_token``
-        was given. The future holds the TransferStats, or raises KVTransferError."""
+    def send_after_prefill(self, request_id: str, src_block_ids: list[int], src_state_slot: int = -1) -> Future:
+        """Send ``src_block_ids`` (every layer; and a hybrid model's linear-attention state,
+        slot ``src_state_slot`` here) on a worker thread; the request's ``first_token`` was
+        given. The future holds the TransferStats, or raises KVTransferError."""
         with self._lock:
             s = self._sends[request_id]
+            s.src_state_slot = src_state_slot
             s.future = self._send_after_prefill(s, src_block_ids)
             return s.future
 
@@ -169,8 +181,11 @@ class KVSendScheduler:
                 # server over its pairs, so that they overlap the forward pass together.
                 n = per_decode.get(s.decode_address, 0)
                 per_decode[s.decode_address] = n + 1
+                if self.worker.linear_states is not None and self.state_slot is not None:
+                    s.src_state_slot = self.state_slot(request_id)  # (its slot now is its slot to the end)
                 stream = s.stream = StreamedSend(request_id, s.decode_address, s.dst_block_ids, s.skip,
-                                                 slot=n % self.pairs_per_decode)
+                                                 slot=n % self.pairs_per_decode,
+                                                 state_slots=(s.src_state_slot, s.dst_state_slot))
                 stream.future = self._streams.submit(stream_send, self.worker, stream, block_ids, self.num_layers)
                 started.append(stream)
         return StepLayers(started, self.device, self.num_layers) if started else None
@@ -178,7 +193,7 @@ class KVSendScheduler:
     # ---- send threads -----------------------------------------------------
     def _send_after_prefill(self, s: _Send, src_block_ids: list[int]) -> Future:
         return self._after_prefill.submit(self.worker.send, s.decode_address, s.request_id, src_block_ids,
-                                          s.dst_block_ids, s.meta or {})
+                                          s.dst_block_ids, s.meta or {}, (s.src_state_slot, s.dst_state_slot))
 
     def _or_redo(self, s: _Send, stream: StreamedSend) -> Future:
         """The layer-wise send's outcome; where it failed in a way a send after prefill can

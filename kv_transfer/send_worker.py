@@ -20,17 +20,17 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from engine.parallel import TPGroup
 from engine.rank_calls import RankCallError, call
 from kv_transfer.channel import ChannelOffer, ChannelRequest, OpenChannel
-from kv_transfer.protocol import KVLayout, KVTransferError, TransferStats
+from kv_transfer.protocol import KVLayout, KVTransferError, StateMove, TransferStats
 from kv_transfer.rank_worker import install_rank_handlers
 from kv_transfer.sender import KVSender
-from kv_transfer.tp_parts import close_on_ranks
+from kv_transfer.tp_parts import check_state_ranks, close_on_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +108,17 @@ class KVSendWorker:
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, my_address: str, timeout: float,
                  open_channel: OpenChannel | None = None, tp: TPGroup | None = None,
-                 draft_cache: torch.Tensor | None = None) -> None:
+                 draft_cache: torch.Tensor | None = None, linear_states: Sequence[Any] | None = None) -> None:
         """``layout``: the model's (every KV head); ``open_channel``: how to ask a decode
         server for a channel (the service's gRPC call; None: pairs are only ever given, as
         in tests); ``tp``: the engine's tensor-parallel group, whose ranks each send their
         own heads (None: this process holds them all); ``draft_cache``: a draft model's
-        cache (``layout.draft``), sent beside the target's."""
+        cache (``layout.draft``), sent beside the target's; ``linear_states``: a hybrid model's
+        linear-attention state slots (``layout.linear_state``), a request's slot sent after its
+        blocks."""
+        layout.check_state(linear_states)
         self.kv_cache = kv_cache
+        self.linear_states = linear_states
         self.open_channel = open_channel
         self.draft_cache = draft_cache
         self.layout = layout
@@ -143,6 +147,10 @@ class KVSendWorker:
             peer = self.my_address if slot == 0 else f"{self.my_address}#{slot}"
             if self.open_channel is None:
                 raise KVTransferError(f"no KV pair to {decode_address}, and no way to ask it for one")
+            try:  # this side's part of the decode server's check (which knows both sides' ranks)
+                check_state_ranks(self.layout.linear_state, self.tp.size if self.tp else 1, 1)
+            except ValueError as exc:
+                raise KVTransferError(f"no KV channel to {decode_address}: {exc}") from exc
             offer = self.open_channel(decode_address, ChannelRequest(
                 peer=peer, layout=self.layout, device=str(self.kv_cache.device),
                 tensor_parallel_size=self.tp.size if self.tp else 1), self.timeout)
@@ -191,31 +199,47 @@ class KVSendWorker:
     def has_pair(self, decode_address: str, slot: int = 0) -> bool:
         return (decode_address, slot) in self._senders
 
+    def state_move(self, request_id: str, state_slots: tuple[int, int]) -> StateMove | None:
+        """What a transfer moves of a hybrid model's linear-attention state: slot
+        ``state_slots[0]`` here into ``state_slots[1]`` on the decode server (None for a model
+        without; KVTransferError where a slot is missing)."""
+        if self.linear_states is None:
+            return None
+        src, dst = state_slots
+        if src < 0 or dst < 0:
+            raise KVTransferError(f"request {request_id}: the model has linear-attention layers, but its state "
+                                  f"{'slot here' if src < 0 else 'slot on the decode server'} is not known")
+        return StateMove(self.linear_states, src, dst)
+
     def send(self, decode_address: str, request_id: str, src_block_ids: list[int], dst_block_ids: list[int],
-             meta: dict) -> TransferStats:
-        """Blocking: returns once the blocks' data has left this process."""
+             meta: dict, state_slots: tuple[int, int] = (-1, -1)) -> TransferStats:
+        """Blocking: returns once the blocks' data (and a linear-attention state: slot
+        ``state_slots[0]`` into the decode server's ``state_slots[1]``) has left this process."""
         check_block_counts(request_id, src_block_ids, dst_block_ids)
+        state = self.state_move(request_id, state_slots)
         reused = self.has_pair(decode_address)
         sender = self.pair(decode_address)
         try:
-            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta)
+            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta, state)
         except KVTransferError as exc:
             if not self.settle_failure(decode_address, sender, reused):
                 raise
             logger.info("KV pair to %s broke (%s); opening a new one", decode_address, exc)
         sender = self.pair(decode_address, reuse=False)
         try:
-            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta)
+            return self._send_on(sender, request_id, src_block_ids, dst_block_ids, meta, state)
         except KVTransferError:
             self.settle_failure(decode_address, sender, reused=False)
             raise
 
     def _send_on(self, sender: KVSender | RankPairs, request_id: str, src_block_ids: list[int],
-                 dst_block_ids: list[int], meta: dict) -> TransferStats:
+                 dst_block_ids: list[int], meta: dict, state: StateMove | None = None) -> TransferStats:
         if isinstance(sender, RankPairs):  # a draft model runs at one rank only (engine/draft_model.py)
+            if state is not None:  # (refused at channel open: check_state_ranks)
+                raise KVTransferError(f"request {request_id}: a linear-attention state is not sent in parts")
             return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta)
         return sender.send(request_id, src_block_ids, dst_block_ids, self.kv_cache, meta=meta,
-                           draft_cache=self.draft_cache)
+                           draft_cache=self.draft_cache, state=state)
 
     def settle_failure(self, decode_address: str, sender: KVSender | RankPairs, reused: bool,
                        slot: int = 0) -> bool:

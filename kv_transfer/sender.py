@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
-                                  RECEIVER_RANK, SENDER_RANK, TransferStats, WirePlan, _ABORTED,
+                                  RECEIVER_RANK, SENDER_RANK, StateMove, TransferStats, WirePlan, _ABORTED,
                                   _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
-                                  plan_transfer, plane_block_bytes, plane_chunks, run_array)
+                                  plan_transfer, plane_block_bytes, plane_chunks, run_array, state_views)
 from kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
                               _settle, _wait_for_listener)
 
@@ -61,7 +61,7 @@ class KVSender(_Pair):
     def begin(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
               kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
               plan: WirePlan | None = None, overlap: bool = False,
-              draft_cache: torch.Tensor | None = None) -> KVSendTransfer:
+              draft_cache: torch.Tensor | None = None, state: StateMove | None = None) -> KVSendTransfer:
         """Start one transfer: takes the pair's lock and sends the header. Then call
         ``send_layer(l)`` for l = 0..L-1 in order (e.g. as prefill finishes each layer) and
         ``finish(meta)``; use it as a context manager. Data leaves a chunk at a time, once its
@@ -77,9 +77,18 @@ class KVSender(_Pair):
         ``draft_cache``: the draft model's cache, given exactly when the pair's layout has a
         draft: the same blocks of it travel after the target's (posted by ``finish``, so the
         draft's KV must be written by then; on a GPU, queued on the stream before the
-        target's last layer)."""
+        target's last layer).
+
+        ``state``: a hybrid model's linear-attention state, given exactly when the pair's layout
+        has one: slot ``state.src_slot`` of every linear layer goes into the receiver's
+        ``state.dst_slot``, one message after the last chunk (posted by ``finish``: the state
+        must be the one after the prompt's last token by then, its forward pass over)."""
         begun = time.perf_counter()
         self.layout.check_caches(kv_cache, draft_cache)
+        self.layout.check_state(state.states if state is not None else None)
+        if state is not None and not 0 <= state.src_slot < state.states[0].conv.shape[0]:
+            raise ValueError(f"request {request_id}: state slot {state.src_slot} out of range "
+                             f"[0, {state.states[0].conv.shape[0]})")
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         runs = run_array(src, dst)
         if src.size and (src.min() < 0 or src.max() >= kv_cache.shape[1]):
@@ -112,13 +121,17 @@ class KVSender(_Pair):
                 draft_plan = WirePlan(pack=False, chunk_layers=self.layout.draft.num_layers)
             planes.append((draft_cache, draft_plan))
             fields["draft"] = {"pack": draft_plan.pack, "chunk_layers": draft_plan.chunk_layers}
+        views = None
+        if state is not None:
+            views = state_views(state.states, state.src_slot)
+            fields["state"] = {"slot": state.dst_slot, "bytes": sum(v.numel() for v in views)}
         header = json.dumps(fields)
         if not self._lock.acquire(timeout=self.timeout):
             raise KVTransferError(f"request {request_id}: KV pair busy for {self.timeout}s")
         try:
             self._check_usable()
             self._push_header(request_id, header)
-            return KVSendTransfer(self, request_id, runs, src, planes, meta, begun)
+            return KVSendTransfer(self, request_id, runs, src, planes, meta, begun, views)
         except Exception:
             self._lock.release()
             raise
@@ -145,12 +158,13 @@ class KVSender(_Pair):
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              kv_cache: torch.Tensor, meta: dict[str, Any] | None = None,
-             plan: WirePlan | None = None, draft_cache: torch.Tensor | None = None) -> TransferStats:
-        """Send kv_cache[:, src_block_ids] (and draft_cache's, see ``begin``) into the
-        receiver's dst_block_ids; returns when the data has left this process's memory (the
-        blocks may then be freed or rewritten)."""
+             plan: WirePlan | None = None, draft_cache: torch.Tensor | None = None,
+             state: StateMove | None = None) -> TransferStats:
+        """Send kv_cache[:, src_block_ids] (and draft_cache's, and a linear-attention state: see
+        ``begin``) into the receiver's dst_block_ids; returns when the data has left this
+        process's memory (the blocks may then be freed or rewritten)."""
         with self.begin(request_id, src_block_ids, dst_block_ids, kv_cache, meta, plan,
-                        draft_cache=draft_cache) as transfer:
+                        draft_cache=draft_cache, state=state) as transfer:
             for layer in range(self.layout.num_layers):
                 transfer.send_layer(layer)
         return transfer.finish()
@@ -183,13 +197,16 @@ class KVSendTransfer:
     chunk of the transfer, which ``finish()`` posts together with the trailer; the draft's
     chunks go at ``finish()``. With a packed plan, chunk k is gathered into staging slot
     k % 2; that slot is reused by chunk k + 2 only after chunk k has left (a stream-side
-    wait for NCCL, a host-side one for gloo)."""
+    wait for NCCL, a host-side one for gloo). A linear-attention state (``state``: its slot's
+    tensors as bytes) is gathered into one message, posted with the last chunk, before the
+    trailer."""
 
     def __init__(self, sender: KVSender, request_id: str, runs: np.ndarray, src: np.ndarray,
                  planes: list[tuple[torch.Tensor, WirePlan]], meta: dict[str, Any] | None = None,
-                 begun: float | None = None) -> None:
+                 begun: float | None = None, state: list[torch.Tensor] | None = None) -> None:
         self.request_id = request_id
         self.meta = meta
+        self._state = state
         self._sender = sender
         self._runs = runs
         self._planes = planes
@@ -258,6 +275,9 @@ class KVSendTransfer:
                 messages = [kv[layer, s:s + n] for layer in range(l0, l1) for s, _, n in self._runs.tolist()]
             self._num_messages += len(messages)
             if trailer is not None:
+                if self._state is not None:
+                    messages.append(self._gather_state())
+                    self._num_messages += 1
                 messages.append(trailer)
             self._works.append(sender._post(messages, send=True, what=what))
         self._marks.append((f"chunk {k} posted", time.perf_counter()))
@@ -278,6 +298,20 @@ class KVSendTransfer:
         gathered = sender._buffer("gather", k % 2, numel, kv.dtype, kv.device).view(shape)
         _gather_blocks(kv[l0:l1], self._src_index, gathered)
         host = sender._buffer("wire", k % 2, numel, kv.dtype, wire).view(shape)
+        host.copy_(gathered, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # gloo reads host memory now
+        return host
+
+    def _gather_state(self) -> torch.Tensor:
+        """The request's linear-attention state as one message of bytes on the wire: gathered on
+        the state's device, then copied to pinned host memory for gloo from a GPU."""
+        sender, views = self._sender, self._state
+        assert views is not None
+        numel, device, wire = sum(v.numel() for v in views), views[0].device, sender.wire_device
+        if wire.type == device.type:
+            return torch.cat(views, out=sender._buffer("state", 0, numel, torch.uint8, wire))
+        gathered = torch.cat(views, out=sender._buffer("state-gather", 0, numel, torch.uint8, device))
+        host = sender._buffer("state", 0, numel, torch.uint8, wire)
         host.copy_(gathered, non_blocking=True)
         torch.cuda.current_stream().synchronize()  # gloo reads host memory now
         return host
@@ -318,8 +352,9 @@ class KVSendTransfer:
         if aborted:
             raise KVTransferError(f"{what}: {problem}; the receiver was told the transfer is aborted")
         num_blocks = int(self._runs[:, 2].sum())
+        state_bytes = sum(v.numel() for v in self._state) if self._state is not None else 0
         self._stats = TransferStats(
-            num_blocks=num_blocks, num_bytes=num_blocks * plane_block_bytes(self._planes),
+            num_blocks=num_blocks, num_bytes=num_blocks * plane_block_bytes(self._planes) + state_bytes,
             seconds=time.perf_counter() - self._start, backend=sender.backend,
             num_messages=self._num_messages, marks=(*self._marks, ("left", time.perf_counter())))
         return self._stats

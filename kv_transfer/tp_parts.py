@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,18 @@ def kv_transfer_parts(src_size: int, dst_size: int, num_kv_heads: int) -> list[K
     return parts
 
 
+def check_state_ranks(linear_state: str, prefill_ranks: int, decode_ranks: int) -> None:
+    """Raise ValueError where a channel would need a linear-attention state in parts: a hybrid
+    model's state is sent by one rank into one rank (its slots are sharded by heads, and a worker
+    rank's KV handlers reach its KV cache only), so both tiers must run it at
+    --tensor-parallel-size 1."""
+    if linear_state and (prefill_ranks > 1 or decode_ranks > 1):
+        raise ValueError(f"the linear-attention state of a hybrid model is sent between tiers with one rank on "
+                         f"each side only (--tensor-parallel-size 1): prefill has {prefill_ranks} rank(s), decode "
+                         f"{decode_ranks}; serve it at --tensor-parallel-size 1 on both tiers, or colocated "
+                         "(pdserve serve)")
+
+
 def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, timeout: float) -> None:
     """Call handler ``name`` with ``key`` on each (rank, key) of ``pairs``, to close what that
     key names there; a rank already gone (or one that fails) is logged, not raised."""
@@ -67,22 +79,27 @@ def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, t
 
 def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name: str,
                  admit: Callable[..., None], ended: Callable[..., None], refused: Callable[..., None],
-                 rank: int = 0, draft_cache: torch.Tensor | None = None) -> tuple[bool, TransferStats | None]:
+                 rank: int = 0, draft_cache: torch.Tensor | None = None,
+                 linear_states: Sequence[Any] | None = None) -> tuple[bool, TransferStats | None]:
     """Receive one part of a request's KV into ``heads`` and account for it exactly once:
     ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
     (landed, or failed after admission) or ``refused`` (failed before it, the request known).
     Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
     receiving rank, named in the figures with the part's end (time.time()). ``draft_cache``: a
-    draft model's cache, whose blocks come in the same transfer (the figures' ``draft``)."""
+    draft model's cache, whose blocks come in the same transfer (the figures' ``draft``).
+    ``linear_states``: a hybrid model's linear-attention state tensors, whose slot the
+    transfer names (admitted with the blocks: ``admit``'s ``state_slot``)."""
     admitted: list[str] = []
     part = uuid.uuid4().hex  # names this part to rank 0, whose answer may come after we gave up
 
-    def validate(request_id: str, dst_block_ids: list[int]) -> None:
+    def validate(request_id: str, dst_block_ids: list[int], state_slot: int = -1) -> None:
         admitted.append(request_id)
-        admit(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts, part=part)
+        args = dict(request_id=request_id, dst_block_ids=dst_block_ids, num_parts=num_parts, part=part)
+        admit(**args, **({"state_slot": state_slot} if state_slot >= 0 else {}))
 
     try:
-        rid, _, stats, meta = receiver.recv(heads, validate=validate, draft_cache=draft_cache)
+        rid, _, stats, meta = receiver.recv(heads, validate=validate, draft_cache=draft_cache,
+                                               linear_states=linear_states)
     except KVChannelClosed:
         logger.info("%s: closed", name)
         return False, None

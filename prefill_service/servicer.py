@@ -86,7 +86,14 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             skip = request.num_skip_blocks  # the decode side has these leading blocks cached
-            sends.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip)
+            # a hybrid model's linear-attention state goes whole into this slot (-1: no such layers)
+            dst_state = request.dst_state_slot if request.HasField("dst_state_slot") else -1
+            if sends.worker.linear_states is not None and dst_state < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {rid}: this model has linear-attention layers, whose state goes to "
+                                    "the decode server's reserved state slot, but the request names none "
+                                    "(dst_state_slot; a gateway or decode server older than this server?)")
+            sends.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip, dst_state)
             try:
                 await bridge.run(lambda e: _add_prefill(e, request, prompt, params, deadline))
             except (OverflowError, ValueError) as exc:
@@ -103,10 +110,10 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
             try:
                 if send is None:
                     try:
-                        block_ids = await bridge.run(lambda e: e.begin_send(rid))
+                        block_ids, state_slot = await bridge.run(lambda e: (e.begin_send(rid), e.state_slot(rid)))
                     except ValueError as exc:  # expired or aborted since it was held
                         await context.abort(grpc.StatusCode.ABORTED, str(exc))
-                    send = sends.send_after_prefill(rid, block_ids[skip:])
+                    send = sends.send_after_prefill(rid, block_ids[skip:], state_slot)
                 stats = await asyncio.shield(asyncio.wrap_future(send))
             except KVTransferError as exc:
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.

@@ -54,6 +54,7 @@ class Delta:
     times: RequestTimes | None = None  # the request's milestones (written by the engine thread only)
     kv_transfer: dict | None = None  # decode tier: the figures of the KV transfer it came with
     spec: tuple[int, int] = (0, 0)  # speculative decoding so far: (tokens proposed, accepted)
+    state_slot: int = -1  # "reserved": a hybrid model's linear-attention state slot reserved (-1: none)
 
 
 class _DeltaQueue(asyncio.Queue):
@@ -150,7 +151,8 @@ class EngineBridge:
     def _on_step(self, out: StepOutput) -> None:
         for req in out.reserved:
             self._post(Delta(req.request_id, [], num_cached_tokens=req.num_cached_tokens,
-                             block_ids=self.engine.get_block_ids(req.request_id), event="reserved"))
+                             block_ids=self.engine.get_block_ids(req.request_id), event="reserved",
+                             state_slot=self.engine.state_slot(req.request_id)))
         if self.post_started:
             for req in out.started:
                 self._post(Delta(req.request_id, [], event="started"))

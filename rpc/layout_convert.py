@@ -10,6 +10,7 @@ def layout_to_proto(layout: KVLayout) -> engine_pb2.KVLayout:
                                num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                                head_dim=layout.head_dim, k_scales=layout.k_scales, v_scales=layout.v_scales,
                                model_dtype=layout.model_dtype, weights=layout.weights, groups=layout.groups,
+                               linear_state=layout.linear_state,
                                draft=layout_to_proto(layout.draft) if layout.draft is not None else None)
 
 
@@ -17,7 +18,8 @@ def layout_from_proto(msg: engine_pb2.KVLayout) -> KVLayout:
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size, num_layers=msg.num_layers,
                     num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, k_scales=tuple(msg.k_scales),
                     v_scales=tuple(msg.v_scales), model_dtype=msg.model_dtype, weights=msg.weights,
-                    groups=msg.groups, draft=layout_from_proto(msg.draft) if msg.HasField("draft") else None)
+                    groups=msg.groups, linear_state=msg.linear_state,
+                    draft=layout_from_proto(msg.draft) if msg.HasField("draft") else None)
 
 
 def channel_request_to_proto(request: ChannelRequest) -> engine_pb2.OpenKVChannelRequest:

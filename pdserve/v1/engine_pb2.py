@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xf7\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x10\n\x08k_scales\x18\x07 \x03(\x01\x12\x10\n\x08v_scales\x18\x08 \x03(\x01\x12\x13\n\x0bmodel_dtype\x18\t \x01(\t\x12\x0f\n\x07weights\x18\n \x01(\t\x12#\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06groups\x18\x0c \x01(\t\"\xe1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\"}\n\x0fKVTransferStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12!\n\x19seconds_after_first_token\x18\x05 \x01(\x01\"\xcb\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\"\x96\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x11\n\tlora_name\x18\x05 \x01(\t\"R\n\x08Reserved\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x18\n\x10lora_fingerprint\x18\x03 \x01(\t\"\xd2\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x07 \x01(\x05\"k\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"x\n\x14OpenKVChannelRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\"^\n\x0eKVRankEndpoint\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x16\n\x0esrc_head_start\x18\x02 \x01(\x05\x12\x14\n\x0csrc_head_end\x18\x03 \x01(\x05\x12\x0c\n\x04port\x18\x04 \x01(\x05\"\xa8\x01\n\x15OpenKVChannelResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tpair_name\x18\x05 \x01(\t\x12)\n\x05parts\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVRankEndpoint\"+\n\x15PrefillStartedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16PrefillStartedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17WatchCacheEventsRequest\"q\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x03\x12\x0e\n\x06stored\x18\x05 \x03(\x08\x32\xf7\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2\xa6\x04\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12T\n\rOpenKVChannel\x12 .pdserve.v1.OpenKVChannelRequest\x1a!.pdserve.v1.OpenKVChannelResponse\x12W\n\x0ePrefillStarted\x12!.pdserve.v1.PrefillStartedRequest\x1a\".pdserve.v1.PrefillStartedResponse\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2Z\n\x0b\x43\x61\x63heEvents\x12K\n\x05Watch\x12#.pdserve.v1.WatchCacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8d\x02\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x10\n\x08k_scales\x18\x07 \x03(\x01\x12\x10\n\x08v_scales\x18\x08 \x03(\x01\x12\x13\n\x0bmodel_dtype\x18\t \x01(\t\x12\x0f\n\x07weights\x18\n \x01(\t\x12#\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06groups\x18\x0c \x01(\t\x12\x14\n\x0clinear_state\x18\r \x01(\t\"\x91\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\x12\x1b\n\x0e\x64st_state_slot\x18\t \x01(\x05H\x00\x88\x01\x01\x42\x11\n\x0f_dst_state_slot\"}\n\x0fKVTransferStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12!\n\x19seconds_after_first_token\x18\x05 \x01(\x01\"\xcb\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\"\x96\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x11\n\tlora_name\x18\x05 \x01(\t\"z\n\x08Reserved\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x18\n\x10lora_fingerprint\x18\x03 \x01(\t\x12\x17\n\nstate_slot\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\xd2\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x07 \x01(\x05\"k\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"x\n\x14OpenKVChannelRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\"^\n\x0eKVRankEndpoint\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x16\n\x0esrc_head_start\x18\x02 \x01(\x05\x12\x14\n\x0csrc_head_end\x18\x03 \x01(\x05\x12\x0c\n\x04port\x18\x04 \x01(\x05\"\xa8\x01\n\x15OpenKVChannelResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tpair_name\x18\x05 \x01(\t\x12)\n\x05parts\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVRankEndpoint\"+\n\x15PrefillStartedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16PrefillStartedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17WatchCacheEventsRequest\"q\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x03\x12\x0e\n\x06stored\x18\x05 \x03(\x08\x32\xf7\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2\xa6\x04\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12T\n\rOpenKVChannel\x12 .pdserve.v1.OpenKVChannelRequest\x1a!.pdserve.v1.OpenKVChannelResponse\x12W\n\x0ePrefillStarted\x12!.pdserve.v1.PrefillStartedRequest\x1a\".pdserve.v1.PrefillStartedResponse\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2Z\n\x0b\x43\x61\x63heEvents\x12K\n\x05Watch\x12#.pdserve.v1.WatchCacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.engine_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=65
-  _globals['_KVLAYOUT']._serialized_end=312
-  _globals['_PREFILLREQUEST']._serialized_start=315
-  _globals['_PREFILLREQUEST']._serialized_end=540
-  _globals['_KVTRANSFERSTATS']._serialized_start=542
-  _globals['_KVTRANSFERSTATS']._serialized_end=667
-  _globals['_PREFILLRESPONSE']._serialized_start=670
-  _globals['_PREFILLRESPONSE']._serialized_end=873
-  _globals['_DECODEREQUEST']._serialized_start=876
-  _globals['_DECODEREQUEST']._serialized_end=1026
-  _globals['_RESERVED']._serialized_start=1028
-  _globals['_RESERVED']._serialized_end=1110
-  _globals['_TOKENDELTA']._serialized_start=1113
-  _globals['_TOKENDELTA']._serialized_end=1323
-  _globals['_DECODERESPONSE']._serialized_start=1325
-  _globals['_DECODERESPONSE']._serialized_end=1432
-  _globals['_OPENKVCHANNELREQUEST']._serialized_start=1434
-  _globals['_OPENKVCHANNELREQUEST']._serialized_end=1554
-  _globals['_KVRANKENDPOINT']._serialized_start=1556
-  _globals['_KVRANKENDPOINT']._serialized_end=1650
-  _globals['_OPENKVCHANNELRESPONSE']._serialized_start=1653
-  _globals['_OPENKVCHANNELRESPONSE']._serialized_end=1821
-  _globals['_PREFILLSTARTEDREQUEST']._serialized_start=1823
-  _globals['_PREFILLSTARTEDREQUEST']._serialized_end=1866
-  _globals['_PREFILLSTARTEDRESPONSE']._serialized_start=1868
-  _globals['_PREFILLSTARTEDRESPONSE']._serialized_end=1907
-  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_start=1909
-  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_end=1934
-  _globals['_CACHEEVENTBATCH']._serialized_start=1936
-  _globals['_CACHEEVENTBATCH']._serialized_end=2049
-  _globals['_PREFILL']._serialized_start=2052
-  _globals['_PREFILL']._serialized_end=2427
-  _globals['_DECODE']._serialized_start=2430
-  _globals['_DECODE']._serialized_end=2980
-  _globals['_CACHEEVENTS']._serialized_start=2982
-  _globals['_CACHEEVENTS']._serialized_end=3072
+  _globals['_KVLAYOUT']._serialized_end=334
+  _globals['_PREFILLREQUEST']._serialized_start=337
+  _globals['_PREFILLREQUEST']._serialized_end=610
+  _globals['_KVTRANSFERSTATS']._serialized_start=612
+  _globals['_KVTRANSFERSTATS']._serialized_end=737
+  _globals['_PREFILLRESPONSE']._serialized_start=740
+  _globals['_PREFILLRESPONSE']._serialized_end=943
+  _globals['_DECODEREQUEST']._serialized_start=946
+  _globals['_DECODEREQUEST']._serialized_end=1096
+  _globals['_RESERVED']._serialized_start=1098
+  _globals['_RESERVED']._serialized_end=1220
+  _globals['_TOKENDELTA']._serialized_start=1223
+  _globals['_TOKENDELTA']._serialized_end=1433
+  _globals['_DECODERESPONSE']._serialized_start=1435
+  _globals['_DECODERESPONSE']._serialized_end=1542
+  _globals['_OPENKVCHANNELREQUEST']._serialized_start=1544
+  _globals['_OPENKVCHANNELREQUEST']._serialized_end=1664
+  _globals['_KVRANKENDPOINT']._serialized_start=1666
+  _globals['_KVRANKENDPOINT']._serialized_end=1760
+  _globals['_OPENKVCHANNELRESPONSE']._serialized_start=1763
+  _globals['_OPENKVCHANNELRESPONSE']._serialized_end=1931
+  _globals['_PREFILLSTARTEDREQUEST']._serialized_start=1933
+  _globals['_PREFILLSTARTEDREQUEST']._serialized_end=1976
+  _globals['_PREFILLSTARTEDRESPONSE']._serialized_start=1978
+  _globals['_PREFILLSTARTEDRESPONSE']._serialized_end=2017
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_start=2019
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_end=2044
+  _globals['_CACHEEVENTBATCH']._serialized_start=2046
+  _globals['_CACHEEVENTBATCH']._serialized_end=2159
+  _globals['_PREFILL']._serialized_start=2162
+  _globals['_PREFILL']._serialized_end=2537
+  _globals['_DECODE']._serialized_start=2540
+  _globals['_DECODE']._serialized_end=3090
+  _globals['_CACHEEVENTS']._serialized_start=3092
+  _globals['_CACHEEVENTS']._serialized_end=3182
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_dtype", "weights", "draft", "groups")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_dtype", "weights", "draft", "groups", "linear_state")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class KVLayout(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_STATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -33,10 +34,11 @@ class KVLayout(_message.Message):
     weights: str
     draft: KVLayout
     groups: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., draft: _Optional[_Union[KVLayout, _Mapping]] = ..., groups: _Optional[str] = ...) -> None: ...
+    linear_state: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., draft: _Optional[_Union[KVLayout, _Mapping]] = ..., groups: _Optional[str] = ..., linear_state: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "dst_block_ids", "num_skip_blocks", "lora_name", "lora_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "dst_block_ids", "num_skip_blocks", "lora_name", "lora_fingerprint", "dst_state_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class PrefillRequest(_message.Message):
     NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DST_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -53,7 +56,8 @@ class PrefillRequest(_message.Message):
     num_skip_blocks: int
     lora_name: str
     lora_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+    dst_state_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., dst_state_slot: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("num_blocks", "num_bytes", "seconds", "backend", "seconds_after_first_token")
@@ -100,14 +104,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("block_ids", "num_cached_tokens", "lora_fingerprint")
+    __slots__ = ("block_ids", "num_cached_tokens", "lora_fingerprint", "state_slot")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     lora_fingerprint: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., lora_fingerprint: _Optional[str] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "finish_message", "num_draft_tokens", "num_accepted_draft_tokens")
