@@ -5,7 +5,7 @@
 #           chunked prefill and state snapshots, against transformers on the same GPU)
 # capacity: Gemma 3-12B at 32k tokens: requests that fit, KV per request against what its layers
 #           need, with the groups and with --disable-hybrid-kv-cache-manager (JSON in $OUT)
-# decode:   Qwen3.5-27B shape, decode step at batch 1/32/128, 1k context
+# decode:   a Qwen3.5 shape (QWEN_SHAPE; the 27B one's float32 construction needs more than 80 GB), decode step at batch 1/32/128, 1k context
 source "$(dirname "$0")/gpu_common.sh"
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(tests capacity decode)
@@ -17,11 +17,11 @@ for section in "${sections[@]}"; do
     capacity)
       for flag in ${CAPACITY_FLAGS:-""}; do
         run 100 $py -m bench.cache_capacity --model-shape gemma-3-12b --context-len 32768 $flag 2>&1 \
-          | grep -vE "^(WARNING|INFO)" | tail -2 | tee -a "$out/capacity-gemma-3-12b.jsonl"
+          | grep -vE "^(WARNING|INFO|==)" | tail -1 | tee "$out/capacity-gemma-3-12b${flag:+-one-table}.json"
       done ;;
     decode)
-      run 150 $py -m pdserve.cli bench decode-step --model-shape qwen3.5-27b --batch-sizes 1,32,128 \
-        --context-len 1024 --steps 20 --output-json "$out/decode-step-qwen3.5-27b.json" 2>&1 \
+      run 150 $py -m pdserve.cli bench decode-step --model-shape ${QWEN_SHAPE:-qwen3.5-text-default} --batch-sizes 1,32,128 \
+        --context-len 1024 --steps 20 --output-json "$out/decode-step-${QWEN_SHAPE:-qwen3.5-text-default}.json" 2>&1 \
         | grep -vE "^(WARNING|INFO)" ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac

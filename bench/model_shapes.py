@@ -78,6 +78,13 @@ SHAPES["gemma-4-e2b"] = dict(
                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                         "rope_theta": 1000000.0}},
     bos_token_id=2, eos_token_id=1, pad_token_id=0)
+# transformers 5.23's Qwen3_5TextConfig defaults (32 layers, hidden 4096): a Qwen3.5 shape whose
+# float32 construction fits one 80 GB GPU (the 27B one's does not).
+SHAPES["qwen3.5-text-default"] = dict(
+    SHAPES["qwen3.5-27b"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+    num_key_value_heads=4, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                        "full_attention"] * 8)
+
 
 # A draft model's shape beside llama-3.1-8b (the same vocabulary and RoPE, a tied embedding)
 SHAPES["llama-3.2-1b"] = dict(SHAPES["llama-3.1-8b"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

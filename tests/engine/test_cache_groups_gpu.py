@@ -35,7 +35,8 @@ def test_served_on_cuda_token_for_token(tmp_path: Path, name: str, kw: dict):
     outs = llm.generate(prompts[:1], sp) + llm.generate(prompts[1:], sp)
     graphs = llm.engine.runner.graphs
     try:
-        assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs], tie=1e-4)
+        # Triton's float32 dots round as TF32: a first difference where the top two are within 1%
+        assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs], tie=1e-4, relative=0.01)
         assert graphs is not None and graphs.num_replays > 0  # decode steps replayed graphs
         if "linear_state_snapshot_interval" in kw:
             assert [o.num_cached_tokens for o in outs][1:3] == [40, 40]
