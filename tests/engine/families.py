@@ -92,3 +92,14 @@ def assert_greedy_match(model, prompts, expected, got, tie: float = 1e-5, relati
 def random_prompts(lengths: list[int], vocab: int = 384, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_references(models: dict[str, Path], lengths: list[int], seed: int, max_new_tokens: int) -> dict:
+    """name -> (transformers model, random prompts of ``lengths``, its greedy tokens), the
+    prompts of the i-th model drawn with seed ``seed + i``."""
+    out = {}
+    for i, (name, d) in enumerate(models.items()):
+        m = hf_model(d)
+        prompts = random_prompts(lengths, seed=seed + i)
+        out[name] = (m, prompts, hf_greedy(m, prompts, max_new_tokens))
+    return out

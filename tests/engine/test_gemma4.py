@@ -23,7 +23,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.rotary import rope_cos_sin_cache
 from engine.model_loader import load_model
 from kernels import reference
-from tests.engine.families import assert_greedy_match, hf_greedy, hf_model, random_prompts
+from tests.engine.families import assert_greedy_match, greedy_references, hf_greedy, hf_model, random_prompts
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -80,12 +80,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(models):
     """(transformers model, prompts, greedy tokens) per variant, computed once."""
-    out = {}
-    for i, (name, d) in enumerate(models.items()):
-        m = hf_model(d)
-        prompts = random_prompts(PROMPT_LENGTHS, seed=200 + i)
-        out[name] = (m, prompts, hf_greedy(m, prompts, MAX_TOKENS))
-    return out
+    return greedy_references(models, PROMPT_LENGTHS, 200, MAX_TOKENS)
 
 
 def _config(d: Path) -> ModelConfig:

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from tests.engine.families import (FAMILIES, WINDOW, assert_greedy_match, hf_greedy, hf_model, make_family_model,
-                                   random_prompts)
+from tests.engine.families import (FAMILIES, WINDOW, assert_greedy_match, greedy_references, hf_greedy, hf_model,
+                                   make_family_model, random_prompts)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -34,12 +34,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(models):
     """(transformers model, prompts, greedy tokens) per family, computed once."""
-    out = {}
-    for i, (name, d) in enumerate(models.items()):
-        m = hf_model(d)
-        prompts = random_prompts(PROMPT_LENGTHS, seed=100 + i)
-        out[name] = (m, prompts, hf_greedy(m, prompts, MAX_TOKENS))
-    return out
+    return greedy_references(models, PROMPT_LENGTHS, 100, MAX_TOKENS)
 
 
 def _generate(llm: LLM, prompts) -> list[list[int]]:
