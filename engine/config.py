@@ -693,6 +693,13 @@ class EngineArgs:
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
                                 max_queued_requests=self.max_queued_requests)
         speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.enable_lora and "linear_attention" in model.layer_types:
+            raise ValueError(f"--enable-lora: adapters on {model.architecture}'s linear-attention and gated "
+                             "attention layers are not supported yet; serve it without --enable-lora")
+        if speculative is not None and "linear_attention" in model.layer_types:
+            raise ValueError(f"--speculative-config: {model.architecture} has linear-attention layers, whose "
+                             "recurrent state cannot step back over rejected proposals; serve it without "
+                             "speculative decoding")
         if speculative is not None and speculative.model is not None:
             from engine.model_files import resolve_model_path
 

@@ -21,13 +21,15 @@ def set_kv_scales(model: torch.nn.Module, config: EngineConfig, log: bool = True
     mc, cc = config.model, config.cache
     if cc.cache_dtype == "auto":
         return None
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if len(layers) != mc.num_layers:
-        raise ValueError(f"--kv-cache-dtype {cc.cache_dtype}: found {len(layers)} attention layers in a "
-                         f"model of {mc.num_layers}")
     scales = load_kv_scales(mc.path, mc.hf_config, mc.num_layers, mc.load_format)
-    for layer, k, v in zip(layers, scales.k, scales.v):
-        layer.k_scale, layer.v_scale = k, v
+    # per decoder layer; a layer reading another's KV takes that layer's scales, and layers
+    # without attention (linear attention) none
+    for i, layer in enumerate(model.model.layers):
+        src = mc.layer_kv_sources[i]
+        src = i if src is None else src
+        for m in layer.modules():
+            if isinstance(m, Attention):
+                m.k_scale, m.v_scale = scales.k[src], scales.v[src]
     if log:
         logger.info("KV cache dtype %s (%s): %s", cc.cache_dtype, config.kv_dtype, scales.describe())
     return scales

@@ -75,3 +75,25 @@ def test_chunks_end_on_snapshot_boundaries():
     a, b, c = snaps.take(11), snaps.take(22), snaps.take(33)  # the third evicts the oldest
     assert (a, b) == (5, 6) and c == 5 and snaps.find(11) is None and snaps.find(22) == 6
     assert snaps.take(22) is None  # kept already
+
+
+def test_what_a_hybrid_model_refuses_or_keeps(hybrid):
+    """Speculative decoding (the state cannot step back over rejected proposals) and LoRA are
+    refused at start, by name; an FP8 KV cache serves, its attention layers scaled (linear layers
+    have no KV)."""
+    import json
+
+    from engine.layers.attention import Attention
+
+    d, m = hybrid
+    with pytest.raises(ValueError, match="speculative-config.*linear-attention"):
+        LLM(str(d), speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    with pytest.raises(ValueError, match="enable-lora"):
+        LLM(str(d), enable_lora=True)
+    llm = LLM(str(d), kv_cache_dtype="fp8", block_size=4)
+    attn = [mod for mod in llm.engine.runner.model.modules() if isinstance(mod, Attention)]
+    assert attn and all(a.k_scale == a.v_scale == 1.0 for a in attn)
+    prompts = random_prompts([20], seed=2)
+    out = llm.generate(prompts, SP)[0].outputs[0].token_ids
+    # an 8-bit cache stays close: the first tokens are transformers' (greedy, float32 reference)
+    assert out[:2] == hf_greedy(m, prompts, 2)[0]
