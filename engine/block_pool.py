@@ -143,6 +143,15 @@ class BlockPool:
         if indexed:
             self._record(True, block_hash)
 
+    def publish(self, block: KVBlock) -> None:
+        """Publish a cached block that was registered unpublished (``cache_block(indexed=False)``)
+        to the prefix index's feed, from now until it is evicted."""
+        h = block.block_hash
+        if h is None or block.indexed or self.cached.get(h) is not block:
+            return
+        block.indexed = True
+        self._record(True, h)
+
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue
         tail in the given order (pass a request's blocks tail-first so its

@@ -100,6 +100,9 @@ class KVCacheManager:
             self.snapshots = StateSnapshots(num_state_slots + 1, num_state_snapshots, snapshot_interval)
         self.enable_caching = enable_caching and (not layout.has_linear or self.snapshots is not None)
         self.restore_from: dict[str, int] = {}  # request -> the snapshot slot its prefix hit restores
+        # A hybrid model's blocks are published to the prefix index only up to a boundary with a
+        # snapshot: what a hit there really saves (request -> tokens published).
+        self.published_upto: dict[str, int] = {}
         self.states = StateSlots(num_state_slots) if layout.has_linear else None
         if layout.has_linear and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs state slots")
@@ -191,8 +194,14 @@ class KVCacheManager:
         ``end``, where that is a boundary without a snapshot yet; else None."""
         if self.snapshots is None or end % self.snapshots.interval or end > request.num_tokens or end == 0:
             return None
+        rid = request.request_id
+        if end > self.published_upto.get(rid, 0):  # its blocks up to the boundary are a hit now
+            self.published_upto[rid] = end
+            g = self.groups[0]
+            for block in g.req_blocks.get(rid, ())[:end // g.block_size]:
+                self.pool.publish(block)  # (those registered already; the rest are as they are)
         dst = self.snapshots.take(self._boundary_hash(request, end))
-        return None if dst is None else (self.state_slot(request.request_id), dst)
+        return None if dst is None else (self.state_slot(rid), dst)
 
     def take_restore(self, request: Request) -> tuple[int, int] | None:
         """(snapshot slot, the request's slot) to copy before its first step after a prefix hit."""
@@ -248,8 +257,9 @@ class KVCacheManager:
             if num_full <= start:
                 continue
             hashes = self._block_hashes(request, num_full, g.block_size)
+            published = num_full if self.snapshots is None else self.published_upto.get(rid, 0) // g.block_size
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], g.key(hashes[i]), indexed=g.index == 0)
+                self.pool.cache_block(blocks[i], g.key(hashes[i]), indexed=g.index == 0 and i < published)
             g.num_cached_blocks[rid] = num_full
 
     def free_dead_blocks(self, request: Request) -> int:
@@ -335,6 +345,7 @@ class KVCacheManager:
         if self.states is not None:
             self.states.give_back(rid)
         self.restore_from.pop(rid, None)
+        self.published_upto.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""

@@ -97,3 +97,20 @@ def test_what_a_hybrid_model_refuses_or_keeps(hybrid):
     out = llm.generate(prompts, SP)[0].outputs[0].token_ids
     # an 8-bit cache stays close: the first tokens are transformers' (greedy, float32 reference)
     assert out[:2] == hf_greedy(m, prompts, 2)[0]
+
+
+def test_the_prefix_index_hears_of_blocks_up_to_a_snapshot(hybrid):
+    """What the prefix index publishes for a hybrid model is what a hit there saves: the blocks up
+    to the last boundary with a state snapshot, not every full block."""
+    d, _ = hybrid
+    llm = LLM(str(d), block_size=4, max_num_batched_tokens=64, linear_state_snapshot_interval=16)
+    kv = llm.engine.scheduler.kv
+    assert kv.cache_snapshot() == []  # subscribed from here on
+    prompt = random_prompts([41], seed=3)[0]  # one chunk to 32 (a boundary), then 9 tokens
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # 46 tokens: 11 full blocks
+    llm.generate([prompt], short)
+    events, lost = kv.take_cache_events()
+    stored = [h for stored, h in events if stored]
+    assert not lost and len(stored) == 8  # 32 tokens' blocks
+    again = llm.generate([prompt + [7]], short)[0]
+    assert again.num_cached_tokens == 32
