@@ -105,6 +105,8 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         if arch in GEMMA4_ARCHITECTURES:
             cfg = _gemma4_config(arch, cfg)
+        elif arch in QWEN3_5_MULTIMODAL_ARCHITECTURES:
+            cfg = _qwen3_5_text_config(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         _refuse_unsupported(arch, cfg)
@@ -191,8 +193,9 @@ class ModelConfig:
 
 # Families with Gated DeltaNet linear-attention layers (engine/layers/gated_delta_net.py), and
 # those whose MoE blocks may have a sigmoid-gated shared expert (engine/layers/moe.py).
-LINEAR_ATTENTION_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-_SHARED_EXPERT_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+LINEAR_ATTENTION_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+_SHARED_EXPERT_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 _LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                           "linear_value_head_dim")
 
@@ -387,6 +390,44 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 partial_rotary_factor=1.0,  # "proportional" RoPE spans the whole head (its zeros turn nothing)
                 num_experts=cfg["num_experts"] if moe else 0, num_experts_per_tok=cfg["top_k_experts"] if moe else 0,
                 moe_intermediate_size=cfg["moe_intermediate_size"] if moe else 0)
+
+
+# ---- Qwen3.5's multimodal checkpoints (engine/models/qwen3_5.py) -------------------------
+QWEN3_5_MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# a multimodal checkpoint's names of its text model (a name, a "re:" pattern), and the text model's
+_LANGUAGE_MODEL_NAMES = (("model.language_model.", "model."), ("re:model.language_model.", "re:model."),
+                         ("re:model\\.language_model\\.", "re:model\\."))
+_QUANT_IGNORE_KEYS = ("ignore", "modules_to_not_convert", "ignored_layers")
+
+
+def _qwen3_5_text_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration, or the MoE one) is
+    served by its text model: its ``text_config``, with the top level's
+    ``tie_word_embeddings`` (transformers ties the LM head by it; absent: False, as
+    Qwen3_5Config's default), ``eos_token_id`` where it has one, and ``quantization_config``,
+    whose ignore lists name ``model.language_model.*``: read as the text model's ``model.*``."""
+    if not isinstance(cfg.get("text_config"), dict):
+        raise ValueError(f"{arch}: config.json has no text_config")
+    text = dict(cfg["text_config"])
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    if cfg.get("eos_token_id") is not None:
+        text["eos_token_id"] = cfg["eos_token_id"]
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict):
+        qc = dict(qc)
+        for key in _QUANT_IGNORE_KEYS:
+            if isinstance(qc.get(key), list):
+                qc[key] = [_text_model_name(rule) for rule in qc[key]]
+        text["quantization_config"] = qc
+    return text
+
+
+def _text_model_name(rule: Any) -> Any:
+    """An ignore-list entry naming ``model.language_model.X`` as ``model.X``; others unchanged."""
+    for theirs, ours in _LANGUAGE_MODEL_NAMES:
+        if isinstance(rule, str) and rule.startswith(theirs):
+            return ours + rule[len(theirs):]
+    return rule
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ config needs no torch).
     phi3.py         Phi-3                                           fused qkv_proj / gate_up_proj checkpoints
     qwen3_next.py   Qwen3-Next                                      Gated DeltaNet linear attention beside gated full
                                                                     attention, experts with a gated shared expert
-    qwen3_5.py      Qwen3.5, Qwen3.5-MoE (text)                     Qwen3-Next with its DeltaNet projections apart
+    qwen3_5.py      Qwen3.5, Qwen3.5-MoE (text; a                   Qwen3-Next with its DeltaNet projections apart
+                    multimodal checkpoint's text model)
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "engine.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
 }
 
 

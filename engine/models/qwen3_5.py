@@ -7,6 +7,10 @@ shared expert on every layer, top-k weights always renormalised.
 Qwen3.5's multimodal RoPE (``mrope_section``, ``mrope_interleaved``) gives each section of
 the rotary dims the position of one axis (text, height, width); text has one position on
 every axis, so every section turns by it and the rotation is plain (partial) RoPE.
+
+The published checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``): served as their text model, see
+``Qwen3_5ForConditionalGeneration`` below.
 """
 from __future__ import annotations
 
@@ -20,3 +24,21 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     stacked_params = CausalLM.stacked_params + (
         (".in_proj_b.", ".in_proj_ba.", "b"), (".in_proj_a.", ".in_proj_ba.", "a"),
     )
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A multimodal Qwen3.5 or Qwen3.5-MoE checkpoint served as its text model (ModelConfig
+    reads its ``text_config``): ``model.language_model.*`` is the text model's ``model.*``,
+    ``lm_head.*`` and ``mtp.*`` are where the text model has them, and the vision tower
+    (``model.visual.*``) is not read. Without media, transformers embeds an image or video
+    placeholder in a prompt as any other token, at a plain text position: so does this."""
+
+    _LANGUAGE_MODEL = "model.language_model."
+    _VISION = "model.visual."
+
+    def map_name(self, name: str) -> tuple[str, object] | None:
+        if name.startswith(self._VISION):
+            return None
+        if name.startswith(self._LANGUAGE_MODEL):
+            name = "model." + name[len(self._LANGUAGE_MODEL):]
+        return super().map_name(name)
