@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kv_transfer.protocol import KVLayout, _dtype_name, describe_state
 
 if TYPE_CHECKING:
+    from engine.kv_cache_groups import KVCacheLayout
     from engine.llm_engine import LLMEngine
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
     """The model's whole layout (every KV head, whatever share a tensor-parallel rank
     holds): the cache's dtype and FP8 scales, the model's dtype, the weight quantization,
-    a draft model's cache (``KVLayout.draft``) where there is one, and a hybrid model's
-    linear-attention state (``KVLayout.linear_state``)."""
+    a draft model's cache (``KVLayout.draft``) where there is one, a hybrid model's
+    linear-attention state (``KVLayout.linear_state``), and the KV cache groups
+    (``KVLayout.groups``; layers of different KV shapes: the shapes are the widest group's,
+    and each group's is in the groups' record)."""
     mc = engine.config.model
     weights = mc.quantization.describe() if mc.quantization is not None else ""
     draft = None
@@ -26,17 +29,52 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
         d = engine.drafter
         draft = KVLayout.of(d.kv_cache, d.model_name, d.kv_scales, d.config.model.dtype)
     groups = engine.cache_layout
-    if len(set(mc.layer_kv_shapes)) > 1:
-        raise ValueError(f"{mc.served_model_name}: layers of different KV shapes are not sent between tiers yet; "
-                         "serve this model colocated (pdserve serve)")
     if not groups.is_simple and engine.kv_scales[0]:  # ((), ()) unless the cache is FP8
+        shared = any(p is not None and not stored for p, stored in zip(groups.places, groups.stores))
+        needs_groups = groups.has_linear or shared or len(_shapes(groups)) > 1  # model_layout's refusal
         way_out = ("serve this model with the model's KV dtype on both tiers, or colocated (pdserve serve)"
-                   if groups.has_linear else "add --disable-hybrid-kv-cache-manager on both tiers")
+                   if needs_groups else "add --disable-hybrid-kv-cache-manager on both tiers")
         raise ValueError(f"--kv-cache-dtype fp8 with KV cache groups is not sent between tiers yet: {way_out}")
     layout = KVLayout.of(engine.kv_cache, mc.served_model_name, engine.kv_scales, mc.dtype, weights, draft)
-    described = "" if len(groups.groups) == 1 else json.dumps(groups.field_list())
-    return dataclasses.replace(layout, num_kv_heads=mc.num_kv_heads, groups=described,
+    described = "" if len(groups.groups) == 1 else json.dumps(_group_fields(groups))
+    return dataclasses.replace(layout, num_kv_heads=_widest_kv_heads(engine), groups=described,
                                linear_state=_state_of(engine) if groups.has_linear else "")
+
+
+def _shapes(groups: KVCacheLayout) -> set[tuple[int, int]]:
+    return {(g.num_kv_heads, g.head_dim) for g in groups.groups if g.num_kv_heads}
+
+
+def _group_fields(groups: KVCacheLayout) -> list[tuple[str, Any]]:
+    """The groups' record (``KVCacheLayout.field_list``: kinds, layers, block sizes, windows),
+    and each group's KV heads and head size where the groups' layers store more than one
+    shape per token (every head of the model: the same record at any tensor-parallel size)."""
+    fields = groups.field_list()
+    if len(_shapes(groups)) <= 1:
+        return fields
+    out = list(fields)
+    for i in reversed(range(len(groups.groups))):  # each group's shape after its other fields
+        g, prefix = groups.groups[i], f"group{i}."
+        end = 1 + max(j for j, (name, _) in enumerate(out) if name.startswith(prefix))
+        out[end:end] = [(f"{prefix}kv_heads", g.num_kv_heads), (f"{prefix}head_dim", g.head_dim)]
+    return out
+
+
+def _widest_kv_heads(engine: LLMEngine) -> int:
+    """The model's KV heads (all ranks') of the layers whose shape the cache has: the widest
+    group's (engine/cache_spec.py), whose head size is the cache's; a narrower group's pages
+    are views of the same bytes at its own block size."""
+    mc = engine.config.model
+    shapes = _shapes(engine.cache_layout)
+    if len(shapes) <= 1:
+        return mc.num_kv_heads
+    widest = max(h * d for h, d in shapes)
+    head_dim = engine.kv_cache.shape[-1]
+    heads = [h for h, d in shapes if h * d == widest and d == head_dim]
+    if len(heads) != 1:
+        raise ValueError(f"{mc.served_model_name}: the KV cache's head size {head_dim} is no widest group's "
+                         f"(groups' KV shapes {sorted(shapes)})")
+    return heads[0]
 
 
 def _state_of(engine: LLMEngine) -> str:

@@ -3,6 +3,7 @@ the backend choice, the message plan of a transfer, errors and per-transfer resu
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 from dataclasses import asdict, dataclass, fields
@@ -87,7 +88,12 @@ class KVLayout:
     draft: KVLayout | None = None  # a draft model's cache, sent beside this one
     # The KV cache groups (engine/kv_cache_groups.py): "" for one group of every layer (then
     # num_layers is the model's), else each group's kind, layers and block size, and the
-    # slots (num_layers counts slots: a block holds a page of each).
+    # slots (num_layers counts slots: a block holds a page of each); JSON (name, value) pairs,
+    # compared field by field. Where the groups' layers store KV of more than one shape per
+    # token (Gemma 4), each group's KV heads and head size too ("group1.kv_heads", ...):
+    # num_kv_heads, head_dim and block_size above are then the widest group's (a narrower
+    # group's page is the same bytes at its own block size), and a page cannot be split by
+    # KV heads between tensor-parallel ranks (tp_parts.check_page_split).
     groups: str = ""
     linear_state: str = ""  # describe_state's JSON ("": no linear-attention layers)
 
@@ -115,6 +121,8 @@ class KVLayout:
             object.__setattr__(self, "model_dtype", self.dtype)
         if self.linear_state:
             state_specs(self.linear_state)  # raises ValueError when malformed
+        if self.groups:
+            group_shapes(self.groups)  # raises ValueError when malformed
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor, model: str,
@@ -131,6 +139,12 @@ class KVLayout:
                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    k_scales=tuple(scales[0]), v_scales=tuple(scales[1]), model_dtype=model_dtype, weights=weights,
                    draft=draft)
+
+    @property
+    def mixed_shapes(self) -> bool:
+        """Whether the cache groups hold KV of more than one shape per token (then each
+        group's page is [its block size, its KV heads, its head size], not this layout's)."""
+        return len(set(group_shapes(self.groups))) > 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the draft's layout as a nested dict
@@ -223,6 +237,33 @@ def _state_fields(text: str) -> dict[str, Any]:
     return fields
 
 
+def _group_fields(text: str) -> dict[str, Any]:
+    """``KVLayout.groups`` as {name: value}."""
+    try:
+        return {name: value for name, value in json.loads(text)}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"KVLayout.groups is not a JSON list of (name, value) pairs: {text!r}") from e
+
+
+def group_shapes(text: str) -> list[tuple[int, int]]:
+    """Each cache group's (KV heads, head size) that ``KVLayout.groups`` names, in group order;
+    [] where it names none (one group, or groups whose layers all store the layout's shape)."""
+    if not text:
+        return []
+    fields = _group_fields(text)
+    shapes = []
+    for i in itertools.count():
+        if f"group{i}.kind" not in fields:
+            return shapes
+        heads, size = fields.get(f"group{i}.kv_heads"), fields.get(f"group{i}.head_dim")
+        if heads is None and size is None:
+            continue
+        if not (isinstance(heads, int) and isinstance(size, int) and heads > 0 and size > 0):
+            raise ValueError(f"KVLayout.groups: group {i}'s kv_heads {heads!r} and head_dim {size!r} must be "
+                             "positive ints")
+        shapes.append((heads, size))
+
+
 def state_specs(text: str) -> list[StateSpec]:
     """The state spec of each linear layer, in layer order, from ``describe_state``'s text."""
     fields = _state_fields(text)
@@ -287,8 +328,9 @@ def _layout_diffs(a: KVLayout, b: KVLayout, prefix: str = "") -> list[str]:
     ("draft.num_layers ..."); a draft on one side only is named as such."""
     implied = a.model_dtype == a.dtype and b.model_dtype == b.dtype
     diffs = [f"{prefix}{f.name} {_show(getattr(a, f.name))} != {_show(getattr(b, f.name))}"
-             for f in fields(KVLayout) if f.name not in ("draft", "linear_state")
+             for f in fields(KVLayout) if f.name not in ("draft", "linear_state", "groups")
              and getattr(a, f.name) != getattr(b, f.name) and not (f.name == "model_dtype" and implied)]
+    diffs += _group_diffs(a.groups, b.groups, prefix)
     diffs += _state_diffs(a.linear_state, b.linear_state, prefix)
     if a.draft is not None and b.draft is not None:
         diffs += _layout_diffs(a.draft, b.draft, prefix + "draft.")
@@ -296,6 +338,22 @@ def _layout_diffs(a: KVLayout, b: KVLayout, prefix: str = "") -> list[str]:
         diffs.append(f"{prefix}draft model {_show(a.draft)} != {_show(b.draft)} (speculative decoding with a draft "
                      "model needs it on both tiers: the prefill server computes the draft's KV of the prompt)")
     return diffs
+
+
+def _group_diffs(a: str, b: str, prefix: str) -> list[str]:
+    """The cache groups' fields that differ ("groups.group1.block_size 8 != 4"), or groups on
+    one side only (the other's cache is one group of every layer)."""
+    if a == b:
+        return []
+    if not a or not b:
+        def show(text: str) -> str:
+            return "none" if not text else "(" + ", ".join(f"{k} {_show_value(v)}" for k, v in json.loads(text)) + ")"
+        return [f"{prefix}groups {show(a)} != {show(b)} (KV cache groups on one side only: both tiers must lay "
+                "the cache out alike, --disable-hybrid-kv-cache-manager on both or neither)"]
+    fa, fb = _group_fields(a), _group_fields(b)
+    names = list(dict.fromkeys([*fa, *fb]))
+    return [f"{prefix}groups.{n} {_show_value(fa.get(n))} != {_show_value(fb.get(n))}" for n in names
+            if fa.get(n) != fb.get(n)]
 
 
 def _state_diffs(a: str, b: str, prefix: str) -> list[str]:

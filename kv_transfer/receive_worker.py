@@ -40,7 +40,8 @@ from kv_transfer.protocol import KVTransferError, TransferStats, check_compatibl
 from kv_transfer.rank_worker import install_rank_handlers
 from kv_transfer.receive_scheduler import KVReceiveScheduler
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.tp_parts import check_state_ranks, close_on_ranks, kv_transfer_parts, receive_part
+from kv_transfer.tp_parts import (check_page_split, check_state_ranks, close_on_ranks, kv_transfer_parts,
+                                  receive_part)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class KVReceiveWorker:
     # ---- pair setup (gRPC executor thread) ------------------------------
     def open(self, request: ChannelRequest) -> ChannelOffer:
         """Listen for a prefill server's channel (every part of it); where to dial. Raises
-        ValueError when the layouts or devices do not fit, or listening fails, and
-        OverflowError when this server has ``max_pairs`` pairs already."""
+        ValueError when the layouts or devices do not fit, the parts would split what cannot
+        be split (a linear-attention state, pages of layers of different KV shapes), or
+        listening fails, and OverflowError when this server has ``max_pairs`` pairs already."""
         ranks = max(1, request.tensor_parallel_size)
         check_state_ranks(self.layout.linear_state or request.layout.linear_state, ranks,
                           self.tp.size if self.tp else 1)
@@ -91,6 +93,7 @@ class KVReceiveWorker:
             check_compatible(self.layout, request.layout, "decode", "prefill")
         except KVTransferError as exc:
             raise ValueError(str(exc)) from exc
+        check_page_split(self.layout, ranks, self.tp.size if self.tp else 1)
         mine = str(self.kv_cache.device)
         theirs_on_gpu, mine_on_gpu = request.device.startswith("cuda"), mine.startswith("cuda")
         if theirs_on_gpu and mine_on_gpu:

@@ -3,6 +3,7 @@ parts, straight from rank to rank, each part one share of the KV heads over a pa
 its own (nothing is gathered on one rank).
 
     kv_transfer_parts(src_size, dst_size, num_kv_heads)   who sends which heads to whom
+    check_page_split(layout, src_size, dst_size)          refuse parts that would split a page
     receive_part(...)                                      one part into a rank's heads, accounted once
     close_on_ranks(...)                                    close what keys name on worker ranks
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from engine.parallel import kv_head_range
 from engine.rank_calls import RankCallError, call
-from kv_transfer.protocol import KVChannelClosed, TransferStats
+from kv_transfer.protocol import KVChannelClosed, KVLayout, TransferStats
 from kv_transfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,40 @@ def check_state_ranks(linear_state: str, prefill_ranks: int, decode_ranks: int) 
                          f"each side only (--tensor-parallel-size 1): prefill has {prefill_ranks} rank(s), decode "
                          f"{decode_ranks}; serve it at --tensor-parallel-size 1 on both tiers, or colocated "
                          "(pdserve serve)")
+
+
+def whole_pages(parts: Sequence[KVPart], src_size: int, dst_size: int, num_kv_heads: int) -> bool:
+    """Whether every part moves whole pages: rank r's every KV head into rank r's, on two
+    engines of one size (rank r of each holds the same heads of every layer)."""
+    return src_size == dst_size and len(parts) == dst_size and all(
+        p.src_rank == p.dst_rank and p.src_heads == p.dst_heads == (0, _local_heads(p.dst_rank, dst_size, num_kv_heads))
+        for p in parts)
+
+
+def _local_heads(rank: int, size: int, num_kv_heads: int) -> int:
+    lo, hi = kv_head_range(rank, size, num_kv_heads)
+    return hi - lo
+
+
+def check_page_split(layout: KVLayout, prefill_ranks: int, decode_ranks: int) -> None:
+    """Raise ValueError where a channel would split pages of a model whose layers store KV of
+    different shapes (``KVLayout.mixed_shapes``: Gemma 4's full and sliding layers). A part
+    is a share of the widest group's KV heads, cut from every page as if it were
+    [block_size, num_kv_heads, head_dim]; a narrower group's page holds more tokens of other
+    heads in the same bytes, so a share of it is no head of its. Pages move whole only rank to
+    rank between engines of one size (``whole_pages``)."""
+    if not layout.mixed_shapes or (prefill_ranks == decode_ranks == 1):
+        return
+    parts = kv_transfer_parts(prefill_ranks, decode_ranks, layout.num_kv_heads)
+    if whole_pages(parts, prefill_ranks, decode_ranks, layout.num_kv_heads):
+        return
+    why = ("the tiers' tensor-parallel sizes differ" if prefill_ranks != decode_ranks else
+           f"its {layout.num_kv_heads} KV heads of the widest layers are replicated over {decode_ranks} ranks, so "
+           "a rank would take another rank's pages")
+    raise ValueError(f"{layout.model}: its layers store KV of different shapes, whose pages cannot be split by KV "
+                     f"heads between tensor-parallel ranks; prefill has {prefill_ranks} rank(s), decode "
+                     f"{decode_ranks} ({why}): serve it at the same --tensor-parallel-size on both tiers "
+                     "(1 always works), or colocated (pdserve serve)")
 
 
 def close_on_ranks(store: dist.Store, pairs: list[tuple[int, str]], name: str, timeout: float) -> None:

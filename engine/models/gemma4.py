@@ -224,14 +224,15 @@ class Gemma4ForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """As CausalLM.forward, each layer also given its per-layer input."""
+        """As CausalLM.forward, each layer also given its per-layer input; ``on_layer(s)`` once
+        the last layer writing slot s has run (``slot_done``)."""
         h = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, h)
         for i, layer in enumerate(self.model.layers):
             h, _ = layer(positions, h, None, self.layer_kv(kv_cache, i), meta,
                          None if per_layer is None else per_layer[:, i])
             if on_layer is not None:
-                on_layer(i)
+                self.slot_done(i, on_layer)
         return self.model.norm(h)
 
     def map_name(self, name: str) -> tuple[str, object] | None:
