@@ -523,7 +523,9 @@ class Scheduler:
         while self.kv.allocate_slots(req, num_new) is None:
             victim = self._newest_unscheduled(req, scheduled)
             if victim is None:
-                if not scheduled:  # alone and still too big: the cache cannot hold it
+                # Alone and still too big: the cache cannot hold it, unless blocks held for a KV
+                # transfer (sends pending, KV arriving) will come back; then it waits for them.
+                if not scheduled and not (self.held or self.pending_free or self.reserved):
                     self._finish(req, S.FINISHED_LENGTH)
                     out.finished.append(req)
                     return False

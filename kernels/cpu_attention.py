@@ -11,8 +11,10 @@ the reference's to float32 rounding (the softmax is summed in another order).
 Built with ``torch.utils.cpp_extension.load`` the first time a process needs
 it (``make install`` builds it ahead: ``python -m kernels.cpu_attention``),
 into torch's extension cache (``~/.cache/torch_extensions``, or
-``$TORCH_EXTENSIONS_DIR``), named after the torch version; later processes
-load the cached library after ninja's up-to-date check. The engine's model
+``$TORCH_EXTENSIONS_DIR``), named after the torch version and a hash of where this
+source and that torch are (ninja's build file records both paths: two checkouts or two
+environments sharing one folder would rebuild over each other at every load); later
+processes load the cached library after ninja's up-to-date check. The engine's model
 runner loads it at start-up on CPU (a build inside a step would hold the
 step). Needs a C++ compiler (``$CXX``, else ``c++``) and ninja. Where either
 is missing, the build fails, or the build or load has not ended within
@@ -30,6 +32,7 @@ nor e4m3, a head dim over 512) go to the reference too.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -49,7 +52,8 @@ from kernels._checks import FP8_KV_DTYPE, check_window
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_attention.cpp")
-_NAME = "pdserve_cpu_attention_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+_NAME = ("pdserve_cpu_attention_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
+         + hashlib.sha256(f"{_SOURCE}\0{os.path.dirname(torch.__file__)}".encode()).hexdigest()[:12])
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 

@@ -4,6 +4,7 @@ an abort in every state, every deadline, transfers that fail, and blocks that
 are never freed under a transfer but always freed after it."""
 from __future__ import annotations
 
+import gc
 import time
 import tracemalloc
 
@@ -348,8 +349,10 @@ def test_long_run_state_does_not_grow():
 
     serve(0, 300)
     tracemalloc.start()
+    gc.collect()  # what stays, not what the cyclic collector has yet to visit
     before = tracemalloc.take_snapshot()
     serve(300, 3000)
+    gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     growth = sum(st.size_diff for st in after.compare_to(before, "filename"))
@@ -360,3 +363,28 @@ def test_long_run_state_does_not_grow():
     serve(3300, 30)
     events, lost = s.kv.pool.take_events()
     assert len(events) <= 50 and lost
+
+
+def test_a_prompt_that_outgrows_the_cache_waits_for_blocks_held_for_a_send():
+    """Prefill tier: a prompt alone in the batch that cannot get its next block, while blocks
+    wait for a KV send, waits for them (preempted, resumed once the send frees them) instead
+    of ending with "length"."""
+    s = make(num_blocks=8, block_size=4, budget=8)
+    a = req("a", 16, hold=True)
+    s.add_request(a)
+    while a.status != S.HELD_FOR_SEND:
+        step(s)
+    assert used(s) == 4  # a's blocks, held for its send
+    b = req("b", 20, start=100, hold=True)
+    s.add_request(b)
+    for _ in range(6):
+        step(s)
+    assert b.status in (S.WAITING, S.PREEMPTED) and not b.is_finished  # out of blocks: it waits
+    s.begin_send("a")
+    s.release_held("a")
+    while b.status != S.HELD_FOR_SEND:
+        step(s)
+    assert b.num_computed_tokens == 20
+    s.begin_send("b")
+    s.release_held("b")
+    assert_no_leak(s)
