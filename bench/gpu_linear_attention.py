@@ -88,9 +88,9 @@ class Batch:
 
 
 def _fla():
-    """fla-core's kernels where the machine has them (the compare extra; never in the test
-    environment: with fla installed, transformers' Qwen3-Next takes fla's kernels instead of its
-    PyTorch path, which the CPU tests compare against)."""
+    """fla-core's kernels where the machine has them (`pip install fla-core==0.6.0` on the GPU
+    machine; never a dependency of pdserve's: with fla installed, transformers' Qwen3-Next takes
+    fla's kernels instead of its PyTorch path, which the CPU tests compare against)."""
     try:
         ops = importlib.import_module("fla.ops.gated_delta_rule")
     except Exception as e:  # noqa: BLE001 - any import failure means no fla
