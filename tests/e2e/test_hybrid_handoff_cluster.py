@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=[("qwen3-next", "layerwise"), ("qwen3-next", "after-prefill"),
-                                        ("qwen3.5", "layerwise"), ("qwen3.5", "after-prefill")],
+# each family and each send mode once (the state moves the same way in both families)
+@pytest.fixture(scope="module", params=[("qwen3-next", "layerwise"), ("qwen3.5", "after-prefill")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def cluster(request, tmp_path_factory, default_model_dir: Path):
     name, mode = request.param

@@ -22,6 +22,12 @@ def hybrid(request, tmp_path_factory):
     return d, hf_model(d)
 
 
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    d = make_checkpoint(tmp_path_factory.mktemp("hybrid-one") / "qwen3-next", "qwen3-next", seed=7)
+    return d, hf_model(d)
+
+
 def _prompts():
     base = random_prompts([41], seed=3)[0]  # a shared prefix past five boundaries of 8
     return [base + t for t in random_prompts([5, 13, 2], seed=4)] + random_prompts([23], seed=5)
@@ -40,8 +46,8 @@ def test_prefix_hits_restore_the_state(hybrid):
     assert kv.num_used_blocks == 0 and not kv.states.slot_of and len(kv.states.free) == 256
 
 
-def test_without_snapshots_prompts_are_computed_whole(hybrid):
-    d, m = hybrid
+def test_without_snapshots_prompts_are_computed_whole(qwen3_next):
+    d, m = qwen3_next
     prompts = _prompts()[:2]
     want = hf_greedy(m, prompts, MAX_TOKENS)
     llm = LLM(str(d), block_size=4, linear_state_snapshots=0)
@@ -77,7 +83,7 @@ def test_chunks_end_on_snapshot_boundaries():
     assert snaps.take(22) is None  # kept already
 
 
-def test_what_a_hybrid_model_refuses_or_keeps(hybrid):
+def test_what_a_hybrid_model_refuses_or_keeps(qwen3_next):
     """Speculative decoding (the state cannot step back over rejected proposals) and LoRA are
     refused at start, by name; an FP8 KV cache serves, its attention layers scaled (linear layers
     have no KV)."""
@@ -85,7 +91,7 @@ def test_what_a_hybrid_model_refuses_or_keeps(hybrid):
 
     from engine.layers.attention import Attention
 
-    d, m = hybrid
+    d, m = qwen3_next
     with pytest.raises(ValueError, match="speculative-config.*linear-attention"):
         LLM(str(d), speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
     with pytest.raises(ValueError, match="enable-lora"):
@@ -99,10 +105,10 @@ def test_what_a_hybrid_model_refuses_or_keeps(hybrid):
     assert out[:2] == hf_greedy(m, prompts, 2)[0]
 
 
-def test_the_prefix_index_hears_of_blocks_up_to_a_snapshot(hybrid):
+def test_the_prefix_index_hears_of_blocks_up_to_a_snapshot(qwen3_next):
     """What the prefix index publishes for a hybrid model is what a hit there saves: the blocks up
     to the last boundary with a state snapshot, not every full block."""
-    d, _ = hybrid
+    d, _ = qwen3_next
     llm = LLM(str(d), block_size=4, max_num_batched_tokens=64, linear_state_snapshot_interval=16)
     kv = llm.engine.scheduler.kv
     assert kv.cache_snapshot() == []  # subscribed from here on
