@@ -110,6 +110,12 @@ class Attention(nn.Module):
         # x: [T, hidden]; kv: this layer's cache [num_blocks, 2, block_size, H_kv, D] (its group's block size)
         t = x.shape[0]
         q, k, v = self._project(positions, x)
+        return self.o_proj(self.attend(q, k, v, kv, meta).reshape(t, self.q_size))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Store this step's K/V (a layer with KV of its own) and attend over the group's cache:
+        q [T, H, D] -> o [T, H, D]."""
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         # The references' cache write and attention, compiled (the reference where it cannot build).
@@ -121,10 +127,9 @@ class Attention(nn.Module):
         # The Triton launcher also takes this step's K/V as they are: prefill chunks with no
         # cached prefix attend over them directly (kernels/prefill_attention.py).
         new_kv = {"new_k": k, "new_v": v} if self.dense_prefill and self.store and ops.__name__ == "kernels" else {}
-        o = ops.paged_attention(q, k_cache, v_cache, meta.block_tables[g], meta.query_start_loc,
-                                meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables[g], meta.query_start_loc,
+                                   meta.seq_lens, self.scale, num_splits=meta.num_splits,
+                                   step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv)
 
     def _project(self, positions: torch.Tensor, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -1,5 +1,5 @@
 """Gated full attention (Qwen3-Next, Qwen3.5): the paged-cache attention of
-engine/layers/attention.py with an output gate.
+engine/layers/attention.py (its ``attend``) with an output gate.
 
     x -> q_proj (per head: the query's D rows, then its gate's D rows), k_proj, v_proj
       -> (1 + w) q/k RMSNorms per head -> RoPE (partial: the first rotary_dim dims)
@@ -19,7 +19,6 @@ from engine.layers.attention import QKV_SHARDS, Attention, AttentionMetadata
 from engine.layers.linear import ColumnParallelLinear, LinearMethods, Part, RowParallelLinear, method_for
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import Shard, TPGroup
-from kernels import cpu_attention, reference
 
 
 class GatedAttention(Attention):
@@ -47,19 +46,3 @@ class GatedAttention(Attention):
         q, k = self.rope(positions, q.view(t, h, d), k.view(t, self.num_kv_heads, d))
         o = self.attend(q, k, v.reshape(t, self.num_kv_heads, d), kv, meta)
         return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Store this step's K/V and attend over the cache: Attention.forward's second half
-        (the same calls, the same switches)."""
-        k_cache, v_cache = kv[:, 0], kv[:, 1]
-        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        ops = cpu_attention if self.ops is reference else self.ops
-        g = self.kv_group
-        if self.store:
-            ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping[g], **scales)
-        window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
-        new_kv = {"new_k": k, "new_v": v} if self.dense_prefill and self.store and ops.__name__ == "kernels" else {}
-        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables[g], meta.query_start_loc,
-                                   meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                   step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv)
