@@ -16,6 +16,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def require(ok: bool, where: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{where}: {message}")
@@ -65,6 +68,22 @@ def check_inner_contiguous(where: str, name: str, t: torch.Tensor) -> None:
 def check_contiguous(where: str, name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         require(False, where, f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def check_varlen_rows(where: str, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+                      has_initial_state: torch.Tensor) -> int:
+    """The rows of a varlen batch with per-sequence state (the linear-attention ops): [B] int
+    state slots, [B+1] int query_start_loc, [B] bool has_initial_state. Returns B."""
+    B = state_slots.shape[0]
+    check_dim(where, "state_slots", state_slots, 1, "[num_seqs]")
+    check_dtype(where, "state_slots", state_slots, INDEX_DTYPES)
+    check_dtype(where, "query_start_loc", query_start_loc, INDEX_DTYPES)
+    require(query_start_loc.shape == (B + 1,), where,
+            f"query_start_loc must be [{B + 1}] for {B} sequences, got {tuple(query_start_loc.shape)}")
+    require(has_initial_state.shape == (B,) and has_initial_state.dtype == torch.bool, where,
+            f"has_initial_state must be a [{B}] bool tensor, got {has_initial_state.dtype} "
+            f"{tuple(has_initial_state.shape)}")
+    return B
 
 
 def check_kv_cache_dtype(where: str, name: str, cache: torch.Tensor, model_dtype: torch.dtype,

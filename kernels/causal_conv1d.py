@@ -26,11 +26,11 @@ from kernels._checks import (
     check_dtype,
     check_inner_contiguous,
     check_runnable,
+    check_varlen_rows,
     next_pow2,
     require,
 )
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -129,15 +129,7 @@ def _check(x, weight, bias, conv_state, state_slots, query_start_loc, has_initia
     if bias is not None:
         check_dtype(where, "bias", bias, FLOAT_DTYPES)
         require(bias.stride(0) == 1 or C == 1, where, "bias must be contiguous")
-    B = state_slots.shape[0]
-    check_dim(where, "state_slots", state_slots, 1, "[num_seqs]")
-    check_dtype(where, "state_slots", state_slots, _INDEX_DTYPES)
-    check_dtype(where, "query_start_loc", query_start_loc, _INDEX_DTYPES)
-    require(query_start_loc.shape == (B + 1,), where,
-            f"query_start_loc must be [{B + 1}] for {B} sequences, got {tuple(query_start_loc.shape)}")
-    require(has_initial_state.shape == (B,) and has_initial_state.dtype == torch.bool, where,
-            f"has_initial_state must be a [{B}] bool tensor, got {has_initial_state.dtype} "
-            f"{tuple(has_initial_state.shape)}")
+    check_varlen_rows(where, state_slots, query_start_loc, has_initial_state)
     for name, t in (("state_slots", state_slots), ("query_start_loc", query_start_loc),
                     ("has_initial_state", has_initial_state)):
         check_inner_contiguous(where, name, t)

@@ -44,6 +44,7 @@ from kernels._checks import (
     check_dtype,
     check_inner_contiguous,
     check_runnable,
+    check_varlen_rows,
     next_pow2,
     require,
 )
@@ -51,7 +52,6 @@ from kernels._checks import (
 CHUNK = 64  # tokens per chunk of the chunked form (four 16-row blocks)
 _SUB = 16  # rows of a diagonal block of (I + A)
 _L2NORM_EPS = 1e-6
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,15 +396,7 @@ def _check(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, has_initia
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("ssm_state", ssm_state)):
         check_dtype(where, name, t, FLOAT_DTYPES)
         check_inner_contiguous(where, name, t)
-    B = state_slots.shape[0]
-    check_dim(where, "state_slots", state_slots, 1, "[num_seqs]")
-    check_dtype(where, "state_slots", state_slots, _INDEX_DTYPES)
-    check_dtype(where, "query_start_loc", query_start_loc, _INDEX_DTYPES)
-    require(query_start_loc.shape == (B + 1,), where,
-            f"query_start_loc must be [{B + 1}] for {B} sequences, got {tuple(query_start_loc.shape)}")
-    require(has_initial_state.shape == (B,) and has_initial_state.dtype == torch.bool, where,
-            f"has_initial_state must be a [{B}] bool tensor, got {has_initial_state.dtype} "
-            f"{tuple(has_initial_state.shape)}")
+    check_varlen_rows(where, state_slots, query_start_loc, has_initial_state)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
