@@ -141,6 +141,14 @@ def build_layout(layer_kinds: Sequence[str], windows: Sequence[int | None], bloc
     return KVCacheLayout(tuple(groups), num_slots, tuple(places), tuple(stores), linear)
 
 
+def needs_groups(model_config) -> bool:
+    """Whether the model's layers cannot share one table: linear-attention layers, layers that
+    read another's KV, or layers of different KV shapes."""
+    mc = model_config
+    return ("linear_attention" in mc.layer_types or any(s is not None for s in mc.layer_kv_sources)
+            or len(set(mc.layer_kv_shapes)) > 1)
+
+
 def model_layout(model_config, block_size: int, hybrid: bool = True) -> KVCacheLayout:
     """The layout of a served model (``model_config``: engine.config.ModelConfig), from its
     config (per-layer shapes and KV sources where the family has them).
@@ -153,8 +161,7 @@ def model_layout(model_config, block_size: int, hybrid: bool = True) -> KVCacheL
     kinds = mc.layer_types or ("full_attention",) * mc.num_layers
     windows = [mc.sliding_window if k == "sliding_attention" else None for k in kinds]
     if not hybrid:
-        if "linear_attention" in kinds or any(s is not None for s in mc.layer_kv_sources) \
-                or len(set(mc.layer_kv_shapes)) > 1:
+        if needs_groups(mc):
             raise ValueError(f"{mc.architecture} needs KV cache groups (linear-attention, shared-KV or "
                              "differently shaped layers): drop --disable-hybrid-kv-cache-manager")
         one = "sliding_attention" if len(set(windows)) == 1 and windows[0] is not None else "full_attention"

@@ -8,10 +8,10 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
+from engine.kv_cache_groups import KVCacheLayout, needs_groups
 from kv_transfer.protocol import KVLayout, _dtype_name, describe_state
 
 if TYPE_CHECKING:
-    from engine.kv_cache_groups import KVCacheLayout
     from engine.llm_engine import LLMEngine
 
 
@@ -30,10 +30,8 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
         draft = KVLayout.of(d.kv_cache, d.model_name, d.kv_scales, d.config.model.dtype)
     groups = engine.cache_layout
     if not groups.is_simple and engine.kv_scales[0]:  # ((), ()) unless the cache is FP8
-        shared = any(p is not None and not stored for p, stored in zip(groups.places, groups.stores))
-        needs_groups = groups.has_linear or shared or len(_shapes(groups)) > 1  # model_layout's refusal
         way_out = ("serve this model with the model's KV dtype on both tiers, or colocated (pdserve serve)"
-                   if needs_groups else "add --disable-hybrid-kv-cache-manager on both tiers")
+                   if needs_groups(mc) else "add --disable-hybrid-kv-cache-manager on both tiers")
         raise ValueError(f"--kv-cache-dtype fp8 with KV cache groups is not sent between tiers yet: {way_out}")
     layout = KVLayout.of(engine.kv_cache, mc.served_model_name, engine.kv_scales, mc.dtype, weights, draft)
     described = "" if len(groups.groups) == 1 else json.dumps(_group_fields(groups))

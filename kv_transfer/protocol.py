@@ -8,7 +8,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -343,32 +343,30 @@ def _layout_diffs(a: KVLayout, b: KVLayout, prefix: str = "") -> list[str]:
 def _group_diffs(a: str, b: str, prefix: str) -> list[str]:
     """The cache groups' fields that differ ("groups.group1.block_size 8 != 4"), or groups on
     one side only (the other's cache is one group of every layer)."""
-    if a == b:
-        return []
-    if not a or not b:
-        def show(text: str) -> str:
-            return "none" if not text else "(" + ", ".join(f"{k} {_show_value(v)}" for k, v in json.loads(text)) + ")"
-        return [f"{prefix}groups {show(a)} != {show(b)} (KV cache groups on one side only: both tiers must lay "
-                "the cache out alike, --disable-hybrid-kv-cache-manager on both or neither)"]
-    fa, fb = _group_fields(a), _group_fields(b)
-    names = list(dict.fromkeys([*fa, *fb]))
-    return [f"{prefix}groups.{n} {_show_value(fa.get(n))} != {_show_value(fb.get(n))}" for n in names
-            if fa.get(n) != fb.get(n)]
+    return _record_diffs(a, b, prefix + "groups", _group_fields,
+                         "KV cache groups on one side only: both tiers must lay the cache out alike, "
+                         "--disable-hybrid-kv-cache-manager on both or neither")
 
 
 def _state_diffs(a: str, b: str, prefix: str) -> list[str]:
     """The linear-attention state's fields that differ ("linear_state.ssm_shape [4, 8, 12] !=
     [2, 8, 12]"), or the state on one side only."""
+    return _record_diffs(a, b, prefix + "linear_state", _state_fields,
+                         "a model with linear-attention layers on one side only")
+
+
+def _record_diffs(a: str, b: str, name: str, fields: Callable[[str], dict[str, Any]], one_side: str) -> list[str]:
+    """The fields of two JSON (name, value) records that differ ("<name>.<field> x != y"), or,
+    where one side has none, both records whole and ``one_side``'s explanation."""
     if a == b:
         return []
     if not a or not b:
         def show(text: str) -> str:
             return "none" if not text else "(" + ", ".join(f"{k} {_show_value(v)}" for k, v in json.loads(text)) + ")"
-        return [f"{prefix}linear_state {show(a)} != {show(b)} (a model with linear-attention layers on one side "
-                "only)"]
-    fa, fb = _state_fields(a), _state_fields(b)
+        return [f"{name} {show(a)} != {show(b)} ({one_side})"]
+    fa, fb = fields(a), fields(b)
     names = list(dict.fromkeys([*fa, *fb]))
-    return [f"{prefix}linear_state.{n} {_show_value(fa.get(n))} != {_show_value(fb.get(n))}" for n in names
+    return [f"{name}.{n} {_show_value(fa.get(n))} != {_show_value(fb.get(n))}" for n in names
             if fa.get(n) != fb.get(n)]
 
 
