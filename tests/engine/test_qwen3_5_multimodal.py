@@ -24,14 +24,9 @@ from engine.quantization.config import ignored_names
 from engine.quantization.methods import QuantMethods
 from kernels import reference
 from tests.engine.families import assert_greedy_match, hf_greedy, random_prompts
+from tests.engine.test_qwen3_next import BASE, MOE
 
-TEXT = dict(vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            # 2 key heads serving 4 value heads; Dk != Dv
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
-            linear_conv_kernel_dim=4)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+TEXT = BASE  # the text model of tests/engine/test_qwen3_next.py's checkpoints
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
               num_position_embeddings=16)
 # the placeholders and their brackets, inside the tiny vocabulary
