@@ -78,12 +78,15 @@ class KVCacheLayout:
             parts.append(f"shared[{shared} layers]")
         return " ".join(parts)
 
-    def field_list(self) -> list[tuple[str, Any]]:
-        """The layout as (name, value) pairs: what both ends of a KV transfer compare."""
+    def field_list(self, with_shapes: bool = False) -> list[tuple[str, Any]]:
+        """The layout as (name, value) pairs: what both ends of a KV transfer compare;
+        ``with_shapes``: each group's KV heads and head size too."""
         out: list[tuple[str, Any]] = [("num_slots", self.num_slots), ("linear_layers", list(self.linear_layers))]
         for i, g in enumerate(self.groups):
             out += [(f"group{i}.kind", g.kind), (f"group{i}.layers", list(g.layers)),
                     (f"group{i}.block_size", g.block_size), (f"group{i}.sliding_window", g.sliding_window)]
+            if with_shapes:
+                out += [(f"group{i}.kv_heads", g.num_kv_heads), (f"group{i}.head_dim", g.head_dim)]
         return out
 
 

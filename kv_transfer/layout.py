@@ -45,17 +45,9 @@ def _shapes(groups: KVCacheLayout) -> set[tuple[int, int]]:
 
 def _group_fields(groups: KVCacheLayout) -> list[tuple[str, Any]]:
     """The groups' record (``KVCacheLayout.field_list``: kinds, layers, block sizes, windows),
-    and each group's KV heads and head size where the groups' layers store more than one
+    with each group's KV heads and head size where the groups' layers store more than one
     shape per token (every head of the model: the same record at any tensor-parallel size)."""
-    fields = groups.field_list()
-    if len(_shapes(groups)) <= 1:
-        return fields
-    out = list(fields)
-    for i in reversed(range(len(groups.groups))):  # each group's shape after its other fields
-        g, prefix = groups.groups[i], f"group{i}."
-        end = 1 + max(j for j, (name, _) in enumerate(out) if name.startswith(prefix))
-        out[end:end] = [(f"{prefix}kv_heads", g.num_kv_heads), (f"{prefix}head_dim", g.head_dim)]
-    return out
+    return groups.field_list(with_shapes=len(_shapes(groups)) > 1)
 
 
 def _widest_kv_heads(engine: LLMEngine) -> int:
