@@ -3,9 +3,12 @@
 tokens for them: the oracle the family tests compare against."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+
+from engine.layers.attention import AttentionMetadata
 
 WINDOW = 8  # sliding window of the windowed test models: far shorter than the prompts
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -103,3 +106,21 @@ def greedy_references(models: dict[str, Path], lengths: list[int], seed: int, ma
         prompts = random_prompts(lengths, seed=seed + i)
         out[name] = (m, prompts, hf_greedy(m, prompts, max_new_tokens))
     return out
+
+
+def group_metadata(layout, positions: torch.Tensor, total: int, longest: int) -> AttentionMetadata:
+    """One sequence of ``total`` tokens so far, this step's at ``positions``: every group's
+    blocks in order, numbered apart (a block of the shared pages is one group's), each group
+    given room for ``longest`` tokens."""
+    groups = layout.groups
+    first = [sum(math.ceil(longest / h.block_size) for h in groups[:g]) for g in range(len(groups))]
+    width = max(math.ceil(total / g.block_size) for g in groups)
+    tables = torch.zeros(len(groups), 1, width, dtype=torch.int32)
+    slots = torch.empty(len(groups), len(positions), dtype=torch.long)
+    for i, g in enumerate(groups):
+        n = math.ceil(total / g.block_size)
+        tables[i, 0, :n] = torch.arange(first[i], first[i] + n)
+        slots[i] = (first[i] + positions // g.block_size) * g.block_size + positions % g.block_size
+    return AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                             query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
+                             seq_lens=torch.tensor([total], dtype=torch.int32))

@@ -19,11 +19,11 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
-from engine.layers.attention import AttentionMetadata
 from engine.layers.rotary import rope_cos_sin_cache
 from engine.model_loader import load_model
 from kernels import reference
-from tests.engine.families import assert_greedy_match, greedy_references, hf_greedy, hf_model, random_prompts
+from tests.engine.families import (assert_greedy_match, greedy_references, group_metadata, hf_greedy, hf_model,
+                                   random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -126,24 +126,6 @@ def test_config_and_cache_layout(models):
     assert layout.stores == (True, True, True, True, False, False)
 
 
-def _metadata(layout, positions: torch.Tensor, total: int, longest: int) -> AttentionMetadata:
-    """One sequence of ``total`` tokens so far, this step's at ``positions``: every group's
-    blocks in order, numbered apart (a block of the shared pages is one group's), each group
-    given room for ``longest`` tokens."""
-    groups = layout.groups
-    first = [sum(math.ceil(longest / h.block_size) for h in groups[:g]) for g in range(len(groups))]
-    width = max(math.ceil(total / g.block_size) for g in groups)
-    tables = torch.zeros(len(groups), 1, width, dtype=torch.int32)
-    slots = torch.empty(len(groups), len(positions), dtype=torch.long)
-    for i, g in enumerate(groups):
-        n = math.ceil(total / g.block_size)
-        tables[i, 0, :n] = torch.arange(first[i], first[i] + n)
-        slots[i] = (first[i] + positions // g.block_size) * g.block_size + positions % g.block_size
-    return AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                             query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
-                             seq_lens=torch.tensor([total], dtype=torch.int32))
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_forward_matches_transformers_logits(models, name):
     """The model itself over a paged cache laid out in groups: a prompt three windows long in
@@ -162,13 +144,13 @@ def test_forward_matches_transformers_logits(models, name):
     with torch.no_grad():
         want = hf_model(d)(ids[None]).logits[0]
         pos = torch.arange(len(ids))
-        whole = model.compute_logits(model(ids, pos, kv, _metadata(layout, pos, len(ids), len(ids))))
+        whole = model.compute_logits(model(ids, pos, kv, group_metadata(layout, pos, len(ids), len(ids))))
         torch.testing.assert_close(whole, want, atol=1e-4, rtol=1e-4)
         kv.zero_()
         chunks, lo = [], 0
         for hi in (5, 6, 19, 37):
             pos = torch.arange(lo, hi)
-            chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, _metadata(layout, pos, hi, len(ids)))))
+            chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, group_metadata(layout, pos, hi, len(ids)))))
             lo = hi
         torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=1e-4)
 
