@@ -26,8 +26,12 @@ numbered p = t * K + k. Three steps, all on the device and without a host sync
    (token = p // K), multiplies by the expert's gate rows and up rows in two
    float32 accumulators and writes act(gate) * up to ``inter[p]``, [T*K, I].
 
-3. Grouped GEMM 2 (the same kernel, not GATED): inter rows times w2[e]^T, the
-   routing weight topk_weights[t, k] multiplied in the float32 epilogue,
+   With biases (gpt-oss) b13[e] is added to the two float32 sums first; the
+   activation "swigluoai" (gpt-oss's clamped SwiGLU) gates them as
+   (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+
+3. Grouped GEMM 2 (the same kernel, not GATED): inter rows times w2[e]^T, plus
+   b2[e] with biases, the routing weight topk_weights[t, k] multiplied in the float32 epilogue,
    written to ``y[p]``, [T*K, H]; then _sum_slots_kernel adds each token's K
    rows in slot order in float32: deterministic, no atomics.
 
@@ -59,6 +63,7 @@ CUDA, the least K of an fp8 dot). ``tune`` times a small grid per token count;
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -80,7 +85,8 @@ from kernels.fp8_reference import FP8_DTYPE  # W8A8 experts: e4m3 weights, activ
 
 logger = logging.getLogger(__name__)
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit (the defaults)
 _FP8_MIN_BLOCK_K = 32  # Triton's fp8 dots on NVIDIA GPUs reduce at least 32 columns per tile
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # The align step's one-hot tile (pairs of a chunk x experts) stays at or under
@@ -192,14 +198,19 @@ def _place_kernel(
 
 
 @triton.jit
-def _activation(g, ACTIVATION: tl.constexpr):
-    # g: float32. silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2u) with
-    # u = sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u).
+def _gated(g, up, alpha, limit, ACTIVATION: tl.constexpr):
+    # g, up: float32. silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2u) with
+    # u = sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u); each times up.
+    # swigluoai (gpt-oss): g = min(g, limit), up = clamp(up, -limit, limit), (up + 1) g sigmoid(alpha g).
     if ACTIVATION == "silu":
-        return g / (1.0 + tl.exp(-g))
-    else:
+        return g / (1.0 + tl.exp(-g)) * up
+    elif ACTIVATION == "gelu_tanh":
         u = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        return g / (1.0 + tl.exp(-2.0 * u))
+        return g / (1.0 + tl.exp(-2.0 * u)) * up
+    else:
+        g = tl.minimum(g, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
@@ -210,12 +221,14 @@ def _expert_gemm_kernel(
     sorted_ptr,  # [num_m_blocks * BLOCK_M] int32 pair ids, num_pairs = padding
     block_expert_ptr,  # [num_m_blocks] int32, -1 = no tile
     topk_weights_ptr,  # [T, K] float32 (not GATED only)
+    bias_ptr,  # HAS_BIAS: GATED b13 [E, 2*N] (gate, then up); else b2 [E, N]
     a_scale_ptr,  # FP8 float32: [rows of a] (GROUP_K == 0) or [rows of a, cdiv(KDIM, GROUP_K)]
     w_scale_ptr,  # FP8 float32: [E, rows of w] (group_n == 1) or [E, cdiv(rows of w, group_n), cdiv(KDIM, GROUP_K)]
     num_pairs, num_m_blocks, N,
     group_n,  # FP8: weight rows per scale row (1 per channel)
+    swiglu_alpha, swiglu_limit,  # ACTIVATION "swigluoai" only
     stride_am, stride_we, stride_wn, stride_om, stride_rt, stride_rk,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be,
     KDIM: tl.constexpr,  # the reduced dim (H for GEMM 1, I for GEMM 2): fixed per model
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,  # GEMM 1: A rows are tokens, gate and up accumulators, activation epilogue
@@ -224,6 +237,7 @@ def _expert_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,  # a and w are e4m3: fp8 dots, scales applied in float32
     GROUP_K: tl.constexpr,  # FP8 block scales: k-groups of GROUP_K columns, a multiple of BLOCK_K; 0 = per channel
+    HAS_BIAS: tl.constexpr,  # add the expert's bias in float32 before the activation (GATED) / routing weight
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -296,8 +310,13 @@ def _expert_gemm_kernel(
         acc = acc * (a_s * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :])
         if GATED:
             acc_up = acc_up * (a_s * tl.load(ws_up_ptrs, mask=n_ok, other=0.0)[None, :])
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + n  # [BLOCK_N]
+        acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = _activation(acc, ACTIVATION) * acc_up
+        acc = _gated(acc, acc_up, swiglu_alpha, swiglu_limit, ACTIVATION)
     else:
         token = pair // TOP_K
         weight = tl.load(topk_weights_ptr + token.to(tl.int64) * stride_rt + (pair % TOP_K) * stride_rk,
@@ -467,6 +486,22 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation) -> None:
     require(activation in ACTIVATIONS, where, f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
 
 
+def _check_biases(x, w13, w2, w13_bias, w2_bias, swiglu_alpha, swiglu_limit) -> None:
+    where = "fused_moe"
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w2.shape[1]
+    for name, t, want in (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden))):
+        if t is None:
+            continue
+        require(isinstance(t, torch.Tensor), where, f"{name} must be a tensor or None")
+        require(t.device == x.device, where, f"{name} is on {t.device}, x on {x.device}")
+        require(t.dtype == x.dtype, where, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+        require(tuple(t.shape) == want, where, f"{name} must be {list(want)}, got {list(t.shape)}")
+        check_inner_contiguous(where, name, t)
+    for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), where,
+                f"{name} must be a finite number, got {v!r}")
+
+
 def fp8_scale_shapes(w13: torch.Tensor, w2: torch.Tensor, block_size: tuple[int, int] | None
                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes w13_scale and w2_scale must have for these weights: per channel
@@ -518,6 +553,10 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """Mixture-of-experts MLP over the experts each token picked.
 
@@ -527,7 +566,13 @@ def fused_moe(
     topk_weights: [T, K] float32 routing weights, any strides
     topk_ids: [T, K] int32/int64 expert ids, any strides; ids outside [0, E)
         contribute nothing (an expert-parallel rank's foreign experts)
-    activation: "silu" (silu(gate) * up) or "gelu_tanh" (gelu(gate, approximate="tanh") * up)
+    activation: "silu" (silu(gate) * up), "gelu_tanh" (gelu(gate, approximate="tanh") * up) or
+        "swigluoai" (gpt-oss: g = min(gate, swiglu_limit), u = clamp(up, -swiglu_limit, swiglu_limit),
+        (u + 1) * g * sigmoid(swiglu_alpha * g); alpha and limit are unused by the others)
+    w13_bias: None or [E, 2I] in x's dtype (gate part, then up part), stride 1 in its last dim:
+        added to the gate and up sums (float32) before the activation
+    w2_bias: None or [E, H] in x's dtype, stride 1 in H: added to each expert's down projection
+        before the routing weight multiplies it (gpt-oss: ``(gated @ down + bias) * weight``)
     config: None (tiles from shapes) or {token count: tiles} as ``tune`` (and
         engine.moe_configs) returns: the entry of the smallest count >= T, else the largest
     w13_scale, w2_scale, block_size: e4m3 weights only (W8A8), float32 scales, any strides:
@@ -538,7 +583,7 @@ def fused_moe(
 
     Returns a new contiguous [T, H] in x's dtype:
     out[t] = sum_k topk_weights[t, k] * (act(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)) @ w2[e].T,
-    e = topk_ids[t, k]. Accumulates in float32; the intermediate and each
+    e = topk_ids[t, k] (with biases: sum_k w[t, k] * (gated(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])). Accumulates in float32; the intermediate and each
     slot's output are rounded to x's dtype, the sum over slots is float32.
     With e4m3 weights both GEMM inputs are quantized per token as
     ``kernels.fp8_gemm.fp8_quantize(., bk or None)`` does (x before GEMM 1, the
@@ -549,6 +594,8 @@ def fused_moe(
     """
     _check_args(x, w13, w2, topk_weights, topk_ids, activation)
     block_size = _check_fp8_args(x, w13, w2, w13_scale, w2_scale, block_size)
+    _check_biases(x, w13, w2, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
+    swiglu = (swiglu_alpha, swiglu_limit)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -565,7 +612,7 @@ def fused_moe(
         a, a_scale = x, None
     inter_out = _gemm(a, w13, sorted_ids, block_expert, topk_weights, top_k, inter, tiles.block_m, tiles.gemm1,
                       gated=True, activation=activation, out_dtype=x.dtype, a_scale=a_scale, w_scale=w13_scale,
-                      block_size=block_size)  # [T*K, I]
+                      block_size=block_size, bias=w13_bias, swiglu=swiglu)  # [T*K, I]
     if fp8:
         # Per row of the whole intermediate, so a separate launch: a row spans every N tile of
         # GEMM 1. Rows of pairs outside [0, E) were never written; their (garbage) codes and
@@ -575,7 +622,7 @@ def fused_moe(
         a = inter_out
     y = _gemm(a, w2, sorted_ids, block_expert, topk_weights, top_k, hidden, tiles.block_m, tiles.gemm2,
               gated=False, activation=activation, out_dtype=x.dtype, a_scale=a_scale, w_scale=w2_scale,
-              block_size=block_size)  # [T*K, H]
+              block_size=block_size, bias=w2_bias)  # [T*K, H]
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_H))](
         y, topk_ids, out, hidden, num_experts, topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_H=min(_SUM_BLOCK_H, max(16, next_pow2(hidden))),
@@ -617,9 +664,12 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles: GemmTiles, *, gated: bool,
           activation: str, out_dtype: torch.dtype | None = None, a_scale: torch.Tensor | None = None,
-          w_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+          w_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+          bias: torch.Tensor | None = None, swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT)
+          ) -> torch.Tensor:
     """One grouped GEMM into a new [T*K, n] in ``out_dtype`` (default a's). e4m3 ``a`` and ``w``
-    come with their scales (``a_scale`` per row of a, and per k-group with ``block_size``)."""
+    come with their scales (``a_scale`` per row of a, and per k-group with ``block_size``).
+    ``bias``: [E, 2n] (gated) or [E, n], stride 1 along its last dim; ``swiglu``: (alpha, limit)."""
     num_pairs = topk_weights.shape[0] * top_k
     kdim = a.shape[1]
     out = torch.empty((num_pairs, n), dtype=out_dtype or a.dtype, device=a.device)
@@ -637,15 +687,15 @@ def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles
         a_scale = w_scale = topk_weights  # never read
         a_strides, w_strides = (0, 0), (0, 0, 0)
     _expert_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, topk_weights, a_scale, w_scale,
-        num_pairs, num_m_blocks, n, group_n,
+        a, w, out, sorted_ids, block_expert, topk_weights, topk_weights if bias is None else bias, a_scale, w_scale,
+        num_pairs, num_m_blocks, n, group_n, float(swiglu[0]), float(swiglu[1]),
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), topk_weights.stride(0), topk_weights.stride(1),
-        *a_strides, *w_strides,
+        *a_strides, *w_strides, 0 if bias is None else bias.stride(0),
         KDIM=kdim, TOP_K=top_k, GATED=gated, ACTIVATION=activation,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
         # float32 models get exact float32 products, not TF32's 10-bit mantissa (fp8 dots ignore it).
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        FP8=fp8, GROUP_K=group_k,
+        FP8=fp8, GROUP_K=group_k, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -669,7 +719,9 @@ def _align_shape(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *, activation: str = "silu",
             config: dict | None = None, ids_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64),
             x_dtype: torch.dtype | None = None, w13_scale: torch.Tensor | None = None,
-            w2_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> int:
+            w2_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+            swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> int:
     """Compile every kernel variant ``fused_moe`` can meet for 1..max_tokens tokens
     with these weights and config (a compile met while serving stalls a step for
     about a second): one call per distinct set of compile-time choices (the
@@ -677,7 +729,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
     read the ids: pass the one the layer uses to halve the calls). ``x_dtype``
     is the model's dtype (default w13's; required for e4m3 weights, which also
     pass their scales and block size as to ``fused_moe``; fp8_quantize compiles
-    once for every token count). Results are thrown away. Returns the number of calls."""
+    once for every token count). Biases and the swiglu arguments: as the layer passes them to
+    ``fused_moe`` (a bias is a compile-time choice). Results are thrown away. Returns the number of calls."""
     num_experts, hidden = w13.shape[0], w13.shape[2]
     fp8 = w13.dtype == FP8_DTYPE
     require(not fp8 or x_dtype is not None, "fused_moe.warm_up", f"x_dtype is required for {FP8_DTYPE} weights")
@@ -696,7 +749,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
         weights = torch.zeros(num_tokens, top_k, dtype=torch.float32, device=w13.device)
         for ids_dtype in ids_dtypes:
             fused_moe(x, w13, w2, weights, ids.to(ids_dtype), activation=activation, config=config,
-                      w13_scale=w13_scale, w2_scale=w2_scale, block_size=block_size)
+                      w13_scale=w13_scale, w2_scale=w2_scale, block_size=block_size, w13_bias=w13_bias,
+                      w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
             calls += 1
     return calls
 

@@ -320,8 +320,28 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-# The activations fused_moe takes, named as in kernels.fused_moe (HF: "silu", "gelu_pytorch_tanh").
+# The activations fused_moe takes, named as in kernels.fused_moe (HF: "silu", "gelu_pytorch_tanh"),
+# each act(gate) * up; "swigluoai" (gpt-oss's clamped SwiGLU) is gated on its own: _gated.
 MOE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+MOE_GATED_ACTIVATIONS = (*MOE_ACTIVATIONS, "swigluoai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLU_ALPHA,
+              limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, transformers' ``GptOssExperts._apply_gate`` step for step (in the
+    inputs' dtype): g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha g)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _gated(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """h [n, 2I] (gate columns, then up) -> the gated intermediate [n, I] in h's dtype."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "swigluoai":
+        return swigluoai(gate, up, alpha, limit)
+    return MOE_ACTIVATIONS[activation](gate) * up
 
 
 def fused_moe(
@@ -336,18 +356,29 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
-    """Mixture-of-experts MLP, HF transformers 5's ``Qwen3MoeExperts.forward`` step for step.
+    """Mixture-of-experts MLP, HF transformers 5's ``Qwen3MoeExperts.forward`` step for step
+    (``GptOssExperts.forward`` with biases and "swigluoai").
 
     x: [T, H]; w13: [E, 2*I, H] (rows [:I] gate, [I:] up); w2: [E, H, I]
     topk_weights: [T, K] float32; topk_ids: [T, K] int, expert ids (ids outside
     [0, E) contribute nothing, like HF's sentinel expert E)
-    activation: "silu" or "gelu_tanh"; ``config`` (the Triton kernel's tiles) changes nothing here.
-    returns [T, H] in x's dtype: out[t] = sum_k w[t,k] * (act(x[t] W_gate^T) * x[t] W_up^T) W2^T.
+    activation: "silu", "gelu_tanh" (act(gate) * up) or "swigluoai" (gpt-oss's clamped SwiGLU,
+    ``swigluoai``: g = min(gate, swiglu_limit), u = clamp(up, -swiglu_limit, swiglu_limit),
+    (u + 1) * g * sigmoid(swiglu_alpha * g)); ``config`` (the Triton kernel's tiles) changes nothing here.
+    w13_bias: [E, 2I] (gate part, then up part), added to the gate/up projections before the
+    activation; w2_bias: [E, H], added to each expert's down projection before the routing
+    weight multiplies it (as gpt-oss does); both in x's dtype, any strides, or None.
+    returns [T, H] in x's dtype:
+    out[t] = sum_k w[t,k] * ((gated(x[t] W13^T + b13)) W2^T + b2), e = ids[t, k].
 
     For each expert hit, in ascending expert order: its (slot, token) pairs in
-    HF's order (slot-major), one linear for gate and up together, the
-    activation and the product in x's dtype, the down projection times the
+    HF's order (slot-major), one linear for gate and up together (then its bias), the
+    activation and the product in x's dtype, the down projection (then its bias) times the
     routing weight cast to x's dtype, then ``index_add_`` into the output.
     The same order of operations as HF, so float32 results are equal bit for bit.
 
@@ -361,22 +392,22 @@ def fused_moe(
          s broadcast per row ([n, 1]) or expanded over its g columns (the last group cut at H)
       2. ``W13 = w13[e].float() * w13_scale[e]``, the scale per row ([2I, 1]) or each
          [bn, bk] block's (cut at 2I and H); ``W2`` likewise from w2[e], w2_scale[e]
-      3. ``h = F.linear(a, W13)`` in float32, rounded to x's dtype; gate, up = h[:, :I], h[:, I:]
+      3. ``h = F.linear(a, W13)`` in float32, rounded to x's dtype (+ its bias); gate, up = h[:, :I], h[:, I:]
       4. ``inter = act(gate) * up`` in x's dtype (both ops rounded, as the 16-bit path)
       5. ``q, s = fp8_quantize(inter, g)``; ``b = q.float() * s`` as in step 1
-      6. ``y = F.linear(b, W2)`` in float32, rounded to x's dtype, times the routing
+      6. ``y = F.linear(b, W2)`` in float32, rounded to x's dtype (+ its bias), times the routing
          weight cast to x's dtype (a product in x's dtype)
       7. ``out.index_add_(0, tokens, y)`` in x's dtype, experts in ascending order
     Quantizing x per expert equals quantizing it once: scales are per token (and group).
     """
-    if activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"fused_moe: activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
-    act = MOE_ACTIVATIONS[activation]
+    if activation not in MOE_GATED_ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {sorted(MOE_GATED_ACTIVATIONS)}, got {activation!r}")
     fp8 = _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size)
     if fp8:
         from kernels.fp8_reference import dequantize_fp8
     num_tokens = topk_ids.shape[0]
     num_experts = w13.shape[0]
+    _check_moe_biases(w13_bias, w2_bias, num_experts, w13.shape[1], w2.shape[1], x.dtype)
     out = torch.zeros_like(x, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
@@ -399,13 +430,26 @@ def fused_moe(
             w13_e = dequantize_fp8(w13[expert], w13_scale[expert], block_size)  # [2I, H] float32
             w2_e = dequantize_fp8(w2[expert], w2_scale[expert], block_size)  # [H, I] float32
             h = F.linear(_fp8_round_trip(x[token_idx], group), w13_e).to(x.dtype)
-            gate, up = h.chunk(2, dim=-1)
-            y = F.linear(_fp8_round_trip(act(gate) * up, group), w2_e).to(x.dtype) * weights[token_idx, slot, None]
+            if w13_bias is not None:
+                h = h + w13_bias[expert]
+            inter = _fp8_round_trip(_gated(h, activation, swiglu_alpha, swiglu_limit), group)
+            y = F.linear(inter, w2_e).to(x.dtype)
         else:
-            gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, w2[expert]) * weights[token_idx, slot, None]
-        out.index_add_(0, token_idx, y)
+            h = F.linear(x[token_idx], w13[expert])
+            if w13_bias is not None:
+                h = h + w13_bias[expert]
+            y = F.linear(_gated(h, activation, swiglu_alpha, swiglu_limit), w2[expert])
+        if w2_bias is not None:
+            y = y + w2_bias[expert]
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
     return out
+
+
+def _check_moe_biases(w13_bias, w2_bias, num_experts: int, two_inter: int, hidden: int,
+                      dtype: torch.dtype) -> None:
+    for name, t, want in (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden))):
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != want):
+            raise ValueError(f"fused_moe: {name} must be {dtype} {list(want)}, got {t.dtype} {list(t.shape)}")
 
 
 def _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size) -> bool:

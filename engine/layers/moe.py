@@ -8,8 +8,20 @@ kernel (``ops.fused_moe``: Triton on CUDA, its PyTorch reference on CPU).
     experts  gate_up_proj [E, 2 * I, H] (gate rows, then up rows), down_proj [E, H, I]:
              out[t] = sum_k w[t, k] * down_e(act(gate_e x) * up_e x), e = ids[t, k]
 
+gpt-oss's twists, each a constructor argument: ``router_bias`` (the router's linear has a
+bias, ``gate.bias``), ``bias`` (expert biases ``experts.gate_up_proj_bias`` [E, 2I], gate
+part then up part, and ``experts.down_proj_bias`` [E, H]:
+out[t] = sum_k w[t, k] * (down_e(act(gate_up_e x + b13_e)) + b2_e), the routing weight
+multiplying the down bias too, as transformers' GptOssExperts does) and the activation
+"swigluoai" (g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) g sigmoid(alpha g),
+with ``swiglu_alpha`` and ``swiglu_limit`` from the config). gpt-oss's top-k-then-softmax
+routing equals softmax, top-k and renormalise (``renormalize=True``).
+
 Tensor parallelism splits each expert's intermediate dimension I (every rank holds
-every expert's slice; the partial outputs are all-reduced), like a dense MLP.
+every expert's slice; the partial outputs are all-reduced), like a dense MLP. The
+gate/up bias splits with its rows; the down bias is added on rank 0 only, so the
+all-reduce adds it once. Expert parallelism (whole experts per rank) adds each rank's
+experts' down biases on that rank.
 
 Checkpoints name experts one by one (``experts.{e}.gate_proj`` or Mixtral's
 ``w1``/``w3``/``w2``) or stacked as here (transformers 5's ``experts.gate_up_proj``);
@@ -39,6 +51,8 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import Part, ReplicatedLinear, RowParallelLinear, copy_rows, split_range, tp_rank_size
 from engine.parallel import TPGroup
+from kernels.reference import MOE_GATED_ACTIVATIONS as MOE_ACTIVATIONS
+from kernels.reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 
 class MoEMethod:
@@ -58,7 +72,7 @@ class MoEMethod:
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return layer.ops.fused_moe(x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids,
-                                   activation=layer.activation, config=layer.kernel_config, **self.kernel_args(layer))
+                                   config=layer.kernel_config, **layer.activation_args(), **self.kernel_args(layer))
 
     def kernel_args(self, layer: FusedMoE) -> dict:
         """What the fused kernel takes beyond the weights (a quantized method's scales)."""
@@ -69,17 +83,24 @@ class MoEMethod:
         from kernels.fused_moe import warm_up
 
         warm_up(layer.experts.gate_up_proj, layer.experts.down_proj, layer.top_k, max_tokens,
-                activation=layer.activation, config=layer.kernel_config, x_dtype=dtype, **self.kernel_args(layer))
+                config=layer.kernel_config, x_dtype=dtype, **layer.activation_args(), **self.kernel_args(layer))
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None,
                  expert_parallel: bool = False, method: MoEMethod | None = None,
-                 shared_expert: nn.Module | None = None, shared_expert_gate: bool = False) -> None:
-        """``shared_expert``: a dense MLP (``forward(x)``) added to every token's output, scaled
+                 shared_expert: nn.Module | None = None, shared_expert_gate: bool = False,
+                 bias: bool = False, router_bias: bool = False,
+                 swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> None:
+        """``activation``: "silu", "gelu_tanh" or "swigluoai" (gpt-oss, with ``swiglu_alpha`` and
+        ``swiglu_limit``, the config's). ``bias``: the experts have biases (``experts.gate_up_proj_bias``
+        [E, 2I], ``experts.down_proj_bias`` [E, H]); ``router_bias``: the router (``gate``) has one.
+        ``shared_expert``: a dense MLP (``forward(x)``) added to every token's output, scaled
         by ``sigmoid(shared_expert_gate x)`` when ``shared_expert_gate``."""
         super().__init__()
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"MoE activation {activation!r} is not supported ({', '.join(MOE_ACTIVATIONS)})")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
         rank, size = tp_rank_size(tp)
@@ -94,10 +115,18 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.part, self.expert_part = Part(intermediate_size, lo, hi), Part(num_experts, first, stop)
         self.activation, self.ops, self.tp = activation, ops, tp
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=router_bias)
         self.experts = nn.Module()
         self.method = method or MoEMethod()
         self.method.create_weights(self)
+        self.has_bias = bias
+        # Under tensor parallelism each rank's output is a partial sum: the down bias joins rank 0's.
+        self.adds_down_bias = bias and (expert_parallel or rank == 0)
+        if bias:  # in the model dtype, whatever the method stores the weights in
+            self.add_expert_param("gate_up_proj_bias", torch.zeros(self.num_local_experts, 2 * self.part.size),
+                                  "gate_up")
+            self.add_expert_param("down_proj_bias", torch.zeros(self.num_local_experts, hidden_size), "expert")
         self.expert_load: torch.Tensor | None = None  # [E] int64 counter row, set by the model
         self.kernel_config: Any = None  # the fused kernel's tile configs (engine/moe_configs.py), CUDA only
         self.shared_expert = shared_expert
@@ -114,17 +143,34 @@ class FusedMoE(nn.Module):
         """Register ``tensor`` ([local experts, ...], this rank's shape) as ``experts.<name>``
         with its loader. kind "gate_up": dim 1 stacks the gate rows then the up rows of the
         intermediate dim; kind "down": dim 2 runs along the intermediate dim (``split``
-        False: it does not, e.g. a per-row scale [E, H, 1]). ``div``: intermediate rows one
-        entry covers (block scales)."""
+        False: it does not, e.g. a per-row scale [E, H, 1]); kind "expert": nothing runs along
+        the intermediate dim (the down bias [E, H]), loaded as stacked [E, ...] or per expert
+        with the shard id ("down", e). ``div``: intermediate rows one entry covers (block scales)."""
         param = nn.Parameter(tensor, requires_grad=False)
         part = self.part.packed(div, f"experts.{name}")
         if kind == "gate_up":
             _attach_gate_up_loader(param, self.num_experts, part, self.expert_part)
-        else:
+        elif kind == "down":
             _attach_down_loader(param, self.num_experts, part if split else None, self.expert_part)
+        elif kind == "expert":
+            _attach_expert_loader(param, self.num_experts, self.expert_part)
+        else:
+            raise ValueError(f"experts.{name}: unknown kind {kind!r}")
         param.keep_dtype = keep_dtype
         setattr(self.experts, name, param)
         return param
+
+    def activation_args(self) -> dict:
+        """The fused kernel's keyword arguments beyond the weights and their scales: the
+        activation, and the biases and swiglu constants where the layer has them (a layer
+        without either passes what it passed before they existed)."""
+        args: dict = {"activation": self.activation}
+        if self.activation == "swigluoai":
+            args.update(swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        if self.has_bias:
+            args["w13_bias"] = self.experts.gate_up_proj_bias
+            args["w2_bias"] = self.experts.down_proj_bias if self.adds_down_bias else None
+        return args
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         # Routing, and the expert-load count of the step's tokens (rows past
@@ -179,11 +225,36 @@ def _attach_gate_up_loader(param: nn.Parameter, num_experts: int, part: Part, ex
     param.weight_loader, param.checkpoint_slice = load, checkpoint_slice
 
 
+def _attach_expert_loader(param: nn.Parameter, num_experts: int, experts: Part) -> None:
+    """``param`` [local experts, ...]: nothing split but the experts (a down bias [E, H])."""
+    param.full_shape = (num_experts, *param.shape[1:])
+    param.shard_ids = tuple(("down", e) for e in range(experts.lo, experts.hi))
+
+    def load(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # [E, ...] (or this rank's experts only)
+            if src.shape[0] != experts.size:
+                src = src[experts.lo:experts.hi]
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} where {tuple(p.full_shape)} "
+                                 "is expected")
+            p.data.copy_(src)
+            return
+        if _local(experts, shard_id[1]) is not None:
+            p.data[_local(experts, shard_id[1])].copy_(src.reshape(p.shape[1:]))
+
+    def checkpoint_slice(shard_id=None) -> tuple[int, int, int] | None:
+        if shard_id is None:
+            return None if experts.size == experts.full else (0, experts.lo, experts.hi)
+        return (0, 0, 0) if _local(experts, shard_id[1]) is None else None
+
+    param.weight_loader, param.checkpoint_slice = load, checkpoint_slice
+
+
 def _attach_down_loader(param: nn.Parameter, num_experts: int, part: Part | None, experts: Part) -> None:
     """``param`` [local experts, rows, cols]: cols run along this rank's ``part`` of the
     intermediate dim (None: cols are not split)."""
     cols = param.shape[2] if part is None else part.full
-    param.full_shape = (num_experts, param.shape[1], cols)
+    param.full_shape = (num_experts, param.shape[1], cols, *param.shape[3:])
     param.shard_ids = tuple(("down", e) for e in range(experts.lo, experts.hi))
     split = part is not None and part.size != part.full
 

@@ -441,3 +441,236 @@ def test_bench_case_runs_end_to_end_on_a_tiny_shape(capsys):
     assert one["tuned_us"] == 10 / bench_kernels.MOE_ROUTINGS
     assert result["cases"][2]["flops"] == bench_kernels.moe_flops(20, 2, 32, 24)
     assert "fused_moe    20 tokens" in capsys.readouterr().out
+
+
+# ---- gpt-oss: expert biases and the clamped SwiGLU ("swigluoai") ------------------------------------------
+
+
+def _biases(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0,
+            device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 100)
+    return (torch.randn(num_experts, 2 * inter, generator=gen).to(dtype).to(device),
+            torch.randn(num_experts, hidden, generator=gen).to(dtype).to(device))
+
+
+# (name, T, E, K, H, I, activation, experts, bias): limit 1.0 clamps many gate and up values
+GPT_OSS_CASES = [
+    ("swigluoai_bias_one_token", 1, 4, 2, 24, 20, "swigluoai", None, True),
+    ("swigluoai_bias_t17_top4", 17, 6, 4, 40, 36, "swigluoai", None, True),
+    ("swigluoai_no_bias", 9, 8, 2, 24, 40, "swigluoai", [1, 6], False),
+    ("silu_bias_many_tiles", 40, 3, 2, 48, 24, "silu", None, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GPT_OSS_CASES, ids=[c[0] for c in GPT_OSS_CASES])
+def test_launcher_matches_reference_with_biases_and_swigluoai(case, dtype):
+    _, t, e, k, h, i, act, experts, bias = case
+    inp = make_inputs(t, e, k, h, i, dtype, experts=experts, seed=t)
+    b13, b2 = _biases(e, h, i, dtype, seed=t) if bias else (None, None)
+    kw = dict(activation=act, w13_bias=b13, w2_bias=b2, swiglu_alpha=1.702, swiglu_limit=1.0)
+    got = kernels.fused_moe(*inp.args(), **kw)
+    assert got.is_contiguous()
+    assert_close(got, reference.fused_moe(*inp.args(), **kw), dtype)
+
+
+def test_biases_alone_and_strided_bias_rows():
+    # One bias at a time (each is its own compile-time choice); bias rows wider than the tensor.
+    inp = make_inputs(11, 5, 2, 24, 20, torch.float32, seed=12)
+    b13, b2 = _biases(5, 24, 20, torch.float32)
+    wide13 = torch.randn(5, 64, device=DEVICE)[:, 3:43]
+    wide13.copy_(b13)
+    for kw in (dict(w13_bias=b13), dict(w2_bias=b2), dict(w13_bias=wide13, w2_bias=b2)):
+        assert_close(kernels.fused_moe(*inp.args(), activation="swigluoai", **kw),
+                     reference.fused_moe(*inp.args(), activation="swigluoai", **kw), torch.float32)
+    # ids outside [0, E) add no bias either
+    inp.topk_ids[3, :] = -1
+    got = kernels.fused_moe(*inp.args(), w13_bias=b13, w2_bias=b2)
+    assert (got[3] == 0).all()
+    assert_close(got, reference.fused_moe(*inp.args(), w13_bias=b13, w2_bias=b2), torch.float32)
+
+
+def _gpt_oss_params(e: int, h: int, i: int, seed: int) -> dict[str, torch.Tensor]:
+    """transformers' GptOssExperts parameters (float64): gate_up_proj [E, H, 2I] with gate and up
+    columns interleaved (2j gate j, 2j+1 up j), down_proj [E, I, H], their biases."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"gate_up_proj": torch.randn(e, h, 2 * i, generator=gen, dtype=torch.float64) * h**-0.5,
+            "gate_up_proj_bias": torch.randn(e, 2 * i, generator=gen, dtype=torch.float64) * 0.5,
+            "down_proj": torch.randn(e, i, h, generator=gen, dtype=torch.float64) * i**-0.5,
+            "down_proj_bias": torch.randn(e, h, generator=gen, dtype=torch.float64) * 0.5}
+
+
+def _pdserve_layout(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], b13 [E, 2I] gate then up, b2 [E, H])."""
+    gu = p["gate_up_proj"]
+    w13 = torch.cat([gu[:, :, 0::2], gu[:, :, 1::2]], dim=2).transpose(1, 2).contiguous()
+    b = p["gate_up_proj_bias"]
+    return (w13, p["down_proj"].transpose(1, 2).contiguous(), torch.cat([b[:, 0::2], b[:, 1::2]], dim=1),
+            p["down_proj_bias"])
+
+
+def test_reference_matches_gpt_oss_loop():
+    # GptOssExperts.forward written out token by token, slot by slot, in float64.
+    e, k, h, i, alpha, limit = 6, 3, 32, 24, 1.702, 0.9
+    inp = make_inputs(13, e, k, h, i, torch.float64, experts=[0, 2, 3, 5], device="cpu", seed=21)
+    p = _gpt_oss_params(e, h, i, seed=22)
+    want = torch.zeros_like(inp.x)
+    for t in range(inp.x.shape[0]):
+        for slot in range(k):
+            ex = int(inp.topk_ids[t, slot])
+            gate_up = inp.x[t] @ p["gate_up_proj"][ex] + p["gate_up_proj_bias"][ex]
+            gate, up = gate_up[0::2].clamp(max=limit), gate_up[1::2].clamp(-limit, limit)
+            gated = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+            out = gated @ p["down_proj"][ex] + p["down_proj_bias"][ex]
+            want[t] += out * float(inp.topk_weights[t, slot])
+    w13, w2, b13, b2 = _pdserve_layout(p)
+    got = reference.fused_moe(inp.x, w13, w2, inp.topk_weights, inp.topk_ids, activation="swigluoai",
+                              w13_bias=b13, w2_bias=b2, swiglu_alpha=alpha, swiglu_limit=limit)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 19])
+def test_reference_matches_transformers_gpt_oss_experts(num_tokens):
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    e, k, h, i = 8, 4, 64, 48
+    inp = make_inputs(num_tokens, e, k, h, i, torch.float32, device="cpu", seed=num_tokens + 30)
+    config = GptOssConfig(num_local_experts=e, num_experts_per_tok=k, hidden_size=h, intermediate_size=i,
+                          swiglu_limit=1.5)
+    experts = GptOssExperts(config)
+    p = _gpt_oss_params(e, h, i, seed=num_tokens)
+    with torch.no_grad():
+        for name, t in p.items():
+            getattr(experts, name).copy_(t)
+        want = experts(inp.x, inp.topk_ids.long(), inp.topk_weights)
+    w13, w2, b13, b2 = (t.float() for t in _pdserve_layout(p))
+    got = reference.fused_moe(inp.x, w13, w2, inp.topk_weights, inp.topk_ids, activation="swigluoai",
+                              w13_bias=b13, w2_bias=b2, swiglu_alpha=config.swiglu_alpha,
+                              swiglu_limit=config.swiglu_limit)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def _bad_bias_calls():
+    """(name, change, whether the reference refuses it too: it takes any strides)."""
+    b13, b2 = _biases(3, 24, 20, torch.float32)
+    return [
+        ("w13_bias", dict(w13_bias=b13[:, :20]), True),
+        ("w13_bias", dict(w13_bias=b13.half()), True),
+        ("w13_bias", dict(w13_bias=b13.t().contiguous().t()), False),
+        ("w2_bias", dict(w2_bias=b2[:2]), True),
+        ("w2_bias", dict(w2_bias=b2.double()), True),
+        ("swiglu_limit", dict(swiglu_limit=float("nan")), False),
+        ("swiglu_alpha", dict(swiglu_alpha=None), False),
+    ]
+
+
+@pytest.mark.parametrize("name,change,reference_too", _bad_bias_calls(),
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(_bad_bias_calls())])
+def test_bad_bias_arguments_raise_value_error(name, change, reference_too):
+    inp = make_inputs(4, 3, 2, 24, 20, torch.float32)
+    with pytest.raises(ValueError, match=f"fused_moe: .*{name}"):
+        kernels.fused_moe(*inp.args(), activation="swigluoai", **change)
+    if reference_too:
+        with pytest.raises(ValueError, match=f"fused_moe: .*{name}"):
+            reference.fused_moe(*inp.args(), activation="swigluoai", **change)
+
+
+# ---- the FusedMoE layer (engine/layers/moe.py) with gpt-oss's biases, on CPU ----------------------------------
+
+
+class _Rank:
+    """A tensor-parallel rank without communication: the test adds up the ranks' outputs."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _load(layer: torch.nn.Module, checkpoint: dict[str, torch.Tensor]) -> None:
+    params = dict(layer.named_parameters())
+    assert set(params) == set(checkpoint)
+    for name, t in checkpoint.items():
+        loader = getattr(params[name], "weight_loader", None)
+        if loader is None:
+            params[name].data.copy_(t)
+        else:
+            loader(params[name], t, None)
+
+
+GPT_OSS_LAYER = dict(num_experts=8, top_k=3, hidden=32, inter=48, limit=1.2)
+
+
+def _gpt_oss_checkpoint(seed: int = 40) -> dict[str, torch.Tensor]:
+    """A gpt-oss MoE block's tensors in pdserve's names and layout (de-interleaved), float32."""
+    c = GPT_OSS_LAYER
+    e, h, i = c["num_experts"], c["hidden"], c["inter"]
+    w13, w2, b13, b2 = (t.float() for t in _pdserve_layout(_gpt_oss_params(e, h, i, seed)))
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {"gate.weight": torch.randn(e, h, generator=gen), "gate.bias": torch.randn(e, generator=gen),
+            "experts.gate_up_proj": w13, "experts.down_proj": w2, "experts.gate_up_proj_bias": b13,
+            "experts.down_proj_bias": b2}
+
+
+def _gpt_oss_layer(tp=None, expert_parallel: bool = False, method=None):
+    from engine.layers.moe import FusedMoE
+
+    c = GPT_OSS_LAYER
+    return FusedMoE(c["num_experts"], c["top_k"], c["hidden"], c["inter"], renormalize=True, activation="swigluoai",
+                    ops=reference, tp=tp, expert_parallel=expert_parallel, method=method, bias=True,
+                    router_bias=True, swiglu_alpha=1.702, swiglu_limit=c["limit"])
+
+
+def test_layer_runs_gpt_oss_routing_biases_and_swiglu():
+    ckpt = _gpt_oss_checkpoint()
+    layer = _gpt_oss_layer()
+    _load(layer, ckpt)
+    assert layer.gate.bias is not None
+    x = torch.randn(11, GPT_OSS_LAYER["hidden"], generator=torch.Generator().manual_seed(41))
+    # GptOssTopKRouter: top-k of the biased logits, softmax over those k
+    top, ids = torch.topk(x @ ckpt["gate.weight"].T + ckpt["gate.bias"], GPT_OSS_LAYER["top_k"], dim=-1)
+    want = reference.fused_moe(x, ckpt["experts.gate_up_proj"], ckpt["experts.down_proj"], top.softmax(-1), ids,
+                               activation="swigluoai", w13_bias=ckpt["experts.gate_up_proj_bias"],
+                               w2_bias=ckpt["experts.down_proj_bias"], swiglu_limit=GPT_OSS_LAYER["limit"])
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor_parallel", "expert_parallel"])
+def test_layer_biases_split_over_two_ranks(expert_parallel):
+    ckpt = _gpt_oss_checkpoint()
+    one = _gpt_oss_layer()
+    _load(one, ckpt)
+    ranks = [_gpt_oss_layer(_Rank(r, 2), expert_parallel) for r in range(2)]
+    for layer in ranks:
+        _load(layer, ckpt)
+    e, i = GPT_OSS_LAYER["num_experts"], GPT_OSS_LAYER["inter"]
+    b13, b2 = ckpt["experts.gate_up_proj_bias"], ckpt["experts.down_proj_bias"]
+    r1 = ranks[1].experts
+    if expert_parallel:  # rank 1: experts [4, 8) whole, and their down biases
+        assert torch.equal(r1.gate_up_proj_bias, b13[e // 2:]) and torch.equal(r1.down_proj_bias, b2[e // 2:])
+        assert ranks[1].activation_args()["w2_bias"] is r1.down_proj_bias
+    else:  # rank 1: the second half of each expert's gate rows and of its up rows; the down bias on rank 0 only
+        assert torch.equal(r1.gate_up_proj_bias, torch.cat([b13[:, i // 2:i], b13[:, i + i // 2:]], dim=1))
+        assert ranks[0].activation_args()["w2_bias"] is ranks[0].experts.down_proj_bias
+        assert ranks[1].activation_args()["w2_bias"] is None
+    assert r1.gate_up_proj_bias.full_shape == (e, 2 * i) and r1.down_proj_bias.full_shape == tuple(b2.shape)
+    x = torch.randn(9, GPT_OSS_LAYER["hidden"], generator=torch.Generator().manual_seed(42))
+    torch.testing.assert_close(ranks[0](x) + ranks[1](x), one(x), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_loads_per_expert_down_biases_and_refuses_unknown_activations():
+    from engine.layers.moe import FusedMoE
+
+    layer = _gpt_oss_layer(_Rank(1, 2), expert_parallel=True)
+    b = layer.experts.down_proj_bias
+    assert b.shard_ids == tuple(("down", e) for e in range(4, 8))
+    b.weight_loader(b, torch.full((GPT_OSS_LAYER["hidden"],), 3.0), ("down", 5))
+    b.weight_loader(b, torch.full((GPT_OSS_LAYER["hidden"],), 7.0), ("down", 0))  # rank 0's: skipped
+    assert (b[1] == 3.0).all() and not (b == 7.0).any()
+    assert b.checkpoint_slice(None) == (0, 4, 8) and b.checkpoint_slice(("down", 0)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="checkpoint tensor of shape"):
+        b.weight_loader(b, torch.zeros(4, 5), None)
+    with pytest.raises(ValueError, match="MoE activation 'relu'"):
+        FusedMoE(4, 2, 8, 8, renormalize=True, activation="relu", ops=reference, tp=None)
