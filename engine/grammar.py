@@ -24,6 +24,14 @@ mask allows nothing but stop tokens (the output is whole: a closed JSON object, 
 last choice's last token), without spending a step on the stop token. ``poll`` computes
 the next mask to see that, and keeps it for ``fill``.
 
+Reasoning (``StructuredOutputsParams.reasoning_end_token_ids``, a thinking model): the
+grammar constrains the answer after the reasoning, as vLLM's reasoning parsers have it.
+Until the output contains that token sequence the request is READY with a mask that
+allows every token (the model reasons freely, and may stop); the output tokens up to the
+sequence's end never reach the matcher, which takes the tokens after it. A request whose
+prompt already ended the reasoning (``enable_thinking: false``) comes without the
+sequence: the gateway decides, it sees the prompt.
+
 Compilation is bounded by ``max_compile_seconds`` from the request's arrival (or from
 when the compiler became ready, the first time: it loads the tokenizer): past that
 the request fails (ERROR: the servers answer INVALID_ARGUMENT), the worker
@@ -65,6 +73,10 @@ class _RequestGrammar:
     error: str | None = None
     mask: torch.Tensor | None = None  # [ceil(V / 32)] int32: the next token's, after num_accepted tokens
     only_stop: bool = False  # the mask allows stop tokens and nothing else (set with mask)
+    # Output index where the constrained answer starts: after the reasoning's end sequence
+    # (None: still reasoning; 0 without reasoning). num_accepted counts from the output's start.
+    content_start: int | None = 0
+    num_searched: int = 0  # output tokens searched for the reasoning's end so far
 
 
 @dataclass
@@ -92,6 +104,7 @@ class GrammarManager:
     _stop_words: np.ndarray | None = None  # [ceil(V / 32)] int32: the stop tokens' bits
     _batch_matcher: Any = None  # xgrammar's BatchGrammarMatcher: masks of many rows on threads
     _has_tokenizer: bool = False  # check_tokenizer found one (looked for until then)
+    _full_mask: torch.Tensor | None = None  # [ceil(V / 32)] int32, every bit set: no constraint
 
     def check_tokenizer(self) -> None:
         """ValueError when ``tokenizer_path`` has no tokenizer to compile against: a
@@ -159,7 +172,9 @@ class GrammarManager:
         params = req.sampling_params.structured_outputs
         if params is None or req.request_id in self._requests:
             return
-        self._requests[req.request_id] = _RequestGrammar(self._compiled(params), time.monotonic())
+        content_start = None if params.reasoning_end_token_ids else 0
+        self._requests[req.request_id] = _RequestGrammar(self._compiled(params), time.monotonic(),
+                                                         content_start=content_start)
 
     def poll(self, req: Request) -> tuple[GrammarState, str]:
         """Where ``req``'s grammar stands (module docstring); the message explains ERROR."""
@@ -187,6 +202,9 @@ class GrammarManager:
 
             g.matcher = xgr.GrammarMatcher(g.future.result())
         out = req.output_token_ids
+        if g.content_start is None and not self._find_reasoning_end(g, req):
+            g.mask, g.only_stop = self._all_tokens(), False  # still reasoning: unconstrained
+            return GrammarState.READY, ""
         while g.num_accepted < len(out):
             token = out[g.num_accepted]
             if g.matcher.is_terminated() or not g.matcher.accept_token(token):
@@ -199,6 +217,27 @@ class GrammarManager:
         if g.mask is None:
             self._set_masks([g])
         return (GrammarState.DONE, "") if g.only_stop else (GrammarState.READY, "")
+
+    def _find_reasoning_end(self, g: _RequestGrammar, req: Request) -> bool:
+        """Whether ``req``'s output has ended its reasoning (its end sequence is in the
+        output); when it has, the matcher starts after the sequence's first occurrence."""
+        end = list(req.sampling_params.structured_outputs.reasoning_end_token_ids)
+        out = req.output_token_ids
+        for i in range(max(0, g.num_searched - len(end) + 1), len(out) - len(end) + 1):
+            if out[i] == end[0] and list(out[i:i + len(end)]) == end:
+                g.content_start = g.num_accepted = i + len(end)
+                g.mask = None
+                return True
+        g.num_searched = len(out)
+        return False
+
+    def _all_tokens(self) -> torch.Tensor:
+        """The mask that allows every token (a request still reasoning)."""
+        if self._full_mask is None:
+            import xgrammar as xgr
+
+            self._full_mask = xgr.allocate_token_bitmask(1, self.vocab_size)[0].fill_(-1)
+        return self._full_mask
 
     def _set_masks(self, grammars: list[_RequestGrammar]) -> None:
         """Each one's next mask (one batched fill on xgrammar's threads) and whether it
@@ -237,8 +276,8 @@ class GrammarManager:
         ready = []
         for req, token in pairs:
             g = self._requests.get(req.request_id)
-            if g is None or g.matcher is None or g.error is not None:
-                continue
+            if g is None or g.matcher is None or g.error is not None or g.content_start is None:
+                continue  # (still reasoning: poll looks for the reasoning's end)
             if g.num_accepted != req.num_output_tokens or g.matcher.is_terminated():
                 continue  # behind (poll catches it up), or ended
             if not g.matcher.accept_token(token):

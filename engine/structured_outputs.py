@@ -13,6 +13,13 @@ Exactly one is set. JSON output is compact between tokens by default (no free
 whitespace: a small model cannot fill max_tokens with blanks); ``any_whitespace``
 allows it, at most ``MAX_WHITESPACE`` characters in a row.
 
+``reasoning_end_token_ids`` (a thinking model: the gateway's ``--reasoning-parser``)
+holds the constraint back while the model reasons: every token is allowed until the
+output contains this token sequence (``</think>``'s id, gpt-oss's
+``<|channel|>final<|message|>``), and the grammar matches the output after it. Empty:
+the grammar matches the output from its first token. It is no part of the grammar
+(nor of ``key``).
+
 A JSON schema is checked for keywords the grammar engine would silently ignore
 (``uniqueItems``, ``not``, ``if``/``then``/``else``, ``allOf`` of several schemas, ...):
 a request naming one is refused with the keyword's name and path, rather than served
@@ -31,6 +38,7 @@ MAX_SPEC_CHARS = 256 * 1024  # a schema, regex, grammar or structural tag
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
 MAX_WHITESPACE = 4  # with any_whitespace: the longest run of blanks between JSON tokens
+MAX_REASONING_END_TOKENS = 16
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 # Keywords the grammar engine (xgrammar) enforces or that only annotate.
@@ -61,8 +69,13 @@ class StructuredOutputsParams:
     grammar: str | None = None
     structural_tag: str | None = None
     any_whitespace: bool = False  # JSON kinds: allow blanks between tokens (bounded)
+    # The grammar starts after the first occurrence of this token sequence in the output
+    # (the end of a thinking model's reasoning); empty: at the first output token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.reasoning_end_token_ids, list):
+            object.__setattr__(self, "reasoning_end_token_ids", tuple(self.reasoning_end_token_ids))
         if self.choice is not None and not isinstance(self.choice, tuple):
             if not isinstance(self.choice, list):
                 raise ValueError(f"structured_outputs.choice must be a list of strings, got {self.choice!r:.80}")
@@ -94,6 +107,11 @@ class StructuredOutputsParams:
         kind = set_kinds[0]
         if not isinstance(self.json_object, bool) or not isinstance(self.any_whitespace, bool):
             raise ValueError("structured_outputs.json_object and any_whitespace must be booleans")
+        ends = self.reasoning_end_token_ids
+        if not isinstance(ends, tuple) or len(ends) > MAX_REASONING_END_TOKENS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in ends):
+            raise ValueError(f"structured_outputs.reasoning_end_token_ids must be at most "
+                             f"{MAX_REASONING_END_TOKENS} token ids, got {ends!r:.80}")
         if kind == "choice":
             if not self.choice or len(self.choice) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs.choice must list 1 to {MAX_CHOICES} strings, "

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import parse_size
+from gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
@@ -83,17 +84,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_chat_args(g: argparse._ArgumentGroup) -> None:
-    """The chat-template and tool-calling flags (vLLM's names; `pdserve up` passes them on)."""
+    """The chat-template, tool-calling and reasoning flags (vLLM's names; `pdserve up` passes them on)."""
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's "
                         "own, e.g. deploy/chat_templates/hermes_tools.jinja for tool calls on a ChatML model")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how the model writes tool calls: hermes (<tool_call> JSON blocks: Hermes, Qwen2.5, "
-                        "Qwen3) or llama3_json (Llama 3 JSON calls); needed for tool_choice required, a named "
-                        "function, and auto")
+                        "Qwen3), llama3_json (Llama 3 JSON calls) or openai (gpt-oss's harmony calls, the default "
+                        "with --reasoning-parser gpt_oss); needed for tool_choice required, a named function, "
+                        "and auto")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when a request has tools): the model decides, '
                         "its calls are parsed out of its answer (needs --tool-call-parser)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="a thinking model's reasoning apart from its answer, in chat completions' "
+                        "reasoning_content (gRPC: reasoning_text): qwen3 or deepseek_r1 (<think> ... </think>), "
+                        "gpt_oss (the harmony format, rendered and parsed by openai-harmony); tool calls are "
+                        "parsed from the answer only and structured outputs constrain the answer after the "
+                        "reasoning")
 
 
 def add_runtime_lora_args(g: argparse._ArgumentGroup) -> None:
@@ -140,6 +148,7 @@ class GatewayConfig:
     chat_template: str | None = None  # a file, or the template itself
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
     allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating or vLLM's variable
 
     def __post_init__(self) -> None:
@@ -174,7 +183,16 @@ class GatewayConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one of "
                              f"{', '.join(PARSERS)}")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not known; choose one of "
+                             f"{', '.join(REASONING_PARSERS)}")
+        harmony = self.reasoning_parser == "gpt_oss"
+        if self.tool_call_parser == "openai" and not harmony:
+            raise ValueError("--tool-call-parser openai (harmony calls) needs --reasoning-parser gpt_oss")
+        if harmony and self.tool_call_parser not in (None, "openai"):
+            raise ValueError(f"--reasoning-parser gpt_oss parses gpt-oss's own (harmony) tool calls: "
+                             f"--tool-call-parser {self.tool_call_parser} does not apply (leave it out, or give openai)")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None and not harmony:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls)")
 
     @classmethod
@@ -197,6 +215,7 @@ class GatewayConfig:
                    chat_template=getattr(args, "chat_template", None),
                    tool_call_parser=getattr(args, "tool_call_parser", None),
                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                   reasoning_parser=getattr(args, "reasoning_parser", None),
                    allow_runtime_lora_updating=(getattr(args, "allow_runtime_lora_updating", False)
                                                 or runtime_lora_updating_from_env()))
 

@@ -29,7 +29,10 @@ would (``openai_protocol.tool_plan``), and assistant ``tool_calls`` and tool
 ``tool_call_id`` messages render as they do there. With tools, each response's
 ``text`` is the answer's content only and ``tool_calls`` carries the parsed calls
 in pieces (``ToolCallStream``), and a natural end after a call is
-finish_reason "tool_calls".
+finish_reason "tool_calls". ``chat_template_kwargs_json`` is the HTTP API's
+``chat_template_kwargs`` as JSON text. With a ``--reasoning-parser``, a chat's
+``reasoning_text`` carries the model's reasoning and ``text`` the answer's content after
+it (gateway/reasoning_parsers.py).
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ from gateway.output_processor import GenerationDelta
 from gateway.request_flow import PreparedRequest
 from gateway.request_trace import RequestTrace, trace_headers
 from gateway.service import GatewayService
-from gateway.tool_parsers import ToolCallStream, ToolPlan
+from gateway.reasoning_parsers import ChatStream
+from gateway.tool_parsers import ToolPlan
 from gateway.tool_parsers import finish_reason as tool_finish_reason
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.convert import sampling_from_proto
@@ -143,15 +147,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 auth = self._auth_error(context)
                 if auth is not None:
                     raise auth
-                req, tools = await self._prepare(request, trace, context.time_remaining())
+                req, answer = await self._prepare(request, trace, context.time_remaining())
             except BaseException as e:
                 trace.finish(error=e)
                 raise
             first = True
-            calls = tools.stream() if tools is not None else None
             async with aclosing(self._service.generate(req)) as deltas:
                 async for delta in deltas:
-                    yield _to_response(req, delta, first, calls)
+                    yield _to_response(req, delta, first, answer)
                     first = False
         except Exception as e:
             await self._abort(context, e, "Generate")
@@ -207,7 +210,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(auth.kind.grpc_status, auth.message)
 
     async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,
-                       timeout: float | None) -> tuple[PreparedRequest, ToolPlan | None]:
+                       timeout: float | None) -> tuple[PreparedRequest, ChatStream | None]:
         inputs = self._service.inputs
         lora = self._service.resolve_model(request.model)
         try:
@@ -217,23 +220,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not request.sampling.HasField("max_tokens"):
             sampling.max_tokens = None  # proto default: up to the context length
         kind = request.WhichOneof("prompt")
-        tools = None
+        tools, template_kwargs, answer = None, None, None
         if kind == "chat":
             tools = _tool_plan(request.chat, self._service)
             sampling.structured_outputs = with_tool_constraint(sampling.structured_outputs, tools)
+            template_kwargs = _template_kwargs(request.chat.chat_template_kwargs_json)
         with trace.span("tokenize"):
             if kind == "text":
                 ids = await inputs.encode_text(request.text)
             elif kind == "chat":
                 ids = await inputs.encode_chat([_template_message(m) for m in request.chat.messages], True,
-                                               tools.template_tools() if tools is not None else None)
+                                               tools.template_tools() if tools is not None else None,
+                                               template_kwargs)
             elif kind == "token_ids":
                 ids = inputs.check_token_ids(request.token_ids.ids)
             else:
                 raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
+        if kind == "chat":
+            answer = self._service.begin_chat(ids, sampling, tools, template_kwargs)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout,
-                                     lora_name=lora), tools
+                                     lora_name=lora), answer
 
 
 def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolPlan | None:
@@ -258,6 +265,19 @@ def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolP
     return tool_plan(tools, choice, parallel, service.tool_parser, service.enable_auto_tool_choice)
 
 
+def _template_kwargs(text: str) -> dict[str, Any] | None:
+    """``ChatMessages.chat_template_kwargs_json``: a JSON object (empty: none)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise invalid(f"chat_template_kwargs_json is not JSON: {e}", param="chat_template_kwargs") from e
+    if not isinstance(value, dict):
+        raise invalid("chat_template_kwargs_json must be a JSON object", param="chat_template_kwargs")
+    return value
+
+
 def _template_message(m: gateway_pb2.ChatMessage) -> dict[str, Any]:
     calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
              for c in m.tool_calls]
@@ -266,14 +286,15 @@ def _template_message(m: gateway_pb2.ChatMessage) -> dict[str, Any]:
 
 
 def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool,
-                 calls: ToolCallStream | None) -> gateway_pb2.GenerateResponse:
-    text, finish_reason, tool_calls = delta.text, delta.finish_reason or "", []
-    if calls is not None:  # the text's content, and its calls parsed out
-        text, tool_calls = calls.feed(delta.text, final=bool(finish_reason))
-        finish_reason = tool_finish_reason(finish_reason, calls.num_calls) or ""
+                 answer: ChatStream | None) -> gateway_pb2.GenerateResponse:
+    text, finish_reason, tool_calls, reasoning = delta.text, delta.finish_reason or "", [], ""
+    if answer is not None:  # a chat: its reasoning, its content and its calls parsed out
+        new = answer.feed(delta.token_ids, delta.text, final=bool(finish_reason))
+        text, tool_calls, reasoning = new.content, new.tool_calls, new.reasoning
+        finish_reason = tool_finish_reason(finish_reason, answer.num_calls) or ""
     msg = gateway_pb2.GenerateResponse(request_id=req.request_id, token_ids=delta.token_ids, text=text,
                                        finish_reason=finish_reason, logprobs=delta.logprobs,
-                                       finish_message=delta.finish_message)
+                                       finish_message=delta.finish_message, reasoning_text=reasoning)
     msg.tool_calls.extend(gateway_pb2.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "",
                                                     arguments=c.arguments) for c in tool_calls)
     if first:

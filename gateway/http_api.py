@@ -143,13 +143,16 @@ def create_app(service: GatewayService, api_key: str | None = None,
             sampling = body.to_sampling_params(tools)
             with trace.span("tokenize"):
                 ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
-                                                       tools.template_tools() if tools is not None else None)
+                                                       tools.template_tools() if tools is not None else None,
+                                                       body.chat_template_kwargs)
+            answer = service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
             req = _prepare(service, request, ids, sampling, "chatcmpl", trace, lora)
         except BaseException as e:
             trace.finish(error=e)
             raise
         fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
-                            body.include_usage, sampling.logprobs is not None, tools=tools)
+                            body.include_usage, sampling.logprobs is not None, answer=answer,
+                            reasoning=service.reasoning_parser is not None)
         return await _respond(service, request, req, fmt, body.stream)
 
     app.include_router(v1)

@@ -20,7 +20,10 @@ requests also take ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 prompt; ``auto`` (the default when tools are given) needs
 ``--enable-auto-tool-choice``; ``required`` and a named function need
 ``--tool-call-parser`` and are enforced by a constraint, which excludes
-``response_format`` and ``structured_outputs``.
+``response_format`` and ``structured_outputs``. ``chat_template_kwargs`` (vLLM's) are more
+variables of the chat template (``{"enable_thinking": false}``; checked by
+gateway/tokenization.py). With a ``--reasoning-parser`` the constraint applies to the
+answer after the reasoning (gateway/reasoning_parsers.py).
 
 Types are strict (JSON numbers for numbers, booleans for booleans: ``"1"``
 or ``true`` is not an integer); ranges are checked once, by
@@ -309,6 +312,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables of the chat template
 
     def tool_plan(self, parser: ToolParser | None, enable_auto: bool) -> ToolPlan | None:
         """The request's ``tools``/``tool_choice``/``parallel_tool_calls`` (``tool_plan``)."""
@@ -348,6 +352,9 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
     if parser is None:
         what = "a named function" if function is not None else '"required"'
         raise invalid(f"tool_choice {what} needs a gateway started with --tool-call-parser", param="tool_choice")
+    if choice != "auto" and parser.name == "openai":
+        raise invalid(f'tool_choice {"a named function" if function is not None else choice!r} is not supported '
+                      'with gpt-oss (harmony) tool calls; send tool_choice "auto" or "none"', param="tool_choice")
     if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable
         for i, tool in enumerate(functions):
             if function in (None, tool.name):

@@ -11,6 +11,11 @@ natural end is ``finish_reason: "tool_calls"``; streamed, ``delta.tool_calls`` c
 each call's ``index``, then ``id``, ``type`` and ``function.name`` on its first chunk and
 ``function.arguments`` in pieces. A request that ends with ``finish_reason: "error"``
 (no token met its constraint) has the reason in the choice's ``stop_reason``.
+
+With a ``--reasoning-parser`` (gateway/reasoning_parsers.py) the message's reasoning is
+``reasoning_content`` (and ``reasoning``, vLLM's newer name for it; null when there was
+none) apart from ``content`` (null when empty); streamed, ``delta.reasoning_content`` (and
+``delta.reasoning``) carry it as it comes, before the content's deltas.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.output_processor import GenerationDelta, Usage
+from gateway.reasoning_parsers import ChatStream, plain_chat_stream
 from gateway.tool_parsers import ToolPlan
 from gateway.tool_parsers import finish_reason as tool_finish_reason
 from pdserve.v1 import common_pb2
@@ -131,10 +137,15 @@ class ChatFormatter(ResponseFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, answer: ChatStream | None = None,
+                 reasoning: bool = False, **kwargs: Any) -> None:
+        """``answer``: how the answer splits (reasoning, content, tool calls; default: the
+        ``tools``' calls, if any, from the text); ``reasoning``: the gateway has a reasoning
+        parser (the message carries ``reasoning_content``)."""
         super().__init__(*args, **kwargs)
-        self._tools = tools
-        self._tool_stream = tools.stream() if tools is not None else None
+        self._parsed = tools is not None or reasoning  # content null when empty, as vLLM
+        self._answer = answer if answer is not None else plain_chat_stream(tools)
+        self._reasoning = reasoning
 
     def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
@@ -163,28 +174,30 @@ class ChatFormatter(ResponseFormatter):
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
-        content, calls, num_calls = d.text, [], 0
-        if self._tool_stream is not None:
-            content, calls = self._tool_stream.feed(d.text, final=bool(d.finish_reason))
-            num_calls = self._tool_stream.num_calls
-        if not content and not calls and not d.finish_reason and not (self._want_logprobs and d.logprobs):
+        new = self._answer.feed(d.token_ids, d.text, final=bool(d.finish_reason))
+        if (not new.reasoning and not new.content and not new.tool_calls and not d.finish_reason
+                and not (self._want_logprobs and d.logprobs)):
             return []
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [c.to_json() for c in calls]
-        return [self._chunk(delta, self._logprobs(d.logprobs), tool_finish_reason(d.finish_reason, num_calls), d)]
+        delta: dict[str, Any] = {}
+        if new.reasoning:  # before the content, as vLLM
+            delta["reasoning_content"] = delta["reasoning"] = new.reasoning
+        if new.content:
+            delta["content"] = new.content
+        if new.tool_calls:
+            delta["tool_calls"] = [c.to_json() for c in new.tool_calls]
+        finish_reason = tool_finish_reason(d.finish_reason, self._answer.num_calls)
+        return [self._chunk(delta, self._logprobs(d.logprobs), finish_reason, d)]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
         text = "".join(d.text for d in deltas)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish_reason = last.finish_reason
-        if self._tools is not None:
-            parsed = self._tools.parse(text)
-            message["content"] = parsed.content
-            if parsed.tool_calls:
-                message["tool_calls"] = [c.to_json() for c in parsed.tool_calls]
-            finish_reason = tool_finish_reason(finish_reason, len(parsed.tool_calls))
+        answer = self._answer.whole([t for d in deltas for t in d.token_ids], text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content if self._parsed else text}
+        if self._reasoning:
+            message["reasoning_content"] = message["reasoning"] = answer.reasoning
+        if answer.tool_calls:
+            message["tool_calls"] = [c.to_json() for c in answer.tool_calls]
+        finish_reason = tool_finish_reason(last.finish_reason, len(answer.tool_calls))
         choice = _finish_fields({"index": 0, "message": message,
                                  "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs])},
                                 last, finish_reason)

@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
 from gateway.router import Router
 from gateway.service import GatewayService
+from gateway.reasoning_parsers import HarmonyReasoningParser, ReasoningParser, get_reasoning_parser
 from gateway.tokenization import InputProcessor
 from gateway.tool_parsers import get_parser
 from pdserve.v1 import gateway_pb2
@@ -63,7 +64,13 @@ def main(args: argparse.Namespace) -> int:
         logger.error("gateway: %s", e)
         return 2
     try:
-        return asyncio.run(_serve(cfg, inputs))
+        reasoning = load_reasoning_parser(cfg, inputs)
+    except ValueError as e:  # the think tokens or harmony's vocabulary missing
+        logger.error("gateway: %s", e)
+        inputs.close()
+        return 2
+    try:
+        return asyncio.run(_serve(cfg, inputs, reasoning))
     except ports.PortUnavailable as e:  # a port already in use: one line, the flag that changes it
         print(f"pdserve gateway: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -99,6 +106,20 @@ def load_input_processor(cfg: GatewayConfig) -> InputProcessor:
     return inputs
 
 
+def load_reasoning_parser(cfg: GatewayConfig, inputs: InputProcessor) -> ReasoningParser | None:
+    """``--reasoning-parser`` on the model's tokenizer (a ValueError saying what is missing:
+    the think tokens, harmony's vocabulary); gpt_oss renders the chats from then on."""
+    if not cfg.reasoning_parser:
+        return None
+    reasoning = get_reasoning_parser(cfg.reasoning_parser, inputs.tokenizer)
+    if isinstance(reasoning, HarmonyReasoningParser):
+        inputs.chat_renderer = reasoning.render_chat
+        inputs.renders_tools = True
+    logger.info("gateway: reasoning parser %s%s", reasoning.name,
+                " (chats rendered in the harmony format)" if inputs.chat_renderer is not None else "")
+    return reasoning
+
+
 def read_chat_template(value: str) -> str:
     """``--chat-template``: a file's text, or the value itself when it is a template; a
     ValueError naming the flag when it is neither or does not parse as Jinja."""
@@ -128,17 +149,18 @@ def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixI
     return MemoryPrefixIndex(registry)
 
 
-async def _serve(cfg: GatewayConfig, inputs: InputProcessor) -> int:
+async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: ReasoningParser | None = None) -> int:
     registry = InstanceRegistry()
     discovery = Discovery(registry, cfg.prefill, cfg.decode, cfg.discovery_interval, cfg.redis_url,
                           inputs.served_model_name)
     index = make_prefix_index(cfg, registry)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
                     cfg.kv_load_failure_policy)
-    parser = get_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None
+    tool_parser = cfg.tool_call_parser or ("openai" if cfg.reasoning_parser == "gpt_oss" else None)
+    parser = get_parser(tool_parser) if tool_parser else None
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice,
-                             cfg.allow_runtime_lora_updating)
+                             cfg.allow_runtime_lora_updating, reasoning_parser=reasoning)
     if cfg.allow_runtime_lora_updating:
         logger.info("runtime LoRA updating on: /v1/load_lora_adapter and /v1/unload_lora_adapter act on every "
                     "engine server")

@@ -29,6 +29,7 @@ naming both otherwise), and a load of a name some server already lists only with
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -43,11 +44,12 @@ from gateway.instances import InstanceRegistry
 from gateway.lora import LoRAAdmin, ServerResult, known_adapters
 from gateway.metrics import GatewayMetrics
 from gateway.output_processor import GenerationDelta, OutputProcessor
+from gateway.reasoning_parsers import ChatStream, ReasoningParser, plain_chat_stream
 from gateway.request_flow import PreparedRequest, RequestFlow
 from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.tokenization import InputProcessor
-from gateway.tool_parsers import ToolParser
+from gateway.tool_parsers import ToolParser, ToolPlan
 from pdserve.v1 import common_pb2
 from rpc import tracing
 
@@ -63,8 +65,9 @@ class GatewayService:
                  request_timeout: float, max_queued_requests: int | None = None,
                  log_requests: bool = True, router: Router | None = None,
                  tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False,
-                 allow_runtime_lora_updating: bool = False) -> None:
+                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None) -> None:
         self.inputs = inputs
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = tool_parser  # --tool-call-parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -122,6 +125,23 @@ class GatewayService:
                                "(or pdserve up) started with --allow-runtime-lora-updating, or with "
                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, as vLLM",
                                code="runtime_lora_updating_disabled")
+
+    def begin_chat(self, prompt_token_ids: list[int], sampling: SamplingParams, tools: ToolPlan | None,
+                   template_kwargs: Mapping[str, Any] | None) -> ChatStream:
+        """How a chat's answer splits (reasoning, content, tool calls), and what the
+        reasoning parser asks of its sampling: a constraint holds back until the reasoning
+        ends (its end token sequence; none when the prompt ended the reasoning), and the
+        model's end-of-turn tokens stop it (harmony's)."""
+        parser = self.reasoning_parser
+        if parser is None:
+            return plain_chat_stream(tools)
+        stream, end_ids = parser.chat_stream(prompt_token_ids, template_kwargs or {}, tools)
+        if sampling.structured_outputs is not None:
+            sampling.structured_outputs = dataclasses.replace(sampling.structured_outputs,
+                                                              reasoning_end_token_ids=tuple(end_ids))
+        extra = [t for t in parser.extra_stop_token_ids() if t not in sampling.stop_token_ids]
+        sampling.stop_token_ids = [*sampling.stop_token_ids, *extra]
+        return stream
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (for logprobs)."""

@@ -22,7 +22,10 @@ refused without tokenizing. A full pool answers RESOURCE_EXHAUSTED (429).
 The chat template is the model's, or the one ``--chat-template`` gives instead. Tools
 reach the template as its ``tools`` variable; a template that never reads ``tools``
 cannot show them to the model, so a request with tools is refused there (400) rather
-than served as if the model knew them.
+than served as if the model knew them. A request's ``chat_template_kwargs`` (vLLM's) are
+more variables of the template (``{"enable_thinking": false}``): an object whose keys are
+not the renderer's own arguments. With ``--reasoning-parser gpt_oss`` chats are rendered in
+the harmony format instead (``chat_renderer``; gateway/reasoning_parsers.py).
 """
 from __future__ import annotations
 
@@ -65,13 +68,17 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
                  long_prompt_chars: int = LONG_PROMPT_CHARS, chat_template: str | None = None,
-                 model_aliases: Collection[str] = ()) -> None:
+                 model_aliases: Collection[str] = (), chat_renderer: Any = None) -> None:
         """``model_aliases``: other names a request's ``model`` may give the base model by
-        (the ``--model`` string as typed, which vLLM serves under)."""
+        (the ``--model`` string as typed, which vLLM serves under). ``chat_renderer``: renders
+        chats instead of the template, ``(tokenizer, messages, add_generation_prompt, tools,
+        template_kwargs) -> ids`` (harmony, for gpt-oss)."""
         self.tokenizer = tokenizer
+        self.chat_renderer = chat_renderer
         # The template chats are rendered with (--chat-template, else the model's own; None: no chat).
         self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None) or None
-        self.renders_tools = self.chat_template is not None and template_reads_tools(self.chat_template)
+        self.renders_tools = chat_renderer is not None or (self.chat_template is not None
+                                                           and template_reads_tools(self.chat_template))
         self.served_model_name = served_model_name
         self.model_aliases = tuple(dict.fromkeys(a for a in model_aliases if a and a != served_model_name))
         self.max_model_len = max_model_len
@@ -124,12 +131,14 @@ class InputProcessor:
         return self.check_token_ids(ids)
 
     async def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render ``messages`` (and ``tools``, OpenAI function tools) with the chat
         template and tokenize. Each message is ``{"role", "content"}`` (plus an optional
         string ``name``; an assistant's ``tool_calls``, a tool result's ``tool_call_id``);
         roles other than CHAT_ROLES are refused, and tools when the template does not
-        render them."""
+        render them. ``template_kwargs``: the request's ``chat_template_kwargs``
+        (``check_template_kwargs``)."""
         if not messages:
             raise invalid("messages must not be empty", param="messages")
         if len(messages) > MAX_MESSAGES:
@@ -140,10 +149,16 @@ class InputProcessor:
                           "does (for ChatML models with Hermes-style tool calls: "
                           "deploy/chat_templates/hermes_tools.jinja)", param="tools")
         clean = [_template_message(i, m) for i, m in enumerate(messages)]
+        kwargs = check_template_kwargs(template_kwargs)
         num_chars = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in clean)
         num_chars += len(json.dumps(tools)) if tools else 0
+        num_chars += len(json.dumps(kwargs, ensure_ascii=False)) if kwargs else 0
         try:
-            ids = await self._run(num_chars, render_chat, self.chat_template, clean, add_generation_prompt, tools)
+            if self.chat_renderer is not None:
+                ids = await self._run(num_chars, self.chat_renderer, clean, add_generation_prompt, tools, kwargs)
+            else:
+                ids = await self._run(num_chars, render_chat, self.chat_template, clean, add_generation_prompt,
+                                      tools, kwargs)
         except GatewayError:
             raise
         except ValueError as e:
@@ -217,13 +232,47 @@ def template_reads_tools(template: str) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
+# Arguments of transformers' apply_chat_template (and variables it sets itself): not
+# chat_template_kwargs, which are the template's own variables.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+# Variables whose type the gateway itself relies on (the qwen3 reasoning parser reads it).
+_BOOLEAN_TEMPLATE_KWARGS = ("enable_thinking",)
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` checked: an object (None: empty), none of
+    ``RESERVED_TEMPLATE_KWARGS``, ``enable_thinking`` a boolean, valid Unicode; a 400
+    naming the field otherwise."""
+    param = "chat_template_kwargs"
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise invalid(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}", param=param)
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(repr(k) for k in reserved)}: "
+                      "the request's own fields give it", param=param)
+    for key in _BOOLEAN_TEMPLATE_KWARGS:
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            raise invalid(f"chat_template_kwargs.{key} must be a boolean, got {kwargs[key]!r:.40}", param=param)
+    _check_text(json.dumps(kwargs, ensure_ascii=False), param)
+    return dict(kwargs)
+
+
 def render_chat(tokenizer: Any, template: str | None, messages: Sequence[dict[str, Any]],
-                add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> list[int]:
-    """Token ids of the conversation rendered with ``template`` (runs on a pool's thread)."""
+                add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of the conversation rendered with ``template`` (runs on a pool's thread);
+    ``template_kwargs``: more template variables (checked by ``check_template_kwargs``)."""
     if not template:
         raise ValueError("this model has no chat template; send a plain prompt instead, or start the gateway "
                          "with --chat-template FILE")
-    kw: dict[str, Any] = {"tools": tools} if tools else {}
+    kw: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        kw["tools"] = tools
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
                                         chat_template=template, **kw)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions

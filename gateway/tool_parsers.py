@@ -6,6 +6,12 @@ and the structured-output constraint that makes the model write them.
                    (Hermes 2 Pro, Qwen2.5, Qwen3; deploy/chat_templates/hermes_tools.jinja)
     llama3_json    {"name": NAME, "parameters": {...}}, after an optional          separated by "; "
                    <|python_tag|> (Llama 3.1 / 3.2 / 3.3 JSON tool calling)
+    openai         harmony commentary messages to functions.NAME (gpt-oss, with     one message each
+                   --reasoning-parser gpt_oss, which parses them from the tokens:
+                   gateway/reasoning_parsers.py; tool_choice auto only)
+
+With a ``--reasoning-parser``, calls are parsed from the answer's content, after the
+reasoning, never from the reasoning itself (gateway/reasoning_parsers.py).
 
 A request's ``ToolPlan`` says what it allows (``tool_choice``):
 
@@ -228,7 +234,25 @@ class Llama3JsonToolParser(ToolParser):
         return out
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's calls: harmony messages, parsed from the output tokens by the gpt_oss
+    reasoning parser (``HarmonyChatStream``), not from text; no constraint forces them."""
+
+    name = "openai"
+
+    def constraint(self, tools: Sequence[FunctionTool], parallel: bool) -> StructuredOutputsParams:
+        raise ValueError("tool_choice required or a named function is not supported for gpt-oss (harmony) "
+                         'tool calls; send tool_choice "auto" or "none"')
+
+    def _call_begin(self, name: str) -> str:  # pragma: no cover - no constraint
+        raise NotImplementedError
+
+    def split(self, text: str, final: bool) -> _Split:
+        return _Split(text)  # (HarmonyChatStream parses the calls)
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
+                                                            HarmonyToolParser)}
 
 
 def get_parser(name: str) -> ToolParser:

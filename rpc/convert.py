@@ -32,11 +32,13 @@ def structured_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutput
     value = getattr(msg, kind)
     if kind == "choice":
         value = tuple(value.choices)
-    return StructuredOutputsParams(**{kind: value}, any_whitespace=msg.any_whitespace)
+    return StructuredOutputsParams(**{kind: value}, any_whitespace=msg.any_whitespace,
+                                   reasoning_end_token_ids=tuple(msg.reasoning_end_token_ids))
 
 
 def structured_to_proto(p: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
-    msg = common_pb2.StructuredOutputs(any_whitespace=p.any_whitespace)
+    msg = common_pb2.StructuredOutputs(any_whitespace=p.any_whitespace,
+                                       reasoning_end_token_ids=p.reasoning_end_token_ids)
     if p.kind == "choice":
         msg.choice.choices.extend(p.choice)
     else:

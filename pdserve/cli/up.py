@@ -84,7 +84,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
-    add_chat_args(p.add_argument_group("chat template and tool calls (gateway)"))
+    add_chat_args(p.add_argument_group("chat template, tool calls and reasoning (gateway)"))
     add_runtime_lora_args(p.add_argument_group("LoRA adapters at run time (gateway)"))
     pg = p.add_argument_group("prefill servers")
     add_kv_send_args(pg)
@@ -231,7 +231,7 @@ class Cluster:
         n_prefill = 0 if args.prefill_mode == "local" else args.prefill
         if args.decode < 1:
             raise ValueError("--decode must be at least 1")
-        if args.enable_auto_tool_choice and not args.tool_call_parser:
+        if args.enable_auto_tool_choice and not args.tool_call_parser and args.reasoning_parser != "gpt_oss":
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls)")
         self.prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(n_prefill)]
         self.decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
@@ -281,7 +281,8 @@ class Cluster:
         a = self.args
         gw = ["gateway", "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
               "--decode", ",".join(self.decode), "--prefill", ",".join(self.prefill)]
-        for flag in ("--model", "--served-model-name", "--max-model-len", "--chat-template", "--tool-call-parser"):
+        for flag in ("--model", "--served-model-name", "--max-model-len", "--chat-template", "--tool-call-parser",
+                     "--reasoning-parser"):
             value = getattr(a, flag[2:].replace("-", "_"))
             if value is not None:
                 gw += [flag, str(value)]

@@ -45,7 +45,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "any_whitespace")
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar", "structural_tag", "any_whitespace", "reasoning_end_token_ids")
     JSON_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class StructuredOutputs(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     json: str
     json_object: bool
     regex: str
@@ -60,7 +61,8 @@ class StructuredOutputs(_message.Message):
     grammar: str
     structural_tag: str
     any_whitespace: bool
-    def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., any_whitespace: _Optional[bool] = ...) -> None: ...
+    reasoning_end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., any_whitespace: _Optional[bool] = ..., reasoning_end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
