@@ -94,6 +94,21 @@ SHAPES["llama-3.2-1b"] = dict(SHAPES["llama-3.1-8b"], hidden_size=2048, intermed
 # The 128 x 128 block-scaled FP8 checkpoints Qwen publishes (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8):
 # with random weights (--load-format dummy) each tile is quantized at load.
 _FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# gpt-oss-120b and -20b as OpenAI ships them: MXFP4 experts (e2m1 values, an e8m0 scale per 32),
+# attention, router and embeddings in bf16; windows of 128 keys on every other layer; YaRN.
+SHAPES["gpt-oss-120b"] = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    num_local_experts=128, num_experts_per_tok=4, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+    rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+    layer_types=["sliding_attention", "full_attention"] * 18,
+    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+SHAPES["gpt-oss-20b"] = dict(SHAPES["gpt-oss-120b"], num_hidden_layers=24, num_local_experts=32,
+                             layer_types=["sliding_attention", "full_attention"] * 12)
 SHAPES["qwen3-8b-fp8"] = dict(SHAPES["qwen3-8b"], quantization_config=_FP8_BLOCK)
 SHAPES["qwen3-30b-a3b-fp8"] = dict(SHAPES["qwen3-30b-a3b"], quantization_config=_FP8_BLOCK)
 SHAPES["llama-3.1-8b-fp8-block"] = dict(SHAPES["llama-3.1-8b"], quantization_config=_FP8_BLOCK)

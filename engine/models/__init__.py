@@ -18,6 +18,9 @@ config needs no torch).
                                                                     attention, experts with a gated shared expert
     qwen3_5.py      Qwen3.5, Qwen3.5-MoE (text; a                   Qwen3-Next with its DeltaNet projections apart
                     multimodal checkpoint's text model)
+    gpt_oss.py      gpt-oss (20b, 120b; MXFP4 experts)              attention sinks, QKV/output biases, alternating
+                                                                    128-key windows, YaRN, experts with biases and
+                                                                    the clamped SwiGLU, a router with a bias
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
 }
 

@@ -1,0 +1,206 @@
+"""gpt-oss served exactly: tiny random checkpoints written by transformers 5.23 itself, with
+every part of the family live: attention sinks (drawn large enough to move the softmax), QKV
+and output biases, sliding-window layers of 8 keys (far shorter than the prompts) alternating
+with full ones, YaRN, four experts (top 2) with biases, the clamped SwiGLU with a limit the
+activations reach, a router with a bias. Compared with transformers' float32 logits directly
+(a whole prompt, and in chunks over the paged cache), then through the offline API with its
+greedy tokens: chunked prefill, prefix hits, preemption, two tensor-parallel ranks."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs, ModelConfig
+from engine.kv_cache_groups import model_layout
+from engine.model_loader import load_model
+from engine.models.gpt_oss import to_checkpoint_layout, to_engine_layout
+from kernels import reference
+from tests.engine.families import (assert_greedy_match, greedy_references, group_metadata, hf_greedy, hf_model,
+                                   random_prompts)
+
+pytestmark = pytest.mark.slow
+WINDOW = 8
+MAX_TOKENS = 12
+PROMPT_LENGTHS = [1, 5, 17, 33, 41]
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=WINDOW,
+            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.4, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 10000.0})
+
+
+def make_gpt_oss(path: Path, seed: int = 0, **change) -> Path:
+    """A tiny gpt-oss checkpoint; the biases and sinks (which transformers initialises to 0 or
+    small) drawn so each one changes the tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt_oss", **{**BASE, **change})
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 2.0)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    m.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "m", seed=1)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    """(transformers model, prompts, greedy tokens), computed once."""
+    return greedy_references({"m": model_dir}, PROMPT_LENGTHS, 300, MAX_TOKENS)["m"]
+
+
+def _config(d: Path) -> ModelConfig:
+    return ModelConfig.from_dir(d, dtype="float32", load_format="auto", served_model_name="m")
+
+
+def _generate(llm: LLM, prompts) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+def test_config_and_cache_layout(model_dir):
+    cfg = _config(model_dir)
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+    assert cfg.rope["full_attention"]["rope_type"] == "yarn" and cfg.attention_bias
+    kinds = sorted(g.kind for g in model_layout(cfg, 4).groups)
+    assert kinds == ["full", "sliding"]  # the windowed layers keep only their window's blocks
+
+
+def test_expert_layouts_round_trip():
+    """Interleaved gate/up columns and the [E, in, out] storage become gate rows then up rows,
+    [E, out, in]; the inverse gives the checkpoint back."""
+    e, h, i = 3, 5, 4
+    gate_up = torch.randn(e, h, 2 * i)
+    got = to_engine_layout("model.layers.0.mlp.experts.gate_up_proj", gate_up)
+    assert torch.equal(got[:, :i], gate_up[:, :, 0::2].transpose(1, 2))
+    assert torch.equal(got[:, i:], gate_up[:, :, 1::2].transpose(1, 2))
+    for name, t in [("gate_up_proj", gate_up), ("gate_up_proj_bias", torch.randn(e, 2 * i)),
+                    ("down_proj", torch.randn(e, i, h)), ("down_proj_bias", torch.randn(e, h))]:
+        full = f"model.layers.1.mlp.experts.{name}"
+        assert torch.equal(to_checkpoint_layout(full, to_engine_layout(full, t)), t)
+    other = torch.randn(4, 4)
+    assert to_engine_layout("model.layers.0.self_attn.o_proj.weight", other) is other
+
+
+def test_forward_matches_transformers_logits(model_dir):
+    """A prompt five windows long in one call, then in chunks of 5, 1, 13 and 18 tokens: every
+    position's logits are transformers' (float32)."""
+    cfg = _config(model_dir)
+    model = load_model(cfg, torch.device("cpu"), reference)
+    block_size = 4
+    layout = model_layout(cfg, block_size)
+    model.set_cache_layout(layout)
+    ids = torch.tensor(random_prompts([37], seed=5)[0])
+    blocks = sum(math.ceil(len(ids) / g.block_size) for g in layout.groups)
+    kv = torch.zeros(layout.num_slots, blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    with torch.no_grad():
+        want = hf_model(model_dir)(ids[None]).logits[0]
+        pos = torch.arange(len(ids))
+        whole = model.compute_logits(model(ids, pos, kv, group_metadata(layout, pos, len(ids), len(ids))))
+        torch.testing.assert_close(whole, want, atol=1e-4, rtol=1e-4)
+        kv.zero_()
+        chunks, lo = [], 0
+        for hi in (5, 6, 19, 37):
+            pos = torch.arange(lo, hi)
+            chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, group_metadata(layout, pos, hi, len(ids)))))
+            lo = hi
+        torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=1e-4)
+
+
+def test_every_part_matters(model_dir):
+    """The fixture is a fair test: without the sinks, the biases or the clamp, transformers'
+    own logits move by far more than the tolerance above."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([random_prompts([37], seed=5)[0]])
+    with torch.no_grad():
+        base = hf_model(model_dir)(ids).logits
+        for part in ("sinks", "router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias",
+                     "self_attn.o_proj.bias"):
+            m = hf_model(model_dir)
+            for name, p in m.named_parameters():
+                if name.endswith(part):
+                    p.zero_()
+            assert (m(ids).logits - base).abs().max() > 1e-2, part
+        unclamped = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, swiglu_limit=1e9)
+        assert (unclamped(ids).logits - base).abs().max() > 1e-2
+
+
+def test_greedy_matches_transformers(model_dir, references):
+    """Through the offline API: chunks of 16 tokens (across window and block edges) and whole
+    prompts; every block back in the pool at the end."""
+    m, prompts, want = references
+    for budget in (16, 2048):
+        llm = LLM(str(model_dir), max_num_batched_tokens=budget, kv_cache_memory="8MiB", block_size=4)
+        assert_greedy_match(m, prompts, want, _generate(llm, prompts))
+        pool = llm.engine.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("blocks, caching, preempts", [
+    pytest.param(24, False, True, id="preemption"),
+    pytest.param(28, True, True, id="prefix-hits-and-preemption"),
+])
+def test_prefix_hits_and_preemption(model_dir, blocks, caching, preempts):
+    base = random_prompts([30], seed=7)[0]
+    prompts = [base + t for t in random_prompts([3, 9, 1, 14], seed=8)]
+    m = hf_model(model_dir)
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    llm = LLM(str(model_dir), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4,
+              enable_prefix_caching=caching)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
+    assert (llm.engine.scheduler.num_preemptions_total > 0) == preempts
+    assert max(o.num_cached_tokens for o in outs) >= (24 if caching else 0)
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_tensor_parallel_on_cpu(model_dir, references):
+    """Two ranks (gloo): heads and their sinks, the experts' intermediate slices and their
+    biases split; the output and down biases added once."""
+    m, prompts, want = references
+    llm = LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory="8MiB", block_size=4)
+    try:
+        got = _generate(llm, prompts)
+    finally:
+        llm.engine.close()
+    assert_greedy_match(m, prompts, want, got, tie=1e-4)  # all-reduces sum in another order
+
+
+def test_random_weights_at_the_shape(model_dir):
+    """`--load-format dummy` draws the experts in the engine's layout and hands them over in the
+    checkpoint's: the model builds and generates."""
+    llm = LLM(str(model_dir), load_format="dummy", kv_cache_memory="8MiB", block_size=4)
+    assert len(_generate(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_parameters={"rope_type": "su", "rope_theta": 1e4}), "unsupported rope_type 'su'"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]),
+     "unsupported layer_types"),
+])
+def test_unsupported_config_fields_are_refused_at_load(model_dir, tmp_path, change, message):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=str(d), device="cpu").create_engine_config()
