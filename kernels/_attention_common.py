@@ -11,19 +11,33 @@ sequences; a program finds its sequence by binary search (``_locate_tile``)
 and surplus tiles exit at once. ``paged_attention`` and
 ``prefill_attention`` both import this module; neither imports the other's
 helpers.
+
+Attention sinks (gpt-oss): ``sinks`` [num_q_heads] float32, one learned logit per query
+head that joins the softmax's denominator and nothing else,
+
+    out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m)),  m = max(max_j s_j, sink_h),
+
+which every attention path takes as an optional argument (None: no sink, the code that
+ran before). ``check_sinks`` is the launchers' (and the references') argument check; the
+kernels fold the sink in once, after the key loop (or in the split-K combine), as a key
+whose value is zero.
 """
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+from kernels._checks import require
 
 # Finite stand-in for -inf as the running max's start: a row that has seen
 # only masked keys (score -inf) keeps it, and then p = exp2(-inf - _NEG_BIG)
 # = 0 and alpha = exp2(0) = 1, where a true -inf would give -inf - -inf = NaN.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # the same inside the kernels (a sink to log2 units)
 # Read once, like triton.jit itself reads it when the kernels are defined.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _MAX_GRID_Y = 65535  # CUDA's bound on a grid's second dimension (the tiles)
@@ -52,3 +66,25 @@ def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tok0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     return seq, q_start, q_len, tok0
+
+
+def check_sinks(where: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``sinks``: None, or float32 [num_q_heads] (q.shape[1]) with stride 1, on q's device."""
+    if sinks is None:
+        return
+    require(isinstance(sinks, torch.Tensor), where, f"sinks must be a tensor or None, got {type(sinks).__name__}")
+    require(sinks.dtype == torch.float32, where, f"sinks must have dtype torch.float32, got {sinks.dtype}")
+    require(sinks.dim() == 1 and sinks.shape[0] == q.shape[1], where,
+            f"sinks must be [num_q_heads] = [{q.shape[1]}], got {list(sinks.shape)}")
+    require(sinks.stride(0) == 1 or sinks.shape[0] <= 1, where, "sinks must have stride 1")
+    require(sinks.device == q.device, where, f"sinks are on {sinks.device}, q on {q.device}")
+
+
+@triton.jit
+def _fold_sink(m_i, l_i, sink):
+    """Online-softmax state (running max m_i, in log2 units, and denominator l_i) with the
+    sink (log2 units) joined as one more key of value zero: (alpha, l) where the output's
+    accumulator is to be multiplied by alpha, and l is the new denominator."""
+    m_fin = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_fin)
+    return alpha, l_i * alpha + tl.exp2(sink - m_fin)

@@ -47,6 +47,7 @@ except ImportError:  # not on POSIX: no build lock of our own, no stale-lock che
 import torch
 
 from kernels import reference
+from kernels._attention_common import check_sinks
 from kernels._checks import FP8_KV_DTYPE, check_window
 
 logger = logging.getLogger(__name__)
@@ -282,19 +283,24 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``kernels.reference.paged_attention``, compiled; ``num_splits`` and ``step_cache``
-    change nothing here (the extension needs no per-step index work)."""
+    change nothing here (the extension needs no per-step index work). ``sinks`` (float32
+    [num_q_heads] or None) are folded into each row's softmax once its keys are done."""
     check_window(sliding_window)
+    check_sinks("paged_attention", sinks, q)
     ext = extension() if _covered(q, k_cache, v_cache) else None
     if ext is None or q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
         return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                          num_splits=num_splits, step_cache=step_cache,
-                                         sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+                                         sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+                                         sinks=sinks)
     q = q if q.stride(-1) == 1 else q.contiguous()
     meta = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
     return ext.paged_attention(q, k_cache, v_cache, *meta, float(scale),
-                               0 if sliding_window is None else sliding_window, float(k_scale), float(v_scale))
+                               0 if sliding_window is None else sliding_window, float(k_scale), float(v_scale),
+                               sinks)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build (or find) the extension ahead of use

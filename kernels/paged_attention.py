@@ -63,6 +63,12 @@ them. The split count is a runtime argument (only whether there are splits,
 and the combine's power-of-two width, are compiled in), so ``warm_up`` can
 compile every variant a call may pick before serving: a compile met while
 serving stalls a step for ~1 s.
+
+Attention sinks (``sinks``, gpt-oss: a logit per query head that joins the softmax's
+denominator only; kernels/_attention_common.py): folded in once a row's keys are done,
+as one more key of value zero (SINK, compiled in; None runs the code it ran before).
+Split, the partials stay sink-free and _combine_kernel folds the sink in, once per row,
+whatever the split count.
 """
 from __future__ import annotations
 
@@ -74,7 +80,16 @@ import triton
 import triton.language as tl
 
 from kernels import prefill_attention
-from kernels._attention_common import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
+from kernels._attention_common import (
+    _INTERPRETED,
+    _LOG2E,
+    _LOG2E_C,
+    _MAX_GRID_Y,
+    _NEG_BIG,
+    _fold_sink,
+    _locate_tile,
+    check_sinks,
+)
 from kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -177,6 +192,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks_per_seq]
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
+    sinks_ptr,  # [Hq] float32 attention sinks (natural-log units); read only when SINK and not SPLIT
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
     v_scale,  # FP8 cache: V = v_cache * v_scale; read only when KV_FP8
     num_seqs,
@@ -203,6 +219,7 @@ def _paged_attention_kernel(
     K_ROWS: tl.constexpr,  # load K tiles key by key, then transpose (see _attend_kv_tile)
     FP16_DOTS: tl.constexpr,  # an FP8 cache under bf16 queries: Q, K, V and P enter the dots as float16
     SKIP_FRESH: tl.constexpr = False,  # sequences with no cached prefix are prefill_self_attention's rows
+    SINK: tl.constexpr = False,  # attention sinks (split: the combine folds them in)
 ):
     kv_head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: see the module's docstring
@@ -321,6 +338,9 @@ def _paged_attention_kernel(
         acc = acc * v_scale  # sum_k p_k (v8_k * v_scale): partial sums too (the combine is linear in them)
     mask = row_ok[:, None] & dim_ok[None, :]
     if not SPLIT:
+        if SINK:  # one more key of value zero, its logit the head's sink
+            alpha, l_i = _fold_sink(m_i, l_i, tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * _LOG2E_C)
+            acc = acc * alpha[:, None]
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -340,6 +360,7 @@ def _combine_kernel(
     acc_ptr,  # [num_splits, T, Hq, D] float32
     m_ptr,  # [num_splits, T, Hq] float32
     l_ptr,  # [num_splits, T, Hq] float32
+    sinks_ptr,  # [Hq] float32; read only when SINK
     num_tokens,
     num_splits,
     stride_ot, stride_oh,
@@ -347,6 +368,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_D: tl.constexpr,
+    SINK: tl.constexpr = False,  # attention sinks: folded in here, once, not per split
 ):
     # One program per (token, query head): softmax-weighted merge of the splits.
     token = tl.program_id(0).to(tl.int64)
@@ -364,8 +386,15 @@ def _combine_kernel(
         mask=split_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )  # [BLOCK_S, BLOCK_D]
-    weight = tl.exp2(m - tl.max(m, axis=0))  # [BLOCK_S]; 0 for splits that saw no key
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    if SINK:
+        # the sink as one more split: a key of value zero whose logit is the head's sink
+        sink = tl.load(sinks_ptr + head) * _LOG2E_C
+        m_max = tl.maximum(tl.max(m, axis=0), sink)
+        weight = tl.exp2(m - m_max)
+        out = tl.sum(acc * weight[:, None], axis=0) / (tl.sum(l * weight, axis=0) + tl.exp2(sink - m_max))
+    else:
+        weight = tl.exp2(m - tl.max(m, axis=0))  # [BLOCK_S]; 0 for splits that saw no key
+        out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -489,6 +518,7 @@ def _check_args(
     sliding_window: int | None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     where = "paged_attention"
     check_runnable(
@@ -537,6 +567,7 @@ def _check_args(
     check_contiguous(where, "seq_lens", seq_lens)
     require(num_splits is None or num_splits >= 1, where, f"num_splits must be >= 1, got {num_splits}")
     check_window(sliding_window)
+    check_sinks(where, sinks, q)
 
 
 def paged_attention(
@@ -555,6 +586,7 @@ def paged_attention(
     v_scale: float = 1.0,
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged K/V.
 
@@ -583,6 +615,10 @@ def paged_attention(
         window, a 16-bit cache) runs the sequences with no cached prefix through
         ``kernels.prefill_attention`` (dense, TMA loads) and the rest through
         this kernel; same results up to float rounding. Otherwise ignored.
+    sinks: None, or float32 [num_q_heads] on q's device: attention sinks (gpt-oss),
+        one logit per query head in each row's softmax denominator and nowhere else:
+        out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink_h - m)), m the
+        larger of the row's top score and sink_h (once per row, split or not)
 
     Query i of sequence b is at position p = seq_lens[b] - q_len_b + i and sees
     keys 0..p, or max(0, p - W + 1)..p with a window; keys before the windows
@@ -593,7 +629,7 @@ def paged_attention(
     unspecified. Modifies nothing.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_splits, sliding_window,
-                k_scale, v_scale)
+                k_scale, v_scale, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -625,7 +661,7 @@ def paged_attention(
                 f"{(num_tokens, num_kv_heads, head_dim)}")
         if prefill_attention.supports(q, new_k, new_v):
             prefill_attention.prefill_self_attention(q, new_k, new_v, query_start_loc, seq_lens, scale,
-                                                     out=out, only_fresh=True)
+                                                     out=out, only_fresh=True, sinks=sinks)
             skip_fresh = True
 
     if num_splits == 1:
@@ -635,8 +671,9 @@ def paged_attention(
         m = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
 
+    sinks_arg = q if sinks is None else sinks  # (a pointer the kernel never reads without SINK)
     _paged_attention_kernel[(num_kv_heads, num_tiles, num_splits)](
-        partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        partial, m, l, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sinks_arg,
         # (a window past any context means the same, clamped: the int32 argument warm_up compiled)
         scale * k_scale * _LOG2E, float(v_scale), num_seqs, num_tokens, num_splits, min(sliding_window or 0, 1 << 30),
         q.stride(0), q.stride(1),
@@ -662,32 +699,37 @@ def paged_attention(
         K_ROWS=cfg.block_q > 1 or (k_cache.dtype == FP8_KV_DTYPE and FP8_DECODE_K_ROWS),
         FP16_DOTS=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16 and FP8_FP16_DOTS,
         SKIP_FRESH=skip_fresh,
+        SINK=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_q_heads)](
-            out, partial, m, l, num_tokens, num_splits,
+            out, partial, m, l, sinks_arg, num_tokens, num_splits,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads,
             HEAD_DIM=head_dim,
             BLOCK_S=next_pow2(num_splits),
             BLOCK_D=next_pow2(head_dim),
+            SINK=sinks is not None,
         )
     return out
 
 
 def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-            device: torch.device, *, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+            device: torch.device, *, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None,
+            sinks: bool = False) -> None:
     """Compile every variant ``paged_attention`` may pick for these shapes and this
     ``sliding_window`` (None: full attention; any window size compiles the variants of
     all sizes): decode- and prefill-shaped tiles, each whole and split, and the combine
     for every power-of-two split width up to _MAX_SPLITS (tiny launches; their results
     are thrown away). A model with windowed and full layers calls it for each kind.
-    ``kv_dtype``: the cache's dtype when it is not ``dtype`` (float8_e4m3fn)."""
+    ``kv_dtype``: the cache's dtype when it is not ``dtype`` (float8_e4m3fn). ``sinks``:
+    the variants of layers with attention sinks (instead of those without)."""
     check_window(sliding_window)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype, device=device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    sink = dict(sinks=torch.zeros(num_q_heads, dtype=torch.float32, device=device)) if sinks else {}
     for tokens in (1, 2):  # one query per sequence (decode-shaped), more (prefill-shaped)
         q = torch.zeros(tokens, num_q_heads, head_dim, dtype=dtype, device=device)
         starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
@@ -695,9 +737,9 @@ def warm_up(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: i
         splits = 1
         while splits <= _MAX_SPLITS:
             paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=splits,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, **sink)
             splits *= 2
         if tokens > 1:  # the dense prefill kernel and the paged kernel that skips its rows
             kv = torch.zeros(tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
             paged_attention(q, cache, cache, tables, starts, lens, 1.0, num_splits=1,
-                            sliding_window=sliding_window, new_k=kv, new_v=kv)
+                            sliding_window=sliding_window, new_k=kv, new_v=kv, **sink)

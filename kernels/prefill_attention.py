@@ -54,8 +54,10 @@ decode row is a sequence with a prefix, so decode rows keep the paged kernel.
 
 Numerics: as ``paged_attention`` (online softmax in float32, exp2 with the
 scale folded into log2 units, one rounding to q's dtype at the end); dots in
-q's dtype, IEEE float32 for float32 inputs. The reference is
-``kernels.reference.paged_attention`` over the cache holding the same K/V.
+q's dtype, IEEE float32 for float32 inputs. Attention sinks (``sinks``, SINK compiled
+in) are folded in after the key loop as one more key of value zero, as in
+``paged_attention``. The reference is ``kernels.reference.paged_attention`` over the
+cache holding the same K/V.
 """
 from __future__ import annotations
 
@@ -66,7 +68,16 @@ import triton
 import triton.language as tl
 
 from kernels._checks import next_pow2, require
-from kernels._attention_common import _INTERPRETED, _LOG2E, _MAX_GRID_Y, _NEG_BIG, _locate_tile
+from kernels._attention_common import (
+    _INTERPRETED,
+    _LOG2E,
+    _LOG2E_C,
+    _MAX_GRID_Y,
+    _NEG_BIG,
+    _fold_sink,
+    _locate_tile,
+    check_sinks,
+)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -162,6 +173,7 @@ def _prefill_self_attention_kernel(
     v_ptr,
     query_start_loc_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
+    sinks_ptr,  # [Hq] float32 attention sinks; read only when SINK
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     stride_qt, stride_qh,
@@ -177,6 +189,7 @@ def _prefill_self_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     ONLY_FRESH: tl.constexpr,  # skip sequences with a cached prefix (paged_attention takes them)
     USE_TMA: tl.constexpr,
+    SINK: tl.constexpr = False,  # attention sinks: one more key of value zero, logit sinks[head]
 ):
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last first: the longest causal tiles start first
@@ -237,6 +250,9 @@ def _prefill_self_attention_kernel(
                 HEAD_DIM, BLOCK_N, DOT_PRECISION, True, USE_TMA,
             )
 
+    if SINK:
+        alpha, l_i = _fold_sink(m_i, l_i, tl.load(sinks_ptr + head) * _LOG2E_C)
+        acc = acc * alpha[:, None]
     out = acc / l_i[:, None]
     orow = (q_start + tok).to(tl.int64)
     tl.store(out_ptr + orow[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -281,6 +297,7 @@ def prefill_self_attention(
     out: torch.Tensor | None = None,
     only_fresh: bool = True,
     config: PrefillConfig | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its new keys alone.
 
@@ -291,11 +308,14 @@ def prefill_self_attention(
         == q_len_b), for which this is their whole attention, and leaves the others' rows
         of ``out`` as they are; False treats every sequence as if it had none.
     out: [T, Hq, D] to write into (stride 1 in D), else a new tensor.
+    sinks: None, or float32 [Hq] on q's device: attention sinks (gpt-oss), a logit per
+        query head in the softmax's denominator only (see ``paged_attention``).
     Returns ``out``. Rows past query_start_loc[B] are left unspecified.
     """
     require(scale > 0, "prefill_self_attention", f"scale must be > 0, got {scale}")
     require(supports(q, new_k, new_v), "prefill_self_attention",
             f"unsupported q {tuple(q.shape)} {q.dtype}, k {tuple(new_k.shape)} {new_k.dtype} (see supports())")
+    check_sinks("prefill_self_attention", sinks, q)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = new_k.shape[1]
     num_seqs = seq_lens.shape[0]
@@ -317,7 +337,7 @@ def prefill_self_attention(
             descs = None
     args = descs if descs is not None else (q, new_k, new_v)
     _prefill_self_attention_kernel[(num_q_heads, num_tiles)](
-        out, *args, query_start_loc, seq_lens,
+        out, *args, query_start_loc, seq_lens, q if sinks is None else sinks,  # (q: never read without SINK)
         scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1),
         new_k.stride(0), new_k.stride(1),
@@ -332,6 +352,7 @@ def prefill_self_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ONLY_FRESH=only_fresh,
         USE_TMA=descs is not None,
+        SINK=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

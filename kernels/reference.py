@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kernels._attention_common import check_sinks
 from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 KV cache: e4m3, per-tensor scales
 # The quantized GEMMs and multi-LoRA keep their references in their own modules (the layouts are documented there).
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
@@ -99,6 +100,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
     (``num_splits``, the Triton kernel's split-K count, changes nothing here.)
@@ -108,6 +110,9 @@ def paged_attention(
     ``sliding_window``: None, or W >= 1: the query at position p sees only keys
     p - W < k <= p (Hugging Face's sliding window); keys before every window of a
     sequence's queries are never read.
+    ``sinks``: None, or float32 [num_q_heads]: attention sinks (gpt-oss), one logit per
+    query head that joins the softmax and is dropped from it, as transformers' GptOss
+    eager attention does: probs = softmax([q.k * scale ..., sink_h])[:-1], out = probs @ V.
 
     q: [num_tokens, num_q_heads, head_dim]; rows query_start_loc[b]:query_start_loc[b+1]
        belong to sequence b
@@ -118,23 +123,39 @@ def paged_attention(
     returns [num_tokens, num_q_heads, head_dim] in q's dtype, computed in float32.
     """
     check_window(sliding_window)
+    check_sinks("paged_attention", sinks, q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     starts, lens, decode, chunks = _step_rows(query_start_loc, seq_lens, block_tables, k_cache.shape[1],
                                               step_cache, sliding_window)
     if decode:  # one batched pass for all single-token rows
         _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, decode, scale, out, step_cache,
-                          sliding_window, k_scale, v_scale)
+                          sliding_window, k_scale, v_scale, sinks)
     for q_lo, q_hi, k_off, num_keys, blocks, visible in chunks:
         # [num_keys, num_kv_heads, head_dim] -> [num_kv_heads, num_keys, head_dim]
         k = _dequantize(k_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1), k_scale)
         v = _dequantize(v_cache[blocks].flatten(0, 1)[k_off:k_off + num_keys].transpose(0, 1), v_scale)
         qb = q[q_lo:q_hi].transpose(0, 1).float()  # [num_q_heads, q_len, head_dim]
-        o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-        )  # [num_q_heads, q_len, head_dim]
+        if sinks is None:
+            o = F.scaled_dot_product_attention(
+                qb, k, v, attn_mask=visible, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+            )  # [num_q_heads, q_len, head_dim]
+        else:  # SDPA has no sink: the matmuls, the sink's column joined to the softmax
+            q_len, head_dim = qb.shape[1:]
+            qg = qb.reshape(num_kv_heads, -1, q_len, head_dim)  # [num_kv_heads, G, q_len, head_dim]
+            scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale  # [num_kv_heads, G, q_len, keys]
+            probs = _softmax_with_sink(scores.masked_fill(~visible, float("-inf")),
+                                       sinks.view(num_kv_heads, -1, 1, 1))
+            o = torch.matmul(probs, v[:, None]).reshape(num_q_heads, q_len, head_dim)
         out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over each row of ``scores`` [..., L] with one more column, ``sink`` (broadcast
+    to [..., 1]), that is then dropped: the rows sum to less than 1 (GptOss's eager attention)."""
+    logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return logits.softmax(dim=-1)[..., :-1]
 
 
 def _step_rows(query_start_loc, seq_lens, block_tables, block_size, step_cache, window=None):
@@ -179,7 +200,7 @@ _DECODE_GROUP = 8  # rows per batched pass: sorted by length, so little padding
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, scale, out, step_cache,
-                      window=None, k_scale=1.0, v_scale=1.0) -> None:
+                      window=None, k_scale=1.0, v_scale=1.0, sinks=None) -> None:
     """Single-query rows of ``paged_attention``, batched.
 
     Rows are sorted by context length and taken in groups; each group's
@@ -189,7 +210,8 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
     row's last valid slot (never a stale or foreign one) and are masked out
     of the softmax. With a window W a row reads only its last min(len, W) keys.
     Which slots to read is the same in every layer of a step with the same
-    window (``_decode_plan``), so it is worked out once a step.
+    window (``_decode_plan``), so it is worked out once a step. ``sinks`` [num_q_heads]
+    join each row's softmax as one more column (``_softmax_with_sink``).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_rows, v_rows = _as_vector_rows(k_cache), _as_vector_rows(v_cache)
@@ -207,7 +229,11 @@ def _decode_attention(q, k_cache, v_cache, block_tables, starts, lens, rows, sca
         qg = q[token_rows].float().view(r, num_kv_heads, -1, head_dim)  # [R, H_kv, G, D]
         scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [R, H_kv, G, L]
         scores = scores.masked_fill(~valid, float("-inf"))
-        o = torch.matmul(scores.softmax(dim=-1), v)  # [R, H_kv, G, D]
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            probs = _softmax_with_sink(scores, sinks.view(1, num_kv_heads, -1, 1))
+        o = torch.matmul(probs, v)  # [R, H_kv, G, D]
         out[token_rows] = o.reshape(r, -1, head_dim).to(q.dtype)
 
 

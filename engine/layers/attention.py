@@ -6,10 +6,13 @@
 
 What families change are parameters: QKV bias (Qwen2), per-head q/k norms (Qwen3,
 Gemma 3 with its offset norm), the softmax scale (Gemma's query_pre_attn_scalar),
-the window and the RoPE table per layer (Gemma 3's local and global layers), and
+the window and the RoPE table per layer (Gemma 3's local and global layers),
 Gemma 4's: a head size and KV head count per layer, V taken from K's projection
 (``k_eq_v``), a norm of V, and layers that read an earlier layer's KV and project
-only queries (``store=False``).
+only queries (``store=False``), and gpt-oss's: attention sinks (``sinks``: a learned
+logit per query head in the softmax's denominator, the checkpoint's
+``<prefix>.sinks``, float32, split by query head under tensor parallelism) and a bias
+on o_proj (``o_bias``).
 
 An FP8 KV cache (``--kv-cache-dtype fp8``) stores K / k_scale and V / v_scale in
 e4m3 and attention reads them back times the scales (kernels/); the model runner
@@ -26,7 +29,14 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import ColumnParallelLinear, LinearMethods, Part, RowParallelLinear, method_for
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    LinearMethods,
+    Part,
+    RowParallelLinear,
+    attach_loader,
+    method_for,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import Shard, TPGroup
@@ -61,14 +71,18 @@ class Attention(nn.Module):
                  rope: RotaryEmbedding, *, sliding_window: int | None = None, scale: float | None = None,
                  qk_norm: str | Callable[[int], nn.Module] | None = None, methods: LinearMethods | None = None,
                  prefix: str = "", store: bool = True, head_dim: int | None = None, num_kv_heads: int | None = None,
-                 k_eq_v: bool = False, v_norm: Callable[[int], nn.Module] | None = None) -> None:
+                 k_eq_v: bool = False, v_norm: Callable[[int], nn.Module] | None = None, sinks: bool = False,
+                 o_bias: bool = False) -> None:
         """``qk_norm``: None, "plain" or "offset" (see engine/layers/norm.py), or what makes the
         norm of one head (``make(head_dim)``, with a ``norm(x)``); ``methods``: the projections'
         linear methods, by their checkpoint names under ``prefix``; ``store``: False for a layer
         that reads another layer's KV (its cache group's, set by the engine): it projects only
         queries. ``head_dim``, ``num_kv_heads``: this layer's, where they are not the config's;
         ``k_eq_v``: no v_proj, V is K's projection (before k_norm and RoPE); ``v_norm``: what
-        makes V's per-head norm."""
+        makes V's per-head norm. ``sinks``: attention sinks, a parameter ``sinks`` of this
+        rank's query heads ([num_heads], float32 whatever the model dtype), loaded from
+        ``<prefix>.sinks``; ``o_bias``: o_proj has a bias (``o_proj.bias``, added once after
+        the all-reduce)."""
         super().__init__()
         d = self.head_dim = head_dim or cfg.head_dim
         if num_kv_heads is not None:
@@ -84,8 +98,13 @@ class Attention(nn.Module):
                                              bias=cfg.attention_bias, shard_ids=names,
                                              method=method_for(methods, prefix, "qkv_proj",
                                                                [f"{s}_proj" for s in names]))
-        self.o_proj = RowParallelLinear(shard.num_heads * d, cfg.hidden_size, tp, "attention heads",
+        self.o_proj = RowParallelLinear(shard.num_heads * d, cfg.hidden_size, tp, "attention heads", bias=o_bias,
                                         method=method_for(methods, prefix, "o_proj"))
+        self.sinks = None
+        if sinks:  # one logit per query head; this rank's heads [q_lo, q_hi) of the checkpoint's
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+            attach_loader(self.sinks, (shard.num_heads,), [Part(shard.num_heads, q_lo, q_hi)], 0)
+            self.sinks.keep_dtype = True  # the kernels take float32 sinks (engine/model_loader.py casts others)
         self.q_norm = self.k_norm = self.v_norm = None
         if qk_norm is not None:
             make = qk_norm if callable(qk_norm) else (
@@ -127,9 +146,11 @@ class Attention(nn.Module):
         # The Triton launcher also takes this step's K/V as they are: prefill chunks with no
         # cached prefix attend over them directly (kernels/prefill_attention.py).
         new_kv = {"new_k": k, "new_v": v} if self.dense_prefill and self.store and ops.__name__ == "kernels" else {}
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables[g], meta.query_start_loc,
                                    meta.seq_lens, self.scale, num_splits=meta.num_splits,
-                                   step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv)
+                                   step_cache=meta.step_cache.setdefault(g, {}), **window, **scales, **new_kv,
+                                   **sinks)
 
     def _project(self, positions: torch.Tensor, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -8,6 +8,8 @@
 //   k_cache  [num_blocks, block_size, Hkv, D]    q's dtype or float8_e4m3fn (times k_scale), stride 1 in D
 //   v_cache  like k_cache
 //   block_tables [B, max_blocks] int32; query_start_loc [B + 1] int32; seq_lens [B] int32
+//   sinks    [Hq] float32 or None: attention sinks (gpt-oss), a logit per query head in the
+//            softmax's denominator only, folded into each row once its keys are done
 //   out      [T, Hq, D] in q's dtype; computed in float32
 //
 // One work item is (sequence, up to QT of its queries, its kv heads; one kv
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 // The hot loops are compiled for AVX-512, AVX2+FMA and the baseline, and the
@@ -150,6 +153,7 @@ struct Geometry {
   int64_t table_stride;
   int64_t window;  // <= 0: none
   float scale, k_scale, v_scale;
+  const float* sinks;  // [Hq], or nullptr: none
 };
 
 // Per thread: K and V of one tile in float32 (16-bit and FP8 caches), the rows'
@@ -344,7 +348,12 @@ void attend(const Item& it, const Geometry& g, const scalar_t* __restrict q_ptr,
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t j = 0; j < G; ++j) {
         const int64_t r = (h * nq + i) * G + j;
-        const float inv = 1.0f / sc.l[r];
+        float inv = 1.0f / sc.l[r];
+        if (g.sinks != nullptr) {  // the sink: one more key, of value zero, in the softmax
+          const float sink = g.sinks[(it.h_lo + h) * G + j], m = sc.m[r];
+          const float m_fin = std::max(m, sink), alpha = std::exp(m - m_fin);
+          inv = alpha / (sc.l[r] * alpha + std::exp(sink - m_fin));
+        }
         scalar_t* dst = out_ptr + (it.q_lo + i) * g.o_token + ((it.h_lo + h) * G + j) * g.o_head;
         for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[r * d + x] * inv);
       }
@@ -393,7 +402,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window, double k_scale,
-                           double v_scale) {
+                           double v_scale, const std::optional<at::Tensor>& sinks) {
   // Shapes, dtypes and strides are checked in kernels/cpu_attention.py; these guard memory safety.
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -419,6 +428,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   g.scale = static_cast<float>(scale);
   g.k_scale = static_cast<float>(k_scale);
   g.v_scale = static_cast<float>(v_scale);
+  g.sinks = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                    sinks->is_contiguous() && sinks->device().is_cpu(),
+                "paged_attention: sinks must be contiguous float32 [num_q_heads] on the CPU");
+    g.sinks = sinks->data_ptr<float>();
+  }
   at::Tensor out = at::empty(q.sizes(), q.options());
   g.o_token = out.stride(0), g.o_head = out.stride(1);
 

@@ -1,8 +1,8 @@
 """The compiled CPU attention (kernels/cpu_attention.py) against the reference:
 random mixed batches (decode rows, chunks over a paged prefix, empty rows) with
 block tables in random order, GQA ratios, partial last blocks, sliding windows,
-16/32-bit and FP8 caches, and the head dims of each code path (multiples of 16
-with their own loops, other multiples of 16, and the scalar path); the cache
+attention sinks, 16/32-bit and FP8 caches, and the head dims of each code path
+(multiples of 16 with their own loops, other multiples of 16, and the scalar path); the cache
 write byte for byte; the fallback when it cannot be built; a build lock left by a killed
 build (removed) or held by a live process (waited for within a bound); the engine using it,
 loaded at start-up."""
@@ -101,13 +101,16 @@ def test_paged_attention_matches_the_reference_at_random_shapes(ext, seed):
     rng, gen, shape, window = _random_case(seed)
     args = _batch(rng, gen, **shape)
     scales = dict(k_scale=0.7, v_scale=1.3) if shape["cache_dtype"] == FP8 else {}
-    want = reference.paged_attention(*args, 0.3, sliding_window=window, **scales)
-    got = cpu_attention.paged_attention(*args, 0.3, sliding_window=window, **scales)
+    # odd seeds: attention sinks too (tests/kernels/test_attention_sinks.py checks them against their formula)
+    sinks = torch.randn(args[0].shape[1], generator=gen) + 2.0 if seed % 2 else None
+    want = reference.paged_attention(*args, 0.3, sliding_window=window, sinks=sinks, **scales)
+    got = cpu_attention.paged_attention(*args, 0.3, sliding_window=window, sinks=sinks, **scales)
     rows = int(args[4][-1])
     assert got.dtype == want.dtype and got.shape == want.shape
     assert not got[:rows].isnan().any()
     atol, rtol = TOLERANCES[shape["dtype"]]
-    torch.testing.assert_close(got[:rows], want[:rows], atol=atol, rtol=rtol, msg=lambda m: f"{shape} window={window}: {m}")
+    torch.testing.assert_close(got[:rows], want[:rows], atol=atol, rtol=rtol,
+                               msg=lambda m: f"{shape} window={window} sinks={sinks is not None}: {m}")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
