@@ -41,13 +41,13 @@ def warm_up_kernels(runner: RunnerParts) -> None:
     model.compute_logits(hidden[[2, 3]])
     from kernels.paged_attention import warm_up
 
-    # each attention shape the model has: heads, head size, window and its group's block size
+    # each attention shape the model has: heads, head size, window, its group's block size, sinks
     shapes = {(m.num_heads, m.num_kv_heads, m.head_dim, m.sliding_window,
-               runner.layout.groups[m.kv_group].block_size)
+               runner.layout.groups[m.kv_group].block_size, m.sinks is not None)
               for m in model.modules() if isinstance(m, Attention)}
-    for heads, kv_heads, head_dim, window, block_size in sorted(shapes, key=lambda x: (x[3] or 0, x[2], x[4])):
+    for heads, kv_heads, head_dim, window, block_size, sinks in sorted(shapes, key=lambda x: (x[3] or 0, x[2], x[4])):
         warm_up(mc.torch_dtype, heads, kv_heads, head_dim, block_size, dev, sliding_window=window,
-                kv_dtype=runner.kv_dtype)
+                kv_dtype=runner.kv_dtype, sinks=sinks)
     warmed = set()  # quantized linear layers: one warm-up per kernel variant set
     for layer in model.modules():
         key = layer.method.warm_up_key(layer) if isinstance(layer, LinearBase) else None
