@@ -10,7 +10,8 @@ each machine pays that once per model shape::
 
 The key names everything the best tiles depend on: the experts' shape (``I``
 is a tensor-parallel rank's share), the weights' dtype (FP8 weights with block
-scales add the blocks: ``float8_e4m3fn-block128x128``), the GPU model and the
+scales add the blocks: ``float8_e4m3fn-block128x128``; MXFP4 experts, uint8 in the
+kernel, are named with the activations' dtype their dots run in: ``mxfp4-bfloat16``), the GPU model and the
 Triton version (a new compiler can change what is fastest). Invariant: a file
 under its final name is complete, because it only appears through
 ``os.replace`` of a fully written temporary sibling. Two processes that miss at once (ranks of one
@@ -40,9 +41,13 @@ TuneFn = Callable[[int, int, int, int, torch.dtype, torch.device], dict]
 
 
 def config_key(num_experts: int, hidden: int, intermediate: int, top_k: int, dtype: torch.dtype,
-               device_name: str, triton_version: str, block_size: tuple[int, int] | None = None) -> str:
-    """A file-name-safe key naming every input the tuned tiles depend on."""
+               device_name: str, triton_version: str, block_size: tuple[int, int] | None = None,
+               x_dtype: torch.dtype | None = None) -> str:
+    """A file-name-safe key naming every input the tuned tiles depend on (``x_dtype``: MXFP4's
+    activations, uint8 ``dtype``)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    if dtype == torch.uint8:
+        dtype_name = f"mxfp4-{str(x_dtype).removeprefix('torch.')}"
     if block_size is not None:
         dtype_name += f"-block{block_size[0]}x{block_size[1]}"
     raw = f"E{num_experts}_H{hidden}_I{intermediate}_K{top_k}_{dtype_name}_{device_name}_triton-{triton_version}"
@@ -63,11 +68,13 @@ def moe_kernel_config(
     tune_fn: TuneFn | None = None,
     *,
     block_size: tuple[int, int] | None = None,
+    x_dtype: torch.dtype | None = None,
 ) -> dict[int, dict] | None:
     """The ``config`` to pass to ``kernels.fused_moe`` for this shape on this GPU.
 
     ``dtype`` is the experts' weight dtype; FP8 weights with block scales pass
-    their ``block_size`` (given to ``tune_fn`` as a keyword). None off CUDA (the
+    their ``block_size`` (given to ``tune_fn`` as a keyword); MXFP4 experts (``dtype``
+    torch.uint8) pass the activations' ``x_dtype`` (likewise). None off CUDA (the
     reference path has no tiles). Otherwise the cached file if it is readable,
     else the result of ``tune_fn`` (default ``kernels.fused_moe.tune``), written
     to the cache before it is returned. Keys are token counts (ints).
@@ -75,8 +82,10 @@ def moe_kernel_config(
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if dtype == torch.uint8 and x_dtype is None:
+        raise ValueError("moe_kernel_config: MXFP4 experts (uint8) need the activations' x_dtype")
     key = config_key(num_experts, hidden, intermediate, top_k, dtype, torch.cuda.get_device_name(device),
-                     triton.__version__, block_size)
+                     triton.__version__, block_size, x_dtype if dtype == torch.uint8 else None)
     path = config_path(key)
     cached = _load(path)
     if cached is not None:
@@ -86,6 +95,8 @@ def moe_kernel_config(
     logger.info("fused MoE tiles for %s not cached: tuning them on this GPU (a minute or two, once)", key)
     started = time.perf_counter()
     blocks = {} if block_size is None else {"block_size": tuple(block_size)}
+    if dtype == torch.uint8:
+        blocks["x_dtype"] = x_dtype
     configs = tune_fn(num_experts, hidden, intermediate, top_k, dtype, device, **blocks)
     parsed = _parse(json.loads(json.dumps(configs)))  # what a later load will see
     if parsed is None:

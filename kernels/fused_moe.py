@@ -53,6 +53,14 @@ once by x_scale[row] * w_scale[e, n]; with (bn, bk) blocks each k-tile lies in
 one k-group (BLOCK_K <= bk) and its partial sum is multiplied by
 x_scale[row, kb] * w_scale[e, n // bn, kb] before it joins the accumulator.
 
+MXFP4 (weight-only, gpt-oss's experts: uint8 w13 [E, 2I, H/2] and w2 [E, H, I/2], two
+e2m1 codes a byte along the reduced dim, uint8 e8m0 scales per 32 of them; the format is in
+kernels/mxfp4_reference.py). The GEMMs read [BLOCK_K/2, BLOCK_N] bytes and [BLOCK_K/32,
+BLOCK_N] scales per k-tile (BLOCK_K at least 32: whole scale groups), unpack the nibbles with
+a shift and a 32-bit lookup word of e2m1 magnitudes, multiply by the scale built from its
+float32 bits (exact), round to x's dtype and run the same dot as 16-bit weights: a decode step
+reads 4.25 bits per weight. Tiles are the 16-bit ones of x's dtype.
+
 Tile configs (BLOCK_M, and per GEMM BLOCK_N, BLOCK_K, GROUP_M, warps,
 stages) matter on the GPU: decode-sized batches are bound by reading each hit
 expert's weights once, large prefills by the tensor cores. e4m3 tiles take
@@ -82,6 +90,9 @@ from kernels._checks import (
 )
 from kernels.fp8_gemm import fp8_quantize
 from kernels.fp8_reference import FP8_DTYPE  # W8A8 experts: e4m3 weights, activations quantized per token
+
+MXFP4_DTYPE = torch.uint8  # weight-only MXFP4 experts: two e2m1 codes a byte, uint8 e8m0 scales
+MXFP4_BLOCK = 32  # elements per e8m0 scale
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +224,25 @@ def _gated(g, up, alpha, limit, ACTIVATION: tl.constexpr):
         return (up + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
 
 
+@triton.jit
+def _mxfp4_tile(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # packed [BLOCK_K / 2, BLOCK_N] uint8 (byte j: element 2j in the low nibble, 2j + 1 in the high),
+    # scales [BLOCK_K / 32, BLOCK_N] uint8 e8m0 -> the weights [BLOCK_K, BLOCK_N] in float32, exactly.
+    shifts = tl.arange(0, 2) * 4
+    codes = (packed.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 2, 2, BLOCK_N]
+    codes = tl.reshape(codes, (BLOCK_K // 32, 32, BLOCK_N))
+    # e2m1 magnitudes in halves (0, 1, 2, 3, 4, 6, 8, 12): nibble 7 - m of the word 0x0123468C
+    halves = (0x0123468C >> ((7 - (codes & 7)) * 4)) & 0xF
+    values = tl.where(codes >= 8, -halves, halves).to(tl.float32)
+    # half the e8m0 factor, 2^(s - 128), built as float32 bits: normal for s >= 2, 2^-127 and 2^-128
+    # subnormal, NaN for s = 255
+    s = scales.to(tl.int32)
+    bits = tl.where(s >= 2, (s - 1) << 23, (1 << 21) << tl.minimum(s, 1))
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    half_factor = bits.to(tl.float32, bitcast=True)  # [BLOCK_K / 32, BLOCK_N]
+    return tl.reshape(values * half_factor[:, None, :], (BLOCK_K, BLOCK_N))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _expert_gemm_kernel(
     a_ptr,  # GATED: x [T, KDIM]; else inter [T*K, KDIM] (FP8: their e4m3 codes)
@@ -223,7 +253,8 @@ def _expert_gemm_kernel(
     topk_weights_ptr,  # [T, K] float32 (not GATED only)
     bias_ptr,  # HAS_BIAS: GATED b13 [E, 2*N] (gate, then up); else b2 [E, N]
     a_scale_ptr,  # FP8 float32: [rows of a] (GROUP_K == 0) or [rows of a, cdiv(KDIM, GROUP_K)]
-    w_scale_ptr,  # FP8 float32: [E, rows of w] (group_n == 1) or [E, cdiv(rows of w, group_n), cdiv(KDIM, GROUP_K)]
+    w_scale_ptr,  # FP8 float32: [E, rows of w] (group_n == 1) or [E, cdiv(rows of w, group_n), cdiv(KDIM, GROUP_K)];
+    # MXFP4 uint8 [E, rows of w, KDIM / 32]
     num_pairs, num_m_blocks, N,
     group_n,  # FP8: weight rows per scale row (1 per channel)
     swiglu_alpha, swiglu_limit,  # ACTIVATION "swigluoai" only
@@ -238,6 +269,7 @@ def _expert_gemm_kernel(
     FP8: tl.constexpr,  # a and w are e4m3: fp8 dots, scales applied in float32
     GROUP_K: tl.constexpr,  # FP8 block scales: k-groups of GROUP_K columns, a multiple of BLOCK_K; 0 = per channel
     HAS_BIAS: tl.constexpr,  # add the expert's bias in float32 before the activation (GATED) / routing weight
+    MXFP4: tl.constexpr,  # w: uint8 [E, rows, KDIM / 2] e2m1 pairs, w_scale: uint8 e8m0 [E, rows, KDIM / 32]
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -274,35 +306,63 @@ def _expert_gemm_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn  # up rows follow the N gate rows
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        if KDIM % BLOCK_K == 0:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = k < KDIM - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8 and GROUP_K > 0:
-            # The tile lies in k-group kb: its partial sum times x_scale[row, kb] * w_scale[e, n // bn, kb].
-            kb = k0 // GROUP_K
-            a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)  # [BLOCK_M]
-            w_s = tl.load(ws_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)  # [BLOCK_N]
-            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
-        else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if GATED:
+    if MXFP4:
+        # Weight-only MXFP4: packed bytes [BLOCK_K / 2, BLOCK_N] and e8m0 scales [BLOCK_K / 32, BLOCK_N]
+        # of rows n, dequantized in registers and rounded to a's dtype before each dot.
+        kh = tl.arange(0, BLOCK_K // 2)
+        kg = tl.arange(0, BLOCK_K // 32)
+        row64 = n.to(tl.int64)[None, :]
+        q_ptrs = w_ptr + expert.to(tl.int64) * stride_we + row64 * stride_wn + kh[:, None]
+        s_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + row64 * stride_wsn + kg[:, None] * stride_wsk
+        for k0 in range(0, KDIM, BLOCK_K):
             if KDIM % BLOCK_K == 0:
-                wu = tl.load(up_ptrs, mask=n_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                q_ok = n_ok[None, :]
+                s_ok = n_ok[None, :]
             else:
-                wu = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (k < KDIM - k0)[None, :], other=0.0)
+                q_ok = (kh < (KDIM - k0) // 2)[:, None] & n_ok[None, :]
+                s_ok = (kg < (KDIM - k0) // 32)[:, None] & n_ok[None, :]
+            w = _mxfp4_tile(tl.load(q_ptrs, mask=q_ok, other=0), tl.load(s_ptrs, mask=s_ok, other=0),
+                            BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+            if GATED:  # up rows follow the N gate rows
+                wu = _mxfp4_tile(tl.load(q_ptrs + N * stride_wn, mask=q_ok, other=0),
+                                 tl.load(s_ptrs + N * stride_wsn, mask=s_ok, other=0), BLOCK_K, BLOCK_N)
+                acc_up = tl.dot(a, wu.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_wsk
+    else:
+        for k0 in range(0, KDIM, BLOCK_K):
+            if KDIM % BLOCK_K == 0:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k < KDIM - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8 and GROUP_K > 0:
-                wu_s = tl.load(ws_up_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)
-                acc_up += tl.dot(a, wu) * (a_s[:, None] * wu_s[None, :])
+                # The tile lies in k-group kb: its partial sum times x_scale[row, kb] * w_scale[e, n // bn, kb].
+                kb = k0 // GROUP_K
+                a_s = tl.load(a_scale_ptr + a_row * stride_asm + kb * stride_ask, mask=row_ok, other=0.0)  # [BLOCK_M]
+                w_s = tl.load(ws_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)  # [BLOCK_N]
+                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
             else:
-                acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
-            up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                if KDIM % BLOCK_K == 0:
+                    wu = tl.load(up_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    wu = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if FP8 and GROUP_K > 0:
+                    wu_s = tl.load(ws_up_ptrs + kb * stride_wsk, mask=n_ok, other=0.0)
+                    acc_up += tl.dot(a, wu) * (a_s[:, None] * wu_s[None, :])
+                else:
+                    acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
     if FP8 and GROUP_K == 0:
         # Per channel: one scale per A row and per weight row, applied once to the whole sum.
@@ -464,10 +524,23 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation) -> None:
     num_experts, two_inter, _ = w13.shape
     require(num_experts > 0, where, "w13 has no experts")
     require(two_inter > 0 and two_inter % 2 == 0, where, f"w13's dim 1 must be 2 * intermediate, got {two_inter}")
-    require(w13.shape[2] == hidden, where, f"w13 hidden {w13.shape[2]} != x hidden {hidden}")
-    want = (num_experts, hidden, two_inter // 2)
-    require(tuple(w2.shape) == want, where, f"w2 must be [num_experts, hidden, intermediate] = {want}, "
-            f"got {tuple(w2.shape)}")
+    if w13.dtype == MXFP4_DTYPE or w2.dtype == MXFP4_DTYPE:  # two e2m1 codes a byte along the reduced dim
+        for name, t in (("w13", w13), ("w2", w2)):
+            require(t.dtype == MXFP4_DTYPE, where, f"{name} dtype {t.dtype}: w13 and w2 are both {MXFP4_DTYPE} "
+                    "(MXFP4) or neither")
+        require(hidden % MXFP4_BLOCK == 0 and (two_inter // 2) % MXFP4_BLOCK == 0, where,
+                f"MXFP4 experts need x hidden ({hidden}) and w13's intermediate ({two_inter // 2}) to be multiples "
+                f"of {MXFP4_BLOCK}")
+        require(w13.shape[2] * 2 == hidden, where, f"MXFP4 w13 must be [E, 2I, hidden / 2] for x hidden {hidden}, "
+                f"got {tuple(w13.shape)}")
+        want = (num_experts, hidden, two_inter // 4)
+        require(tuple(w2.shape) == want, where, f"MXFP4 w2 must be [num_experts, hidden, intermediate / 2] = {want}, "
+                f"got {tuple(w2.shape)}")
+    else:
+        require(w13.shape[2] == hidden, where, f"w13 hidden {w13.shape[2]} != x hidden {hidden}")
+        want = (num_experts, hidden, two_inter // 2)
+        require(tuple(w2.shape) == want, where, f"w2 must be [num_experts, hidden, intermediate] = {want}, "
+                f"got {tuple(w2.shape)}")
     require(topk_ids.shape[0] == num_tokens and topk_ids.shape[1] > 0, where,
             f"topk_ids must be [num_tokens={num_tokens}, top_k >= 1], got {tuple(topk_ids.shape)}")
     require(topk_weights.shape == topk_ids.shape, where,
@@ -476,7 +549,7 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation) -> None:
     if w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE:
         for name, t in (("w13", w13), ("w2", w2)):
             require(t.dtype == FP8_DTYPE, where, f"{name} dtype {t.dtype}: w13 and w2 are both {FP8_DTYPE} or neither")
-    else:
+    elif w13.dtype != MXFP4_DTYPE:
         for name, t in (("w13", w13), ("w2", w2)):
             require(t.dtype == x.dtype, where, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
     check_dtype(where, "topk_weights", topk_weights, (torch.float32,))
@@ -489,7 +562,8 @@ def _check_args(x, w13, w2, topk_weights, topk_ids, activation) -> None:
 def _check_biases(x, w13, w2, w13_bias, w2_bias, swiglu_alpha, swiglu_limit) -> None:
     where = "fused_moe"
     num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w2.shape[1]
-    for name, t, want in (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden))):
+    for name, t, want in (("w13_bias", w13_bias, (num_experts, two_inter)),
+                          ("w2_bias", w2_bias, (num_experts, hidden))):
         if t is None:
             continue
         require(isinstance(t, torch.Tensor), where, f"{name} must be a tensor or None")
@@ -500,6 +574,20 @@ def _check_biases(x, w13, w2, w13_bias, w2_bias, swiglu_alpha, swiglu_limit) -> 
     for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
         require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), where,
                 f"{name} must be a finite number, got {v!r}")
+
+
+def _check_mxfp4_args(x, w13, w2, w13_scale, w2_scale, block_size) -> None:
+    """The e8m0 scales of MXFP4 weights: uint8 [E, 2I, H / 32] and [E, H, I / 32], stride 1 in the last dim."""
+    where = "fused_moe"
+    require(block_size is None, where, f"block_size is for {FP8_DTYPE} weights, not MXFP4 ({MXFP4_DTYPE})")
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], x.shape[1]
+    for name, t, want in (("w13_scale", w13_scale, (num_experts, two_inter, hidden // MXFP4_BLOCK)),
+                          ("w2_scale", w2_scale, (num_experts, hidden, two_inter // 2 // MXFP4_BLOCK))):
+        require(isinstance(t, torch.Tensor), where, f"{name} (uint8 e8m0) is required for MXFP4 weights")
+        require(t.device == x.device, where, f"{name} is on {t.device}, x on {x.device}")
+        check_dtype(where, name, t, (torch.uint8,))
+        require(tuple(t.shape) == want, where, f"{name} must be {list(want)} for MXFP4 weights, got {list(t.shape)}")
+        check_inner_contiguous(where, name, t)
 
 
 def fp8_scale_shapes(w13: torch.Tensor, w2: torch.Tensor, block_size: tuple[int, int] | None
@@ -561,8 +649,9 @@ def fused_moe(
     """Mixture-of-experts MLP over the experts each token picked.
 
     x: [T, H] float32/float16/bfloat16, any row stride (stride 1 in H)
-    w13: [E, 2*I, H] in x's dtype or float8_e4m3fn; rows [:I] gate, rows [I:] up (stride 1 in H)
-    w2: [E, H, I] in w13's dtype (stride 1 in I)
+    w13: [E, 2*I, H] in x's dtype or float8_e4m3fn; rows [:I] gate, rows [I:] up (stride 1 in H);
+        or MXFP4, uint8 [E, 2*I, H/2] (below)
+    w2: [E, H, I] in w13's dtype (stride 1 in I); MXFP4: uint8 [E, H, I/2]
     topk_weights: [T, K] float32 routing weights, any strides
     topk_ids: [T, K] int32/int64 expert ids, any strides; ids outside [0, E)
         contribute nothing (an expert-parallel rank's foreign experts)
@@ -580,10 +669,18 @@ def fused_moe(
         blocks (block_size = (bn, bk), bk a power of two, >= 32 on CUDA):
         w13_scale [E, cdiv(2I, bn), cdiv(H, bk)], w2_scale [E, cdiv(H, bn), cdiv(I, bk)];
         weight w[e, r, c] stands for float32(w) * scale[e, r // bn, c // bk].
+    MXFP4 (weight-only, gpt-oss): uint8 w13 [E, 2I, H/2] and w2 [E, H, I/2] hold two e2m1 codes a
+        byte along the reduced dim (element 2j in the low nibble of byte j: a checkpoint's
+        ``*_blocks`` [..., K/32, 16] flattened), w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32]
+        uint8 e8m0 (2^(s - 127) for 32 consecutive elements), H and I multiples of 32
+        (kernels/mxfp4_reference.py). Each weight tile is dequantized in registers (exact in
+        float32), rounded to x's dtype and fed to the dot as a 16-bit weight would be.
 
     Returns a new contiguous [T, H] in x's dtype:
     out[t] = sum_k topk_weights[t, k] * (act(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)) @ w2[e].T,
-    e = topk_ids[t, k] (with biases: sum_k w[t, k] * (gated(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])). Accumulates in float32; the intermediate and each
+    e = topk_ids[t, k]; with biases and any activation,
+    out[t] = sum_k w[t, k] * (gated(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e]).
+    Accumulates in float32; the intermediate and each
     slot's output are rounded to x's dtype, the sum over slots is float32.
     With e4m3 weights both GEMM inputs are quantized per token as
     ``kernels.fp8_gemm.fp8_quantize(., bk or None)`` does (x before GEMM 1, the
@@ -593,7 +690,11 @@ def fused_moe(
     No host sync, so it can be captured in a CUDA graph. Modifies nothing.
     """
     _check_args(x, w13, w2, topk_weights, topk_ids, activation)
-    block_size = _check_fp8_args(x, w13, w2, w13_scale, w2_scale, block_size)
+    mxfp4 = w13.dtype == MXFP4_DTYPE
+    if mxfp4:
+        _check_mxfp4_args(x, w13, w2, w13_scale, w2_scale, block_size)
+    else:
+        block_size = _check_fp8_args(x, w13, w2, w13_scale, w2_scale, block_size)
     _check_biases(x, w13, w2, w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
     swiglu = (swiglu_alpha, swiglu_limit)
     num_tokens, hidden = x.shape
@@ -602,7 +703,7 @@ def fused_moe(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tiles = pick_tiles(config, num_tokens, num_experts, top_k, w13.dtype)
+    tiles = pick_tiles(config, num_tokens, num_experts, top_k, x.dtype if mxfp4 else w13.dtype)
     sorted_ids, block_expert = _align(topk_ids, num_experts, tiles.block_m)
     fp8 = w13.dtype == FP8_DTYPE
     if fp8:
@@ -677,12 +778,17 @@ def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
     fp8 = a.dtype == FP8_DTYPE
     block_k, group_n, group_k = tiles.block_k, 1, 0
+    mxfp4 = w.dtype == MXFP4_DTYPE
     if fp8:
         block_k = fp8_block_k(block_k, block_size, a.device)
         if block_size is not None:
             group_n, group_k = block_size
         a_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
         w_strides = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2) if w_scale.dim() == 3 else 0)
+    elif mxfp4:
+        block_k = max(block_k, MXFP4_BLOCK)  # a tile takes whole scale groups
+        a_scale = topk_weights  # never read
+        a_strides, w_strides = (0, 0), (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2))
     else:
         a_scale = w_scale = topk_weights  # never read
         a_strides, w_strides = (0, 0), (0, 0, 0)
@@ -695,7 +801,7 @@ def _gemm(a, w, sorted_ids, block_expert, topk_weights, top_k, n, block_m, tiles
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, GROUP_M=tiles.group_m,
         # float32 models get exact float32 products, not TF32's 10-bit mantissa (fp8 dots ignore it).
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        FP8=fp8, GROUP_K=group_k, HAS_BIAS=bias is not None,
+        FP8=fp8, GROUP_K=group_k, HAS_BIAS=bias is not None, MXFP4=mxfp4,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -729,17 +835,20 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
     read the ids: pass the one the layer uses to halve the calls). ``x_dtype``
     is the model's dtype (default w13's; required for e4m3 weights, which also
     pass their scales and block size as to ``fused_moe``; fp8_quantize compiles
-    once for every token count). Biases and the swiglu arguments: as the layer passes them to
-    ``fused_moe`` (a bias is a compile-time choice). Results are thrown away. Returns the number of calls."""
-    num_experts, hidden = w13.shape[0], w13.shape[2]
-    fp8 = w13.dtype == FP8_DTYPE
-    require(not fp8 or x_dtype is not None, "fused_moe.warm_up", f"x_dtype is required for {FP8_DTYPE} weights")
+    once for every token count; required for MXFP4 weights too, with their scales).
+    Biases and the swiglu arguments: as the layer passes them to ``fused_moe`` (a bias is
+    a compile-time choice). Results are thrown away. Returns the number of calls."""
+    num_experts, hidden = w13.shape[0], w2.shape[1]
+    quantized = w13.dtype in (FP8_DTYPE, MXFP4_DTYPE)
+    require(not quantized or x_dtype is not None, "fused_moe.warm_up",
+            f"x_dtype is required for {w13.dtype} weights")
     x_dtype = x_dtype or w13.dtype
+    tiles_dtype = x_dtype if w13.dtype == MXFP4_DTYPE else w13.dtype
     seen = set()
     calls = 0
     for num_tokens in range(1, max_tokens + 1):
         block_e, block_p, chunks = _align_shape(num_tokens * top_k, num_experts)
-        key = (pick_tiles(config, num_tokens, num_experts, top_k, w13.dtype), block_p,
+        key = (pick_tiles(config, num_tokens, num_experts, top_k, tiles_dtype), block_p,
                chunks == 1 or next_pow2(chunks))
         if key in seen:
             continue
@@ -831,7 +940,8 @@ def _tune_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, 
     best: tuple[float, MoeTiles | None] = (float("inf"), None)
     for block_m in _candidate_block_ms(num_tokens, num_experts, top_k):
         sorted_ids, block_expert = _align(ids, num_experts, block_m)
-        cands = _candidate_tiles(block_m, w13.dtype, block_expert.shape[0], block_size)[:max_candidates]
+        tiles_dtype = x.dtype if w13.dtype == MXFP4_DTYPE else w13.dtype  # MXFP4 dots run in x's dtype
+        cands = _candidate_tiles(block_m, tiles_dtype, block_expert.shape[0], block_size)[:max_candidates]
 
         def gemm1(tiles: GemmTiles) -> torch.Tensor:
             return _gemm(a, w13, sorted_ids, block_expert, weights, top_k, inter, block_m, tiles, gated=True,
@@ -877,27 +987,40 @@ def tune(
     Candidates that fail to compile or launch (shared memory) are skipped.
     Takes a minute or two, mostly compiles; ``max_candidates`` keeps only the
     first few per BLOCK_M (for tests). For float8_e4m3fn weights, ``block_size``
-    is the scale blocks' (None: per channel) and activations are ``x_dtype``.
+    is the scale blocks' (None: per channel) and activations are ``x_dtype``;
+    ``dtype`` torch.uint8 is MXFP4 experts (random codes), activations ``x_dtype``.
     """
     device = torch.device(device)
     require(device.type == "cuda", "fused_moe.tune", f"tuning needs a CUDA device, got {device}")
     require(len(token_counts) > 0 and all(n >= 1 for n in token_counts), "fused_moe.tune",
             f"token_counts must be positive, got {token_counts}")
-    fp8 = dtype == FP8_DTYPE
+    fp8, mxfp4 = dtype == FP8_DTYPE, dtype == MXFP4_DTYPE
     require(fp8 or block_size is None, "fused_moe.tune", f"block_size is for {FP8_DTYPE} weights, got {dtype}")
+    require(not mxfp4 or (hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0), "fused_moe.tune",
+            f"MXFP4 experts need hidden ({hidden}) and intermediate ({intermediate}) multiples of {MXFP4_BLOCK}")
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
     # Made in the model dtype: the engine tunes before it allocates the KV cache, but beside the weights.
-    made = x_dtype if fp8 else dtype
-    w13 = torch.randn(num_experts, 2 * intermediate, hidden, device=device, dtype=made, generator=gen)
-    w2 = torch.randn(num_experts, hidden, intermediate, device=device, dtype=made, generator=gen)
+    made = x_dtype if fp8 or mxfp4 else dtype
     scales: dict = {}
+    if mxfp4:  # random codes (RMS about 2.9) with one scale bringing them to the 16-bit path's magnitudes
+        def packed(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+            codes = torch.randint(0, 256, (num_experts, rows, cols // 2), device=device, dtype=torch.uint8,
+                                  generator=gen)
+            exp = 127 + round(math.log2(cols**-0.5 / 2.9))
+            return codes, torch.full((num_experts, rows, cols // MXFP4_BLOCK), exp, device=device, dtype=torch.uint8)
+
+        (w13, s13), (w2, s2) = packed(2 * intermediate, hidden), packed(hidden, intermediate)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        w13 = torch.randn(num_experts, 2 * intermediate, hidden, device=device, dtype=made, generator=gen)
+        w2 = torch.randn(num_experts, hidden, intermediate, device=device, dtype=made, generator=gen)
     if fp8:  # unit-normal codes; scales bring the weights to the 16-bit path's magnitudes
         w13, w2 = w13.to(dtype), w2.to(dtype)
         shape13, shape2 = fp8_scale_shapes(w13, w2, block_size)
         scales = dict(w13_scale=torch.full(shape13, hidden**-0.5, device=device),
                       w2_scale=torch.full(shape2, intermediate**-0.5, device=device), block_size=block_size)
-    else:
+    elif not mxfp4:
         w13 *= hidden**-0.5
         w2 *= intermediate**-0.5
     xs = torch.randn(max(token_counts), hidden, device=device, dtype=made, generator=gen)

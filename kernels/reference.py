@@ -18,6 +18,7 @@ from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 K
 # The quantized GEMMs and multi-LoRA keep their references in their own modules (the layouts are documented there).
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
+from kernels.mxfp4_reference import dequantize_mxfp4, dequantize_mxfp4_packed, quantize_mxfp4  # noqa: F401
 from kernels.lora_reference import lora_expand, lora_group, lora_shrink  # noqa: F401
 from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_norm  # noqa: F401
 
@@ -425,10 +426,20 @@ def fused_moe(
          weight cast to x's dtype (a product in x's dtype)
       7. ``out.index_add_(0, tokens, y)`` in x's dtype, experts in ascending order
     Quantizing x per expert equals quantizing it once: scales are per token (and group).
+
+    uint8 weights are MXFP4 (weight-only, kernels/mxfp4_reference.py): w13 [E, 2I, H/2] and
+    w2 [E, H, I/2], two e2m1 codes a byte (the checkpoint's blocks flattened), with uint8 e8m0
+    scales w13_scale [E, 2I, H/32], w2_scale [E, H, I/32] (H and I multiples of 32, no
+    block_size). Each hit expert's weights are dequantized (exact, float32) and rounded to x's
+    dtype, then run as 16-bit weights.
     """
     if activation not in MOE_GATED_ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(MOE_GATED_ACTIVATIONS)}, got {activation!r}")
-    fp8 = _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size)
+    if w13.dtype == torch.uint8 or w2.dtype == torch.uint8:
+        _check_mxfp4_moe_args(x, w13, w2, w13_scale, w2_scale, block_size)
+        mxfp4, fp8 = True, False
+    else:
+        mxfp4, fp8 = False, _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size)
     if fp8:
         from kernels.fp8_reference import dequantize_fp8
     num_tokens = topk_ids.shape[0]
@@ -461,10 +472,15 @@ def fused_moe(
             inter = _fp8_round_trip(_gated(h, activation, swiglu_alpha, swiglu_limit), group)
             y = F.linear(inter, w2_e).to(x.dtype)
         else:
-            h = F.linear(x[token_idx], w13[expert])
+            if mxfp4:
+                w13_e = dequantize_mxfp4_packed(w13[expert], w13_scale[expert]).to(x.dtype)  # [2I, H]
+                w2_e = dequantize_mxfp4_packed(w2[expert], w2_scale[expert]).to(x.dtype)  # [H, I]
+            else:
+                w13_e, w2_e = w13[expert], w2[expert]
+            h = F.linear(x[token_idx], w13_e)
             if w13_bias is not None:
                 h = h + w13_bias[expert]
-            y = F.linear(_gated(h, activation, swiglu_alpha, swiglu_limit), w2[expert])
+            y = F.linear(_gated(h, activation, swiglu_alpha, swiglu_limit), w2_e)
         if w2_bias is not None:
             y = y + w2_bias[expert]
         out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
@@ -476,6 +492,27 @@ def _check_moe_biases(w13_bias, w2_bias, num_experts: int, two_inter: int, hidde
     for name, t, want in (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden))):
         if t is not None and (t.dtype != dtype or tuple(t.shape) != want):
             raise ValueError(f"fused_moe: {name} must be {dtype} {list(want)}, got {t.dtype} {list(t.shape)}")
+
+
+def _check_mxfp4_moe_args(x, w13, w2, w13_scale, w2_scale, block_size) -> None:
+    """ValueError unless w13, w2 and their scales are the MXFP4 layout for x's hidden size."""
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"fused_moe: w13 and w2 are both uint8 (MXFP4) or neither, got {w13.dtype} and {w2.dtype}")
+    if block_size is not None:
+        raise ValueError("fused_moe: block_size is for float8_e4m3fn weights, not MXFP4 (uint8)")
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], x.shape[-1]
+    inter = two_inter // 2
+    if hidden % 32 or inter % 32 or two_inter % 2 or w13.shape[2] * 2 != hidden:
+        raise ValueError(f"fused_moe: MXFP4 w13 must be [E, 2I, H/2] uint8 with H ({hidden}) and I multiples of 32, "
+                         f"got {list(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, inter // 2):
+        raise ValueError(f"fused_moe: MXFP4 w2 must be [E, H, I/2] = {[num_experts, hidden, inter // 2]}, "
+                         f"got {list(w2.shape)}")
+    for name, t, want in (("w13_scale", w13_scale, (num_experts, two_inter, hidden // 32)),
+                          ("w2_scale", w2_scale, (num_experts, hidden, inter // 32))):
+        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != want:
+            got = None if t is None else (t.dtype, tuple(t.shape))
+            raise ValueError(f"fused_moe: {name} must be uint8 (e8m0) {list(want)} for MXFP4 weights, got {got}")
 
 
 def _check_fp8_moe_args(w13, w2, w13_scale, w2_scale, block_size) -> bool:

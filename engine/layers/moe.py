@@ -71,19 +71,34 @@ class MoEMethod:
     block_size: tuple[int, int] | None = None  # block-scaled weights' (rows, columns) a scale covers
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return layer.ops.fused_moe(x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids,
-                                   config=layer.kernel_config, **layer.activation_args(), **self.kernel_args(layer))
+        w13, w2 = self.kernel_weights(layer)
+        return layer.ops.fused_moe(x, w13, w2, weights, ids, config=layer.kernel_config, **layer.activation_args(),
+                                   **self.kernel_args(layer))
+
+    def kernel_weights(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the fused kernel takes them (after ``process_weights_after_loading``)."""
+        return layer.experts.gate_up_proj, layer.experts.down_proj
 
     def kernel_args(self, layer: FusedMoE) -> dict:
         """What the fused kernel takes beyond the weights (a quantized method's scales)."""
         return {}
 
+    def tuned_tiles(self, layer: FusedMoE, device: torch.device) -> dict | None:
+        """The fused kernel's tile configs for this layer's experts on ``device``: tuned once per
+        GPU and shape, then read from disk (engine/moe_configs.py); None off CUDA."""
+        from engine.moe_configs import moe_kernel_config
+
+        w13 = layer.experts.gate_up_proj  # [E_local, 2 * I_local, H]
+        return moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, layer.top_k, w13.dtype, device,
+                                 block_size=self.block_size)
+
     def warm_up(self, layer: FusedMoE, max_tokens: int, dtype: torch.dtype) -> None:
         """Compile every variant of the fused kernel for 1..max_tokens tokens (CUDA)."""
         from kernels.fused_moe import warm_up
 
-        warm_up(layer.experts.gate_up_proj, layer.experts.down_proj, layer.top_k, max_tokens,
-                config=layer.kernel_config, x_dtype=dtype, **layer.activation_args(), **self.kernel_args(layer))
+        w13, w2 = self.kernel_weights(layer)
+        warm_up(w13, w2, layer.top_k, max_tokens, config=layer.kernel_config, x_dtype=dtype,
+                **layer.activation_args(), **self.kernel_args(layer))
 
 
 class FusedMoE(nn.Module):

@@ -6,6 +6,7 @@
     fp8.py       FP8 W8A8: Fp8LinearMethod (tensor, channel, block scales; online fp8) and
                  Fp8MoEMethod (the experts of a mixture-of-experts block)
     int4.py      int4 W4A16: Int4LinearMethod (AutoAWQ, GPTQ, compressed-tensors pack-quantized)
+    mxfp4.py     MXFP4 experts (gpt-oss): Mxfp4MoEMethod, weight-only, packed in memory
 
 A method plugs into engine/layers/ (``LinearMethod``, ``MoEMethod``): it creates the
 checkpoint's tensors with the layer's ``add_param``, converts them to its kernel's layout

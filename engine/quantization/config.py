@@ -15,20 +15,24 @@ it, and the gateway imports that).
                     compressed-tensors             per config group: FP8 float-quantized (tensor, channel
                                                    or block weights; dynamic activations) or int4
                                                    pack-quantized
-    awq | gptq      none, with --load-format dummy int4 from the random weights (round to nearest,
-                                                   groups of 128): benchmarks only
+                    mxfp4 (gpt-oss)                the experts of MoE blocks in MXFP4 (e2m1 weights, an
+                                                   e8m0 scale per 32), weight-only; every other layer
+                                                   16-bit
+    awq | gptq |    none, with --load-format dummy int4 / MXFP4 experts from the random weights (int4:
+    mxfp4                                          round to nearest, groups of 128): benchmarks only
 
 The LM head, the embeddings and MoE routers always stay in the model dtype.
-What each method stores and runs is in engine/quantization/fp8.py and int4.py;
+What each method stores and runs is in engine/quantization/fp8.py, int4.py and mxfp4.py;
 which layer gets which method is engine/quantization/methods.py.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-QUANTIZATION_CHOICES = ("fp8", "awq", "gptq", "compressed-tensors")
+QUANTIZATION_CHOICES = ("fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
 _ALIASES = {"compressed_tensors": "compressed-tensors"}
 ONLINE_INT4_GROUP_SIZE = 128
 FP8_WEIGHT_FORMATS = ("float-quantized", "naive-quantized")
@@ -84,7 +88,7 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any], load_forma
         return None
     elif flag == "fp8":
         qc = QuantizationConfig("fp8", online=True)
-    elif dummy and flag in ("awq", "gptq"):
+    elif dummy and flag in ("awq", "gptq", "mxfp4"):
         qc = QuantizationConfig(flag, online=True)
     else:
         raise ValueError(f"--quantization {flag} needs a checkpoint quantized with {flag} (config.json's "
@@ -104,7 +108,8 @@ class Scheme:
     kind "fp8": strategy tensor | channel | block (block_size (bn, bk)); activations are
     quantized dynamically per token (per token and group of bk for block weights).
     kind "int4": fmt awq | gptq | compressed-tensors with ``int4`` its arguments
-    (Int4LinearMethod's keyword arguments)."""
+    (Int4LinearMethod's keyword arguments).
+    kind "mxfp4": the experts of mixture-of-experts blocks only (Mxfp4MoEMethod)."""
 
     kind: str
     strategy: str = ""
@@ -113,6 +118,8 @@ class Scheme:
     int4: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def summary(self) -> str:
+        if self.kind == "mxfp4":
+            return "mxfp4 W4A16 experts (e2m1 weights, an e8m0 scale per 32), other layers 16-bit"
         if self.kind == "fp8":
             if self.strategy == "block":
                 bn, bk = self.block_size or (0, 0)
@@ -137,6 +144,8 @@ def config_schemes(qc: QuantizationConfig) -> dict[str, Scheme]:
         return {"default": _awq_scheme(c, qc.online)}
     if qc.method == "gptq":
         return {"default": _gptq_scheme(c, qc.online)}
+    if qc.method == "mxfp4":
+        return {"default": _mxfp4_scheme(c)}
     return _compressed_tensors_schemes(c)
 
 
@@ -220,6 +229,42 @@ def _gptq_scheme(c: dict[str, Any], online: bool) -> Scheme:
     group = _positive_group(c.get("group_size", 128), where, allow_channel=True)
     return Scheme("int4", int4={"fmt": "gptq", "group_size": group, "sym": bool(c.get("sym", True)),
                                 "desc_act": bool(c.get("desc_act", False)), "checkpoint_format": fmt})
+
+
+MXFP4_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
+
+
+def _mxfp4_scheme(c: dict[str, Any]) -> Scheme:
+    """quant_method mxfp4 (transformers' Mxfp4Config, as gpt-oss ships): only the experts of
+    mixture-of-experts blocks are MXFP4, the rest of the model 16-bit. ``modules_to_not_convert``
+    (transformers' patterns: a regex matched from the start of a module's name up to a dot, or a
+    suffix) leaves matching experts 16-bit too; ``dequantize`` (transformers dequantizes the experts
+    to bf16 at load) changes nothing served: the kernels compute with the same values. Any other
+    field asks for something not served."""
+    where = "mxfp4 checkpoint"
+    unknown = sorted(set(c) - set(MXFP4_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: quantization_config field(s) {', '.join(unknown)} are not supported (MXFP4 "
+                         f"experts take only {', '.join(MXFP4_KEYS)}; linear layers stay 16-bit)")
+    skip = c.get("modules_to_not_convert")
+    if skip is not None and (not isinstance(skip, list) or not all(isinstance(x, str) for x in skip)):
+        raise ValueError(f"{where}: modules_to_not_convert must be a list of module names, got {json.dumps(skip)}")
+    for pattern in skip or []:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{where}: modules_to_not_convert pattern {pattern!r} is not a valid regex "
+                             f"({e})") from None
+    if not isinstance(c.get("dequantize", False), bool):
+        raise ValueError(f"{where}: dequantize must be true or false, got {json.dumps(c.get('dequantize'))}")
+    return Scheme("mxfp4")
+
+
+def hf_module_matches(pattern: str, name: str) -> bool:
+    """transformers' ``should_convert_module`` test of one ``modules_to_not_convert`` pattern: a regex
+    matched from the start of ``name`` up to a module boundary ("layer.1" matches "layer.1.attn",
+    not "layer.11.attn"; "model.layers.*.mlp.router" matches every layer's router), or a suffix."""
+    return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name) is not None or name.endswith(pattern)
 
 
 def _compressed_tensors_schemes(c: dict[str, Any]) -> dict[str, Scheme]:

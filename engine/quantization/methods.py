@@ -9,6 +9,10 @@ fused names ``qkv_proj``), so the checkpoint's own rules apply unchanged:
     awq, gptq, fp8       ``modules_to_not_convert`` / ``ignored_layers``: a layer whose
                          name contains one of them (as whole dotted components: "gate"
                          is a router, not gate_proj) is left in the model dtype
+    mxfp4                only the experts of MoE blocks are quantized; experts named by a
+                         ``modules_to_not_convert`` pattern (transformers' rule:
+                         config.hf_module_matches) stay in the model dtype; a linear layer
+                         the patterns do not name is refused (MXFP4 linear layers are not served)
 
 A stacked layer's parts must agree: all quantized with one scheme, or none.
 """
@@ -20,7 +24,7 @@ from typing import Sequence
 
 from engine.layers.linear import LinearMethod
 from engine.layers.moe import MoEMethod
-from engine.quantization.config import QuantizationConfig, Scheme, config_schemes, ignored_names
+from engine.quantization.config import QuantizationConfig, Scheme, config_schemes, hf_module_matches, ignored_names
 
 
 class QuantMethods:
@@ -67,6 +71,14 @@ class QuantMethods:
 
     # ---- methods ------------------------------------------------------------------------------------
     def linear(self, prefix: str, module: str, parts: Sequence[str] = ()) -> LinearMethod | None:
+        if self.config.method == "mxfp4":  # MXFP4 checkpoints quantize only the experts
+            names = [f"{prefix}.{module}"] + [f"{prefix}.{p}" for p in parts]
+            if not any(hf_module_matches(rule, n) for rule in self.ignore for n in names):
+                raise ValueError(f"{names[0]}: the mxfp4 checkpoint's quantization_config.modules_to_not_convert "
+                                 "does not leave this linear layer 16-bit, and MXFP4 linear layers are not supported "
+                                 "(only the experts of mixture-of-experts blocks; gpt-oss lists "
+                                 "model.layers.*.self_attn, model.layers.*.mlp.router, model.embed_tokens, lm_head)")
+            return None
         scheme = self.scheme(prefix, module, parts)
         if scheme is None:
             return None
@@ -81,14 +93,20 @@ class QuantMethods:
 
     def moe(self, prefix: str, num_experts: int, projections: Sequence[str]) -> MoEMethod | None:
         """The experts' method: every expert's projections (``prefix.experts.<e>.<proj>``)
-        must share one scheme."""
+        must share one scheme. MXFP4: ``prefix.experts`` unless modules_to_not_convert names it."""
+        if self.config.method == "mxfp4":
+            if any(hf_module_matches(rule, f"{prefix}.experts") for rule in self.ignore):
+                return None
+            from engine.quantization.mxfp4 import Mxfp4MoEMethod
+
+            return Mxfp4MoEMethod(online=self.config.online, ops=self.ops, prefix=f"{prefix}.experts")
         names = [f"experts.{e}.{p}" for e in range(num_experts) for p in projections]
         scheme = self.scheme(prefix, "experts", names)
         if scheme is None:
             return None
         if scheme.kind != "fp8":
             raise ValueError(f"{prefix}.experts: {scheme.summary()} experts are not supported (mixture-of-experts "
-                             "layers serve fp8 or 16-bit weights)")
+                             "layers serve fp8, mxfp4 or 16-bit weights)")
         from engine.quantization.fp8 import Fp8MoEMethod
 
         return Fp8MoEMethod(scheme, online=self.config.online, ops=self.ops, prefix=f"{prefix}.experts")
