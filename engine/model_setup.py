@@ -48,12 +48,8 @@ def configure_moe(model: torch.nn.Module, device: torch.device, ops: ModuleType)
     moe = model.moe_layers()
     if not moe or device.type != "cuda" or ops.__name__ != "kernels":
         return
-    from engine.moe_configs import moe_kernel_config
-
     m = moe[0]
-    w13 = m.experts.gate_up_proj  # [E_local, 2 * I_local, H]
-    kernel_config = moe_kernel_config(w13.shape[0], w13.shape[2], w13.shape[1] // 2, m.top_k, w13.dtype, device,
-                                      block_size=m.method.block_size)
+    kernel_config = m.method.tuned_tiles(m, device)  # the weight format's own tiles (16-bit, FP8, MXFP4)
     for layer in moe:
         layer.kernel_config = kernel_config
     torch.cuda.empty_cache()
