@@ -204,3 +204,83 @@ def test_unsupported_config_fields_are_refused_at_load(model_dir, tmp_path, chan
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=str(d), device="cpu").create_engine_config()
+
+
+# ---- MXFP4 experts, as gpt-oss ships them ------------------------------------------------
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def make_mxfp4_pair(src: Path, quantized: Path, dequantized: Path) -> None:
+    """From a float checkpoint: ``quantized`` with its experts in MXFP4 as gpt-oss ships them
+    (``*_blocks`` [E, out, in/32, 16] and ``*_scales`` [E, out, in/32], the gate/up rows
+    interleaved, ``quantization_config`` mxfp4), and ``dequantized``, the same model with those
+    MXFP4 values written back as float32 (what the quantized one must serve exactly)."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.mxfp4_reference import dequantize_mxfp4, quantize_mxfp4
+
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, plain = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(t.transpose(1, 2).contiguous())  # [E, out, in]: rows interleaved as stored
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+            plain[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            packed[name] = plain[name] = t
+    for d, ts in ((quantized, packed), (dequantized, plain)):
+        d.mkdir(parents=True)
+        cfg = json.loads((src / "config.json").read_text())
+        if d == quantized:
+            cfg["quantization_config"] = MXFP4_CONFIG
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mxfp4")
+    make_mxfp4_pair(model_dir, root / "q", root / "f")
+    return root / "q", root / "f"
+
+
+def test_mxfp4_checkpoint_serves_its_dequantized_model(mxfp4_pair):
+    """The experts stay packed (uint8 blocks, no 16-bit copy) and the tokens are those of the
+    same model with the MXFP4 values in float32, which are transformers' for it; chunked
+    prefill and whole prompts."""
+    q, f = mxfp4_pair
+    m = hf_model(f)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=31)
+    want = hf_greedy(m, prompts, MAX_TOKENS)
+    for budget in (16, 2048):
+        llm = LLM(str(q), max_num_batched_tokens=budget, kv_cache_memory="8MiB", block_size=4)
+        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        assert {n: p.dtype for n, p in experts.named_parameters() if "bias" not in n} == {
+            "gate_up_proj_blocks": torch.uint8, "gate_up_proj_scales": torch.uint8,
+            "down_proj_blocks": torch.uint8, "down_proj_scales": torch.uint8}
+        assert_greedy_match(m, prompts, want, _generate(llm, prompts))
+
+
+def test_mxfp4_quantization_is_not_a_no_op(model_dir, mxfp4_pair):
+    """The dequantized experts differ from the float ones (so the test above tests MXFP4)."""
+    from safetensors.torch import load_file
+
+    a = load_file(str(model_dir / "model.safetensors"))
+    b = load_file(str(mxfp4_pair[1] / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert (a[name] - b[name]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []}), "mxfp4"),
+    (dict(quantization_config={**MXFP4_CONFIG, "weight_block_size": [1, 64]}), "weight_block_size"),
+])
+def test_mxfp4_variants_not_supported_are_refused(mxfp4_pair, tmp_path, change, message):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    cfg = json.loads((mxfp4_pair[0] / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(d), kv_cache_memory="8MiB", block_size=4)
