@@ -143,8 +143,8 @@ class ChatFormatter(ResponseFormatter):
         ``tools``' calls, if any, from the text); ``reasoning``: the gateway has a reasoning
         parser (the message carries ``reasoning_content``)."""
         super().__init__(*args, **kwargs)
-        self._parsed = tools is not None or reasoning  # content null when empty, as vLLM
         self._answer = answer if answer is not None else plain_chat_stream(tools)
+        self._parsed = self._answer.parses  # content null when empty, as vLLM
         self._reasoning = reasoning
 
     def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:

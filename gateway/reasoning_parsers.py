@@ -79,6 +79,12 @@ class ChatStream(ABC):
     def num_calls(self) -> int:
         """Tool calls sent so far."""
 
+    @property
+    def parses(self) -> bool:
+        """Whether the answer is more than its text (reasoning or tool calls split off):
+        then an empty content is null, as OpenAI and vLLM send it."""
+        return True
+
     @abstractmethod
     def feed(self, token_ids: Sequence[int], text: str, final: bool = False) -> ChatDelta:
         """What ``token_ids`` (detokenized: ``text``) add; ``final`` on the last delta."""
@@ -106,6 +112,10 @@ class TextChatStream(ChatStream):
     @property
     def num_calls(self) -> int:
         return self._tools.num_calls if self._tools is not None else 0
+
+    @property
+    def parses(self) -> bool:
+        return self._reasoning is not None or self._tools is not None
 
     def feed(self, token_ids: Sequence[int], text: str, final: bool = False) -> ChatDelta:
         reasoning, content = self._reasoning.feed(text, final) if self._reasoning is not None else ("", text)

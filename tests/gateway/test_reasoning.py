@@ -247,3 +247,17 @@ def test_the_request_field_is_typed():
     assert ChatCompletionRequest(**body).chat_template_kwargs == {"enable_thinking": False}
     assert json.loads(ChatCompletionRequest(**body).model_dump_json())["chat_template_kwargs"] == {
         "enable_thinking": False}
+
+
+def test_without_a_reasoning_parser_the_message_has_no_reasoning_fields():
+    """As the front ends build it (``begin_chat`` without a parser): tool calls parsed, an
+    empty content null; without tools the text as it is."""
+    from gateway.reasoning_parsers import plain_chat_stream
+
+    def message(tools, text):
+        fmt = ChatFormatter("c", "m", str, include_usage=False, want_logprobs=False, answer=plain_chat_stream(tools))
+        return fmt.response(_deltas([text]))["choices"][0]["message"]
+
+    assert message(HERMES_AUTO, CALL)["content"] is None and len(message(HERMES_AUTO, CALL)["tool_calls"]) == 1
+    assert message(None, "a</think>b") == {"role": "assistant", "content": "a</think>b"}
+    assert message(None, "") == {"role": "assistant", "content": ""}
