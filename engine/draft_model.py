@@ -55,6 +55,8 @@ class _DraftRow:
                                     if num_computed_tokens is None else num_computed_tokens)
         self.prompt_token_ids: list[int] = []
         self.output_token_ids: list[int] = []
+        self.sampling_prompt_token_ids = self.prompt_token_ids  # what the sampler reads (engine/request.py)
+        self.generated_token_ids = self.output_token_ids
         self.eos_token_ids: frozenset[int] = frozenset()
         self.sampling_params = _GREEDY
         self.lora = None

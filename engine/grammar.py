@@ -201,7 +201,7 @@ class GrammarManager:
             import xgrammar as xgr
 
             g.matcher = xgr.GrammarMatcher(g.future.result())
-        out = req.output_token_ids
+        out = req.generated_token_ids
         if g.content_start is None and not self._find_reasoning_end(g, req):
             g.mask, g.only_stop = self._all_tokens(), False  # still reasoning: unconstrained
             return GrammarState.READY, ""
@@ -222,7 +222,7 @@ class GrammarManager:
         """Whether ``req``'s output has ended its reasoning (its end sequence is in the
         output); when it has, the matcher starts after the sequence's first occurrence."""
         end = list(req.sampling_params.structured_outputs.reasoning_end_token_ids)
-        out = req.output_token_ids
+        out = req.generated_token_ids
         for i in range(max(0, g.num_searched - len(end) + 1), len(out) - len(end) + 1):
             if out[i] == end[0] and list(out[i:i + len(end)]) == end:
                 g.content_start = g.num_accepted = i + len(end)
@@ -278,7 +278,7 @@ class GrammarManager:
             g = self._requests.get(req.request_id)
             if g is None or g.matcher is None or g.error is not None or g.content_start is None:
                 continue  # (still reasoning: poll looks for the reasoning's end)
-            if g.num_accepted != req.num_output_tokens or g.matcher.is_terminated():
+            if g.num_accepted != req.num_generated_tokens or g.matcher.is_terminated():
                 continue  # behind (poll catches it up), or ended
             if not g.matcher.accept_token(token):
                 continue

@@ -42,9 +42,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 resume_output_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
         """``lora_request``: the adapter of every prompt, or one (or None) per prompt; an
-        adapter not loaded yet is loaded from its ``lora_path`` (needs ``enable_lora=True``)."""
+        adapter not loaded yet is loaded from its ``lora_path`` (needs ``enable_lora=True``).
+        ``resume_output_token_ids``: per prompt, tokens it already generated (a resumed
+        request continues after them, as the uninterrupted one would; its outputs are the
+        new tokens only)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -61,11 +65,15 @@ class LLM:
         for lr in {lr for lr in loras if lr is not None}:
             self._ensure_lora(lr)
         encoded = [self._encode(p) for p in prompts]
+        resumed = list(resume_output_token_ids) if resume_output_token_ids is not None else [()] * len(prompts)
+        if len(resumed) != len(prompts):
+            raise ValueError("resume_output_token_ids must be one list per prompt")
         tracks: list[_Track] = []
         try:
-            for (text, ids), sp, lr in zip(encoded, params, loras):
+            for (text, ids), sp, lr, done in zip(encoded, params, loras, resumed):
                 req = self.engine.add_request(str(next(self._ids)), ids, sp,
-                                              lora_name=lr.lora_name if lr is not None else None)
+                                              lora_name=lr.lora_name if lr is not None else None,
+                                              resume_output_token_ids=done)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None
                 tracks.append(_Track(req, text, detok))
             by_id = {t.request.request_id: t for t in tracks}
@@ -140,7 +148,7 @@ class _Track:
         t = req.times
         metrics = {"arrival_time": t.arrival, "first_scheduled_time": t.first_scheduled,
                    "first_token_time": t.first_token, "finished_time": t.finished}
-        return RequestOutput(req.request_id, self.prompt, list(req.prompt_token_ids), [comp], True,
+        return RequestOutput(req.request_id, self.prompt, list(req.sampling_prompt_token_ids), [comp], True,
                              req.num_cached_tokens, metrics)
 
 

@@ -283,12 +283,17 @@ class LLMEngine:
     # ---- admission -------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      arrival_time: float | None = None, deadline: float | None = None,
-                     lora_name: str | None = None) -> Request:
+                     lora_name: str | None = None, resume_output_token_ids: Sequence[int] = ()) -> Request:
         """Validate and build a request (not yet queued). ``deadline`` is a
         time.monotonic() instant after which the request is aborted; ``lora_name``: the
-        adapter it runs under (LoRAError when it is not loaded here)."""
+        adapter it runs under (LoRAError when it is not loaded here);
+        ``resume_output_token_ids``: the tokens it already generated elsewhere (a migrated
+        request: they are computed with the prompt and count as its output, see
+        engine/request.py)."""
         lora = self.lora_info(lora_name) if lora_name else None
         max_len = self.config.scheduler.max_model_len
+        if resume_output_token_ids:
+            prompt_token_ids = list(prompt_token_ids) + list(resume_output_token_ids)  # checked as one
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -302,7 +307,10 @@ class LLMEngine:
         params.validate()
         if params.structured_outputs is not None:
             self.grammars.check_tokenizer()
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time)
+        if resume_output_token_ids:
+            prompt_token_ids = prompt_token_ids[:n - len(resume_output_token_ids)]
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time,
+                      resume_output_token_ids)
         req.deadline = deadline
         req.lora = lora
         self.scheduler.check_fits(req)
@@ -344,30 +352,35 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, deadline: float | None = None,
-                    lora_name: str | None = None) -> Request:
+                    lora_name: str | None = None, resume_output_token_ids: Sequence[int] = ()) -> Request:
         """Compute the request here, prompt and output (offline, colocated)."""
-        req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline, lora_name)
+        req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline, lora_name,
+                                resume_output_token_ids)
         self.scheduler.add_request(req)
         return self._constrain(req)
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                            deadline: float | None = None, lora_name: str | None = None) -> Request:
+                            deadline: float | None = None, lora_name: str | None = None,
+                            resume_output_token_ids: Sequence[int] = ()) -> Request:
         """Prefill tier: compute the prompt and sample the first token, then
         hold the blocks (HELD_FOR_SEND) until ``begin_send`` ...
         ``release_after_send``."""
-        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name)
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
+                                resume_output_token_ids=resume_output_token_ids)
         req.max_tokens = 1
         req.hold_kv_on_finish = True
         self.scheduler.add_request(req)
         return self._constrain(req)
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                deadline: float | None = None, lora_name: str | None = None) -> Request:
+                deadline: float | None = None, lora_name: str | None = None,
+                resume_output_token_ids: Sequence[int] = ()) -> Request:
         """Decode tier: queue a request whose prompt KV will arrive by
         transfer. Its blocks are reserved first come first served; the step
         that does it lists the request in ``StepOutput.reserved``. Raises
         ValueError (invalid) or OverflowError (the queue is full)."""
-        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name)
+        req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
+                                resume_output_token_ids=resume_output_token_ids)
         self.scheduler.add_reservation(req)
         if req.lora is not None:  # its adapter into a free slot while the prompt is prefilled elsewhere
             self.runner.lora.prefetch(req.lora)

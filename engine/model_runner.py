@@ -140,7 +140,7 @@ def _forward_fault_budget() -> int | None:
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:
     r = s.request
-    return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, s.lookahead,
+    return SamplingRow(r.sampling_params, r.sampling_prompt_token_ids, r.generated_token_ids, r.eos_token_ids, s.lookahead,
                        s.bitmask)
 
 
@@ -393,9 +393,10 @@ class ModelRunner:
             if not s.draft_token_ids:
                 plain.append((i, at))
             else:
-                r, past = s.request, list(s.request.output_token_ids)
+                r, past = s.request, list(s.request.generated_token_ids)
                 for j in range(n):  # position j sees the proposals before it as output
-                    spec_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, past + s.draft_token_ids[:j],
+                    spec_rows.append(SamplingRow(r.sampling_params, r.sampling_prompt_token_ids,
+                                                 past + s.draft_token_ids[:j],
                                                  r.eos_token_ids))
                 drafts += s.draft_token_ids + [-1]
                 spans.append((i, at, len(spec_rows) - n))

@@ -85,13 +85,23 @@ class RequestTimes:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, resume_output_token_ids: Sequence[int] = ()) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, appended in place
+        # A resumed request (migrated from a server that died mid-stream): the tokens it had
+        # already generated there. They are computed as part of the prompt here (KV, prefix
+        # cache, transfer: ``prompt_token_ids`` holds them) but count as output for sampling
+        # (the seeded step k, penalties), structured-output replay, min/max_tokens and stops:
+        # ``sampling_prompt_token_ids`` / ``generated_token_ids``.
+        self.resumed_token_ids: list[int] = list(resume_output_token_ids)
+        self.sampling_prompt_token_ids: list[int] = list(prompt_token_ids)  # the client's prompt
+        self.prompt_token_ids: list[int] = list(prompt_token_ids) + self.resumed_token_ids
+        self.output_token_ids: list[int] = []  # generated here
+        # resumed + output (the same list as output_token_ids when nothing was resumed)
+        self.generated_token_ids: list[int] = (list(self.resumed_token_ids) if self.resumed_token_ids
+                                               else self.output_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.status = RequestStatus.WAITING
@@ -117,8 +127,14 @@ class Request:
         self.spec_k: int | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
         budget = (max_model_len - len(self.prompt_token_ids)) if max_model_len else None
-        limits = [x for x in (sampling_params.max_tokens, budget) if x is not None]
-        self.max_tokens: int = min(limits) if limits else 1 << 30
+        wanted = sampling_params.max_tokens
+        if wanted is not None and self.resumed_token_ids:
+            wanted -= len(self.resumed_token_ids)  # what remains of it
+            if wanted < 1:
+                raise ValueError(f"the request resumes after {len(self.resumed_token_ids)} generated tokens, "
+                                 f"which is already its max_tokens {sampling_params.max_tokens}")
+        limits = [x for x in (wanted, budget) if x is not None]
+        self.max_tokens: int = min(limits) if limits else 1 << 30  # output tokens to generate here
 
     @property
     def cache_root(self) -> int:
@@ -138,6 +154,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens counting the resumed ones: the sampler's step k."""
+        return len(self.generated_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -147,6 +168,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.generated_token_ids is not self.output_token_ids:
+            self.generated_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> RequestStatus | None:
@@ -155,7 +178,7 @@ class Request:
         ``stop_reason``; the status itself is the scheduler's to set."""
         last = self.output_token_ids[-1]
         p = self.sampling_params
-        if self.num_output_tokens >= p.min_tokens:
+        if self.num_generated_tokens >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in p.stop_token_ids:
