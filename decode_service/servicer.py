@@ -88,9 +88,10 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
             lora_name = request.lora_name or None
+            resumed = list(request.resume_output_token_ids)  # a migrated request: its output so far
             try:
                 req = await bridge.run(lambda e: (e.reserve if remote else e.add_request)(
-                    rid, prompt, params, deadline=deadline, lora_name=lora_name))
+                    rid, prompt, params, deadline=deadline, lora_name=lora_name, resume_output_token_ids=resumed))
             except (OverflowError, ValueError) as exc:
                 await context.abort(admission_status(exc), str(exc))
             fingerprint = req.lora.fingerprint if req.lora is not None else ""
