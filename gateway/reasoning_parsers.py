@@ -18,8 +18,12 @@ Qwen3's does for ``enable_thinking: false``) has no reasoning: its output is all
 and so is qwen3's under ``chat_template_kwargs: {"enable_thinking": false}`` whatever the
 template does. Tags are found in the detokenized text, so a tag split across stream
 chunks is held back until it is known (a stream sends exactly what the whole answer
-would hold). One deviation from vLLM's non-streamed parser: text before a ``<think>``
-that the model writes itself stays reasoning (vLLM drops it; its streamed parser does not).
+would hold). Deviations from vLLM: text before a ``<think>`` that the model writes
+itself stays reasoning (vLLM's non-streamed parser drops it, its streamed one does not);
+qwen3's reasoning ends at ``</think>`` only (vLLM also ends it at a ``<tool_call>``
+followed by Qwen3.5's XML ``<function=...>``, a call format pdserve does not parse);
+gpt-oss's reasoning ends at ``<|channel|>final<|message|>`` (vLLM waits for
+``<|start|>assistant`` before it, and so misses a final message that opens the answer).
 
 Tool calls (``--tool-call-parser``) are parsed from the content only, never from the
 reasoning. Structured outputs constrain the content only: a request with a constraint
