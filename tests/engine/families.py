@@ -124,3 +124,33 @@ def group_metadata(layout, positions: torch.Tensor, total: int, longest: int) ->
     return AttentionMetadata(slot_mapping=slots, block_tables=tables,
                              query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
                              seq_lens=torch.tensor([total], dtype=torch.int32))
+
+
+def assert_grouped_logits_match(model_dir: Path, ids: torch.Tensor, ends: tuple[int, ...], block_size: int = 4) -> None:
+    """The model itself (float32, the PyTorch references) over a paged cache laid out in cache
+    groups: ``ids`` in one call, then in chunks ending at ``ends``; every position's logits are
+    transformers' float32 ones."""
+    from engine.config import ModelConfig
+    from engine.kv_cache_groups import model_layout
+    from engine.model_loader import load_model
+    from kernels import reference
+
+    cfg = ModelConfig.from_dir(model_dir, dtype="float32", load_format="auto", served_model_name="m")
+    model = load_model(cfg, torch.device("cpu"), reference)
+    layout = model_layout(cfg, block_size)
+    model.set_cache_layout(layout)
+    widest = max(layout.groups, key=lambda g: g.num_kv_heads * g.head_dim)
+    blocks = sum(math.ceil(len(ids) / g.block_size) for g in layout.groups)
+    kv = torch.zeros(layout.num_slots, blocks, 2, block_size, widest.num_kv_heads, widest.head_dim)
+    with torch.no_grad():
+        want = hf_model(model_dir)(ids[None]).logits[0]
+        pos = torch.arange(len(ids))
+        whole = model.compute_logits(model(ids, pos, kv, group_metadata(layout, pos, len(ids), len(ids))))
+        torch.testing.assert_close(whole, want, atol=1e-4, rtol=1e-4)
+        kv.zero_()
+        chunks, lo = [], 0
+        for hi in ends:
+            pos = torch.arange(lo, hi)
+            chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, group_metadata(layout, pos, hi, len(ids)))))
+            lo = hi
+        torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=1e-4)

@@ -8,7 +8,6 @@ greedy tokens: chunked prefill, prefix hits, preemption, two tensor-parallel ran
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
-from engine.model_loader import load_model
 from engine.models.gpt_oss import to_checkpoint_layout, to_engine_layout
-from kernels import reference
-from tests.engine.families import (assert_greedy_match, greedy_references, group_metadata, hf_greedy, hf_model,
-                                   random_prompts)
+from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, greedy_references, hf_greedy,
+                                   hf_model, random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -101,26 +98,7 @@ def test_expert_layouts_round_trip():
 def test_forward_matches_transformers_logits(model_dir):
     """A prompt five windows long in one call, then in chunks of 5, 1, 13 and 18 tokens: every
     position's logits are transformers' (float32)."""
-    cfg = _config(model_dir)
-    model = load_model(cfg, torch.device("cpu"), reference)
-    block_size = 4
-    layout = model_layout(cfg, block_size)
-    model.set_cache_layout(layout)
-    ids = torch.tensor(random_prompts([37], seed=5)[0])
-    blocks = sum(math.ceil(len(ids) / g.block_size) for g in layout.groups)
-    kv = torch.zeros(layout.num_slots, blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    with torch.no_grad():
-        want = hf_model(model_dir)(ids[None]).logits[0]
-        pos = torch.arange(len(ids))
-        whole = model.compute_logits(model(ids, pos, kv, group_metadata(layout, pos, len(ids), len(ids))))
-        torch.testing.assert_close(whole, want, atol=1e-4, rtol=1e-4)
-        kv.zero_()
-        chunks, lo = [], 0
-        for hi in (5, 6, 19, 37):
-            pos = torch.arange(lo, hi)
-            chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, group_metadata(layout, pos, hi, len(ids)))))
-            lo = hi
-        torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=1e-4)
+    assert_grouped_logits_match(model_dir, torch.tensor(random_prompts([37], seed=5)[0]), (5, 6, 19, 37))
 
 
 def test_every_part_matters(model_dir):
