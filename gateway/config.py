@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.config import parse_size
 from gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
+from gateway.request_flow import DEFAULT_MIGRATION_LIMIT
 from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
@@ -79,8 +80,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="the decode server prefills a request itself when at most this many of its prompt "
                         "tokens are missing from its prefix cache (0: always use a prefill server)")
+    add_migration_args(r)
     tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
+
+
+def add_migration_args(g: argparse._ArgumentGroup) -> None:
+    """``--migration-limit`` (vLLM/Dynamo's name; `pdserve up` passes it on)."""
+    g.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
+                   help="times a request whose decode server dies (or whose stream breaks) mid-response is "
+                        "resumed on another decode server, the tokens already streamed prefilled after its "
+                        "prompt; the client sees one uninterrupted stream. Past N the request fails naming "
+                        "the servers it lost (0: never migrate)")
 
 
 def add_chat_args(g: argparse._ArgumentGroup) -> None:
@@ -144,6 +155,7 @@ class GatewayConfig:
     kv_overlap_score_weight: float = 1.0
     local_prefill_threshold: int = 0
     kv_load_failure_policy: str = "fail"
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
     max_request_body: int = 4 * 1024 * 1024  # bytes
     chat_template: str | None = None  # a file, or the template itself
     tool_call_parser: str | None = None
@@ -180,6 +192,8 @@ class GatewayConfig:
             raise ValueError(f"--kv-overlap-score-weight must be non-negative, got {self.kv_overlap_score_weight}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"--local-prefill-threshold must be non-negative, got {self.local_prefill_threshold}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be non-negative, got {self.migration_limit}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one of "
                              f"{', '.join(PARSERS)}")
@@ -211,6 +225,7 @@ class GatewayConfig:
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
                    local_prefill_threshold=args.local_prefill_threshold,
                    kv_load_failure_policy=args.kv_load_failure_policy,
+                   migration_limit=getattr(args, "migration_limit", DEFAULT_MIGRATION_LIMIT),
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)),
                    chat_template=getattr(args, "chat_template", None),
                    tool_call_parser=getattr(args, "tool_call_parser", None),

@@ -55,6 +55,11 @@ class GatewayMetrics:
                                 "Requests the gateway is currently serving.", labels, registry=r).labels(model_name)
         self._lora_requests = Counter("pdserve:lora_requests", "Requests under a LoRA adapter, by adapter.",
                                       labels + ["lora_name"], registry=r)
+        self._migrations = Counter("pdserve:gateway_migrations",
+                                   "Requests resumed on another decode server after theirs died or its stream "
+                                   "broke mid-response, by cause (the gRPC status: unavailable, cancelled, unknown; "
+                                   "stream_ended: it ended without a finish reason).",
+                                   labels + ["cause"], registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
@@ -113,6 +118,10 @@ class GatewayMetrics:
     def on_lora_request(self, lora_name: str) -> None:
         """A request under LoRA adapter ``lora_name`` started (one series per adapter ever used)."""
         self._lora_requests.labels(self._model_name, lora_name).inc()
+
+    def on_migration(self, cause: str) -> None:
+        """A request moved to another decode server (``pdserve:gateway_migrations_total``)."""
+        self._migrations.labels(self._model_name, cause).inc()
 
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)

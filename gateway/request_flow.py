@@ -30,6 +30,21 @@ retried like a prefill server that is gone: another one, else the decode
 server prefills. A decode server that refuses because of the adapter before
 any output is retried on the next one that serves it.
 
+Migration: a decode server whose stream breaks mid-response (it died: UNAVAILABLE,
+a reset connection, CANCELLED by the peer, the stream ending without a finish reason)
+does not end the request. The request is routed again (the dead server excluded) and
+resumed: the prompt plus every token already streamed goes out as a new attempt
+(``DecodeRequest.resume_output_token_ids``, and ``PrefillRequest``'s when a prefill
+server computes it), whose engine counts those tokens as output (the seeded step k,
+penalties, grammar replay, what remains of max_tokens/min_tokens). The new attempt's
+first token is the next one: the consumer sees one uninterrupted chunk stream (the
+output processor keeps its detokenizer, stop-string and usage state across the seam).
+At most ``migration_limit`` times (``--migration-limit``) per request; past it the request
+fails naming the servers it lost. Each migration counts in
+``pdserve:gateway_migrations_total{cause}`` and marks the trace (a "migration" event on
+the request's root span; the new attempt's "route" span carries
+``pdserve.route.migration`` and ``pdserve.route.resume_tokens``).
+
 Text, stop strings and usage are not this module's business: see
 ``output_processor``.
 """
@@ -55,6 +70,10 @@ from pdserve.v1 import common_pb2, engine_pb2
 from rpc.convert import sampling_to_proto
 
 _RETRYABLE = (ErrorKind.UNAVAILABLE, ErrorKind.RESOURCE_EXHAUSTED)
+# How a decode stream breaks when its server dies or the connection does: the request migrates.
+_BROKEN = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "cancelled",
+           grpc.StatusCode.UNKNOWN: "unknown"}
+DEFAULT_MIGRATION_LIMIT = 3
 
 
 @dataclass
@@ -94,6 +113,15 @@ class _Refused(Exception):
         self.error = error
 
 
+class _StreamBroken(Exception):
+    """A decode server's stream broke after the request was under way (the server died, the
+    connection broke): the request migrates. ``cause`` labels the metric."""
+
+    def __init__(self, error: GatewayError, cause: str) -> None:
+        super().__init__(error.message)
+        self.error, self.cause = error, cause
+
+
 class _FinishedInPrefill(Exception):
     """The prefill server ended the request as a finish (finish_reason "error"): no first
     token meets its constraint."""
@@ -116,9 +144,18 @@ class _PrefillFailed(Exception):
 class RequestFlow:
     """Drives one request; owns its in-flight internal calls."""
 
-    def __init__(self, req: PreparedRequest, router: Router) -> None:
+    def __init__(self, req: PreparedRequest, router: Router, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 on_migration: Callable[[str], None] | None = None) -> None:
         self._req = req
         self._router = router
+        self._migration_limit = migration_limit
+        self._on_migration = on_migration  # called with the cause of each migration (the metric)
+        self.migrations = 0  # times the request moved to another decode server
+        self.lost_decode: list[str] = []  # decode servers whose stream broke under it
+        self._generated: list[int] = []  # output tokens streamed so far (what a migration resumes after)
+        self._resume: list[int] = []  # this attempt's resumed tokens
+        self._spec_base = (0, 0)  # speculative figures of the attempts before this one
+        self._spec_last = (0, 0)
         self._calls: set[Any] = set()
         self._sampling = sampling_to_proto(req.sampling)
         self._engine_id = req.internal_id  # this attempt's id on the engine servers
@@ -163,13 +200,18 @@ class RequestFlow:
         last: GatewayError | None = None
         hashes: BlockHashes | None = None
         while True:
-            attempt = len(tried) + len(failed_prefill)
+            attempt = len(tried) + len(failed_prefill) + self.migrations
             # Each attempt is a new request to the engine servers: the last one's id may still be
             # releasing its blocks there.
             self._engine_id = self._req.internal_id if attempt == 0 else f"{self._req.internal_id}.{attempt}"
-            with self._req.trace.span("route", **{"pdserve.route.attempt": attempt + 1}) as span:
+            attrs = {"pdserve.route.attempt": attempt + 1}
+            if self._resume:
+                attrs.update({"pdserve.route.migration": self.migrations,
+                              "pdserve.route.resume_tokens": len(self._resume)})
+            with self._req.trace.span("route", **attrs) as span:
                 try:
-                    route, hashes = await self._router.route(self._req.prompt_token_ids, tried, hashes,
+                    route, hashes = await self._router.route(self._req.prompt_token_ids + self._resume,
+                                                             tried + self.lost_decode, hashes,
                                                              exclude_prefill=failed_prefill,
                                                              lora_name=self._req.lora_name)
                 except GatewayError:
@@ -188,7 +230,7 @@ class RequestFlow:
             try:
                 async with contextlib.aclosing(self._run_on(decode, prefill)) as chunks:
                     async for chunk in chunks:
-                        yield chunk
+                        yield self._seen(chunk)
                 return
             except _Refused as e:
                 if e.error.kind not in _RETRYABLE:
@@ -199,6 +241,45 @@ class RequestFlow:
                 failed_prefill += ([i.address for i in self._router.prefill_instances] if e.recompute
                                    else [e.prefill.address])
                 last = e.error
+            except _StreamBroken as e:
+                self.lost_decode.append(decode.address)
+                self._migrate(e)
+                if len(self._generated) >= (self._req.sampling.max_tokens or 1 << 62):
+                    yield TokenChunk([], finish_reason="length")  # (a server always ends it itself)
+                    return
+                hashes, last = None, e.error
+
+    def _migrate(self, e: _StreamBroken) -> None:
+        """Count one migration, or raise the request's end when it has used them all."""
+        req = self._req
+        if self.migrations >= self._migration_limit or req.remaining() <= 0:
+            lost = ", ".join(self.lost_decode)
+            why = (f"--migration-limit {self._migration_limit} reached" if self.migrations >= self._migration_limit
+                   else "its deadline passed")
+            raise GatewayError(e.error.kind, f"request {req.request_id} lost its decode server{'s' * (len(self.lost_decode) > 1)} "
+                               f"{lost} mid-stream after {len(self._generated)} tokens and cannot migrate again "
+                               f"({why}): {e.error.message}", code="decode_server_lost") from None
+        self.migrations += 1
+        self._resume = list(self._generated)
+        self._spec_base = self._spec_last
+        if self._on_migration is not None:
+            self._on_migration(e.cause)
+        if req.trace.is_recording:
+            req.trace.root.add_event("migration", {
+                "pdserve.migration": self.migrations, "pdserve.migration.cause": e.cause,
+                "pdserve.migration.from": self.lost_decode[-1], "pdserve.migration.resume_tokens": len(self._resume),
+                "pdserve.migration.error": e.error.message})
+
+    def _seen(self, chunk: TokenChunk) -> TokenChunk:
+        """A chunk on its way out: its tokens join those a migration resumes after; a resumed
+        attempt's figures continue the request's (cached tokens are the first attempt's, the
+        speculative counts add up)."""
+        self._generated += chunk.token_ids
+        self._spec_last = (self._spec_base[0] + chunk.spec[0], self._spec_base[1] + chunk.spec[1])
+        if self._resume:
+            chunk.num_cached_tokens = 0
+            chunk.spec = self._spec_last
+        return chunk
 
     async def _run_on(self, decode: Instance, prefill: Instance | None) -> AsyncIterator[TokenChunk]:
         req = self._req
@@ -208,7 +289,7 @@ class RequestFlow:
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None,
-                                         lora_name=req.lora_name or ""),
+                                         lora_name=req.lora_name or "", resume_output_token_ids=self._resume),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:
@@ -272,7 +353,8 @@ class RequestFlow:
         num_skip = reserved.num_cached_tokens // block_size if block_size else 0
         self._check_adapter_copy(prefill, decode, reserved)
         span = _client_span(req.trace, "pdserve.v1.Prefill/Prefill", prefill)
-        uncached = len(req.prompt_token_ids) - (self.route.cached_tokens(prefill) if self.route else 0)
+        uncached = (len(req.prompt_token_ids) + len(self._resume)
+                    - (self.route.cached_tokens(prefill) if self.route else 0))
         with in_flight(prefill, tokens=uncached), _ending(span):
             call = prefill.stub.Prefill(
                 engine_pb2.PrefillRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
@@ -280,6 +362,7 @@ class RequestFlow:
                                           dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip,
                                           lora_name=req.lora_name or "",
                                           lora_fingerprint=reserved.lora_fingerprint,
+                                          resume_output_token_ids=self._resume,
                                           # a hybrid model's linear-attention state slot (-1: none)
                                           dst_state_slot=reserved.state_slot if reserved.HasField("state_slot")
                                           else None),
@@ -341,10 +424,17 @@ class RequestFlow:
             msg = await call.read()
         except grpc.aio.AioRpcError as e:
             error = self._decode_error(e, decode)
-            raise (_Refused(error) if refusable else error) from None
+            if refusable:
+                raise _Refused(error) from None
+            if e.code() in _BROKEN and self._req.remaining() > 0 and not self.is_aborted:
+                raise _StreamBroken(error, _BROKEN[e.code()]) from None
+            raise error from None
         if msg is grpc.aio.EOF:
-            raise GatewayError(ErrorKind.UNAVAILABLE, f"decode server {decode.address} ended the stream of "
-                               f"request {self._req.request_id} without a finish reason")
+            error = GatewayError(ErrorKind.UNAVAILABLE, f"decode server {decode.address} ended the stream of "
+                                 f"request {self._req.request_id} without a finish reason")
+            if refusable:
+                raise error
+            raise _StreamBroken(error, "stream_ended")
         return msg
 
     def _decode_error(self, e: grpc.aio.AioRpcError, decode: Instance) -> GatewayError:

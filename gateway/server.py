@@ -160,7 +160,8 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
     parser = get_parser(tool_parser) if tool_parser else None
     service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice,
-                             cfg.allow_runtime_lora_updating, reasoning_parser=reasoning)
+                             cfg.allow_runtime_lora_updating, reasoning_parser=reasoning,
+                             migration_limit=cfg.migration_limit)
     if cfg.allow_runtime_lora_updating:
         logger.info("runtime LoRA updating on: /v1/load_lora_adapter and /v1/unload_lora_adapter act on every "
                     "engine server")

@@ -45,7 +45,7 @@ from gateway.lora import LoRAAdmin, ServerResult, known_adapters
 from gateway.metrics import GatewayMetrics
 from gateway.output_processor import GenerationDelta, OutputProcessor
 from gateway.reasoning_parsers import ChatStream, ReasoningParser, plain_chat_stream
-from gateway.request_flow import PreparedRequest, RequestFlow
+from gateway.request_flow import DEFAULT_MIGRATION_LIMIT, PreparedRequest, RequestFlow
 from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.tokenization import InputProcessor
@@ -65,8 +65,10 @@ class GatewayService:
                  request_timeout: float, max_queued_requests: int | None = None,
                  log_requests: bool = True, router: Router | None = None,
                  tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False,
-                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None) -> None:
+                 allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         self.inputs = inputs
+        self.migration_limit = migration_limit  # --migration-limit
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = tool_parser  # --tool-call-parser
@@ -183,7 +185,7 @@ class GatewayService:
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas of one request until the one with a finish_reason. Raises
         GatewayError; closing the iterator cancels every internal call."""
-        flow = RequestFlow(req, self.router)
+        flow = RequestFlow(req, self.router, self.migration_limit, self.metrics.on_migration)
         handle = self.active.add(req, flow)
         self.metrics.set_in_flight(len(self.active))
         if req.lora_name:

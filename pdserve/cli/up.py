@@ -35,7 +35,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
-from gateway.config import add_chat_args, add_runtime_lora_args
+from gateway.config import add_chat_args, add_migration_args, add_runtime_lora_args
 from prefill_service.flags import add_kv_send_args
 from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
@@ -84,6 +84,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
+    add_migration_args(r)
     add_chat_args(p.add_argument_group("chat template, tool calls and reasoning (gateway)"))
     add_runtime_lora_args(p.add_argument_group("LoRA adapters at run time (gateway)"))
     pg = p.add_argument_group("prefill servers")
@@ -294,7 +295,8 @@ class Cluster:
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
-               "--local-prefill-threshold", str(a.local_prefill_threshold)]
+               "--local-prefill-threshold", str(a.local_prefill_threshold),
+               "--migration-limit", str(a.migration_limit)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
         return gw

@@ -2,8 +2,9 @@
 restarted decode server is served at once (the prefill side opens a new KV
 pair instead of failing on the stale one), a dead prefill server costs no
 request (the gateway retries elsewhere with a fresh reservation), and a decode
-server killed mid-stream ends its client's stream with an error at once
-while new requests go to the survivor. No block stays held anywhere."""
+server killed mid-stream costs its client nothing: the stream migrates to the survivor
+and ends with the tokens it would have had, and new requests go to the survivor. No
+block stays held anywhere."""
 from __future__ import annotations
 
 import signal
@@ -93,27 +94,27 @@ def test_dead_prefill_server_costs_no_request(cluster):
 
 def test_decode_server_killed_mid_stream(cluster):
     gw, _, decodes, stub = cluster(1, 2)
+    expected = [t for d in _generate(stub, 1, max_tokens=400) for t in d.token_ids]
     stream = _generate(stub, 1, max_tokens=400)
-    next(stream)
+    first = list(next(stream).token_ids)
     victim = next(d for d in decodes if d.load().kv_blocks_used > 0)
     outcome: dict = {}
 
     def drain() -> None:
         try:
-            for _ in stream:
-                pass
+            outcome["tokens"] = first + [t for d in stream for t in d.token_ids]
             outcome["ended"] = "finished"
         except grpc.RpcError as e:
             outcome["ended"] = e.code()
 
     reader = threading.Thread(target=drain)
     reader.start()
-    t0 = time.monotonic()
     victim.proc.send_signal(signal.SIGKILL)
-    reader.join(10)
-    assert not reader.is_alive() and outcome["ended"] == grpc.StatusCode.UNAVAILABLE, outcome
-    assert time.monotonic() - t0 < 5
+    reader.join(60)
+    # migrated to the survivor: one uninterrupted stream with the tokens it would have had
+    assert not reader.is_alive() and outcome["ended"] == "finished", outcome
+    assert outcome["tokens"] == expected
     survivor = next(d for d in decodes if d is not victim)
     for i in range(3):  # new requests go to the survivor
         assert len(_tokens(stub, 10 + i)) == 4
-    assert survivor.load().kv_blocks_used == 0
+    survivor.wait_idle()
