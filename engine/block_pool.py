@@ -10,7 +10,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 class KVBlock:
@@ -87,6 +87,9 @@ class BlockPool:
         self._events: list[tuple[bool, int]] | None = None
         self._max_events = 0
         self._events_lost = False
+        # Called with (hash, block id) just before a cached block is reused for a new
+        # allocation, while its KV is still there (the host tier's write-back: engine/kv_offload.py).
+        self.on_evict: Callable[[int, int], object] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +120,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
+            if self.on_evict is not None and b.block_hash is not None and self.cached.get(b.block_hash) is b:
+                self.on_evict(b.block_hash, b.block_id)
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)

@@ -448,8 +448,13 @@ class CacheConfig:
     # (None: one per --max-num-seqs; 0: their prompts are computed whole) and their spacing.
     linear_state_snapshots: int | None = None
     linear_state_snapshot_interval: int = 256
+    # --kv-offloading-size: GiB of host memory for KV blocks the device cache evicts (a second
+    # tier, engine/kv_offload.py; pinned on CUDA). 0: off.
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"--kv-offloading-size must be at least 0 (GiB), got {self.kv_offloading_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -510,6 +515,13 @@ class EngineConfig:
         if not 0 < self.max_grammar_compile_seconds <= 3600:
             raise ValueError(f"--max-grammar-compile-seconds must be in (0, 3600], got "
                              f"{self.max_grammar_compile_seconds}")
+        if self.cache.kv_offloading_size > 0:  # (cache groups and linear state: the KV cache manager refuses)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("--kv-offloading-size is not supported with --tensor-parallel-size > 1 yet "
+                                 "(each rank would need its own host tier); serve without it")
+            if self.speculative is not None and self.speculative.method == "draft_model":
+                raise ValueError("--kv-offloading-size is not supported with a draft model yet (its KV cache "
+                                 "would need a host tier too); serve without it")
 
     @property
     def kv_dtype(self) -> str:
@@ -525,7 +537,8 @@ class EngineConfig:
                 f"block_size={c.block_size} kv_cache_dtype={c.cache_dtype} hybrid_kv_cache={c.hybrid_kv_cache} "
                 f"max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
-                f"enable_prefix_caching={c.enable_prefix_caching} {self.runtime.describe()} "
+                f"enable_prefix_caching={c.enable_prefix_caching} kv_offloading_size={c.kv_offloading_size} "
+                f"{self.runtime.describe()} "
                 f"tensor_parallel_size={self.tensor_parallel_size} "
                 f"enable_expert_parallel={self.enable_expert_parallel} "
                 f"speculative={self.speculative.describe() if self.speculative else None} "
@@ -552,6 +565,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
+    kv_offloading_size: float = 0.0
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -617,6 +631,10 @@ class EngineArgs:
                        help="KV cache size in bytes, e.g. 2GiB (default on CPU: 1GiB)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (testing)")
+        g.add_argument("--kv-offloading-size", type=float, default=0.0,
+                       help="GiB of host memory (pinned on CUDA) for a second KV tier: blocks the device "
+                            "cache evicts are copied there and a prefix hit on them loads them back "
+                            "(default 0: off; one cache group only, no tensor parallel or draft model)")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) = "
                             "float8_e4m3fn with a per-layer k/v scale (the checkpoint's, else 1.0): twice "
@@ -728,7 +746,8 @@ class EngineArgs:
                             sliding_window=_common_window(model.layer_windows), cache_dtype=cache_dtype,
                             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
                             linear_state_snapshots=self.linear_state_snapshots,
-                            linear_state_snapshot_interval=self.linear_state_snapshot_interval)
+                            linear_state_snapshot_interval=self.linear_state_snapshot_interval,
+                            kv_offloading_size=self.kv_offloading_size)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

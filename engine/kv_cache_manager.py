@@ -23,6 +23,7 @@ from typing import Sequence
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock
 from engine.kv_cache_groups import FULL, SLIDING, KVCacheGroup, KVCacheLayout, build_layout
+from engine.kv_offload import HostKVTier
 from engine.linear_state_cache import StateSnapshots
 from engine.request import Request
 
@@ -107,6 +108,25 @@ class KVCacheManager:
         if layout.has_linear and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs state slots")
         self.req_hashes: dict[str, dict[int, list[int]]] = {}  # request -> block size -> hashes so far
+        # The host tier (--kv-offloading-size; engine/kv_offload.py), and per request the hashes
+        # of its last lookup's hits there (taken by the allocation that follows it).
+        self.host: HostKVTier | None = None
+        self._host_hits: dict[str, list[int]] = {}
+
+    def attach_host_tier(self, tier: HostKVTier) -> None:
+        """Keep the blocks this cache evicts in ``tier`` and continue prefix hits into it. One
+        cache group without linear-attention state only."""
+        if self.layout.has_linear:
+            raise ValueError("--kv-offloading-size is not supported for models with linear-attention layers "
+                             "yet (their recurrent state is not in KV blocks); serve without it")
+        if len(self.groups) > 1:
+            raise ValueError(f"--kv-offloading-size supports one KV cache group only, this model has "
+                             f"{len(self.groups)} ({self.layout.describe()}); serve without it, or with "
+                             "--disable-hybrid-kv-cache-manager where the model allows one group")
+        if not self.enable_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (drop --no-enable-prefix-caching)")
+        self.host = tier
+        self.pool.on_evict = tier.offload
 
     @property
     def num_blocks(self) -> int:
@@ -147,6 +167,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return none, 0
         num_tokens = (request.num_tokens - 1) // self.hit_unit * self.hit_unit
+        limit = num_tokens
         found: list[list[KVBlock]] = []
         for g in self.groups:
             blocks: list[KVBlock] = []
@@ -157,11 +178,26 @@ class KVCacheManager:
                 blocks.append(b)
             num_tokens = min(num_tokens, len(blocks) * g.block_size // self.hit_unit * self.hit_unit)
             found.append(blocks)
+        if self.host is not None:  # past the device hits, the host tier's (one group)
+            num_tokens += self._host_lookup(request, len(found[0]), limit // self.block_size)
         if self.snapshots is not None:  # and the linear state at that boundary, or an earlier one
             num_tokens = self._snapshot_boundary(request, num_tokens)
         if num_tokens == 0:
             return none, 0
         return [blocks[:num_tokens // g.block_size] for g, blocks in zip(self.groups, found)], num_tokens
+
+    def _host_lookup(self, request: Request, start: int, end: int) -> int:
+        """Tokens of blocks ``start``.. (up to ``end``) found in the host tier, in order; their
+        hashes are noted for the allocation that follows."""
+        assert self.host is not None
+        self._host_hits.pop(request.request_id, None)
+        if start >= end:
+            return 0
+        hashes = self._block_hashes(request, end)[start:end]
+        n = self.host.lookup(hashes)
+        if n:
+            self._host_hits[request.request_id] = hashes[:n]
+        return n * self.block_size
 
     def _boundary_hash(self, request: Request, num_tokens: int) -> int:
         bs = self.groups[0].block_size
@@ -215,7 +251,10 @@ class KVCacheManager:
         call. Returns the new blocks, or None (and changes nothing) when they do not fit."""
         hits = list(new_computed_blocks) or [[] for _ in self.groups]
         rid = request.request_id
-        num_hit_tokens = len(hits[0]) * self.groups[0].block_size
+        # The host tier's hits of the lookup that gave ``new_computed_blocks``: new device blocks,
+        # loaded from the host (the first ones this call takes).
+        host_hits = self._host_hits.pop(rid, []) if new_computed_blocks else []
+        num_hit_tokens = (len(hits[0]) + len(host_hits)) * self.groups[0].block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         needs = [g.need(request, total, len(h)) for g, h in zip(self.groups, hits)]
         # Cache hits sitting in the free queue stop being free once touched.
@@ -235,6 +274,8 @@ class KVCacheManager:
                 blocks.extend(h)
                 g.req_block_ids.setdefault(rid, []).extend(b.block_id for b in h)
                 g.num_cached_blocks[rid] = len(blocks)
+        # (pinned: the evictions below store into the host tier but never over these)
+        host_slots = self.host.acquire(host_hits) if host_hits and self.host is not None else []
         new_all: list[KVBlock] = []
         for g, need in zip(self.groups, needs):
             blocks = g.req_blocks[rid]
@@ -243,6 +284,11 @@ class KVCacheManager:
             blocks.extend(new)
             ids.extend(b.block_id for b in new)
             new_all.extend(new)
+        if host_slots:
+            assert self.host is not None and len(new_all) >= len(host_slots)
+            for slot, block in zip(host_slots, new_all):
+                self.host.load(slot, block.block_id)  # registered by cache_blocks once its step ran
+            self.host.release(host_slots)
         return new_all
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -346,6 +392,7 @@ class KVCacheManager:
             self.states.give_back(rid)
         self.restore_from.pop(rid, None)
         self.published_upto.pop(rid, None)
+        self._host_hits.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""

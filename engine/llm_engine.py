@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
 from engine.grammar import GrammarManager
+from engine.kv_offload import HostKVTier
 from engine.launched_step import LaunchedStep
 from engine.model_runner import ModelRunner
 from engine.planner import plan_step
@@ -111,6 +112,14 @@ class EngineStats:
     num_preemptions_total: int
     num_steps_total: int = 0  # forward passes run or queued
     num_steps_ahead_total: int = 0  # of those, scheduled a step ahead (overlapped with the one before)
+    # The host tier (--kv-offloading-size; all 0 when off): its blocks, those in use, blocks copied
+    # to it (evicted from the device cache) and back (prefix hits there), and those it dropped (LRU).
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_used: int = 0
+    host_kv_stored_total: int = 0
+    host_kv_loaded_total: int = 0
+    host_kv_dropped_total: int = 0
+    host_kv_hit_tokens_total: int = 0  # prompt tokens of prefix hits in the host tier (loaded blocks)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -161,6 +170,14 @@ class LLMEngine:
                                    max_loras=self.runner.lora.max_loras if self.runner.lora is not None else None,
                                    layout=self.runner.layout, num_state_slots=self.runner.cache_spec.num_state_slots,
                                    num_state_snapshots=self.runner.cache_spec.num_snapshots)
+        # The host tier (--kv-offloading-size): blocks the device cache evicts, loaded back on a hit.
+        self.host_kv: HostKVTier | None = None
+        if config.cache.kv_offloading_size > 0:
+            self.host_kv = HostKVTier.of_size(config.cache.kv_offloading_size, self.runner.kv_cache)
+            self.scheduler.kv.attach_host_tier(self.host_kv)
+            logger.info("host KV tier: %d blocks (%.1f MiB%s)", self.host_kv.num_blocks,
+                        self.host_kv.num_blocks * self.host_kv.block_bytes / 2**20,
+                        ", pinned" if self.host_kv.buffer.is_pinned() else "")
         layout = self.runner.layout
         # tokens of context the cache holds were every group to keep every block
         capacity = self.runner.num_blocks // layout.num_groups * config.cache.block_size
@@ -476,6 +493,7 @@ class LLMEngine:
         if self._in_flight is not None and self._step_ahead(result):
             return self._once_each(result)
         out = self.scheduler.schedule()
+        self._copy_kv_tiers(bool(out.reserved))
         result.reserved += out.reserved
         result.started = out.started
         result.updated += out.finished + self._drop_unusable_adapters(out)
@@ -532,6 +550,7 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         ahead = self.scheduler.schedule_ahead(in_flight.out)
+        self._copy_kv_tiers(ahead is not None and bool(ahead.reserved))
         taken: list[Request] | None = None  # the in-flight step's outcome, if taken inside the run
         if ahead is not None:
             result.reserved += ahead.reserved
@@ -562,6 +581,13 @@ class LLMEngine:
         self.num_steps_total += 1
         self.num_steps_ahead_total += 1
         return True
+
+    def _copy_kv_tiers(self, reserved: bool) -> None:
+        """The host tier's copies the scheduling just queued (evicted blocks out, hits in), before
+        anything writes the blocks: the step's forward pass, or (``reserved``) a KV receive into
+        blocks just reserved, which the host waits for."""
+        if self.host_kv is not None and self.host_kv.num_pending_copies:
+            self.runner.copy_kv_tiers(self.host_kv, wait=reserved)
 
     @staticmethod
     def _once_each(result: StepOutput) -> StepOutput:
@@ -631,4 +657,13 @@ class LLMEngine:
                            kv_blocks_used=s.kv.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
                            prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
                            num_preemptions_total=s.num_preemptions_total, num_steps_total=self.num_steps_total,
-                           num_steps_ahead_total=self.num_steps_ahead_total)
+                           num_steps_ahead_total=self.num_steps_ahead_total, **self._host_kv_stats())
+
+    def _host_kv_stats(self) -> dict[str, int]:
+        h = self.host_kv
+        if h is None:
+            return {}
+        return dict(host_kv_blocks_total=h.num_blocks, host_kv_blocks_used=h.num_used_blocks,
+                    host_kv_stored_total=h.stored_blocks_total, host_kv_loaded_total=h.loaded_blocks_total,
+                    host_kv_dropped_total=h.dropped_blocks_total,
+                    host_kv_hit_tokens_total=h.loaded_blocks_total * self.config.cache.block_size)

@@ -71,6 +71,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_dtype import KVScales
 from engine.kv_cache_groups import model_layout
+from engine.kv_offload import HostKVTier
 from engine.launched_step import LaunchedStep
 from engine.layers.attention import AttentionMetadata
 from engine.lora.config import LoRAConfig
@@ -346,6 +347,13 @@ class ModelRunner:
                 before_sampling(out)
             return LaunchedStep(out, None, which, done=self._sample_with_proposals(out, which, logits))
         return self._queue_sampling(out, logits, which, before_sampling)
+
+    @torch.inference_mode()
+    def copy_kv_tiers(self, tier: HostKVTier, wait: bool = False) -> None:
+        """The host tier's queued block copies (engine/kv_offload.py) on this cache, ordered before
+        the next step's forward pass (on CUDA a side stream the compute stream waits for; loading
+        layer by layer, overlapped with the forward, is not done yet). ``wait``: the host waits too."""
+        tier.flush(self.kv_cache, wait=wait)
 
     def _copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy linear-attention state slots (src, dst) in every linear layer, queued in order."""

@@ -51,6 +51,18 @@ class _SchedulerCollector(Collector):
         yield counter("engine_steps", "Engine steps that ran (or queued) a forward pass.", s.num_steps_total)
         yield counter("engine_steps_ahead", "Of those, decode steps scheduled and queued while the step before "
                       "still ran (--async-scheduling).", s.num_steps_ahead_total)
+        if s.host_kv_blocks_total:  # the host tier (--kv-offloading-size; engine/kv_offload.py)
+            yield gauge("kv_offload_host_usage_perc", "Fraction of the host KV tier's blocks in use.",
+                        s.host_kv_blocks_used / s.host_kv_blocks_total)
+            yield gauge("kv_offload_host_blocks", "Blocks the host KV tier holds at most.", s.host_kv_blocks_total)
+            yield counter("kv_offload_stored_blocks", "KV blocks evicted from the device cache and copied to the "
+                          "host tier.", s.host_kv_stored_total)
+            yield counter("kv_offload_loaded_blocks", "KV blocks loaded back from the host tier (prefix hits "
+                          "there).", s.host_kv_loaded_total)
+            yield counter("kv_offload_dropped_blocks", "Host tier blocks dropped (least recently used) to make "
+                          "room for others.", s.host_kv_dropped_total)
+            yield counter("kv_offload_hit_tokens", "Prompt tokens of prefix hits in the host tier (also counted "
+                          "in prefix_cache_hits on a request's first admission).", s.host_kv_hit_tokens_total)
         spec = self.engine.scheduler.spec if self.engine.config.speculative is not None else None
         if spec is not None:  # vLLM's speculative-decoding counters
             yield counter("spec_decode_num_drafts", "Decode steps of a request that verified proposals.",
