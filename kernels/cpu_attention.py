@@ -21,12 +21,13 @@ is missing, the build fails, or the build or load has not ended within
 ``$PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT`` seconds (default 900), every call
 goes to the reference and one log line says why.
 
-torch serializes builds with a lock file in the build folder and waits for
-it without bound; a build killed midway leaves it behind. pdserve's processes
-build or load one at a time (an ``flock`` beside it, dropped by the kernel
-when its holder dies), and the one holding it removes torch's lock file when
-no live process has it open (older than ``STALE_LOCK_AGE_S`` where /proc
-cannot tell), with a log line. Calls the
+The build and load are ``kernels/cpu_extension.py``'s (shared with the GGUF
+GEMM of ``kernels/cpu_gemm.py``): torch serializes builds with a lock file in
+the build folder and waits for it without bound; a build killed midway leaves
+it behind. pdserve's processes build or load one at a time (an ``flock``
+beside it, dropped by the kernel when its holder dies), and the one holding
+it removes torch's lock file when no live process has it open (older than
+``STALE_LOCK_AGE_S`` where /proc cannot tell), with a log line. Calls the
 extension does not cover (other devices, a cache whose dtype is neither q's
 nor e4m3, a head dim over 512) go to the reference too.
 """
@@ -39,14 +40,9 @@ import threading
 import time
 from typing import Any
 
-try:
-    import fcntl
-except ImportError:  # not on POSIX: no build lock of our own, no stale-lock check
-    fcntl = None  # type: ignore[assignment]
-
 import torch
 
-from kernels import reference
+from kernels import cpu_extension, reference
 from kernels._attention_common import check_sinks
 from kernels._checks import FP8_KV_DTYPE, check_window
 
@@ -62,7 +58,7 @@ _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 # The engine passes its RuntimeConfig's value (read from this variable by engine/runtime_config.py;
 # ``python -m kernels.cpu_attention --build-timeout S`` for the build ahead of use).
 DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy cores
-STALE_LOCK_AGE_S = 600.0  # where no /proc shows who holds torch's lock: older than this is stale
+STALE_LOCK_AGE_S = cpu_extension.STALE_LOCK_AGE_S  # the build helper's (kernels/cpu_extension.py)
 
 _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded extension or None; "reason": why None
@@ -87,155 +83,9 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")
 
 
-def _on_path(program: str) -> bool:
-    if os.path.isabs(program):
-        return os.access(program, os.X_OK)
-    return any(os.access(os.path.join(d, program), os.X_OK) for d in os.get_exec_path())
-
-
 def _load(timeout: float) -> tuple[Any, str | None]:
-    compiler = os.environ.get("CXX", "c++")
-    if not _on_path(compiler.split()[0]):
-        return None, f"no C++ compiler: {compiler!r} is not on PATH"
-    # torch runs `ninja` from PATH; pip's ninja (the Makefile installs it where the
-    # system has none) sits in the environment's bin folder, which is not on PATH
-    # when the environment's python is run directly.
-    env_bin = os.path.normpath(os.path.join(os.path.dirname(torch.__file__), *[os.pardir] * 4, "bin"))
-    if not _on_path("ninja") and _on_path(os.path.join(env_bin, "ninja")):
-        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
-    if not _on_path("ninja"):
-        return None, "ninja is not on PATH (pip install ninja)"
-    from torch.utils import cpp_extension
-
-    t0 = time.perf_counter()
-    try:  # torch's own folder for the name (and the place of its lock file)
-        build_dir = cpp_extension._get_build_directory(_NAME, verbose=False)
-    except Exception:  # a torch without it: torch picks the folder, no stale-lock check
-        build_dir = None
-    serial = _BuildLock(build_dir)
-    if not serial.acquire(t0 + timeout):
-        return None, (f"another process has been building or loading it for over {timeout:g} s "
-                      f"({serial.path}; $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT sets the limit)")
-    outcome: dict = {}
-
-    def build() -> None:
-        try:
-            _remove_stale_lock(build_dir)
-            outcome["module"] = cpp_extension.load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O3", "-fopenmp"],
-                                                   extra_ldflags=["-fopenmp"], build_directory=build_dir,
-                                                   verbose=False)
-        except BaseException as e:
-            outcome["error"] = e
-        finally:
-            serial.release()  # with the build, not when we stop waiting: no second build beside it
-
-    # In a thread of its own, so that a wait the stale-lock check cannot end (a lock held by a
-    # live process outside pdserve's builds, a hung compiler) has a bound: past it the
-    # references run; the thread goes on to its end in the background, its result unused.
-    worker = threading.Thread(target=build, name="cpu-attention-build", daemon=True)
-    worker.start()
-    worker.join(max(0.0, t0 + timeout - time.perf_counter()))
-    if worker.is_alive():
-        lock = os.path.join(build_dir, "lock") if build_dir else "torch's build lock"
-        held = ""
-        if build_dir and os.path.exists(lock):
-            pids = _processes_holding(lock)
-            held = f", waiting on {lock}" + (f" (held open by pid {', '.join(map(str, pids))})" if pids else "")
-        return None, f"the build or load did not end within {timeout:g} s{held} ($PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT sets the limit)"
-    e = outcome.get("error")
-    if e is not None:  # a failed build or load: the compiler's output is in the message
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        first_error = next((ln for ln in lines if ": error:" in ln or ln.startswith("error")), lines[-1])
-        return None, f"the build failed: {first_error[:300]}"
-    logger.debug("compiled CPU attention loaded in %.1f s", time.perf_counter() - t0)
-    return outcome["module"], None
-
-
-class _BuildLock:
-    """pdserve's processes build or load the extension one at a time: an ``flock`` on a file
-    beside torch's lock, which the kernel drops when its holder dies however it dies. Held,
-    a torch lock file that no live process has open is one a killed build left."""
-
-    def __init__(self, build_dir: str | None) -> None:
-        self.path = os.path.join(build_dir, "pdserve-build.lock") if build_dir else None
-        self._fd: int | None = None
-
-    def acquire(self, deadline: float) -> bool:
-        """Wait for it until ``deadline`` (time.perf_counter()); True once held (or where
-        there is nothing to hold: no folder, no fcntl)."""
-        if self.path is None or fcntl is None:
-            return True
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # a folder we cannot write: torch's build fails there with its own message
-            return True
-        said = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._fd = fd
-                return True
-            except OSError:
-                pass
-            if time.perf_counter() >= deadline:
-                os.close(fd)
-                return False
-            if not said:
-                logger.info("compiled CPU attention: another process builds or loads it; waiting (%s)", self.path)
-                said = True
-            time.sleep(0.1)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # drops the flock
-            self._fd = None
-
-
-def _remove_stale_lock(build_dir: str | None) -> None:
-    """Remove torch's lock file when a build that no longer runs left it (torch would wait for
-    it forever). Called holding ``_BuildLock``, so no pdserve build is under way: the lock is
-    stale unless a live process holds it open (torch keeps it open while it builds); where
-    that cannot be seen (no /proc), unless it is younger than ``STALE_LOCK_AGE_S``."""
-    if build_dir is None or fcntl is None:
-        return
-    lock = os.path.join(build_dir, "lock")
-    try:
-        age = time.time() - os.stat(lock).st_mtime
-    except FileNotFoundError:
-        return
-    holders = _processes_holding(lock)
-    if holders or (holders is None and age < STALE_LOCK_AGE_S):
-        return
-    try:
-        os.remove(lock)
-    except FileNotFoundError:
-        return
-    logger.warning("compiled CPU attention: removed the stale build lock %s (%.0f s old, no process holds it: a "
-                   "build was killed)", lock, age)
-
-
-def _processes_holding(path: str) -> list[int] | None:
-    """Pids of the processes with ``path`` open (those /proc lets us see); None without /proc."""
-    if not os.path.isdir("/proc/self/fd"):
-        return None
-    target = os.path.realpath(path)
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fd_dir = f"/proc/{entry}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:  # gone, or not ours to read
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"{fd_dir}/{fd}") == target:
-                    pids.append(int(entry))
-                    break
-            except OSError:
-                continue
-    return pids
+    return cpu_extension.load_extension(_NAME, [_SOURCE], timeout, what="compiled CPU attention",
+                                        timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT")
 
 
 def _covered(q: torch.Tensor, *caches: torch.Tensor) -> bool:

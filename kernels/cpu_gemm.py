@@ -8,11 +8,18 @@ GEMMs are most of a CPU step. ``linear`` runs oneDNN's (``mkldnn._linear_pointwi
 the op torch's own CPU compiler emits) for float32 CPU tensors, and F.linear for
 anything else or where oneDNN is missing or fails (one log line). The result is
 F.linear's up to float32 rounding: the products are summed in another order.
+
+``gguf_linear`` is the GEMM of GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) read packed,
+through the C++ extension ``cpu/gguf_gemm.cpp`` (see the section at the end).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +68,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
         return y.reshape(*shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+# ---- GGUF block-quantized weights (kernels/cpu/gguf_gemm.cpp) ----------------------------------------------
+#
+# ``gguf_linear(x, packed, qtype, bias)`` = ``kernels.gguf_reference.linear``: y = x W^T with W kept in its
+# GGUF blocks (Q4_0, Q4_1, Q8_0; uint8 [N, K / 32 * block bytes]) and dequantized in registers, activations
+# float32. The C++ extension is built and loaded like the compiled CPU attention (kernels/cpu_extension.py:
+# torch's extension cache, one build at a time, a bounded wait: $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT, default
+# 900 s), with -march=native, so its name also hashes this CPU's feature flags. Where it cannot be built, or
+# for tensors it does not take (not CPU, a K not a multiple of 32), the reference runs (one log line).
+
+_GGUF_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "gguf_gemm.cpp")
+GGUF_QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the extension's qtype codes
+_GGUF_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-ffp-contract=off")
+_gguf_state: dict = {}  # "module": the loaded extension or None; "reason": why None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _gguf_name() -> str:
+    key = f"{_GGUF_SOURCE}\0{os.path.dirname(torch.__file__)}\0{_cpu_flags()}\0{' '.join(_GGUF_CFLAGS)}"
+    return ("pdserve_cpu_gguf_gemm_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
+            + hashlib.sha256(key.encode()).hexdigest()[:12])
+
+
+def gguf_extension(build_timeout: float | None = None) -> Any:
+    """The compiled GGUF GEMM, built or loaded on the first call; None where it cannot be
+    (the reason is logged once: ``gguf_unavailable_reason()``)."""
+    if "module" not in _gguf_state:
+        with _lock:
+            if "module" not in _gguf_state:
+                from kernels import cpu_extension
+
+                timeout = build_timeout or float(os.environ.get("PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT") or 900.0)
+                module, reason = cpu_extension.load_extension(
+                    _gguf_name(), [_GGUF_SOURCE], timeout, what="compiled GGUF GEMM",
+                    timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT", extra_cflags=_GGUF_CFLAGS)
+                _gguf_state["module"], _gguf_state["reason"] = module, reason
+                if module is None:
+                    logger.warning("compiled GGUF GEMM unavailable (%s); GGUF linear layers use the PyTorch "
+                                   "reference (dequantize, then matmul)", reason)
+    return _gguf_state["module"]
+
+
+def gguf_unavailable_reason() -> str | None:
+    """Why ``gguf_extension()`` is None (None while it is loaded or not yet tried)."""
+    return _gguf_state.get("reason")
+
+
+def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias), x [..., K], W the packed GGUF weight uint8 [N, row bytes] of type ``qtype``;
+    float32 out. The compiled kernel on CPU, else ``kernels.gguf_reference.linear``."""
+    from kernels import gguf_reference
+
+    ext = None
+    if (x.device.type == "cpu" and packed.device.type == "cpu" and qtype in GGUF_QTYPES
+            and x.shape[-1] % 32 == 0 and packed.dtype == torch.uint8 and packed.dim() == 2):
+        ext = gguf_extension()
+    if ext is None:
+        return gguf_reference.linear(x, packed, qtype, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = ext.gguf_linear(x2, packed.contiguous(), GGUF_QTYPES[qtype], b)
+    return y.reshape(*shape[:-1], packed.shape[0])

@@ -1,0 +1,106 @@
+"""GGUF block-quantized weights: the reference (kernels/gguf_reference.py) against the ``gguf``
+package's dequantization, and the compiled CPU GEMM (kernels/cpu/gguf_gemm.cpp, through
+kernels.cpu_gemm.gguf_linear) against the reference linear (dequantize, then matmul)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_gemm, gguf_reference as R
+
+gguf = pytest.importorskip("gguf")
+TYPES = R.GGUF_TYPES
+
+
+def random_packed(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes as blocks, with finite fp16 scales (and mins) in the headers."""
+    g = torch.Generator().manual_seed(seed)
+    block, size = R.BLOCK_LAYOUTS[qtype]
+    packed = torch.randint(0, 256, (n, R.row_bytes(qtype, k)), dtype=torch.uint8, generator=g)
+    blocks = packed.view(n, k // block, size)
+    heads = 2 if qtype == "Q4_1" else 1
+    blocks[..., :2 * heads] = (torch.randn(n, k // block, heads, generator=g) * 0.05).half().view(torch.uint8)
+    return packed
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_equals_the_gguf_package(qtype: str) -> None:
+    packed = random_packed(qtype, 7, 160)
+    want = gguf.quants.dequantize(packed.numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    got = R.dequantize(packed, qtype, 160)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantize_round_trips_within_a_step(qtype: str) -> None:
+    w = torch.randn(5, 64)
+    err = (R.dequantize(R.quantize(w, qtype), qtype, 64) - w).abs().amax()
+    assert err < (0.02 if qtype == "Q8_0" else 0.3)
+
+
+def test_layout_errors_are_named() -> None:
+    with pytest.raises(ValueError, match="Q5_K"):
+        R.row_bytes("Q5_K", 64)
+    with pytest.raises(ValueError, match="whole number"):
+        R.row_bytes("Q4_0", 48)
+    with pytest.raises(ValueError, match="uint8"):
+        R.dequantize(torch.zeros(2, 10, dtype=torch.uint8), "Q4_0", 64)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_gemm.gguf_extension()
+    assert module is not None, f"the compiled GGUF GEMM did not build: {cpu_gemm.gguf_unavailable_reason()}"
+    return module
+
+
+def test_avx512_path_is_built_where_the_cpu_has_it(ext) -> None:
+    with open("/proc/cpuinfo") as f:
+        has = " avx512f " in next((ln for ln in f if ln.startswith("flags")), "") + " "
+    assert ext.avx512() == has
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("t", [1, 3, 8, 33])
+@pytest.mark.parametrize("k,n", [(64, 7), (576, 33), (1536, 17)])
+def test_kernel_equals_reference_linear(ext, qtype: str, t: int, k: int, n: int) -> None:
+    packed = random_packed(qtype, n, k, seed=t * 1000 + k + n)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=g)
+    bias = torch.randn(n, generator=g) if t % 2 else None
+    want = R.linear(x, packed, qtype, bias)
+    got = cpu_gemm.gguf_linear(x, packed, qtype, bias)
+    assert got.shape == (t, n) and got.dtype == torch.float32
+    # the same products summed in another order: float32 rounding of sums of k terms
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5 * float(want.abs().max()))
+
+
+def test_kernel_takes_leading_dims_and_other_dtypes(ext) -> None:
+    packed = random_packed("Q4_1", 9, 64)
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(cpu_gemm.gguf_linear(x, packed, "Q4_1"), R.linear(x, packed, "Q4_1"))
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(cpu_gemm.gguf_linear(xb, packed, "Q4_1"), R.linear(xb, packed, "Q4_1"))
+
+
+def test_every_byte_of_a_block_reaches_the_output(ext) -> None:
+    """A kernel that skipped or misplaced part of a block (a nibble half, the min, a scale byte)
+    would still match on some inputs; flipping each byte of one row changes that row's output."""
+    for qtype in TYPES:
+        packed = random_packed(qtype, 3, 32, seed=5)
+        x = torch.randn(1, 32)
+        base = cpu_gemm.gguf_linear(x, packed, qtype)
+        for byte in range(packed.shape[1]):
+            changed = packed.clone()
+            changed[1, byte] ^= 0x11 if byte >= 2 else 0x01
+            got = cpu_gemm.gguf_linear(x, changed, qtype)
+            torch.testing.assert_close(got, R.linear(x, changed, qtype), rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[:, [0, 2]], base[:, [0, 2]]) and not torch.equal(got[:, 1], base[:, 1]), (qtype, byte)
+
+
+def test_without_the_extension_the_reference_serves(monkeypatch) -> None:
+    monkeypatch.setitem(cpu_gemm._gguf_state, "module", None)
+    packed = random_packed("Q8_0", 5, 64)
+    x = torch.randn(2, 64)
+    assert torch.equal(cpu_gemm.gguf_linear(x, packed, "Q8_0"), R.linear(x, packed, "Q8_0"))
