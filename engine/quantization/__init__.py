@@ -7,6 +7,7 @@
                  Fp8MoEMethod (the experts of a mixture-of-experts block)
     int4.py      int4 W4A16: Int4LinearMethod (AutoAWQ, GPTQ, compressed-tensors pack-quantized)
     mxfp4.py     MXFP4 experts (gpt-oss): Mxfp4MoEMethod, weight-only, packed in memory
+    gguf.py      GGUF blocks (Q4_0, Q4_1, Q8_0) as the file ships them: GgufLinearMethod, CPU kernel
 
 A method plugs into engine/layers/ (``LinearMethod``, ``MoEMethod``): it creates the
 checkpoint's tensors with the layer's ``add_param``, converts them to its kernel's layout

@@ -20,9 +20,12 @@ it, and the gateway imports that).
                                                    16-bit
     awq | gptq |    none, with --load-format dummy int4 / MXFP4 experts from the random weights (int4:
     mxfp4                                          round to nearest, groups of 128): benchmarks only
+    (none) or gguf  gguf (pdserve's own: the       GGUF blocks as the file ships them (Q4_0, Q4_1, Q8_0),
+                    embedded model converted       weight-only, read packed by the CPU kernel
+                    packed, engine/model_files.py) (kernels/cpu/gguf_gemm.cpp); float32 activations
 
 The LM head, the embeddings and MoE routers always stay in the model dtype.
-What each method stores and runs is in engine/quantization/fp8.py, int4.py and mxfp4.py;
+What each method stores and runs is in engine/quantization/fp8.py, int4.py, mxfp4.py and gguf.py;
 which layer gets which method is engine/quantization/methods.py.
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-QUANTIZATION_CHOICES = ("fp8", "awq", "gptq", "compressed-tensors", "mxfp4")
+QUANTIZATION_CHOICES = ("fp8", "awq", "gptq", "compressed-tensors", "mxfp4", "gguf")
+GGUF_WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # kernels/gguf_reference.py's BLOCK_LAYOUTS
 _ALIASES = {"compressed_tensors": "compressed-tensors"}
 ONLINE_INT4_GROUP_SIZE = 128
 FP8_WEIGHT_FORMATS = ("float-quantized", "naive-quantized")
@@ -76,6 +80,9 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any], load_forma
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {flag!r}")
     method = quant_method_of(hf_config)
     dummy = load_format == "dummy"
+    if method == "gguf" and dummy:
+        raise ValueError("a gguf checkpoint cannot be served with --load-format dummy (random bytes are not valid "
+                         "GGUF blocks); serve its weights, or a float checkpoint with dummy weights")
     if method is not None:
         if method not in QUANTIZATION_CHOICES:
             raise ValueError(f"the checkpoint's quantization_config.quant_method {method!r} is not supported "
@@ -120,6 +127,9 @@ class Scheme:
     def summary(self) -> str:
         if self.kind == "mxfp4":
             return "mxfp4 W4A16 experts (e2m1 weights, an e8m0 scale per 32), other layers 16-bit"
+        if self.kind == "gguf":
+            return (f"GGUF {'/'.join(self.strategy.split(','))} blocks read packed, float32 activations; "
+                    "embeddings and LM head float32")
         if self.kind == "fp8":
             if self.strategy == "block":
                 bn, bk = self.block_size or (0, 0)
@@ -146,6 +156,8 @@ def config_schemes(qc: QuantizationConfig) -> dict[str, Scheme]:
         return {"default": _gptq_scheme(c, qc.online)}
     if qc.method == "mxfp4":
         return {"default": _mxfp4_scheme(c)}
+    if qc.method == "gguf":
+        return {"default": _gguf_scheme(c)}
     return _compressed_tensors_schemes(c)
 
 
@@ -258,6 +270,28 @@ def _mxfp4_scheme(c: dict[str, Any]) -> Scheme:
     if not isinstance(c.get("dequantize", False), bool):
         raise ValueError(f"{where}: dequantize must be true or false, got {json.dumps(c.get('dequantize'))}")
     return Scheme("mxfp4")
+
+
+GGUF_KEYS = ("quant_method", "tensor_types", "source")
+
+
+def _gguf_scheme(c: dict[str, Any]) -> Scheme:
+    """quant_method gguf: pdserve's conversion of a GGUF file that keeps its quantized tensors
+    (engine/model_files.py). ``tensor_types`` maps each quantized linear layer's checkpoint name
+    ("model.layers.0.self_attn.q_proj") to its GGUF type; its tensor ``<name>.weight`` is the
+    packed blocks, uint8 [out, in / 32 * block bytes]. Layers it does not name are float."""
+    where = "gguf checkpoint"
+    unknown = sorted(set(c) - set(GGUF_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: quantization_config field(s) {', '.join(unknown)} are not supported")
+    types = c.get("tensor_types")
+    if not isinstance(types, dict) or not all(isinstance(k, str) for k in types):
+        raise ValueError(f"{where}: tensor_types must map layer names to GGUF types, got {json.dumps(types)[:200]}")
+    bad = sorted({str(t) for t in types.values()} - set(GGUF_WEIGHT_TYPES))
+    if bad:
+        raise ValueError(f"{where}: GGUF weight type(s) {', '.join(bad)} are not supported "
+                         f"({', '.join(GGUF_WEIGHT_TYPES)})")
+    return Scheme("gguf", ",".join(sorted(set(types.values()))))
 
 
 def hf_module_matches(pattern: str, name: str) -> bool:

@@ -13,6 +13,8 @@ fused names ``qkv_proj``), so the checkpoint's own rules apply unchanged:
                          ``modules_to_not_convert`` pattern (transformers' rule:
                          config.hf_module_matches) stay in the model dtype; a linear layer
                          the patterns do not name is refused (MXFP4 linear layers are not served)
+    gguf                 ``tensor_types``: the layers it names (every part of a stacked layer,
+                         with one type) are GGUF blocks; the rest are float
 
 A stacked layer's parts must agree: all quantized with one scheme, or none.
 """
@@ -79,6 +81,8 @@ class QuantMethods:
                                  "(only the experts of mixture-of-experts blocks; gpt-oss lists "
                                  "model.layers.*.self_attn, model.layers.*.mlp.router, model.embed_tokens, lm_head)")
             return None
+        if self.config.method == "gguf":
+            return self._gguf_linear(prefix, module, parts)
         scheme = self.scheme(prefix, module, parts)
         if scheme is None:
             return None
@@ -91,9 +95,26 @@ class QuantMethods:
 
         return Int4LinearMethod(**scheme.int4, online=self.config.online, prefix=where, ops=self.ops)
 
+    def _gguf_linear(self, prefix: str, module: str, parts: Sequence[str]) -> LinearMethod | None:
+        types = self.config.checkpoint.get("tensor_types", {})
+        names = [f"{prefix}.{p}" for p in parts] or [f"{prefix}.{module}"]
+        found = {n: types.get(n) for n in names}
+        if len(set(found.values())) > 1:
+            listed = ", ".join(f"{n}: {t or 'float'}" for n, t in found.items())
+            raise ValueError(f"{prefix}.{module} is stacked from parts of different GGUF types ({listed}); its "
+                             "parts need one type")
+        qtype = found[names[0]]
+        if qtype is None:
+            return None
+        from engine.quantization.gguf import GgufLinearMethod
+
+        return GgufLinearMethod(qtype, prefix=f"{prefix}.{module}", ops=self.ops)
+
     def moe(self, prefix: str, num_experts: int, projections: Sequence[str]) -> MoEMethod | None:
         """The experts' method: every expert's projections (``prefix.experts.<e>.<proj>``)
         must share one scheme. MXFP4: ``prefix.experts`` unless modules_to_not_convert names it."""
+        if self.config.method == "gguf":
+            raise ValueError(f"{prefix}.experts: GGUF mixture-of-experts layers are not supported")
         if self.config.method == "mxfp4":
             if any(hf_module_matches(rule, f"{prefix}.experts") for rule in self.ignore):
                 return None

@@ -1,0 +1,54 @@
+"""GGUF block-quantized linear layers (Q4_0, Q4_1, Q8_0), weight-only, kept as the file ships them.
+
+A checkpoint with ``quantization_config: {"quant_method": "gguf", "tensor_types": {layer: type}}``
+(written by engine/model_files.py's packed conversion of the embedded GGUF) stores each named
+layer's weight as ``<layer>.weight`` uint8 [out, in / 32 * block bytes]: the GGUF tensor's rows
+unchanged (q and k rows in Hugging Face's order, i.e. llama.cpp's rotary permutation undone row
+by row). The layout and the dequantization are ``kernels/gguf_reference.py``'s.
+
+``apply`` runs ``kernels.cpu_gemm.gguf_linear`` on CPU (the compiled kernel of
+``kernels/cpu/gguf_gemm.cpp``: blocks dequantized in registers, float32 activations; the
+reference where it cannot be built) and ``kernels.gguf_reference.linear`` on other devices.
+The result equals dequantize-then-matmul up to float32 summation order. Stacked layers (q|k|v,
+gate|up) need one type for all their parts; splitting a layer's input across tensor-parallel
+ranks is not supported (its output rows split as usual).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.layers.linear import LinearBase, LinearMethod
+from kernels import cpu_gemm, gguf_reference
+
+
+class GgufLinearMethod(LinearMethod):
+    def __init__(self, qtype: str, *, prefix: str = "", ops: ModuleType | None = None) -> None:
+        gguf_reference.check_type(qtype)
+        self.qtype, self.prefix, self.ops = qtype, prefix, ops
+
+    def create_weights(self, layer: LinearBase) -> None:
+        if layer.in_size != layer.full_in_size:
+            raise ValueError(f"{self.prefix}: a GGUF layer's input cannot be split across tensor-parallel ranks")
+        try:
+            nbytes = gguf_reference.row_bytes(self.qtype, layer.in_size)
+        except ValueError as e:
+            raise ValueError(f"{self.prefix}: {e}") from None
+        layer.add_param("weight", torch.empty(layer.out_size, nbytes, dtype=torch.uint8), out_dim=0,
+                        keep_dtype=True)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if layer.weight.device.type == "cpu":
+            cpu_gemm.gguf_extension()  # build or load it at start-up, not inside the first step
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.device.type == "cpu":
+            y = cpu_gemm.gguf_linear(x, layer.weight, self.qtype, bias)
+        else:
+            y = gguf_reference.linear(x, layer.weight, self.qtype, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+        """The float32 weight [out, in] the layer computes with."""
+        return gguf_reference.dequantize(layer.weight.data, self.qtype, layer.in_size)

@@ -1,0 +1,100 @@
+"""The embedded default model served with its GGUF weights as the file ships them
+(``--model SmolLM2-135M-Instruct-GGUF``: engine/model_files.py's packed conversion,
+engine/quantization/gguf.py, kernels/cpu/gguf_gemm.cpp).
+
+Its reference is the same weights dequantized to float32 through the plain path: the default
+conversion (``SmolLM2-135M-Instruct``), whose every tensor equals the packed one dequantized
+bit for bit. Both conversions happen once per machine, into the real cache.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model_files import DEFAULT_MODEL, GGUF_MODEL, ensure_default_model, resolve_model_path
+from engine.quantization.config import QuantizationConfig, resolve_quantization
+from kernels import gguf_reference
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def packed_dir() -> Path:
+    return ensure_default_model(packed=True)
+
+
+def test_packed_conversion_is_the_float_conversion_dequantized(packed_dir: Path) -> None:
+    from safetensors import safe_open
+
+    assert resolve_model_path(GGUF_MODEL) == packed_dir
+    config = json.loads((packed_dir / "config.json").read_text())
+    types = config["quantization_config"]["tensor_types"]
+    assert config["quantization_config"]["quant_method"] == "gguf"
+    assert len(types) == 30 * 7 and set(types.values()) == {"Q4_1"}
+    float_dir = ensure_default_model()
+    with safe_open(str(packed_dir / "model.safetensors"), "pt") as q, \
+            safe_open(str(float_dir / "model.safetensors"), "pt") as f:
+        assert set(q.keys()) == set(f.keys())
+        packed_bytes = 0
+        for name in q.keys():
+            got, want = q.get_tensor(name), f.get_tensor(name)
+            layer = name.removesuffix(".weight")
+            if layer in types:
+                assert got.dtype == torch.uint8
+                packed_bytes += got.numel()
+                got = gguf_reference.dequantize(got, types[layer], want.shape[1])
+            assert torch.equal(got, want), name  # q/k rows un-permuted as transformers does
+    assert packed_bytes < 70 * 2**20  # the linear layers: ~66 MB packed instead of ~425 MB float32
+
+
+def test_quantization_config_rules() -> None:
+    qc = resolve_quantization(None, {"quantization_config": {"quant_method": "gguf",
+                                                             "tensor_types": {"a.q_proj": "Q4_1"}}}, "auto")
+    assert qc == QuantizationConfig("gguf", online=False) and "Q4_1" in qc.describe()
+    with pytest.raises(ValueError, match="dummy"):
+        resolve_quantization(None, {"quantization_config": {"quant_method": "gguf", "tensor_types": {}}}, "dummy")
+    with pytest.raises(ValueError, match="Q6_K"):
+        resolve_quantization(None, {"quantization_config": {"quant_method": "gguf",
+                                                            "tensor_types": {"a": "Q6_K"}}}, "auto")
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        resolve_quantization("gguf", {}, "auto")
+
+
+def test_stacked_parts_must_share_a_type() -> None:
+    import kernels.reference as ops
+    from engine.quantization.gguf import GgufLinearMethod
+    from engine.quantization.methods import QuantMethods
+
+    qc = QuantizationConfig("gguf", False, {"quant_method": "gguf", "tensor_types": {
+        "m.l.q_proj": "Q4_1", "m.l.k_proj": "Q4_1", "m.l.v_proj": "Q8_0", "m.l.o_proj": "Q8_0"}})
+    methods = QuantMethods(qc, ops)
+    with pytest.raises(ValueError, match="different GGUF types"):
+        methods.linear("m.l", "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+    assert isinstance(methods.linear("m.l", "o_proj"), GgufLinearMethod)
+    assert methods.linear("m.l", "gate_up_proj", ["gate_proj", "up_proj"]) is None  # float layers
+
+
+@pytest.mark.slow
+def test_served_quantized_equals_its_dequantized_reference(packed_dir: Path) -> None:
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "List three primary colours:"]
+    sp = SamplingParams(temperature=0.0, max_tokens=20)
+    outputs = {}
+    for model in (GGUF_MODEL, DEFAULT_MODEL):
+        llm = LLM(model, device="cpu", dtype="float32", kv_cache_memory="64MiB")
+        if model == GGUF_MODEL:  # every linear layer of the 30 blocks reads packed blocks
+            from engine.quantization.gguf import GgufLinearMethod
+
+            gguf_layers = [m for m in llm.engine.runner.model.modules()
+                           if isinstance(getattr(m, "method", None), GgufLinearMethod)]
+            assert len(gguf_layers) == 30 * 4 and all(m.weight.dtype == torch.uint8 for m in gguf_layers)
+        outputs[model] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+        del llm
+    assert all(len(ids) == 20 for ids in outputs[GGUF_MODEL])
+    assert outputs[GGUF_MODEL] == outputs[DEFAULT_MODEL]
