@@ -11,6 +11,7 @@ from engine.kv_cache_groups import build_layout
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import HostKVTier
 from engine.request import Request
+from rpc.engine_metrics import _SchedulerCollector
 from tests.engine.families import make_family_model, random_prompts
 
 BS = 4  # block size of the engine tests
@@ -82,6 +83,10 @@ def test_evicted_prefix_reloads_from_host_exactly(model):
     assert (s.host_kv_loaded_total, s.host_kv_hit_tokens_total) == (9, 36)
     assert s.host_kv_stored_total == host.stored_blocks_total > 0
     assert s.prefix_hits_total == 36
+    metrics = {m.name: m.samples[0].value for m in _SchedulerCollector(llm.engine, {"role": "t"}).collect()}
+    assert metrics["pdserve:kv_offload_loaded_blocks"] == 9
+    assert metrics["pdserve:kv_offload_stored_blocks"] == host.stored_blocks_total
+    assert metrics["pdserve:kv_offload_host_usage_perc"] == host.num_used_blocks / 64
     _assert_no_leaks(llm)
 
 
@@ -123,6 +128,7 @@ def test_off_by_default(model):
     _greedy(llm, random_prompts([20] * 4, seed=5))
     s = llm.engine.stats()
     assert (s.host_kv_blocks_total, s.host_kv_stored_total, s.host_kv_loaded_total) == (0, 0, 0)
+    assert not any("kv_offload" in m.name for m in _SchedulerCollector(llm.engine, {"role": "t"}).collect())
     _assert_no_leaks(llm)
     ns = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--model", "m", "--kv-offloading-size", "2.5"])
