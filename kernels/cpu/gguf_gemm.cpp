@@ -66,30 +66,42 @@ inline void decode(const uint8_t* b, __m512& lo, __m512& hi) {
   }
 }
 
+// rows [n, n + RN) of y for x rows [t0, t0 + TT): RN output rows at once give the decode steps
+// (TT = 1) independent chains to overlap
+template <int QT, int TT, int RN>
+inline void rows(const float* x, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t N, int64_t t0,
+                 int64_t n, const float* bias) {
+  const int bb = block_bytes(QT);
+  const int64_t nb = K / kBlock;
+  __m512 acc0[RN][TT], acc1[RN][TT];
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < TT; ++t) acc0[r][t] = acc1[r][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nb; ++j) {
+    const float* xp = x + t0 * K + j * kBlock;
+    for (int r = 0; r < RN; ++r) {
+      __m512 lo, hi;
+      decode<QT>(w + (n + r) * rb + j * bb, lo, hi);
+      for (int t = 0; t < TT; ++t) {
+        acc0[r][t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + t * K), acc0[r][t]);
+        acc1[r][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + t * K + 16), acc1[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < TT; ++t) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r][t], acc1[r][t]));
+      y[(t0 + t) * N + n + r] = bias ? s + bias[n + r] : s;
+    }
+}
+
 // rows [n0, n1) of y for x rows [t0, t0 + TT)
 template <int QT, int TT>
 void tile(const float* x, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t N, int64_t t0, int64_t n0,
           int64_t n1, const float* bias) {
-  const int bb = block_bytes(QT);
-  const int64_t nb = K / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * rb;
-    __m512 acc0[TT], acc1[TT];
-    for (int t = 0; t < TT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nb; ++j) {
-      __m512 lo, hi;
-      decode<QT>(row + j * bb, lo, hi);
-      const float* xp = x + t0 * K + j * kBlock;
-      for (int t = 0; t < TT; ++t) {
-        acc0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + t * K), acc0[t]);
-        acc1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + t * K + 16), acc1[t]);
-      }
-    }
-    for (int t = 0; t < TT; ++t) {
-      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
-      y[(t0 + t) * N + n] = bias ? s + bias[n] : s;
-    }
-  }
+  constexpr int RN = TT == 1 ? 4 : TT <= 3 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + RN <= n1; n += RN) rows<QT, TT, RN>(x, K, w, rb, y, N, t0, n, bias);
+  for (; n < n1; ++n) rows<QT, TT, 1>(x, K, w, rb, y, N, t0, n, bias);
 }
 
 #else  // portable
