@@ -13,7 +13,7 @@ it (``make install`` builds it ahead: ``python -m kernels.cpu_attention``),
 into torch's extension cache (``~/.cache/torch_extensions``, or
 ``$TORCH_EXTENSIONS_DIR``), named after the torch version and a hash of where this
 source and that torch are (ninja's build file records both paths: two checkouts or two
-environments sharing one folder would rebuild over each other at every load); later
+virtualenvs sharing one folder would rebuild over each other at every load); later
 processes load the cached library after ninja's up-to-date check. The engine's model
 runner loads it at start-up on CPU (a build inside a step would hold the
 step). Needs a C++ compiler (``$CXX``, else ``c++``) and ninja. Where either
@@ -57,7 +57,7 @@ _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 # A build or load waits at most this long (torch's lock file included), then the references run.
 # The engine passes its RuntimeConfig's value (read from this variable by engine/runtime_config.py;
 # ``python -m kernels.cpu_attention --build-timeout S`` for the build ahead of use).
-DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy cores
+DEFAULT_BUILD_TIMEOUT_S = cpu_extension.DEFAULT_BUILD_TIMEOUT_S
 STALE_LOCK_AGE_S = cpu_extension.STALE_LOCK_AGE_S  # the build helper's (kernels/cpu_extension.py)
 
 _lock = threading.Lock()

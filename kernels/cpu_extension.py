@@ -30,6 +30,8 @@ except ImportError:  # not on POSIX: no build lock of our own, no stale-lock che
 
 import torch
 
+DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy cores
+
 logger = logging.getLogger(__name__)
 
 STALE_LOCK_AGE_S = 600.0  # where no /proc shows who holds torch's lock: older than this is stale

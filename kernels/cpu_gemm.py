@@ -107,7 +107,7 @@ def gguf_extension(build_timeout: float | None = None) -> Any:
             if "module" not in _gguf_state:
                 from kernels import cpu_extension
 
-                timeout = build_timeout or float(os.environ.get("PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT") or 900.0)
+                timeout = build_timeout or cpu_extension.DEFAULT_BUILD_TIMEOUT_S
                 module, reason = cpu_extension.load_extension(
                     _gguf_name(), [_GGUF_SOURCE], timeout, what="compiled GGUF GEMM",
                     timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT", extra_cflags=_GGUF_CFLAGS)
