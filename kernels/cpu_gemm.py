@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import threading
 from typing import Any
 
@@ -89,8 +88,8 @@ def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+    except OSError:  # no /proc: the machine's name for its processor
+        return os.uname().machine
 
 
 def _gguf_name() -> str:
