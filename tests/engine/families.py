@@ -154,3 +154,24 @@ def assert_grouped_logits_match(model_dir: Path, ids: torch.Tensor, ends: tuple[
             chunks.append(model.compute_logits(model(ids[lo:hi], pos, kv, group_metadata(layout, pos, hi, len(ids)))))
             lo = hi
         torch.testing.assert_close(torch.cat(chunks), want, atol=1e-4, rtol=1e-4)
+
+
+def assert_prefix_hits_and_preemption(model_dir: Path, blocks: int, caching: bool, preempts: bool,
+                                      max_tokens: int) -> None:
+    """Four prompts sharing a 30-token prefix (longer than the test models' windows) through the
+    offline API with ``blocks`` KV blocks of 4 tokens: transformers' greedy tokens, a preemption
+    exactly when ``preempts``, the prefix from the cache when ``caching``, every block back at the end."""
+    from engine import LLM, SamplingParams
+
+    base = random_prompts([30], seed=7)[0]
+    prompts = [base + t for t in random_prompts([3, 9, 1, 14], seed=8)]
+    m = hf_model(model_dir)
+    want = hf_greedy(m, prompts, max_tokens)
+    llm = LLM(str(model_dir), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4,
+              enable_prefix_caching=caching)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
+    assert (llm.engine.scheduler.num_preemptions_total > 0) == preempts
+    assert max(o.num_cached_tokens for o in outs) >= (24 if caching else 0)
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks

@@ -19,8 +19,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
 from engine.layers.rotary import rope_cos_sin_cache
-from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, greedy_references, hf_greedy,
-                                   hf_model, random_prompts)
+from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, assert_prefix_hits_and_preemption,
+                                   greedy_references, hf_greedy, hf_model, random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -153,19 +153,7 @@ def test_greedy_matches_transformers(models, references, name):
 def test_prefix_hits_and_preemption(models, blocks, caching, preempts):
     """A shared prefix longer than the window comes from the cache (every group's blocks);
     too few blocks for the batch forces recompute; tokens stay transformers'."""
-    d = models["dense"]
-    base = random_prompts([30], seed=7)[0]
-    prompts = [base + t for t in random_prompts([3, 9, 1, 14], seed=8)]
-    m = hf_model(d)
-    want = hf_greedy(m, prompts, MAX_TOKENS)
-    llm = LLM(str(d), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4,
-              enable_prefix_caching=caching)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
-    assert (llm.engine.scheduler.num_preemptions_total > 0) == preempts
-    assert max(o.num_cached_tokens for o in outs) >= (24 if caching else 0)
-    pool = llm.engine.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert_prefix_hits_and_preemption(models["dense"], blocks, caching, preempts, MAX_TOKENS)
 
 
 def test_tensor_parallel_on_cpu(models, references):

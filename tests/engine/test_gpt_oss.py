@@ -17,8 +17,8 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
 from engine.models.gpt_oss import to_checkpoint_layout, to_engine_layout
-from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, greedy_references, hf_greedy,
-                                   hf_model, random_prompts)
+from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, assert_prefix_hits_and_preemption,
+                                   greedy_references, hf_greedy, hf_model, random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -136,18 +136,7 @@ def test_greedy_matches_transformers(model_dir, references):
     pytest.param(28, True, True, id="prefix-hits-and-preemption"),
 ])
 def test_prefix_hits_and_preemption(model_dir, blocks, caching, preempts):
-    base = random_prompts([30], seed=7)[0]
-    prompts = [base + t for t in random_prompts([3, 9, 1, 14], seed=8)]
-    m = hf_model(model_dir)
-    want = hf_greedy(m, prompts, MAX_TOKENS)
-    llm = LLM(str(model_dir), max_num_batched_tokens=32, num_gpu_blocks_override=blocks, block_size=4,
-              enable_prefix_caching=caching)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert_greedy_match(m, prompts, want, [o.outputs[0].token_ids for o in outs])
-    assert (llm.engine.scheduler.num_preemptions_total > 0) == preempts
-    assert max(o.num_cached_tokens for o in outs) >= (24 if caching else 0)
-    pool = llm.engine.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert_prefix_hits_and_preemption(model_dir, blocks, caching, preempts, MAX_TOKENS)
 
 
 def test_tensor_parallel_on_cpu(model_dir, references):
