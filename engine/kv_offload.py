@@ -69,10 +69,6 @@ class HostKVTier:
         return len(self._lru)
 
     @property
-    def usage(self) -> float:
-        return len(self._lru) / self.num_blocks
-
-    @property
     def block_bytes(self) -> int:
         return self.buffer[0].numel() * self.buffer.element_size()
 
@@ -130,13 +126,6 @@ class HostKVTier:
     @property
     def num_pending_copies(self) -> int:
         return len(self._copies)
-
-    def reset(self) -> None:
-        """Forget every block (the copies still queued run first: call after ``flush``)."""
-        assert not self._copies, "host tier reset with copies queued"
-        self._lru.clear()
-        self._pinned.clear()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
 
     def check(self) -> None:
         """Assert the accounting: every host block is either free or holds one hash."""

@@ -309,23 +309,20 @@ class LLMEngine:
         engine/request.py)."""
         lora = self.lora_info(lora_name) if lora_name else None
         max_len = self.config.scheduler.max_model_len
-        if resume_output_token_ids:
-            prompt_token_ids = list(prompt_token_ids) + list(resume_output_token_ids)  # checked as one
-        n = len(prompt_token_ids)
+        tokens = [*prompt_token_ids, *resume_output_token_ids]  # what is computed here: checked as one
+        n = len(tokens)
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, the "
                              f"prompt has {n} tokens; at least one token must remain for generation.")
         vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate()
         if params.structured_outputs is not None:
             self.grammars.check_tokenizer()
-        if resume_output_token_ids:
-            prompt_token_ids = prompt_token_ids[:n - len(resume_output_token_ids)]
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time,
                       resume_output_token_ids)
         req.deadline = deadline
