@@ -24,7 +24,7 @@ from engine.quantization.config import ignored_names
 from engine.quantization.methods import QuantMethods
 from kernels import reference
 from tests.engine.families import assert_greedy_match, hf_greedy, random_prompts
-from tests.engine.test_qwen3_next import BASE, MOE
+from tests.engine.test_qwen3_next import BASE, MOE, save_with_moved_norms
 
 TEXT = BASE  # the text model of tests/engine/test_qwen3_next.py's checkpoints
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
@@ -58,16 +58,7 @@ def make_multimodal(path: Path, name: str, seed: int = 0) -> Path:
                            else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
     cfg = config(text_config={**TEXT, **text}, vision_config=VISION, **MEDIA, **top)
     torch.manual_seed(seed)
-    model = model_class(cfg).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.startswith("model.language_model.") and ("norm" in pname or "dt_bias" in pname):
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(str(path))
-    tensors = load_file(str(path / "model.safetensors"))
-    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    return save_with_moved_norms(model_class(cfg).float(), path, prefix="model.language_model.")
 
 
 def stack_experts(src: Path, dst: Path) -> Path:

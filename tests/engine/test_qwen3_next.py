@@ -60,10 +60,15 @@ def make_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
     model_type, overrides = FAMILIES[name]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return save_with_moved_norms(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), path)
+
+
+def save_with_moved_norms(model: torch.nn.Module, path: Path, prefix: str = "") -> Path:
+    """Save ``model`` with every norm weight and dt_bias under ``prefix`` moved off its initial
+    value (random, from the current seed), plus an ``mtp.*`` tensor the text model skips."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname or "dt_bias" in pname:
+            if pname.startswith(prefix) and ("norm" in pname or "dt_bias" in pname):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(path))
     tensors = load_file(str(path / "model.safetensors"))

@@ -219,3 +219,14 @@ def assert_broken_after_death(pair: Pair, doomed: Peer) -> None:
     assert time.monotonic() - start < SLACK_S
     doomed.proc.join(10)
     assert doomed.proc.exitcode == -signal.SIGKILL
+
+
+def finish_on_decode(prefill, decode, request_id: str, first_token: int, request, reference) -> None:
+    """After a transfer of ``request_id``: the prefill engine lets its blocks go, the decode
+    engine takes the KV with ``first_token`` and runs ``request`` to its end, whose tokens must be
+    ``reference``'s (the same request computed in one engine)."""
+    prefill.release_after_send(request_id)
+    decode.kv_received(request_id, first_token)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert request.output_token_ids == reference.output_token_ids

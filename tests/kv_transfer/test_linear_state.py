@@ -24,6 +24,7 @@ from kv_transfer.pair import _settle
 from kv_transfer.protocol import PROTOCOL_VERSION, StateMove, describe_state, state_nbytes, state_specs
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_qwen3_next import make_checkpoint
+from tests.kv_transfer.pairs import finish_on_decode
 
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -152,11 +153,7 @@ def test_the_state_lands_bit_for_bit_in_the_reserved_slot_and_no_other(hybrid_di
     finally:
         sender.close()
         receiver.close()
-    prefill.release_after_send("r")
-    decode.kv_received("r", got["r"].meta["first_token"])
-    while decode.has_unfinished_requests():
-        decode.step()
-    assert d.output_token_ids == ref.output_token_ids
+    finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], d, ref)
     kv = decode.scheduler.kv
     assert kv.num_used_blocks == 0 and not kv.states.slot_of
 

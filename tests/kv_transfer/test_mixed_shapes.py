@@ -26,6 +26,7 @@ from kv_transfer.protocol import group_shapes
 from kv_transfer.tp_parts import check_page_split
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_gemma4 import BASE, VARIANTS, make_gemma4
+from tests.kv_transfer.pairs import finish_on_decode
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DECODE = "decode-0:1"
@@ -226,11 +227,7 @@ def test_layers_leave_during_prefill_land_bit_exact_and_decode_as_colocated(gemm
     finally:
         sends.close()
         receiver.close()
-    prefill.release_after_send("r")
-    decode.kv_received("r", got["r"].meta["first_token"])
-    while decode.has_unfinished_requests():
-        decode.step()
-    assert r.output_token_ids == ref.output_token_ids
+    finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], r, ref)
 
 
 def test_an_fp8_cache_of_layers_of_different_shapes_names_the_way_out(gemma4) -> None:
