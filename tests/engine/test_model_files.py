@@ -1,8 +1,9 @@
 """The default model's conversion and ``--model`` resolution (engine.model_files).
 
 The session fixture converts into the real cache (``$PDSERVE_CACHE_DIR`` or
-``~/.cache/pdserve``), so the ~20 s conversion happens once per machine. Only
-the concurrency test converts again, into a throwaway cache.
+``~/.cache/pdserve``), so the ~20 s conversion happens once per machine. The
+concurrency test races two processes through the lock into a throwaway cache,
+each one's conversion a copy of that converted model.
 """
 from __future__ import annotations
 
@@ -180,24 +181,47 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tm
 # --- several processes at once -------------------------------------------------------------------
 
 
+# Each racer's conversion is a copy of the already-converted model (hard links where the file
+# system allows), after a pause that holds the lock while the other racer arrives: the lock, the
+# clean-up of a crashed run's debris and the atomic rename are what run for real here; the
+# GGUF conversion itself runs once per clean machine for the session's ``default_dir``.
+_RACER = """
+import os, shutil, sys, time
+from pathlib import Path
+import engine.model_files as mf
+
+def convert(gguf, out_dir, src=Path(os.environ["CONVERTED"])):
+    print("pdserve: converting", mf.DEFAULT_MODEL, file=sys.stderr, flush=True)
+    time.sleep(1.0)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            try:
+                os.link(f, out_dir / f.name)
+            except OSError:
+                shutil.copy(f, out_dir / f.name)
+
+mf._convert_gguf = convert
+print(mf.ensure_default_model())
+"""
+
+
 @pytest.mark.slow
-def test_concurrent_first_use_converts_once(tmp_path: Path) -> None:
+def test_concurrent_first_use_converts_once(tmp_path: Path, default_dir: Path) -> None:
     models = tmp_path / "models"
     # Debris of a crashed run: a half-written temp dir and a directory without the marker.
     (models / f".{DEFAULT_MODEL}.tmp-crashed").mkdir(parents=True)
     (models / DEFAULT_MODEL).mkdir()
     (models / DEFAULT_MODEL / "config.json").write_text("{}")
 
-    code = "from engine.model_files import ensure_default_model; print(ensure_default_model())"
-    env = _subprocess_env(PDSERVE_CACHE_DIR=str(tmp_path))
+    env = _subprocess_env(PDSERVE_CACHE_DIR=str(tmp_path), CONVERTED=str(default_dir))
     # Output goes to files, not pipes: progress bars could fill a pipe nobody is reading yet.
     logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
     procs = []
     for out_path, err_path in logs:
         with out_path.open("w") as out, err_path.open("w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=err,
+            procs.append(subprocess.Popen([sys.executable, "-c", _RACER], stdout=out, stderr=err,
                                           cwd=REPO_ROOT, env=env))
-    results = [(p.wait(timeout=400), o.read_text(), e.read_text()) for p, (o, e) in zip(procs, logs)]
+    results = [(p.wait(timeout=120), o.read_text(), e.read_text()) for p, (o, e) in zip(procs, logs)]
 
     expected = models / DEFAULT_MODEL
     for rc, out, err in results:
