@@ -92,10 +92,10 @@ def test_default_model_matches_transformers(default_model_dir, smollm):
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     prompts.append(prompts[0][:-3] + prompts[1][-3:])  # shares a long prefix with prompt 0
     ref = hf_greedy(default_model_dir, prompts, 16)
-    for budget in (16, 64, 2048):
-        llm = LLM(None, max_num_batched_tokens=budget, kv_cache_memory="64MiB")
-        assert engine_greedy(llm, prompts, 16) == ref, f"budget {budget}"
-    # A cache of 14 blocks forces preemption of a 5-request batch of ~50 tokens each.
+    # Whole prompts (the module's engine, budget 2048), then chunks of 16 tokens.
+    assert engine_greedy(smollm, prompts, 16) == ref
+    assert engine_greedy(LLM(None, max_num_batched_tokens=16, kv_cache_memory="64MiB"), prompts, 16) == ref
+    # A cache of 14 blocks forces preemption of a 5-request batch of ~50 tokens each, in chunks of 64.
     llm = LLM(None, max_num_batched_tokens=64, num_gpu_blocks_override=14)
     assert engine_greedy(llm, prompts, 16) == ref
     assert llm.engine.scheduler.num_preemptions_total > 0
