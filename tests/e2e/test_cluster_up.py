@@ -1,6 +1,6 @@
 """`pdserve up` with two prefill and two decode servers, as a user runs it:
 every server's output prefixed with its name and one ready banner after all
-of them; 32 concurrent gRPC streams all complete with the offline engine's
+of them; 16 concurrent gRPC streams all complete with the offline engine's
 exact greedy tokens, requests spread over both servers of each tier, no KV
 block stays held; Ctrl-C with streams in flight lets each of them finish and
 stops every process."""
@@ -115,7 +115,7 @@ def _finished(address: str) -> int:
     raise AssertionError(address)
 
 
-def test_32_concurrent_streams_exact_and_spread(cluster):
+def test_16_concurrent_streams_exact_and_spread(cluster):
     up, ports = cluster
     from engine import LLM
 
@@ -125,16 +125,16 @@ def test_32_concurrent_streams_exact_and_spread(cluster):
     del llm
 
     address = f"127.0.0.1:{ports['grpc']}"
-    work = QUESTIONS * 4
-    with ThreadPoolExecutor(32) as pool:
+    work = QUESTIONS * 2
+    with ThreadPoolExecutor(len(work)) as pool:
         results = list(pool.map(lambda q: _generate(address, q), work))
     assert [r for r in results] == [expected[q] for q in work]
 
     prefill = [f"127.0.0.1:{ports['prefill'] + i}" for i in range(2)]
     decode = [f"127.0.0.1:{ports['decode'] + i}" for i in range(2)]
     counts = {a: _finished(a) for a in prefill + decode}
-    assert sum(counts[a] for a in decode) == 32 and sum(counts[a] for a in prefill) == 32
-    assert all(counts[a] >= 4 for a in prefill + decode), counts  # both servers of each tier served
+    assert sum(counts[a] for a in decode) == len(work) and sum(counts[a] for a in prefill) == len(work)
+    assert all(counts[a] >= 2 for a in prefill + decode), counts  # both servers of each tier served
     # Later requests hit the decode servers' prefix caches (the chat template's
     # system prompt at least): those blocks are reserved from cache, not sent again.
     for q in QUESTIONS[:2]:
