@@ -2,6 +2,8 @@
 ``GatewayService``.
 
     GET  /v1/models              POST /v1/completions    POST /v1/chat/completions
+    POST /v1/responses  (run as the chat request it translates into: gateway/responses_protocol.py)
+    POST /v1/messages, /v1/messages/count_tokens  (Anthropic's, likewise: gateway/anthropic_protocol.py)
     POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter
     GET  /health  (200 when a decode server is healthy)  GET /metrics  GET /cluster
 
@@ -18,8 +20,8 @@ succeed, else the error gateway/lora.py derives from the failures.
 Streaming: the first delta is awaited before the response starts, so errors
 that happen before any token (no decode server, queue full, prefill failure)
 get their real status code; later errors become an SSE ``{"error": ...}``
-event followed by ``[DONE]``. A client that disconnects cancels the request
-and with it every internal call.
+event followed by ``[DONE]`` (/v1/responses: named events, no ``[DONE]``). A
+client that disconnects cancels the request and with it every internal call.
 
 Limits and keys: a request body longer than ``max_request_body`` bytes gets
 413 before it is parsed (``_BodyLimit``); with ``api_key`` set, ``/v1/*`` and
@@ -52,16 +54,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.anthropic_protocol import ANTHROPIC_PATHS, CountTokensRequest, MessagesRequest
+from gateway.anthropic_protocol import error_body as anthropic_error_body
+from gateway.anthropic_protocol import error_json as anthropic_error_json
+from gateway.anthropic_responses import MessagesFormatter
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.lora import ServerResult
 from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                                      UnloadLoRAAdapterRequest)
 from gateway.openai_responses import ChatFormatter, CompletionFormatter, ResponseFormatter
 from gateway.output_processor import GenerationDelta
+from gateway.reasoning_parsers import ChatStream
 from gateway.request_flow import PreparedRequest
 from gateway.request_trace import RequestTrace, trace_headers
+from gateway.responses_output import ResponsesFormatter
+from gateway.responses_protocol import ResponsesRequest, responses_errors
 from gateway.service import GatewayService
-from gateway.sse import SSE_DONE, SSE_MEDIA_TYPE, sse_event
+from gateway.sse import SSE_MEDIA_TYPE
 from pdserve.v1 import common_pb2
 
 T = TypeVar("T")
@@ -73,7 +82,7 @@ class _ClientDisconnected(Exception):
 
 def _untraced(scope: dict[str, Any]) -> bool:
     """Only generation requests get FastAPI's HTTP span (not health or metrics polls)."""
-    return scope.get("path") not in ("/v1/completions", "/v1/chat/completions")
+    return scope.get("path") not in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 # FastAPI's own OpenTelemetry HTTP span (active once rpc.tracing installed a
@@ -138,22 +147,49 @@ def create_app(service: GatewayService, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
         try:
-            lora = service.resolve_model(body.model)
-            tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
-            sampling = body.to_sampling_params(tools)
-            with trace.span("tokenize"):
-                ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
-                                                       tools.template_tools() if tools is not None else None,
-                                                       body.chat_template_kwargs)
-            answer = service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
-            req = _prepare(service, request, ids, sampling, "chatcmpl", trace, lora)
+            req, answer, lora = await _prepare_chat(service, request, body, "chatcmpl", trace)
         except BaseException as e:
             trace.finish(error=e)
             raise
         fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
-                            body.include_usage, sampling.logprobs is not None, answer=answer,
+                            body.include_usage, req.sampling.logprobs is not None, answer=answer,
                             reasoning=service.reasoning_parser is not None)
         return await _respond(service, request, req, fmt, body.stream)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
+        try:
+            with responses_errors():
+                req, answer, lora = await _prepare_chat(service, request, body.to_chat_request(), "resp", trace)
+        except BaseException as e:
+            trace.finish(error=e)
+            raise
+        fmt = ResponsesFormatter(req.request_id, service.model_name(lora), body.echo(), answer)
+        return await _respond(service, request, req, fmt, body.stream)
+
+    @v1.post("/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        chat = body.to_chat_request(service.tool_parser, service.enable_auto_tool_choice)
+        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
+        try:
+            req, answer, lora = await _prepare_chat(service, request, chat, "msg_", trace)
+        except BaseException as e:
+            trace.finish(error=e)
+            raise
+        fmt = MessagesFormatter(req.request_id, service.model_name(lora), service.token_text, answer,
+                                len(req.prompt_token_ids))
+        return await _respond(service, request, req, fmt, body.stream)
+
+    @v1.post("/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        chat = body.to_chat_request(service.tool_parser, service.enable_auto_tool_choice)
+        service.resolve_model(chat.model)
+        tools = chat.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
+        ids = await service.inputs.encode_chat(chat.template_messages(), True,
+                                               tools.template_tools() if tools is not None else None,
+                                               chat.chat_template_kwargs)
+        return {"input_tokens": len(ids)}
 
     app.include_router(v1)
 
@@ -192,6 +228,21 @@ def _prepare(service: GatewayService, request: Request, ids: list[int], sampling
              prefix: str, trace: RequestTrace, lora_name: str | None) -> PreparedRequest:
     return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace,
                            lora_name=lora_name)
+
+
+async def _prepare_chat(service: GatewayService, request: Request, body: ChatCompletionRequest, prefix: str,
+                        trace: RequestTrace) -> tuple[PreparedRequest, ChatStream, str | None]:
+    """A chat request tokenized and prepared, how its answer splits, and its LoRA adapter
+    (/v1/chat/completions, and /v1/responses translated into a chat request)."""
+    lora = service.resolve_model(body.model)
+    tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
+    sampling = body.to_sampling_params(tools)
+    with trace.span("tokenize"):
+        ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
+                                               tools.template_tools() if tools is not None else None,
+                                               body.chat_template_kwargs)
+    answer = service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
+    return _prepare(service, request, ids, sampling, prefix, trace, lora), answer, lora
 
 
 async def _respond(service: GatewayService, request: Request, req: PreparedRequest, fmt: ResponseFormatter,
@@ -240,17 +291,18 @@ async def _sse(service: GatewayService, fmt: ResponseFormatter, first: Generatio
                deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[bytes]:
     try:
         for chunk in fmt.stream_start() + fmt.stream_delta(first):
-            yield sse_event(chunk)
+            yield fmt.sse_event(chunk)
         if not first.finish_reason:
             async for delta in deltas:
                 for chunk in fmt.stream_delta(delta):
-                    yield sse_event(chunk)
+                    yield fmt.sse_event(chunk)
         for chunk in fmt.stream_end():
-            yield sse_event(chunk)
+            yield fmt.sse_event(chunk)
     except GatewayError as e:
         service.on_error(e)
-        yield sse_event(e.to_openai())
-    yield SSE_DONE
+        yield fmt.sse_event(e.to_openai())
+    if done := fmt.sse_done():
+        yield done
 
 
 class _SSEResponse(StreamingResponse):
@@ -277,9 +329,11 @@ def _auth_dependency(api_key: str | None) -> Any:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        bearer = token.strip() if scheme.lower() == "bearer" else None
+        x_api_key = request.headers.get("x-api-key")  # Anthropic's clients send the key here
+        if not any(k is not None and hmac.compare_digest(k.encode(), api_key.encode()) for k in (bearer, x_api_key)):
             raise GatewayError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key: send "
-                               "'Authorization: Bearer <key>'.", code="invalid_api_key")
+                               "'Authorization: Bearer <key>' (or 'x-api-key: <key>').", code="invalid_api_key")
     return check
 
 
@@ -329,7 +383,7 @@ class _BodyLimit:
                              f"{self.max_bytes} bytes (--max-request-body)", code="request_too_large")
         self.on_error(error)
         # Connection: close, so the server does not read the rest of the body.
-        await JSONResponse(error.to_openai(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+        await JSONResponse(_error_json(scope.get("path"), error), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
 # The Content-Type a POST came with, where _AnyContentType replaced it (None: it had none).
@@ -392,11 +446,17 @@ def _body_error(request: Request, e: RequestValidationError) -> GatewayError | N
     return invalid(message, code="invalid_json")
 
 
+def _error_json(path: str | None, error: GatewayError) -> dict[str, Any]:
+    """The error body in the shape of the API the path belongs to (Anthropic's or OpenAI's)."""
+    return anthropic_error_json(error) if path in ANTHROPIC_PATHS else error.to_openai()
+
+
 def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
     @app.exception_handler(GatewayError)
-    async def gateway_error(_: Request, e: GatewayError) -> JSONResponse:
+    async def gateway_error(request: Request, e: GatewayError) -> JSONResponse:
         service.on_error(e)
-        return JSONResponse(e.to_openai(), status_code=e.kind.http_status, headers=e.http_headers())
+        return JSONResponse(_error_json(request.url.path, e), status_code=e.kind.http_status,
+                            headers=e.http_headers())
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -409,16 +469,16 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
                 parts.append(f"{loc}: {msg}" if loc else msg)
             error = invalid("invalid request: " + "; ".join(parts))
         service.on_error(error)
-        return JSONResponse(error.to_openai(), status_code=400)
+        return JSONResponse(_error_json(request.url.path, error), status_code=400)
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    async def unexpected_error(request: Request, e: Exception) -> JSONResponse:
         error = GatewayError(ErrorKind.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
         service.on_error(error)
-        return JSONResponse(error.to_openai(), status_code=500)
+        return JSONResponse(_error_json(request.url.path, error), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         # 400 here: a body FastAPI could not parse (not UTF-8, nested too deep).
         message = f"invalid request: {e.detail}" if e.status_code == 400 else str(e.detail)
         code = None
@@ -426,4 +486,6 @@ def _install_error_handlers(app: FastAPI, service: GatewayService) -> None:
             message, code = "the request body cannot be read as JSON: it is not UTF-8 text, or it is nested too deeply", "invalid_json"
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                           "code": code}}
+        if request.url.path in ANTHROPIC_PATHS:
+            body = anthropic_error_body(e.status_code, message)
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))

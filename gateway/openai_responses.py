@@ -25,6 +25,7 @@ from typing import Any
 
 from gateway.output_processor import GenerationDelta, Usage
 from gateway.reasoning_parsers import ChatStream, plain_chat_stream
+from gateway.sse import SSE_DONE, sse_event
 from gateway.tool_parsers import ToolPlan
 from gateway.tool_parsers import finish_reason as tool_finish_reason
 from pdserve.v1 import common_pb2
@@ -68,6 +69,14 @@ class ResponseFormatter:
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         """The non-streamed body from every delta of a finished request."""
         raise NotImplementedError
+
+    def sse_event(self, chunk: dict[str, Any]) -> bytes:
+        """One chunk (or an error object) framed as an SSE event."""
+        return sse_event(chunk)
+
+    def sse_done(self) -> bytes:
+        """What ends the stream."""
+        return SSE_DONE
 
     def stream_end(self) -> list[dict[str, Any]]:
         """The usage-only chunk (``choices: []``) when the client asked for it."""
