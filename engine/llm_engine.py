@@ -320,7 +320,7 @@ class LLMEngine:
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
-        params.validate()
+        params.validate(vocab_size=vocab)
         if params.structured_outputs is not None:
             self.grammars.check_tokenizer()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time,

@@ -5,6 +5,7 @@ Order of operations (vLLM semantics), per row:
 1. logprobs, if asked for, come from the RAW logits (``log_softmax`` before
    anything below touches them);
 2. a structured-output constraint's bitmask: tokens it does not allow get ``-inf``;
+   ``allowed_token_ids``: every other token gets ``-inf``; ``logit_bias`` is added;
 3. penalties: repetition over prompt + output tokens (positive logits are
    divided by it, negative ones multiplied), then frequency/presence over
    output tokens (``logit -= frequency * count + presence * (count > 0)``);
@@ -17,25 +18,32 @@ Order of operations (vLLM semantics), per row:
    probability is below ``min_p`` times the largest), then sampled.
 
 Reproducibility across processes. pdserve samples a request's first token on
-the prefill tier and the rest on the decode tier, and must match one offline
-engine token for token. So the randomness a seeded row uses at step ``k``
-(``k = len(output_token_ids)``) is a pure function of ``(seed, k)``: one
-uniform ``u = _seeded_uniform(seed, k)`` in [0, 1), computed in Python with
-integer hashing (splitmix64), identical on every machine and independent of
-torch's generators. The row then takes the inverse-CDF draw: the first token
-whose cumulative probability (float64 cumsum over the filtered distribution,
-in vocabulary order) reaches ``(1 - u) * total``. That is an exact draw from
-the filtered distribution, no state is carried between steps, and batch
-companions, the row's position in the batch and earlier calls cannot change
-it. Filtered tokens (probability 0) can never be picked. Unseeded rows take
-their uniform from torch's default CPU generator. What stays outside this
-module's control is the logits themselves: the tiers must produce the same
-logits for the same sequence (batch-invariant kernels), since any rounding
-difference in the probabilities can move a cumulative boundary.
+the prefill tier and the rest on the decode tier, resumes a migrated request's
+stream on another decode server after a prefill of its prompt plus the tokens
+already streamed, and must match one offline engine token for token. So the
+randomness a seeded row uses at step ``k`` (``k = len(output_token_ids)``) is a
+pure function of ``(seed, k)``, computed with integer hashing (splitmix64),
+identical on every machine and independent of torch's generators: one 64-bit
+key per (seed, k), and from it one exponential ``E_v`` per vocabulary entry
+(``_race_noise``, vectorised on the row's device). The row takes the winner of
+an exponential race, ``argmax_v p_v / E_v``: an exact draw from the filtered
+distribution, with no state carried between steps; batch companions, the row's
+position in the batch and earlier calls cannot change it. Filtered tokens
+(probability 0) can never win.
 
-(An exponential race, ``argmax(probs / Exp(1) noise)``, would do as well
-statistically, but needs ``[B, V]`` noise per step; generating it from seeded
-CPU generators cost ~1 ms per row at V = 152k.)
+Why a race and not an inverse-CDF draw (one uniform against the cumulative
+distribution in vocabulary order, what this module did first): the logits are
+not bit-identical across paths. A token computed by a prefill (the first token;
+the first one after a migration's seam, and every later one reading KV a prefill
+wrote) differs from the same token computed by decode steps in the last few bits
+(seen on CPU: ~5e-6 in logprob), since the GEMMs and attention reduce in another
+order. Such a change moves every boundary of the cumulative distribution a
+little, and with tens of thousands of tokens in it the uniform lands in a moved
+stretch on a few percent of steps (seen: a seeded stream resumed after 7 of 32
+tokens drew id 6478 where the uninterrupted one drew 6476). The race's winner
+changes only when the two best scores are that close, about as rare as a greedy
+near-tie. Unseeded rows, which nothing reproduces, keep the cheap inverse-CDF
+draw on a uniform from torch's default CPU generator.
 
 Guard. A row whose numbers are not finite (a NaN or infinite penalty or
 temperature that got past validation, or NaN logits) has no distribution to
@@ -59,6 +67,7 @@ which read the output tokens themselves, need ``pending == 0``.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,7 +169,7 @@ class Sampler:
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = _apply_bitmasks(logits, rows)
+        logits = _apply_logit_controls(_apply_bitmasks(logits, rows), rows)
         logits = _apply_penalties(logits, rows)
         logits = _apply_min_tokens(logits, rows)
 
@@ -207,7 +216,7 @@ def verify_async(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequ
     if logits.dim() != 2 or logits.shape[0] != len(rows) or len(drafts) != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, V] with one draft per row, got {tuple(logits.shape)}")
     device, vocab = logits.device, logits.shape[1]
-    logits = _apply_min_tokens(_apply_penalties(logits.float(), rows), rows)
+    logits = _apply_min_tokens(_apply_penalties(_apply_logit_controls(logits.float(), rows), rows), rows)
     draft = to_device(torch.tensor(list(drafts), dtype=torch.long), device)  # [P]
     has_draft = draft >= 0
     greedy_tok = logits.argmax(dim=-1)  # [P]
@@ -224,7 +233,7 @@ def verify_async(logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Sequ
         residual = probs.scatter(1, d.clamp(min=0).unsqueeze(1), 0.0)
         residual = torch.where((d >= 0).unsqueeze(1), residual, probs)
         accepted = accepted.index_copy(0, idx, accept_r)
-        token = token.index_copy(0, idx, _draw(residual, _uniforms(sub, device)))
+        token = token.index_copy(0, idx, _draw(residual, sub))
     token = _guard(token, logits)
     return PendingVerify(torch.stack([accepted.long(), token], dim=1))
 
@@ -242,7 +251,7 @@ def _guard(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return (p.is_greedy and not p.has_penalties and p.logprobs is None
+    return (p.is_greedy and not p.has_penalties and p.logprobs is None and not p.has_logit_controls
             and not row.suppressed_token_ids and row.bitmask is None)
 
 
@@ -257,6 +266,33 @@ def _apply_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
     rows_idx = to_device(torch.tensor(idx), device)
     return logits.index_copy(0, rows_idx, logits[rows_idx].masked_fill(~allowed, float("-inf")))
+
+
+def _apply_logit_controls(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``allowed_token_ids`` (-inf on every other token), then ``logit_bias`` added, on the
+    rows that have either. [B, V] -> [B, V]; ids outside the logits' width are skipped."""
+    idx = [i for i, row in enumerate(rows) if row.params.has_logit_controls]
+    if not idx:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    allowed_pairs = [(j, t) for j, i in enumerate(idx) for t in rows[i].params.allowed_token_ids or () if t < vocab]
+    restricted = [j for j, i in enumerate(idx) if rows[i].params.allowed_token_ids is not None]
+    bias = [(j, t, b) for j, i in enumerate(idx) for t, b in (rows[i].params.logit_bias or {}).items() if t < vocab]
+    rows_idx = to_device(torch.tensor(idx), device)
+    sub = logits[rows_idx]  # [C, V]
+    if restricted:
+        keep = torch.zeros(len(idx), vocab, dtype=torch.bool)
+        keep[[j for j in range(len(idx)) if j not in restricted]] = True
+        if allowed_pairs:
+            pairs = torch.tensor(allowed_pairs, dtype=torch.long)
+            keep[pairs[:, 0], pairs[:, 1]] = True
+        sub = sub.masked_fill(~to_device(keep, device), float("-inf"))
+    if bias:
+        add = torch.zeros(len(idx), vocab, dtype=torch.float32)
+        add[torch.tensor([j for j, _, _ in bias]), torch.tensor([t for _, t, _ in bias])] = torch.tensor(
+            [float(b) for _, _, b in bias], dtype=torch.float32)
+        sub = sub + to_device(add, device)
+    return logits.index_copy(0, rows_idx, sub)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -320,7 +356,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row. [R, V] -> [R]."""
-    return _draw(_filtered_probs(logits, rows), _uniforms(rows, logits.device))
+    return _draw(_filtered_probs(logits, rows), rows)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -355,18 +391,68 @@ def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return probs
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One draw per row of ``probs`` [R, V] (not necessarily normalised): seeded rows by
+    an exponential race on their (seed, step) noise, the others by inverse CDF. A row
+    without a distribution gets V (out of range: ``_guard`` marks it failed)."""
+    vocab, device = probs.shape[1], probs.device
+    seeded = [i for i, row in enumerate(rows) if row.params.seed is not None]
+    if len(seeded) == len(rows):
+        picked = _race(probs, rows)
+    else:
+        picked = _inverse_cdf(probs, _uniforms(rows, device))
+        if seeded:
+            idx = to_device(torch.tensor(seeded), device)
+            picked = picked.index_copy(0, idx, _race(probs[idx], [rows[i] for i in seeded]))
+    total = probs.double().sum(dim=-1)  # [R]; NaN or 0 when the row has no distribution
+    no_distribution = ~(total > 0) | total.isinf()
+    return picked.masked_fill(no_distribution, vocab)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One inverse-CDF draw per row of ``probs`` [R, V] with ``uniforms`` [R] in [0, 1).
     x is in (0, total], so the pick has cdf >= x > cdf of the previous token: a token
-    of probability 0 can never be it. A row without a distribution gets V (out of
-    range: ``_guard`` marks it failed)."""
-    vocab = probs.shape[1]
+    of probability 0 can never be it."""
     cdf = probs.double().cumsum(dim=-1)  # [R, V], non-decreasing
-    total = cdf[:, -1:]  # [R, 1]; NaN or 0 when the row has no distribution
-    x = (1.0 - uniforms).unsqueeze(1) * total  # [R, 1]
-    picked = torch.searchsorted(cdf, x).squeeze(1)  # [R]
-    no_distribution = ~(total.squeeze(1) > 0) | total.squeeze(1).isinf()
-    return picked.masked_fill(no_distribution, vocab)
+    x = (1.0 - uniforms).unsqueeze(1) * cdf[:, -1:]  # [R, 1]
+    return torch.searchsorted(cdf, x).squeeze(1)  # [R]
+
+
+def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The exponential race of seeded rows: ``argmax_v p_v / E_v`` [R], E from ``_race_noise``.
+    A token of probability 0 scores 0 and never beats one above it (E is finite and > 0)."""
+    keys = [_mix64((_mix64(row.params.seed & _MASK64) + (row.step + 1) * _GOLDEN64) & _MASK64) for row in rows]
+    noise = _race_noise(to_device(torch.tensor([_signed64(k) for k in keys], dtype=torch.long), probs.device),
+                        probs.shape[1])  # [R, V] float64
+    return (probs.double() / noise).argmax(dim=-1)
+
+
+def _race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, V] float64 > 0, entry (r, v) a function of ``keys[r]`` and v alone:
+    splitmix64 of ``key + (v + 1) * golden`` in int64 arithmetic (products wrap; ``_lsr``
+    is the unsigned shift), its top 52 bits as a uniform u in (0, 1), then -log(u)."""
+    x = keys.unsqueeze(1) + _golden_steps(vocab, keys.device)  # [R, V]
+    x = (x ^ _lsr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _lsr(x, 27)) * _signed64(0x94D049BB133111EB)
+    x = x ^ _lsr(x, 31)
+    u = (_lsr(x, 12).double() + 0.5) * 2.0**-52  # (0, 1): 52 bits + 1/2, exact in a float64
+    return u.log_().neg_()
+
+
+@functools.lru_cache(maxsize=8)
+def _golden_steps(vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] int64: (v + 1) * golden, wrapped."""
+    return torch.arange(1, vocab + 1, dtype=torch.long, device=device) * _signed64(_GOLDEN64)
+
+
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _signed64(x: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device, stream: int = 0) -> torch.Tensor:

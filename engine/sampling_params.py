@@ -22,6 +22,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -51,6 +53,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # What the output must match (JSON schema, regex, choice, grammar; engine/structured_outputs.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before sampling
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens can be sampled (None: every token)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):  # the offline API's convenience form
@@ -67,6 +73,10 @@ class SamplingParams:
             setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict) and not self.logit_bias:
+            self.logit_bias = None
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -115,10 +125,30 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= high:
                 raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {high}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.80}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+            for t, bias in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= high:
+                    raise ValueError(f"logit_bias: {t!r} is not a token id in [0, {high}]")
+                _check_float(f"logit_bias[{t}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or not 0 <= t <= high:
+                    raise ValueError(f"allowed_token_ids: {t!r} is not a token id in [0, {high}]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """``logit_bias`` or ``allowed_token_ids`` changes the logits before sampling."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

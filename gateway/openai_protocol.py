@@ -4,7 +4,7 @@ models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
 change the meaning of a request and that pdserve does not implement (echo,
-suffix, n > 1, best_of > 1, logit_bias, functions, function_call, audio,
+suffix, n > 1, best_of > 1, functions, function_call, audio,
 non-text modalities, prediction) are refused with a 400 that names the option.
 
 What the output must match, on both endpoints: OpenAI's ``response_format``
@@ -107,6 +107,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
+    allowed_token_ids: list[int] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -138,8 +139,6 @@ class _SamplingRequest(BaseModel):
     def _check_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise invalid(f"best_of must be 1, got {self.best_of}", param="best_of")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", param="logit_bias")
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 raise invalid(f"{name} is not supported", param=name)
@@ -192,12 +191,27 @@ class _SamplingRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+                                  logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                                   skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   structured_outputs=structured, **kw)
         except ValueError as e:
             raise invalid(str(e)) from e
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as ids."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise invalid(f"logit_bias: {key!r:.40} is not a token id (keys are token ids, as strings)",
+                              param="logit_bias") from None
+        return bias
 
 
 class CompletionRequest(_SamplingRequest):

@@ -20,6 +20,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
     if msg.HasField("structured_outputs"):
         kw["structured_outputs"] = structured_from_proto(msg.structured_outputs)
+    if msg.logit_bias:
+        kw["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        kw["allowed_token_ids"] = list(msg.allowed_token_ids)
     return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
                           **kw)
@@ -61,6 +65,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
+    if p.allowed_token_ids:
+        msg.allowed_token_ids.extend(p.allowed_token_ids)
     return msg
 
 

@@ -183,6 +183,39 @@ def test_chat_and_stop_strings_match(servers, refs, oai):
     _assert_no_blocks_held(servers)
 
 
+def test_logit_bias_and_allowed_token_ids_match_offline_engine(servers, refs, llm, oai):
+    """Greedy, over both tiers (the first token is sampled on the prefill server): a +100 bias
+    forces its token at every step, a -100 bias on the unbiased answer's first token bans it,
+    and allowed_token_ids keeps every token inside its set; each answer is the offline engine's
+    under the same controls, over HTTP and gRPC. A token id outside the vocabulary is a 400."""
+    model = oai.models.list().data[0].id
+    first = refs["greedy"][0].outputs[0].token_ids[0]
+    allowed = sorted(set(refs["greedy"][2].outputs[0].token_ids))[:6]
+    cases = [dict(logit_bias={1000: 100.0}), dict(logit_bias={first: -100.0}), dict(allowed_token_ids=allowed)]
+    for case in cases:
+        want = llm.generate(PROMPTS[0], _greedy(**case))[0].outputs[0]
+        extra = {"allowed_token_ids": case["allowed_token_ids"]} if "allowed_token_ids" in case else {}
+        bias = {str(t): b for t, b in case.get("logit_bias", {}).items()} or None
+        c = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                   logit_bias=bias, extra_body=extra)
+        assert c.choices[0].text == want.text, case
+        with grpc.insecure_channel(servers.grpc_address) as ch:
+            sampling = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                 logit_bias=case.get("logit_bias", {}),
+                                                 allowed_token_ids=case.get("allowed_token_ids", []))
+            req = gateway_pb2.GenerateRequest(text=PROMPTS[0], sampling=sampling)
+            got = [t for d in gateway_pb2_grpc.GatewayStub(ch).Generate(
+                req, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=120) for t in d.token_ids]
+        assert got == want.token_ids, case
+    assert want.token_ids and set(want.token_ids) <= set(allowed)
+    forced = llm.generate(PROMPTS[0], _greedy(logit_bias={1000: 100.0}))[0].outputs[0].token_ids
+    assert forced == [1000] * MAX_TOKENS
+    assert llm.generate(PROMPTS[0], _greedy(logit_bias={first: -100.0}))[0].outputs[0].token_ids[0] != first
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, logit_bias={"10000000": 5})
+    _assert_no_blocks_held(servers)
+
+
 def _decode_load(gw: GatewayProcess) -> common_pb2.LoadInfo:
     """The decode server's load, asked now (the gateway's /cluster is up to a poll old)."""
     with grpc.insecure_channel(gw.decode_address) as ch:  # type: ignore[attr-defined]

@@ -213,3 +213,59 @@ def test_mixed_batch_matches_each_row_alone() -> None:
         alone = Sampler().sample(logits[i:i + 1], [r])
         assert batch.token_ids[i] == alone.token_ids[0]
         assert batch.logprobs[i] == alone.logprobs[0]
+
+
+def _controlled(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The reference: allowed_token_ids and logit_bias applied by hand to one row's logits."""
+    out = logits.clone()
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros_like(out, dtype=torch.bool)
+        keep[params.allowed_token_ids] = True
+        out[~keep] = float("-inf")
+    for t, b in (params.logit_bias or {}).items():
+        out[t] += b
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_logit_bias_and_allowed_token_ids_equal_their_reference(seed: int) -> None:
+    """Fresh random logits and controls: each controlled row (greedy, seeded with filters, with
+    logprobs, beside uncontrolled companions) samples what an uncontrolled row samples from the
+    logits changed by hand; logprobs stay those of the raw logits."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=g) * 3
+    picks = torch.randperm(vocab, generator=g).tolist()
+    bias = {t: float(torch.empty(1).uniform_(-100, 100, generator=g)) for t in picks[:5]}
+    allowed = picks[5:25]
+    controls = [dict(logit_bias=bias), dict(allowed_token_ids=allowed), dict(logit_bias=bias, allowed_token_ids=allowed)]
+    for kind in (dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=seed), dict(temperature=0.0, logprobs=2)):
+        for control in controls:
+            params = SamplingParams(**kind, **control)
+            rows = [row(), SamplingRow(params, [0], [1, 2], frozenset({EOS})), row(temperature=0.0), row(seed=3)]
+            got = Sampler().sample(logits, rows)
+            plain = SamplingRow(SamplingParams(**kind), [0], [1, 2], frozenset({EOS}))
+            want = Sampler().sample(_controlled(logits[1], params).unsqueeze(0), [plain])
+            assert got.token_ids[1] == want.token_ids[0], (kind, control)
+            if "allowed_token_ids" in control:
+                assert got.token_ids[1] in allowed
+            if kind.get("logprobs"):
+                assert got.logprobs[1].top == Sampler().sample(logits[1:2], [plain]).logprobs[0].top
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.randn(1, 50)
+    top = int(logits.argmax())
+    assert sample(logits, [row(temperature=0.0, logit_bias={7: 100.0})]) == [7]
+    assert sample(logits, [row(temperature=0.0, logit_bias={top: -100.0})]) != [top]
+    assert sample(logits, [row(temperature=0.0, allowed_token_ids=[3, 9])])[0] in (3, 9)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, 50]), "allowed_token_ids"), (dict(logit_bias={50: 1.0}), "logit_bias"),
+])
+def test_logit_controls_out_of_range_are_refused(change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**change).validate(vocab_size=50)
