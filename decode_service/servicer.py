@@ -65,8 +65,10 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
         self.bridge = EngineBridge(engine, "decode", address, metrics)
         timeout = engine.config.scheduler.kv_transfer_timeout
-        self.kv_receivers = KVReceiveWorker(engine, KVReceiveScheduler(self.bridge.loop, timeout), self.kv_host,
-                                            timeout, metrics.record_transfer if metrics else None)
+        receives = KVReceiveScheduler(self.bridge.loop, timeout,
+                                      metrics.record_checksum_mismatch if metrics else None)
+        self.kv_receivers = KVReceiveWorker(engine, receives, self.kv_host, timeout,
+                                            metrics.record_transfer if metrics else None)
         self.bridge.start()
 
     def close(self) -> None:

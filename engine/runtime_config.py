@@ -15,7 +15,9 @@ always had, and this module is the only one that reads them, once, at start:
     PDSERVE_DENSE_PREFILL         dense_prefill          0: fresh prompts through the paged kernel
 
 and the process settings beside them (``log_level()``; ``cpu_attention_build_timeout``:
-PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT, seconds the compiled CPU attention's build may take).
+PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT, seconds the compiled CPU attention's build may take;
+``kv_corruption_test_hook()``: PDSERVE_TEST_CORRUPT_KV_EVERY, a test-only fault hook of the
+KV transfer canary, kv_transfer/canary.py).
 Outside this module only secrets (PDSERVE_API_KEY, PDSERVE_KV_SECRET) and file locations
 (PDSERVE_CACHE_DIR, PDSERVE_TRACES_FILE) are read from the environment; a test keeps it so.
 
@@ -39,6 +41,7 @@ DENSE_PREFILL_ENV = "PDSERVE_DENSE_PREFILL"
 CPU_BUILD_TIMEOUT_ENV = "PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT"
 LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 REMOVED_GRAPHS_ENV = "PDSERVE_DECODE_GRAPHS"
+TEST_CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV_EVERY"  # tests only: see kv_corruption_test_hook
 KERNEL_CHOICES = ("auto", "triton", "reference")
 BLAS_LIBRARIES = ("cublas", "cublaslt", "default")
 # Past ~2k tokens a step of an 8B model is compute-bound and its launches are a few percent.
@@ -116,6 +119,18 @@ class RuntimeConfig:
 def log_level(environ: Mapping[str, str] | None = None) -> str:
     """A server process's log level: ``PDSERVE_LOG_LEVEL`` (default INFO)."""
     return (os.environ if environ is None else environ).get(LOG_LEVEL_ENV, "INFO").upper()
+
+
+def kv_corruption_test_hook(environ: Mapping[str, str] | None = None) -> int:
+    """TESTS ONLY. ``PDSERVE_TEST_CORRUPT_KV_EVERY=N``: a receiving process corrupts one block
+    the KV transfer canary samples in every N-th transfer it receives, after it landed, so
+    that tests can see a checksum mismatch end to end (kv_transfer/canary.py). 0 (unset): off."""
+    text = (os.environ if environ is None else environ).get(TEST_CORRUPT_KV_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"{TEST_CORRUPT_KV_ENV} (a test hook) must be a count of transfers, got {text!r}")
+    return int(text)
 
 
 def parse_mixed_graph_sizes(text: str) -> tuple[int, ...]:

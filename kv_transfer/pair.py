@@ -303,15 +303,16 @@ class _Pair:
             self._buffers[(kind, slot)] = buf
         return buf[:numel]
 
-    def _index_on_device(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """Block ids as an int64 tensor on ``device``, copied on this pair's stream from a pinned
-        buffer: a copy from pageable memory would wait for the GPU with this thread (and may hold
-        up the engine thread's launches meanwhile). Transfers on a pair never overlap, so the
-        buffer is free again when the next one starts."""
+    def _index_on_device(self, ids: np.ndarray, device: torch.device, kind: str = "index") -> torch.Tensor:
+        """Block ids (1-d) as an int64 tensor on ``device``, copied on this pair's stream from a
+        pinned buffer: a copy from pageable memory would wait for the GPU with this thread (and
+        may hold up the engine thread's launches meanwhile). Transfers on a pair never overlap, so
+        the buffer is free again when the next one starts; ``kind`` names the buffer of each
+        index a transfer places."""
         host = torch.from_numpy(ids)
         if device.type != "cuda":
             return host
-        staged = self._buffer("index", 0, ids.size, torch.int64, torch.device("cpu"))
+        staged = self._buffer(kind, 0, ids.size, torch.int64, torch.device("cpu"))
         staged.copy_(host)
         return staged.to(device, non_blocking=True)
 

@@ -22,8 +22,9 @@ _Group = Any  # a c10d ProcessGroupGloo | ProcessGroupNCCL backend, used directl
 # scales and the model's dtype; 5: a draft model's cache (``KVLayout.draft``) travels in the same
 # transfer, its chunks after the target's (the header's "draft" plan); 6: a hybrid model's
 # linear-attention state (``KVLayout.linear_state``) travels after the KV, one message before the
-# trailer, into the header's "state" slot
-PROTOCOL_VERSION = 6
+# trailer, into the header's "state" slot; 7: the trailer ends with the canary's checksums of sampled
+# blocks (kv_transfer/canary.py), which the receiver checks
+PROTOCOL_VERSION = 7
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_PAIR_NAME = "pdserve-kv"
 SENDER_RANK = 0
@@ -31,7 +32,8 @@ RECEIVER_RANK = 1
 _HEADER_QUEUE = "hdr"
 _TAG = 0
 _OK, _ABORTED = 0, 1  # trailer status values
-TRAILER_BYTES = 8192  # int64 status, uint32 length, then the sender's meta as JSON
+TRAILER_BYTES = 8192  # int64 status, uint32 length, the sender's meta as JSON; the canary's sums at the end
+_TRAILER_CANARY_BYTES = 1024  # canary.CANARY_BYTES (checked there)
 _IDLE_WAIT = timedelta(days=1)  # header wait chunk when recv(timeout=None); close() wakes it
 BACKENDS = ("auto", "gloo", "nccl")  # what a side may ask for; "auto" = decide from the GPU UUIDs
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -591,9 +593,10 @@ class TransferStats:
 
 def encode_trailer(status: int, meta: dict[str, Any] | None) -> torch.Tensor:
     """The transfer's last message: its status and the sender's ``meta``, known only once
-    prefill is done (e.g. the first sampled token). Raises ValueError if meta does not fit."""
+    prefill is done (e.g. the first sampled token); its last bytes are left for the canary's
+    sums (``canary.seal``). Raises ValueError if meta does not fit."""
     body = json.dumps(meta or {}).encode()
-    if len(body) > TRAILER_BYTES - 12:
+    if len(body) > TRAILER_BYTES - 12 - _TRAILER_CANARY_BYTES:
         raise ValueError(f"transfer meta of {len(body)} bytes does not fit the {TRAILER_BYTES}-byte trailer")
     out = np.zeros(TRAILER_BYTES, dtype=np.uint8)
     out[:8] = np.frombuffer(np.int64(status).tobytes(), dtype=np.uint8)
@@ -607,7 +610,7 @@ def decode_trailer(data: torch.Tensor) -> tuple[int, dict[str, Any]]:
     raw = data.cpu().numpy().tobytes()
     status = int(np.frombuffer(raw[:8], dtype=np.int64)[0])
     length = int(np.frombuffer(raw[8:12], dtype=np.uint32)[0])
-    if length > TRAILER_BYTES - 12:
+    if length > TRAILER_BYTES - 12 - _TRAILER_CANARY_BYTES:
         raise ValueError(f"trailer meta length {length} out of range")
     meta = json.loads(raw[12:12 + length]) if length else {}
     if not isinstance(meta, dict):

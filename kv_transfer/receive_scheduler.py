@@ -69,10 +69,14 @@ class KVReceiveScheduler:
     """The receives in flight to one decode engine, by request, and what the engine hears
     of each. Thread-safe: parts end on their pairs' threads (or on worker ranks)."""
 
-    def __init__(self, loop: EngineLoop, timeout: float) -> None:
+    def __init__(self, loop: EngineLoop, timeout: float,
+                 on_checksum_mismatch: Callable[[], None] | None = None) -> None:
         """``loop``: the engine's thread, where its operations run; ``timeout``: the KV
-        transfer timeout (``--kv-transfer-timeout``)."""
+        transfer timeout (``--kv-transfer-timeout``); ``on_checksum_mismatch``: told of each
+        part whose blocks landed other than sent (the canary, canary.py: metrics)."""
         self.loop, self.timeout = loop, timeout
+        self.on_checksum_mismatch = on_checksum_mismatch
+        self.num_checksum_mismatches = 0  # parts that failed the canary, on any rank
         self._receives: dict[str, ReceiveProgress] = {}
         # Parts whose end came before their admission (a worker rank gave up waiting for the
         # answer and ended its part; the calls may cross): the admission, when it comes, is
@@ -121,10 +125,16 @@ class KVReceiveScheduler:
             progress.begun.result(self.timeout)  # the first part's answer (raises its error)
 
     def ended(self, request_id: str, error: str | None, part: str, meta: dict | None = None,
-              figures: dict | None = None) -> None:
-        """An admitted part ended: landed (error None) or not. A part whose admission has not
-        been taken yet (its caller gave up waiting for the answer) ends as refused, and its
-        admission is refused when it comes."""
+              figures: dict | None = None, checksum_mismatch: bool = False) -> None:
+        """An admitted part ended: landed (error None) or not (``checksum_mismatch``: it landed,
+        but not as sent; counted). A part whose admission has not been taken yet (its caller
+        gave up waiting for the answer) ends as refused, and its admission is refused when it
+        comes."""
+        if checksum_mismatch:
+            with self._lock:
+                self.num_checksum_mismatches += 1
+            if self.on_checksum_mismatch is not None:
+                self.on_checksum_mismatch()
         with self._lock:
             progress = self._receives.get(request_id)
             early = progress is None or part not in progress.landing

@@ -17,6 +17,7 @@ from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVChanne
                                   TRAILER_BYTES, WirePlan, _HEADER_QUEUE, _IDLE_WAIT, _OK, _WILDCARD_HOSTS,
                                   decode_runs, decode_trailer, expand_runs, has_repeats, plane_block_bytes,
                                   plane_chunks, state_views)
+from kv_transfer import canary
 from kv_transfer.pair import _Pair, _hello, _log_pair_up, _remaining, _scatter_blocks, _settle
 
 logger = logging.getLogger(__name__)
@@ -278,20 +279,45 @@ class KVReceiver(_Pair):
                                dst_index if planes[plane][1].pack else None, deadline, what)
             if state is not None and not drain:  # every work is over (landed above): the state is in
                 self._land_state(state_buf, state[0], state[1])
+            # the canary's sums of what landed, queued on this stream: read with the trailer below
+            landed = None if drain else self._canary_sums(request_id, dst_ids, planes, state)
             if self.backend == "nccl":
                 done = torch.cuda.Event()
                 done.record()
                 self._wait([w for ws in works for w in ws], deadline, what, done=done)
             elif kv_cache.is_cuda:
                 torch.cuda.current_stream().synchronize()
+            host = trailer.cpu()
             try:
-                status, meta = decode_trailer(trailer)
+                status, meta = decode_trailer(host)
             except ValueError as e:
                 self._fail("reading a KV trailer", e)
                 raise KVTransferError(f"{what}: malformed trailer: {e}") from e
         if rejected is not None:
             raise rejected
+        if status == _OK and landed is not None:
+            canary.check(request_id, canary.carried_sums(host.numpy()), landed.cpu().numpy(), len(dst_ids),
+                         [kv.shape[0] for kv, _ in planes])
         return status, meta, num_messages
+
+    def _canary_sums(self, request_id: str, dst_ids: np.ndarray, planes: list[tuple[torch.Tensor, WirePlan]],
+                     state: tuple[Sequence[Any], int, int] | None) -> torch.Tensor:
+        """The canary's sums of the landed transfer's sampled blocks (and state windows), as the
+        sender computed them of what it sent (canary.py), queued on this pair's stream. The test
+        hook (PDSERVE_TEST_CORRUPT_KV_EVERY) corrupts a sampled block first."""
+        kv_cache = planes[0][0]
+        plan = canary.plan_canary(request_id, dst_ids, [kv.shape[0] for kv, _ in planes])
+        views = state_views(state[0], state[1]) if state is not None else None
+        if canary.TEST_CORRUPTION.due():
+            canary.TEST_CORRUPTION.corrupt(kv_cache, plan.rows[0], views, request_id)
+        placed = np.concatenate(plan.rows, axis=1)
+        rows = self._index_on_device(placed.reshape(-1), kv_cache.device, kind="canary").view(3, placed.shape[1])
+        sums = canary.new_sums(kv_cache.device)
+        for (kv, _), plane_rows in zip(planes, rows.split([r.shape[1] for r in plan.rows], dim=1)):
+            canary.add_cache_sums(sums, kv, plane_rows, plan.k, 0, kv.shape[0])
+        if views is not None:
+            canary.add_state_sum(sums, views, request_id)
+        return sums
 
     def _targets(self, k: int, chunk: tuple[int, int], runs: np.ndarray, kv_cache: torch.Tensor,
                  plan: WirePlan, drain: bool) -> tuple[list[torch.Tensor], bool]:

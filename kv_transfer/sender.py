@@ -15,6 +15,7 @@ from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout
                                   RECEIVER_RANK, SENDER_RANK, StateMove, TransferStats, WirePlan, _ABORTED,
                                   _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
                                   plan_transfer, plane_block_bytes, plane_chunks, run_array, state_views)
+from kv_transfer import canary
 from kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
                               _settle, _wait_for_listener)
 
@@ -225,9 +226,16 @@ class KVSendTransfer:
         self._src_index: torch.Tensor | None = None
         self._ready: torch.cuda.Event | None = None
         packs = any(p.pack for _, p in planes)
+        # the canary's sampled (layer, block, slot) of each cache, and its sums, on the cache's device
+        plan = canary.plan_canary(request_id, src, [kv.shape[0] for kv, _ in planes])
+        self._canary_k = plan.k
         with sender._on_stream(after_caller=True):
             if packs:
                 self._src_index = sender._index_on_device(src, kv_cache.device)
+            placed = np.concatenate(plan.rows, axis=1)
+            rows = sender._index_on_device(placed.reshape(-1), kv_cache.device, kind="canary").view(3, placed.shape[1])
+            self._canary_rows = list(rows.split([r.shape[1] for r in plan.rows], dim=1))
+            self._sums = canary.new_sums(kv_cache.device)
         self._marks.append(("after caller's work" + (", index placed" if packs else ""), time.perf_counter()))
 
     @property
@@ -268,6 +276,8 @@ class KVSendTransfer:
                 elif self._num_waited <= k - 2:
                     sender._wait(self._works[k - 2], self._deadline, what)
                     self._num_waited = k - 1
+            # this chunk's sampled blocks, after its layers are written (the stream waited above)
+            canary.add_cache_sums(self._sums, kv, self._canary_rows[plane], self._canary_k, l0, l1)
             if plan.pack:
                 messages = [self._gather(k, kv, l0, l1)]
                 self._marks.append((f"chunk {k} gathered", time.perf_counter()))
@@ -276,8 +286,11 @@ class KVSendTransfer:
             self._num_messages += len(messages)
             if trailer is not None:
                 if self._state is not None:
+                    canary.add_state_sum(self._sums, self._state, self.request_id)
                     messages.append(self._gather_state())
                     self._num_messages += 1
+                # from a GPU over gloo, the gathers above synchronized the stream: this copy waits for nothing
+                canary.seal(trailer, self._sums)
                 messages.append(trailer)
             self._works.append(sender._post(messages, send=True, what=what))
         self._marks.append((f"chunk {k} posted", time.perf_counter()))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from engine.parallel import kv_head_range
 from engine.rank_calls import RankCallError, call
+from kv_transfer.canary import KVChecksumError
 from kv_transfer.protocol import KVChannelClosed, KVLayout, TransferStats
 from kv_transfer.receiver import KVReceiver
 
@@ -119,7 +120,9 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
     """Receive one part of a request's KV into ``heads`` and account for it exactly once:
     ``admit`` before any byte lands (raises to refuse: the part is drained), then ``ended``
     (landed, or failed after admission) or ``refused`` (failed before it, the request known).
-    Returns (whether the pair goes on, the stats of a part that landed). ``rank``: the
+    Returns (whether the pair goes on, the stats of a part that landed). A part that landed
+    with other bytes than were sent (the canary's checksum, canary.py) ends failed, marked
+    ``checksum_mismatch``. ``rank``: the
     receiving rank, named in the figures with the part's end (time.time()). ``draft_cache``: a
     draft model's cache, whose blocks come in the same transfer (the figures' ``draft``).
     ``linear_states``: a hybrid model's linear-attention state tensors, whose slot the
@@ -142,8 +145,9 @@ def receive_part(receiver: KVReceiver, heads: torch.Tensor, num_parts: int, name
         rid = admitted[0] if admitted else getattr(exc, "request_id", None)
         why = f"{name} failed: {str(exc) or type(exc).__name__}"
         logger.warning("%s%s", f"request {rid}: " if rid else "", why)
-        if admitted:
-            ended(request_id=rid, error=why, part=part)
+        if admitted:  # a checksum mismatch is counted where the request is (rank 0's scheduler side)
+            ended(request_id=rid, error=why, part=part,
+                  **({"checksum_mismatch": True} if isinstance(exc, KVChecksumError) else {}))
         elif rid is not None:
             refused(request_id=rid, error=why)
         return receiver.is_usable and isinstance(exc, Exception), None

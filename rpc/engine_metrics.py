@@ -125,6 +125,11 @@ class EngineMetrics:
                                  "Prefill tier: how long a request's KV send still ran after its first token "
                                  "was sampled (what the transfer adds to time to first token).",
                                  names, buckets=_TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
+        # decode tier: transfers whose sampled blocks landed other than sent (kv_transfer/canary.py)
+        self.kv_checksum_mismatches = Counter(
+            "pdserve:kv_transfer_checksum_mismatches", "KV transfers (parts of one) whose sampled blocks landed "
+            "other than the prefill server sent them (the transfer canary): each failed its request's hand-off.",
+            names, registry=self.registry).labels(**labels) if role == "decode" else None
         c = engine.config
         info = Gauge("pdserve:engine_config_info", "The engine's configuration (value 1).",
                      names + ["tensor_parallel_size", "block_size", "dtype", "kv_cache_dtype", "device",
@@ -134,6 +139,10 @@ class EngineMetrics:
                     num_gpu_blocks=str(engine.num_blocks)).set(1)
         self._labels = labels
         self.url = ""
+
+    def record_checksum_mismatch(self) -> None:
+        if self.kv_checksum_mismatches is not None:
+            self.kv_checksum_mismatches.inc()
 
     def record_transfer(self, stats: TransferStats) -> None:
         self.kv_bytes.labels(**self._labels, backend=stats.backend).inc(stats.num_bytes)
