@@ -45,6 +45,12 @@ fails naming the servers it lost. Each migration counts in
 the request's root span; the new attempt's "route" span carries
 ``pdserve.route.migration`` and ``pdserve.route.resume_tokens``).
 
+A KV hand-off the decode server fails after the prefill server's first token went out (its
+checksum of the blocks that landed is not the sender's: kv_transfer/canary.py) ends its
+stream ABORTED: with ``--kv-load-failure-policy recompute`` the request is resumed after
+that token on a decode server that computes it itself (every prefill server excluded), as
+a failed hand-off before the first token is; with ``fail`` the client gets the error.
+
 Text, stop strings and usage are not this module's business: see
 ``output_processor``.
 """
@@ -139,6 +145,15 @@ class _PrefillFailed(Exception):
     def __init__(self, error: GatewayError, prefill: Instance, recompute: bool = False) -> None:
         super().__init__(error.message)
         self.error, self.prefill, self.recompute = error, prefill, recompute
+
+
+class _KVLoadFailed(Exception):
+    """The decode server failed the KV hand-off after the first token was streamed
+    (``recompute``: resumed after it, prefilled by a decode server)."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class RequestFlow:
@@ -241,6 +256,10 @@ class RequestFlow:
                 failed_prefill += ([i.address for i in self._router.prefill_instances] if e.recompute
                                    else [e.prefill.address])
                 last = e.error
+            except _KVLoadFailed as e:
+                failed_prefill += [i.address for i in self._router.prefill_instances]
+                self._resume = list(self._generated)
+                hashes, last = None, e.error
             except _StreamBroken as e:
                 self.lost_decode.append(decode.address)
                 self._migrate(e)
@@ -426,6 +445,9 @@ class RequestFlow:
             error = self._decode_error(e, decode)
             if refusable:
                 raise _Refused(error) from None
+            if (e.code() == grpc.StatusCode.ABORTED and self._router.kv_load_failure_policy == "recompute"
+                    and self._req.remaining() > 0 and not self.is_aborted):
+                raise _KVLoadFailed(error) from None  # the hand-off failed on the decode side
             if e.code() in _BROKEN and self._req.remaining() > 0 and not self.is_aborted:
                 raise _StreamBroken(error, _BROKEN[e.code()]) from None
             raise error from None
