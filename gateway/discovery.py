@@ -27,6 +27,14 @@ new id's server which tier it is: its health service knows
 that stops heartbeating (or leaves on SIGTERM) drops out within
 ``ALIVE_TTL_S``.
 
+Redis outages: a look-up that fails keeps the last answer (above), and is
+reported to the gateway's ``RedisStatus`` (one warning line per outage, shared
+with the prefix index) instead of a line of its own. A Redis that comes back
+empty (restarted: its ``run_id`` changed) has lost every registration until the
+servers' next heartbeat: for ``ALIVE_TTL_S`` after the restart is seen, the
+servers found before it are kept beside those registered again, so a restart
+never drains a live server.
+
 ``resolve_host`` is the only place names are resolved; tests replace it.
 """
 from __future__ import annotations
@@ -42,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import DNS_PREFIX, REDIS_ENTRY, join_host_port
 from gateway.instances import DECODE, PREFILL, InstanceRegistry
+from gateway.redis_status import RedisStatus
 from pdserve.v1 import engine_pb2
 from rpc import tls
 from rpc.prefix_index import ALIVE_TTL_S, NAMESPACES_KEY, address_of, alive_key, namespace_model
@@ -71,8 +80,9 @@ class Discovery:
 
     def __init__(self, registry: InstanceRegistry, prefill: Iterable[str], decode: Iterable[str],
                  interval: float = 5.0, redis_url: str | None = None, model_name: str = "",
-                 probe_timeout: float = 1.0) -> None:
+                 probe_timeout: float = 1.0, redis_status: RedisStatus | None = None) -> None:
         self.registry = registry
+        self.redis_status = redis_status  # reports Redis look-ups (their failures log there)
         self.entries = {PREFILL: tuple(prefill), DECODE: tuple(decode)}
         self.interval = interval
         self.probe_timeout = probe_timeout
@@ -116,14 +126,19 @@ class Discovery:
             await self.registry.set_addresses(role, addresses)
 
     async def _lookup(self, entry: str, lookup):
+        status = self.redis_status if entry == REDIS_ENTRY else None
         try:
             answer = await lookup()
         except Exception as exc:  # the resolver's or Redis's failure: keep the last answer
-            if entry not in self._warned:
+            if status is not None:
+                status.failed(exc)
+            elif entry not in self._warned:
                 logger.warning("discovery: looking up %s failed (%s); keeping its last answer %s", entry,
                                exc or type(exc).__name__, self._last.get(entry, "(none)"))
                 self._warned.add(entry)
             return self._last.get(entry)
+        if status is not None:
+            status.answered()
         if entry in self._warned:
             logger.info("discovery: %s answers again", entry)
             self._warned.discard(entry)
@@ -157,11 +172,33 @@ class RedisRegistrations:
         self._roles: dict[str, str] = {}  # instance id -> role (asked once per id)
         self._timeout_s = timeout_s
         self._skipped: set[str] = set()  # namespaces of other models (logged once)
+        self._run_id: str | None = None  # the Redis server's, as of the last look-up
+        self._last: dict[str, list[str]] = {PREFILL: [], DECODE: []}  # the last answer
+        self._kept: dict[str, list[str]] = {}  # found before a restart of Redis, kept until...
+        self._kept_until = 0.0  # ... this time.monotonic()
 
     async def close(self) -> None:
         await self._redis.aclose()
 
     async def lookup(self) -> dict[str, list[str]]:
+        """The live servers by role (and, for ``ALIVE_TTL_S`` after Redis restarted, those
+        found before it)."""
+        run_id = (await self._redis.info("server")).get("run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            kept = self._kept if time.monotonic() < self._kept_until else {}
+            self._kept = {role: list(dict.fromkeys([*kept.get(role, []), *addrs])) for role, addrs in self._last.items()}
+            self._kept_until = time.monotonic() + ALIVE_TTL_S
+            logger.info("discovery: Redis restarted; keeping the %d server(s) found before until they register "
+                        "again", sum(map(len, self._kept.values())))
+        self._run_id = run_id
+        out = await self._registered()
+        self._last = {role: list(addrs) for role, addrs in out.items()}
+        if time.monotonic() < self._kept_until:
+            for role, addrs in self._kept.items():
+                out[role] += [a for a in addrs if a not in out[role]]
+        return out
+
+    async def _registered(self) -> dict[str, list[str]]:
         fresh = time.time() - ALIVE_TTL_S
         namespaces = [ns.decode() for ns in await self._redis.zrangebyscore(NAMESPACES_KEY, fresh, "+inf")]
         mine = [ns for ns in namespaces if namespace_model(ns) == self.model_name]

@@ -11,6 +11,8 @@ metrics.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -60,6 +62,19 @@ class GatewayMetrics:
                                    "broke mid-response, by cause (the gRPC status: unavailable, cancelled, unknown; "
                                    "stream_ended: it ended without a finish reason).",
                                    labels + ["cause"], registry=r)
+        # Degraded modes (also in /cluster's "degraded": ``degraded_json``).
+        self._prefix_index_unreachable = Gauge(
+            "pdserve:gateway_prefix_index_unreachable",
+            "1 while the Redis holding the prefix index does not answer (routing by load alone), else 0.",
+            labels, registry=r).labels(model_name)
+        self._is_prefix_index_unreachable = False
+        self._local_prefill_fallbacks = Counter(
+            "pdserve:gateway_local_prefill_fallbacks",
+            "Requests a decode server prefilled itself because no prefill server was usable, by cause "
+            "(no_prefill_server: none found; no_healthy_prefill_server; prefill_failed: every healthy one failed "
+            "the request or its KV hand-off; lora_adapter, draft_model: none holds the decode server's adapter "
+            "copy or draft model). Not counted without --prefill.",
+            labels + ["cause"], registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
@@ -123,9 +138,29 @@ class GatewayMetrics:
         """A request moved to another decode server (``pdserve:gateway_migrations_total``)."""
         self._migrations.labels(self._model_name, cause).inc()
 
+    def on_local_prefill_fallback(self, cause: str) -> None:
+        """A decode server prefills a request itself: no prefill server was usable."""
+        self._local_prefill_fallbacks.labels(self._model_name, cause).inc()
+
+    def set_prefix_index_unreachable(self, unreachable: bool) -> None:
+        self._is_prefix_index_unreachable = unreachable
+        self._prefix_index_unreachable.set(1 if unreachable else 0)
+
+    def degraded_json(self) -> dict[str, Any]:
+        """The degraded-mode counters as /cluster shows them (the same values as /metrics)."""
+        return {"prefix_index_unreachable": self._is_prefix_index_unreachable,
+                "local_prefill_fallbacks": _by_label(self._local_prefill_fallbacks, "cause"),
+                "migrations": _by_label(self._migrations, "cause")}
+
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)
 
     def render(self) -> bytes:
         """Prometheus text exposition of every gateway metric."""
         return generate_latest(self.registry)
+
+
+def _by_label(counter: Counter, label: str) -> dict[str, int]:
+    """A labelled counter's totals by one label's value (series never incremented omitted)."""
+    return {sample.labels[label]: int(sample.value) for metric in counter.collect() for sample in metric.samples
+            if sample.name.endswith("_total")}

@@ -6,8 +6,10 @@ One interface, two backends:
 - ``RedisPrefixIndex`` reads what the engine servers publish to Redis (key
   scheme in ``rpc/prefix_index.py``): one pipelined round trip per request
   under a tight timeout. Every gateway replica sees the same picture. When
-  Redis does not answer, matches are empty (routing falls back to load), a
-  warning is logged once, and Redis is tried again after a pause.
+  Redis is unreachable, matches are empty (routing falls back to load), one
+  warning line is logged per outage and a gauge is set (``gateway/redis_status.py``,
+  shared with discovery), and Redis is probed until it answers. The engine
+  servers publish their blocks again when it does (a fresh, empty Redis too).
 - ``MemoryPrefixIndex`` follows each engine server's ``CacheEvents.Watch``
   stream and keeps the same sets in this process (``pdserve up`` without
   ``--redis-url``). A server whose stream breaks counts as holding nothing
@@ -27,17 +29,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from engine.block_hash import NONE_HASH, hash_request_blocks
 from gateway.instances import Instance
+from gateway.redis_status import RedisStatus
 from pdserve.v1 import engine_pb2, engine_pb2_grpc
 from rpc.prefix_index import ALIVE_TTL_S, address_of, alive_key, block_key
 
 logger = logging.getLogger(__name__)
-_REDIS_RETRY_S = 1.0
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = NONE_HASH) -> list[int]:
@@ -69,6 +71,10 @@ class PrefixIndex(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
 
+    def to_json(self) -> dict[str, Any]:
+        """The index in /cluster: its backend and, for Redis, whether it is reachable."""
+        ...
+
 
 class MemoryPrefixIndex:
     def __init__(self, instances: Iterable[Instance], retry_s: float = 1.0) -> None:
@@ -96,6 +102,9 @@ class MemoryPrefixIndex:
             task.cancel()
         self._blocks.pop(inst.address, None)
         self._namespace.pop(inst.address, None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": "memory", "unreachable": False}
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -162,42 +171,53 @@ return out
 
 
 class RedisPrefixIndex:
-    def __init__(self, url: str, timeout_s: float = 0.01) -> None:
+    """Matches read from Redis. Whether Redis is reachable is ``status``'s to say (shared with
+    discovery; it probes on its own): while it is not, matches are empty at no cost and
+    routing goes by load alone; a call that cannot connect starts the outage at once. A
+    match that only times out is empty for that request (a slow answer under load is not an
+    outage)."""
+
+    def __init__(self, url: str, timeout_s: float = 0.01, status: RedisStatus | None = None) -> None:
         import redis.asyncio as aredis
         import redis as sync_redis
 
         self.url = url
+        self.status = status or RedisStatus(url)
+        self._owns_status = status is None
         self._redis = aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._match = self._redis.register_script(_MATCH_LUA)
-        self._errors = (sync_redis.RedisError, OSError, asyncio.TimeoutError)
+        self._errors = (sync_redis.RedisError, OSError)
+        self._timeouts = (sync_redis.TimeoutError, asyncio.TimeoutError)
         self._timeout_s = timeout_s
-        self._retry_at = 0.0
-        self._down = False
 
     async def start(self) -> None:
-        pass
+        if self._owns_status:
+            await self.status.start()
 
     async def close(self) -> None:
+        if self._owns_status:
+            await self.status.close()
         await self._redis.aclose()
 
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": "redis", **self.status.to_json()}
+
     async def match(self, namespace: str, hashes: Sequence[int]) -> dict[str, int]:
-        if not hashes or time.monotonic() < self._retry_at:
+        if not hashes or self.status.is_unreachable:
             return {}
         keys = [alive_key(namespace), *(block_key(namespace, h) for h in hashes)]
         try:
             # The client's socket timeout bounds each read; this bounds the whole call.
             flat = await asyncio.wait_for(self._match(keys=keys, args=[time.time() - ALIVE_TTL_S]),
                                           max(4 * self._timeout_s, 0.05))
-        except self._errors as exc:
-            if not self._down:
-                logger.warning("prefix index: Redis at %s did not answer (%s); routing by load alone until "
-                               "it does", self.url, exc or type(exc).__name__)
-                self._down = True
-            self._retry_at = time.monotonic() + _REDIS_RETRY_S
+        except self._timeouts as exc:
+            logger.debug("prefix index: Redis did not answer in time (%s); this request is routed by load",
+                         exc or type(exc).__name__)
             return {}
-        if self._down:
-            logger.info("prefix index: Redis at %s answers again", self.url)
-            self._down = False
+        except self._errors as exc:
+            self.status.failed(exc)
+            return {}
+        self.status.answered()
         by_address: dict[str, int] = {}
         for iid, n in zip(flat[::2], flat[1::2]):  # a restarted server may briefly have two live ids
             addr = address_of(iid.decode())

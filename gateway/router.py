@@ -20,6 +20,12 @@ Conditional disaggregation: when the part of the prompt the chosen decode
 server lacks is at most ``--local-prefill-threshold`` tokens, it prefills
 the request itself and no KV moves.
 
+A prefill tier configured (``--prefill``) but no prefill server usable for a
+request (none found, none healthy, each failed it, none holds its adapter copy
+or the decode server's draft model): the decode server prefills it, and
+``on_local_prefill_fallback`` counts it by that cause
+(``pdserve:gateway_local_prefill_fallbacks_total``, /cluster's ``degraded``).
+
 A request whose KV hand-off failed is, by ``--kv-load-failure-policy``,
 either failed ("fail", the default) or sent again to be prefilled by a decode
 server ("recompute"; ``RequestFlow`` excludes every prefill server).
@@ -55,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_hash import NONE_HASH
@@ -87,7 +93,8 @@ class Router:
 
     def __init__(self, registry: InstanceRegistry, index: PrefixIndex | None = None,
                  overlap_weight: float = 1.0, local_prefill_threshold: int = 0,
-                 kv_load_failure_policy: str = "fail") -> None:
+                 kv_load_failure_policy: str = "fail",
+                 on_local_prefill_fallback: Callable[[str], None] | None = None) -> None:
         if kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"--kv-load-failure-policy must be fail or recompute, got {kv_load_failure_policy!r}")
         self._registry = registry
@@ -96,6 +103,10 @@ class Router:
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_load_failure_policy = kv_load_failure_policy  # a failed KV hand-off: "fail" | "recompute"
         self._num_routed: dict[str, int] = {}
+        # Called with the cause whenever no prefill server is usable for a request, so its decode
+        # server prefills it (the metric; counted here, where it is decided). None where no prefill
+        # tier is configured (prefilling on the decode server is then the plan, not a fallback).
+        self._on_local_prefill_fallback = on_local_prefill_fallback
 
     async def route(self, prompt_token_ids: Sequence[int], exclude: Collection[str] = (),
                     hashes: BlockHashes | None = None, exclude_prefill: Collection[str] = (),
@@ -112,6 +123,9 @@ class Router:
                                f"no healthy decode server is available{tried}; configured: {configured}",
                                code="no_healthy_decode_server")
         prefills = self._healthy(self._registry.prefill, exclude_prefill)
+        # Why no prefill server is usable, as the candidates run out (None: some still are).
+        unusable = (None if prefills else "no_prefill_server" if not self._registry.prefill else
+                    "prefill_failed" if self._healthy(self._registry.prefill, ()) else "no_healthy_prefill_server")
         if lora_name is not None:
             decodes = self._holding(decodes, lora_name, exclude)
             prefills = [i for i in prefills if i.lora_adapter(lora_name) is not None]
@@ -129,10 +143,13 @@ class Router:
         if lora_name is not None:
             fingerprint = decode.lora_adapter(lora_name).fingerprint
             prefills = [i for i in prefills if i.lora_adapter(lora_name).fingerprint == fingerprint]
+        unusable = unusable or (None if prefills else "lora_adapter")
         # A draft model's KV moves with the target's: only a prefill server with the decode
         # server's draft (or, for one without, none) can feed it; else it prefills itself.
         prefills = [i for i in prefills if i.draft_model == decode.draft_model]
         if not prefills:
+            if self._on_local_prefill_fallback is not None:
+                self._on_local_prefill_fallback(unusable or "draft_model")
             return route, hashes
         if n - matched.get(decode.address, 0) <= self.local_prefill_threshold:
             route.reason = "local"

@@ -31,6 +31,7 @@ from gateway.http_api import create_app
 from gateway.instances import InstanceRegistry
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from gateway.redis_status import RedisStatus
 from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.reasoning_parsers import HarmonyReasoningParser, ReasoningParser, get_reasoning_parser
@@ -140,25 +141,29 @@ def read_chat_template(value: str) -> str:
     return text
 
 
-def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry) -> PrefixIndex:
+def make_prefix_index(cfg: GatewayConfig, registry: InstanceRegistry,
+                      redis_status: RedisStatus | None = None) -> PrefixIndex:
     """Redis when ``--redis-url`` is set, else this process's own copy."""
     if cfg.redis_url:
-        logger.info("prefix index: Redis at %s", cfg.redis_url)
-        return RedisPrefixIndex(cfg.redis_url, cfg.redis_timeout)
+        logger.info("prefix index: Redis at %s", redis_status.url if redis_status else cfg.redis_url)
+        return RedisPrefixIndex(cfg.redis_url, cfg.redis_timeout, redis_status)
     logger.info("prefix index: in memory, following every engine server's cache events")
     return MemoryPrefixIndex(registry)
 
 
 async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: ReasoningParser | None = None) -> int:
     registry = InstanceRegistry()
+    metrics = GatewayMetrics(inputs.served_model_name)
+    # One view of Redis for the prefix index and discovery: one warning line per outage, one gauge.
+    redis_status = RedisStatus(cfg.redis_url, metrics.set_prefix_index_unreachable) if cfg.redis_url else None
     discovery = Discovery(registry, cfg.prefill, cfg.decode, cfg.discovery_interval, cfg.redis_url,
-                          inputs.served_model_name)
-    index = make_prefix_index(cfg, registry)
+                          inputs.served_model_name, redis_status=redis_status)
+    index = make_prefix_index(cfg, registry, redis_status)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
-                    cfg.kv_load_failure_policy)
+                    cfg.kv_load_failure_policy, metrics.on_local_prefill_fallback if cfg.prefill else None)
     tool_parser = cfg.tool_call_parser or ("openai" if cfg.reasoning_parser == "gpt_oss" else None)
     parser = get_parser(tool_parser) if tool_parser else None
-    service = GatewayService(inputs, registry, GatewayMetrics(inputs.served_model_name), cfg.request_timeout,
+    service = GatewayService(inputs, registry, metrics, cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice,
                              cfg.allow_runtime_lora_updating, reasoning_parser=reasoning,
                              migration_limit=cfg.migration_limit)
@@ -175,6 +180,8 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
                                       timeout_graceful_shutdown=int(cfg.shutdown_timeout + _ABORT_GRACE_S) + 1))
     http_task: asyncio.Task[None] | None = None
     try:
+        if redis_status is not None:
+            await redis_status.start()
         await discovery.start()
         await registry.start()
         await index.start()
@@ -203,6 +210,8 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
                 await http_task
         await discovery.close()
         await index.close()
+        if redis_status is not None:
+            await redis_status.close()
         await registry.close()
         sock.close()
     logger.info("gateway stopped")

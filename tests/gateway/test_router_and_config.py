@@ -78,6 +78,35 @@ def test_a_prefill_server_feeds_only_decode_servers_with_its_draft_model():
     asyncio.run(go())
 
 
+def test_local_prefill_fallbacks_are_counted_by_cause():
+    """Where the router gives a request to its decode server because no prefill server is
+    usable, it says why, once per decision; never with no prefill tier configured."""
+    async def go():
+        causes: list[str] = []
+        reg = InstanceRegistry(("p1:1", "p2:2"), ("d1:1",))
+        (p1, p2), (d1,) = reg.prefill, reg.decode
+        for inst in (p1, p2, d1):
+            _set(inst, True)
+        router = Router(reg, on_local_prefill_fallback=causes.append)
+        assert (await _pick(router)).prefill is not None and causes == []
+        assert (await router.route(PROMPT, exclude_prefill=["p1:1", "p2:2"]))[0].prefill is None
+        assert causes == ["prefill_failed"]  # both healthy, both failed this request
+        d1.load.draft_model = "draft-a"
+        assert (await _pick(router)).prefill is None and causes[-1] == "draft_model"
+        d1.load.draft_model = ""
+        _set(p1, False)
+        _set(p2, False)
+        assert (await _pick(router)).prefill is None and causes[-1] == "no_healthy_prefill_server"
+        await reg.set_addresses("prefill", [])
+        assert (await _pick(router)).prefill is None and causes[-1] == "no_prefill_server"
+        assert len(causes) == 4
+        quiet = Router(InstanceRegistry((), ("d1:1",)))  # no prefill tier: prefilling locally is the plan
+        _set(quiet._registry.decode[0], True)
+        assert (await _pick(quiet)).reason == "no-prefill-server"
+        await reg.close()
+    asyncio.run(go())
+
+
 def test_router_spreads_ties():
     async def go():
         reg = InstanceRegistry((), ("a:1", "b:2"))
