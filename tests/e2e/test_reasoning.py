@@ -17,7 +17,8 @@ What it proves: ``reasoning_content`` and ``content`` come apart, streamed (reas
 deltas first) and not, and gRPC's ``reasoning_text``; the raw completion of the same prompt
 is reasoning + ``</think>`` + content; ``chat_template_kwargs`` reach the template (four
 more prompt tokens, no reasoning) and bad ones are 400s; structured outputs and a forced
-tool call apply to the content only, after the reasoning the model wrote freely.
+tool call apply to the content only, after the reasoning the model wrote freely; /v1/responses
+returns the reasoning as a reasoning item before the message.
 """
 from __future__ import annotations
 
@@ -225,3 +226,22 @@ def test_a_tool_call_after_the_thinking_block(cluster, raw):
     (call,) = message.tool_calls
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     assert r.choices[0].finish_reason == "tool_calls", (call, r.usage.completion_tokens)
+
+
+def test_responses_carry_the_reasoning_as_a_reasoning_item(cluster, raw):
+    """/v1/responses (gateway/responses_output.py): the reasoning is a reasoning item before
+    the message, streamed as reasoning_text deltas; the cut answer is incomplete."""
+    reasoning, content = raw.split(END, 1)
+    client = _client(cluster["qwen3"])
+    body = dict(model=MODEL, instructions=ASK[0]["content"], input=ASK[1]["content"], max_output_tokens=MAX_TOKENS,
+                temperature=0)
+    r = client.responses.create(**body)
+    item, message = r.output
+    assert (item.type, [c.text for c in item.content], item.summary) == ("reasoning", [reasoning], [])
+    assert r.output_text == content and (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    events = list(client.responses.create(**body, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
+    assert events[-1].type == "response.incomplete"
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
