@@ -41,7 +41,8 @@ One transfer (the receiver needs to know nothing in advance)::
              bytes) rides in the last chunk's batch as one message, before the trailer
              the trailer rides in the last chunk's batch: status (_OK | _ABORTED) and the
              sender's meta (JSON: the first sampled token), known only once prefill is done,
-             so a sender can post each layer as prefill computes it (``send_layer``)
+             so a sender can post each layer as prefill computes it (``send_layer``); it ends
+             with the canary's checksums of sampled blocks, which the receiver checks (canary.py)
 
 The sender picks the plan (``plan_transfer``): long runs go in place, every layer in one
 NCCL group; short runs are gathered into chunks (two staging slots a side, so gathering
