@@ -40,7 +40,8 @@ class Usage:
 class GenerationDelta:
     """What is new since the previous delta. The last one has
     ``finish_reason`` ("stop" | "length" | "abort" | "error") and ``usage``;
-    with "error", ``finish_message`` says why (no token met the constraint)."""
+    with "error", ``finish_message`` says why (no token met the constraint);
+    ``stop_string`` is the stop string that ended the output, if one did."""
 
     token_ids: list[int]
     text: str
@@ -48,6 +49,7 @@ class GenerationDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     finish_message: str = ""
+    stop_string: str | None = None
 
 
 class OutputProcessor:
@@ -117,7 +119,7 @@ class OutputProcessor:
                reason: str, message: str = "") -> GenerationDelta:
         usage = Usage(len(self._req.prompt_token_ids), self._num_output_tokens, self._num_cached_tokens)
         self._metrics.on_finished(reason, usage.prompt_tokens, time.monotonic() - self._req.arrival)
-        return GenerationDelta(ids, text, lps, reason, usage, message)
+        return GenerationDelta(ids, text, lps, reason, usage, message, self._detok.stop_reason)
 
     @property
     def num_output_tokens(self) -> int:
