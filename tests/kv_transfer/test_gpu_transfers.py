@@ -123,3 +123,39 @@ def test_gpu_nccl_sender_killed_mid_transfer(peer: Peer) -> None:
     assert torch.allclose(x @ torch.eye(1024, device="cuda:0"), x)
     time.sleep(2.0)  # a watchdog or heartbeat thread would act by now
     _gpu_round_trip(peer, "after-death", "cuda:1", "cuda:0", "nccl")
+
+
+def _canary_on_gpu(peer: Peer, monkeypatch, name: str, sender_device: str, receiver_device: str,
+                   backend: str) -> None:
+    """The transfer canary on GPUs: intact transfers (every plan) pass it, a block corrupted after
+    it landed (the test hook, in this receiving process) fails it, and the pair goes on."""
+    from kv_transfer import canary
+
+    pair = Pair(peer, name, GPU_SPEC, "bfloat16", sender_device, receiver_device)
+    try:
+        assert pair.backend == backend
+        rng = random.Random(name)
+        requests = [("a", rng.sample(range(64), 40), rng.sample(range(64), 40)), ("b", [5], [9])]
+        for plan in (None, (True, 1), (False, 4)):
+            pair.transfer(requests, plan)
+        monkeypatch.setattr(canary, "TEST_CORRUPTION", canary._CorruptionHook(1))
+        pair.peer.post("send", pair.name, [("bad", list(range(10)), list(range(30, 40)))], None)
+        with pytest.raises(canary.KVChecksumError, match="request bad: KV checksum mismatch"):
+            pair.receiver.recv(pair.cache, timeout=20)
+        pair.peer.reply()
+        monkeypatch.setattr(canary, "TEST_CORRUPTION", canary._CorruptionHook(0))
+        pair.transfer(requests)
+    finally:
+        pair.receiver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_canary_host_staged(peer: Peer, monkeypatch) -> None:
+    _canary_on_gpu(peer, monkeypatch, "canary-staged", "cuda:0", "cuda:0", "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_canary_nccl(peer: Peer, monkeypatch) -> None:
+    _canary_on_gpu(peer, monkeypatch, "canary-nccl", "cuda:0", "cuda:1", "nccl")
