@@ -22,10 +22,10 @@ the prefill tier and the rest on the decode tier, resumes a migrated request's
 stream on another decode server after a prefill of its prompt plus the tokens
 already streamed, and must match one offline engine token for token. So the
 randomness a seeded row uses at step ``k`` (``k = len(output_token_ids)``) is a
-pure function of ``(seed, k)``, computed with integer hashing (splitmix64),
-identical on every machine and independent of torch's generators: one 64-bit
-key per (seed, k), and from it one exponential ``E_v`` per vocabulary entry
-(``_race_noise``, vectorised on the row's device). The row takes the winner of
+pure function of ``(seed, k)``, computed with integer hashing, identical on
+every machine and independent of torch's generators: a key per (seed, k)
+(splitmix64, in Python), and from it one exponential ``E_v`` per vocabulary
+entry (``_race_noise``: a 32-bit hash, vectorised on the row's device). The row takes the winner of
 an exponential race, ``argmax_v p_v / E_v``: an exact draw from the filtered
 distribution, with no state carried between steps; batch companions, the row's
 position in the batch and earlier calls cannot change it. Filtered tokens
@@ -39,11 +39,14 @@ wrote) differs from the same token computed by decode steps in the last few bits
 (seen on CPU: ~5e-6 in logprob), since the GEMMs and attention reduce in another
 order. Such a change moves every boundary of the cumulative distribution a
 little, and with tens of thousands of tokens in it the uniform lands in a moved
-stretch on a few percent of steps (seen: a seeded stream resumed after 7 of 32
-tokens drew id 6478 where the uninterrupted one drew 6476). The race's winner
+stretch on a fraction of a percent of steps, more where the distribution is flat
+(seen: a seeded stream at temperature 0.8 resumed after 7 of 32 tokens drew id
+6478 where the uninterrupted one drew 6476; tests/engine/test_sampler.py moves
+5 of 256 draws). The race's winner
 changes only when the two best scores are that close, about as rare as a greedy
-near-tie. Unseeded rows, which nothing reproduces, keep the cheap inverse-CDF
-draw on a uniform from torch's default CPU generator.
+near-tie. It costs [R, V] noise a step for R seeded rows (~0.5 ms a row at
+V = 49k on one CPU core). Unseeded rows, which nothing reproduces, keep the
+cheap inverse-CDF draw on a uniform from torch's default CPU generator.
 
 Guard. A row whose numbers are not finite (a NaN or infinite penalty or
 temperature that got past validation, or NaN logits) has no distribution to
@@ -421,38 +424,43 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """The exponential race of seeded rows: ``argmax_v p_v / E_v`` [R], E from ``_race_noise``.
     A token of probability 0 scores 0 and never beats one above it (E is finite and > 0)."""
-    keys = [_mix64((_mix64(row.params.seed & _MASK64) + (row.step + 1) * _GOLDEN64) & _MASK64) for row in rows]
-    noise = _race_noise(to_device(torch.tensor([_signed64(k) for k in keys], dtype=torch.long), probs.device),
-                        probs.shape[1])  # [R, V] float64
-    return (probs.double() / noise).argmax(dim=-1)
+    keys = [_signed32(_mix64((_mix64(row.params.seed & _MASK64) + (row.step + 1) * _GOLDEN64) & _MASK64))
+            for row in rows]
+    noise = _race_noise(to_device(torch.tensor(keys, dtype=torch.int32), probs.device), probs.shape[1])
+    return (probs.float() / noise).argmax(dim=-1)
 
 
 def _race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [R, V] float64 > 0, entry (r, v) a function of ``keys[r]`` and v alone:
-    splitmix64 of ``key + (v + 1) * golden`` in int64 arithmetic (products wrap; ``_lsr``
-    is the unsigned shift), its top 52 bits as a uniform u in (0, 1), then -log(u)."""
-    x = keys.unsqueeze(1) + _golden_steps(vocab, keys.device)  # [R, V]
-    x = (x ^ _lsr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
-    x = (x ^ _lsr(x, 27)) * _signed64(0x94D049BB133111EB)
-    x = x ^ _lsr(x, 31)
-    u = (_lsr(x, 12).double() + 0.5) * 2.0**-52  # (0, 1): 52 bits + 1/2, exact in a float64
-    return u.log_().neg_()
+    """Exp(1) noise [R, V] float32 > 0, entry (r, v) a function of ``keys[r]`` and v alone:
+    ``_hash32(keys[r] ^ _hash32((v + 1) * golden))``, its top 24 bits as a uniform u in
+    (0, 1), then -log(u). In int32 arithmetic on the row's device (products wrap), about
+    20 elementwise passes over [R, V]: float64 splitmix64 cost 3-4x as much on CPU."""
+    bits = _hash32(keys.unsqueeze(1) ^ _vocab_hashes(vocab, keys.device))  # [R, V] int32
+    return (_lsr32(bits, 8).float() + 0.5).mul_(2.0**-24).log_().neg_()  # (0, 1): 24 bits + 1/2, exact
 
 
 @functools.lru_cache(maxsize=8)
-def _golden_steps(vocab: int, device: torch.device) -> torch.Tensor:
-    """[V] int64: (v + 1) * golden, wrapped."""
-    return torch.arange(1, vocab + 1, dtype=torch.long, device=device) * _signed64(_GOLDEN64)
+def _vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] int32: ``_hash32((v + 1) * golden)``, the per-token half of the race's noise."""
+    return _hash32(torch.arange(1, vocab + 1, dtype=torch.int32, device=device) * _signed32(0x9E3779B9))
 
 
-def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (x >> shift) & ((1 << (64 - shift)) - 1)
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int32 ``x``, elementwise."""
+    x = (x ^ _lsr32(x, 16)) * 0x7FEB352D
+    x = (x ^ _lsr32(x, 15)) * _signed32(0x846CA68B)
+    return x ^ _lsr32(x, 16)
 
 
-def _signed64(x: int) -> int:
-    """An unsigned 64-bit value as the int64 with the same bits."""
-    return x - (1 << 64) if x >= 1 << 63 else x
+def _lsr32(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int32 bits (torch's ``>>`` is arithmetic)."""
+    return (x >> shift) & ((1 << (32 - shift)) - 1)
+
+
+def _signed32(x: int) -> int:
+    """The low 32 bits of ``x`` as the int32 with the same bits."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device, stream: int = 0) -> torch.Tensor:

@@ -269,3 +269,37 @@ def test_logit_bias_forces_and_bans_tokens() -> None:
 def test_logit_controls_out_of_range_are_refused(change, message) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**change).validate(vocab_size=50)
+
+
+def test_seeded_draws_survive_a_last_bits_change_of_the_logits() -> None:
+    """A resumed (migrated) stream's logits come from a prefill where the uninterrupted one's
+    came from decode steps: equal but for the last bits (~5e-6 in logprob on CPU). A seeded
+    draw must not move with them. An inverse-CDF draw over a vocabulary this size moves on
+    some 2% of steps here (every cumulative boundary shifts; 5 of these 256); the exponential
+    race only on a near-tie of its two best scores."""
+    g = torch.Generator().manual_seed(0)
+    vocab, steps, hidden = 49152, 256, 64
+    h = torch.randn(steps, hidden, generator=g)
+    head = torch.randn(hidden, vocab, generator=g) * 0.3  # logits' std ~2.4: thousands of tokens in play
+    nudged = h + torch.randn(steps, hidden, generator=g) * 1e-5  # logits move by ~1e-5
+    rows = [_seeded_row(1234, step, temperature=0.8) for step in range(steps)]
+    assert sample(h @ head, rows) == sample(nudged @ head, rows)
+
+
+def test_race_noise_is_the_same_integer_hash_on_every_machine() -> None:
+    """The seeded noise is integer arithmetic with wrapping products: its bits equal a
+    plain-Python lowbias32 of (key, v) (no dependence on torch's generators or build)."""
+    from engine.sampler import _hash32, _lsr32, _signed32, _vocab_hashes
+
+    def lowbias32(x: int) -> int:
+        x &= 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+        x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    vocab, keys = 5000, [0x12345678, 0xDEADBEEF, 0]
+    bits = _lsr32(_hash32(torch.tensor([_signed32(k) for k in keys], dtype=torch.int32).unsqueeze(1)
+                          ^ _vocab_hashes(vocab, torch.device("cpu"))), 8)
+    for r, key in enumerate(keys):
+        for v in (0, 1, 4242, vocab - 1):
+            assert int(bits[r, v]) == lowbias32(lowbias32((v + 1) * 0x9E3779B9) ^ key) >> 8
