@@ -55,8 +55,8 @@ MAX_METADATA_VALUE_CHARS = 512
 _PASSED_ON = ("temperature", "top_p", "user", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "chat_template_kwargs")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_STATELESS = ("pdserve stores no responses: send the whole conversation in input (earlier output items "
-              "included) with store false or left out")
+_STATELESS = ("(pdserve stores no responses): send the whole conversation in input, earlier output items "
+              "included, with store false or left out")
 
 
 class ResponsesRequest(BaseModel):
@@ -124,11 +124,11 @@ class ResponsesRequest(BaseModel):
 
     def _check_stateless(self) -> None:
         if self.previous_response_id is not None:
-            raise invalid(f"previous_response_id is not supported: {_STATELESS}", param="previous_response_id")
+            raise invalid(f"previous_response_id is not supported {_STATELESS}", param="previous_response_id")
         if self.store:
-            raise invalid(f"store true is not supported: {_STATELESS}", param="store")
+            raise invalid(f"store true is not supported {_STATELESS}", param="store")
         if self.conversation is not None:
-            raise invalid(f"conversation is not supported: {_STATELESS}", param="conversation")
+            raise invalid(f"conversation is not supported {_STATELESS}", param="conversation")
         if self.background:
             raise invalid("background is not supported: pdserve stores no responses to poll; send background "
                           "false (or leave it out) and stream the response instead", param="background")
