@@ -51,6 +51,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 @pytest.mark.parametrize("path, method, mode", [
     ("/v1/completions", "POST", POSITIVE), ("/v1/completions", "POST", NEGATIVE),
     ("/v1/chat/completions", "POST", POSITIVE), ("/v1/chat/completions", "POST", NEGATIVE),
+    ("/v1/responses", "POST", POSITIVE), ("/v1/responses", "POST", NEGATIVE),
     ("/v1/models/{model_id}", "GET", POSITIVE),  # GETs without a body: nothing to break but the path
     # The fake servers run without --enable-lora: every load or unload fails there (a 400 naming them).
     ("/v1/load_lora_adapter", "POST", POSITIVE), ("/v1/load_lora_adapter", "POST", NEGATIVE),
