@@ -93,7 +93,8 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
             resumed = list(request.resume_output_token_ids)  # a migrated request: its output so far
             try:
                 req = await bridge.run(lambda e: (e.reserve if remote else e.add_request)(
-                    rid, prompt, params, deadline=deadline, lora_name=lora_name, resume_output_token_ids=resumed))
+                    rid, prompt, params, deadline=deadline, lora_name=lora_name, resume_output_token_ids=resumed,
+                    priority=request.priority))
             except (OverflowError, ValueError) as exc:
                 await context.abort(admission_status(exc), str(exc))
             fingerprint = req.lora.fingerprint if req.lora is not None else ""

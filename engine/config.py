@@ -472,6 +472,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.cache_dtype must be auto or {FP8_E4M3}, got {self.cache_dtype!r}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -479,8 +482,18 @@ class SchedulerConfig:
     max_model_len: int = 4096
     kv_transfer_timeout: float = 60.0  # seconds a KV hand-off step may take (see Scheduler.expire)
     max_queued_requests: int = 1024  # decode tier: reservations that may wait for blocks
+    # --scheduling-policy: "fcfs" (arrival order) or "priority" (a request's priority, lower
+    # first, then arrival; engine/scheduler.py). A request waiting longer than
+    # priority_starvation_timeout seconds goes ahead of every priority (the starvation bound).
+    scheduling_policy: str = "fcfs"
+    priority_starvation_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if not self.priority_starvation_timeout > 0:
+            raise ValueError(f"--priority-starvation-timeout must be positive, got {self.priority_starvation_timeout}")
         if self.kv_transfer_timeout <= 0:
             raise ValueError(f"--kv-transfer-timeout must be positive, got {self.kv_transfer_timeout}")
         if self.max_queued_requests < 0:
@@ -571,6 +584,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     kv_transfer_timeout: float = 60.0
     max_queued_requests: int = 1024
+    scheduling_policy: str = "fcfs"
+    priority_starvation_timeout: float = 30.0
     enforce_eager: bool = False
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
@@ -649,6 +664,13 @@ class EngineArgs:
         g.add_argument("--max-queued-requests", type=int, default=1024,
                        help="decode tier: requests that may wait for KV blocks before new ones get "
                             "RESOURCE_EXHAUSTED")
+        g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                       help="fcfs: requests are admitted in arrival order; priority: by each request's "
+                            "`priority` (lower first), then arrival, and preemption takes the lowest "
+                            "priority first (a request's priority is refused under fcfs unless 0)")
+        g.add_argument("--priority-starvation-timeout", type=float, default=30.0,
+                       help="--scheduling-policy priority: a request that has waited this many seconds "
+                            "goes ahead of every request that has not, whatever their priorities")
         g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -751,7 +773,9 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,
-                                max_queued_requests=self.max_queued_requests)
+                                max_queued_requests=self.max_queued_requests,
+                                scheduling_policy=self.scheduling_policy,
+                                priority_starvation_timeout=self.priority_starvation_timeout)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.enable_lora and "linear_attention" in model.layer_types:
             raise ValueError(f"--enable-lora: adapters on {model.architecture}'s linear-attention and gated "

@@ -43,12 +43,14 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 resume_output_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
+                 resume_output_token_ids: Sequence[Sequence[int]] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """``lora_request``: the adapter of every prompt, or one (or None) per prompt; an
         adapter not loaded yet is loaded from its ``lora_path`` (needs ``enable_lora=True``).
         ``resume_output_token_ids``: per prompt, tokens it already generated (a resumed
         request continues after them, as the uninterrupted one would; its outputs are the
-        new tokens only)."""
+        new tokens only). ``priority``: one per prompt, under ``scheduling_policy="priority"``
+        (vLLM's argument: lower is served first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -68,12 +70,15 @@ class LLM:
         resumed = list(resume_output_token_ids) if resume_output_token_ids is not None else [()] * len(prompts)
         if len(resumed) != len(prompts):
             raise ValueError("resume_output_token_ids must be one list per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError("priority must be one value per prompt")
         tracks: list[_Track] = []
         try:
-            for (text, ids), sp, lr, done in zip(encoded, params, loras, resumed):
+            for (text, ids), sp, lr, done, rank in zip(encoded, params, loras, resumed, priorities):
                 req = self.engine.add_request(str(next(self._ids)), ids, sp,
                                               lora_name=lr.lora_name if lr is not None else None,
-                                              resume_output_token_ids=done)
+                                              resume_output_token_ids=done, priority=rank)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None
                 tracks.append(_Track(req, text, detok))
             by_id = {t.request.request_id: t for t in tracks}

@@ -44,7 +44,7 @@ from engine.kv_offload import HostKVTier
 from engine.launched_step import LaunchedStep
 from engine.model_runner import ModelRunner
 from engine.planner import plan_step
-from engine.request import Request, RequestError, RequestStatus
+from engine.request import Request, RequestError, RequestStatus, check_priority
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import Speculator
@@ -300,13 +300,15 @@ class LLMEngine:
     # ---- admission -------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      arrival_time: float | None = None, deadline: float | None = None,
-                     lora_name: str | None = None, resume_output_token_ids: Sequence[int] = ()) -> Request:
+                     lora_name: str | None = None, resume_output_token_ids: Sequence[int] = (),
+                     priority: int = 0) -> Request:
         """Validate and build a request (not yet queued). ``deadline`` is a
         time.monotonic() instant after which the request is aborted; ``lora_name``: the
         adapter it runs under (LoRAError when it is not loaded here);
         ``resume_output_token_ids``: the tokens it already generated elsewhere (a migrated
         request: they are computed with the prompt and count as its output, see
-        engine/request.py)."""
+        engine/request.py); ``priority``: its place under ``--scheduling-policy priority``
+        (lower first; anything but 0 is refused under fcfs, as vLLM does)."""
         lora = self.lora_info(lora_name) if lora_name else None
         max_len = self.config.scheduler.max_model_len
         tokens = [*prompt_token_ids, *resume_output_token_ids]  # what is computed here: checked as one
@@ -321,10 +323,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate(vocab_size=vocab)
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         if params.structured_outputs is not None:
             self.grammars.check_tokenizer()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time,
-                      resume_output_token_ids)
+                      resume_output_token_ids, priority)
         req.deadline = deadline
         req.lora = lora
         self.scheduler.check_fits(req)
@@ -366,21 +369,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, deadline: float | None = None,
-                    lora_name: str | None = None, resume_output_token_ids: Sequence[int] = ()) -> Request:
+                    lora_name: str | None = None, resume_output_token_ids: Sequence[int] = (),
+                    priority: int = 0) -> Request:
         """Compute the request here, prompt and output (offline, colocated)."""
         req = self.make_request(request_id, prompt_token_ids, params, arrival_time, deadline, lora_name,
-                                resume_output_token_ids)
+                                resume_output_token_ids, priority)
         self.scheduler.add_request(req)
         return self._constrain(req)
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                             deadline: float | None = None, lora_name: str | None = None,
-                            resume_output_token_ids: Sequence[int] = ()) -> Request:
+                            resume_output_token_ids: Sequence[int] = (), priority: int = 0) -> Request:
         """Prefill tier: compute the prompt and sample the first token, then
         hold the blocks (HELD_FOR_SEND) until ``begin_send`` ...
         ``release_after_send``."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
-                                resume_output_token_ids=resume_output_token_ids)
+                                resume_output_token_ids=resume_output_token_ids, priority=priority)
         req.max_tokens = 1
         req.hold_kv_on_finish = True
         self.scheduler.add_request(req)
@@ -388,13 +392,13 @@ class LLMEngine:
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                 deadline: float | None = None, lora_name: str | None = None,
-                resume_output_token_ids: Sequence[int] = ()) -> Request:
+                resume_output_token_ids: Sequence[int] = (), priority: int = 0) -> Request:
         """Decode tier: queue a request whose prompt KV will arrive by
         transfer. Its blocks are reserved first come first served; the step
         that does it lists the request in ``StepOutput.reserved``. Raises
         ValueError (invalid) or OverflowError (the queue is full)."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
-                                resume_output_token_ids=resume_output_token_ids)
+                                resume_output_token_ids=resume_output_token_ids, priority=priority)
         self.scheduler.add_reservation(req)
         if req.lora is not None:  # its adapter into a free slot while the prompt is prefilled elsewhere
             self.runner.lora.prefetch(req.lora)

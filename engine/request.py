@@ -82,10 +82,25 @@ class RequestTimes:
     finished: float | None = None
 
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def check_priority(priority: object, policy: str | None = None) -> None:
+    """ValueError unless ``priority`` is an int32 and, under ``--scheduling-policy fcfs``, 0
+    (vLLM's rule: a priority that would be ignored is refused); ``policy`` None: the range only
+    (the gateway, which does not know the servers' policy)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not INT32_MIN <= priority <= INT32_MAX:
+        raise ValueError(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}], got {priority!r:.40}")
+    if priority != 0 and policy == "fcfs":
+        raise ValueError(f"priority {priority} is set, but this server schedules first come first served: "
+                         "start it with --scheduling-policy priority, or leave priority out")
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None,
-                 arrival_time: float | None = None, resume_output_token_ids: Sequence[int] = ()) -> None:
+                 arrival_time: float | None = None, resume_output_token_ids: Sequence[int] = (),
+                 priority: int = 0) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
@@ -103,6 +118,7 @@ class Request:
                                                else self.output_token_ids)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output, appended in place
         self.sampling_params = sampling_params
+        self.priority = priority  # --scheduling-policy priority: lower is served first
         self.eos_token_ids = frozenset(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -9,6 +9,18 @@ what is left of the budget); there is no prefill or decode phase. When blocks
 run out, the newest running request is preempted: its blocks are freed and it
 is recomputed later (its prefix-cache blocks usually survive).
 
+``--scheduling-policy priority`` (vLLM's): the waiting queues are served by
+priority (lower first), then arrival, and preemption takes the lowest priority,
+newest first (the request asking for blocks itself, when it is that one). The
+running requests are kept in the same order, so a step's budget goes to higher
+priorities first (decode rows still before prefill chunks, and a row given its
+tokens this step is not preempted later in the same step: on a colocated server a
+lower-priority decode row can keep its blocks for that step while a
+higher-priority chunk waits; on the prefill and decode tiers every row is of one
+kind). Starvation is bounded: a request that has waited
+``priority_starvation_timeout`` seconds since it arrived goes ahead of every
+request that has not, whatever their priorities (in arrival order).
+
 The two tiers add states around that batch (see ``RequestStatus``)::
 
     decode:  reserve ──▶ WAITING_FOR_BLOCKS ──(blocks free, FIFO)──▶ WAITING_FOR_KV
@@ -36,6 +48,7 @@ LoRA limit and the waiting-queue bound (the one value set later, by
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -328,7 +341,7 @@ class Scheduler:
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.status = S.RUNNING
         req.state_deadline = None
-        self.running.append(req)
+        self._start_running(req)
         self._append_token(req, first_token, logprob)
         return req
 
@@ -384,6 +397,7 @@ class Scheduler:
     # ---- the step --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._order_queues()
         self._reserve_waiting(out)
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()  # ids in out.scheduled, kept alongside it (no rebuild per request)
@@ -460,6 +474,7 @@ class Scheduler:
         loras: set[str] = set()
         if self.ahead_blocked_by(in_flight, loras) is not None:
             return None
+        self._order_queues()
         rows = in_flight.scheduled
         leading = [s for s in rows if s.samples]
         in_flight_chunk = {s.request.request_id: s.num_new_tokens for s in rows if not s.samples}
@@ -519,9 +534,14 @@ class Scheduler:
                              scheduled: set[str]) -> bool:
         """Allocate ``num_new`` tokens' blocks for ``req``, preempting the
         newest running requests not in ``scheduled`` (ids already scheduled
-        this step) until they fit. False when ``req`` itself had to go."""
+        this step; under priority, the lowest priority first) until they fit.
+        False when ``req`` itself had to go."""
         while self.kv.allocate_slots(req, num_new) is None:
             victim = self._newest_unscheduled(req, scheduled)
+            if victim is req:  # priority: the lowest of those that could go
+                self._preempt(req)
+                out.preempted.append(req)
+                return False
             if victim is None:
                 # Alone and still too big: the cache cannot hold it, unless blocks held for a KV
                 # transfer (sends pending, KV arriving) will come back; then it waits for them.
@@ -537,10 +557,43 @@ class Scheduler:
         return True
 
     def _newest_unscheduled(self, req: Request, scheduled: set[str]) -> Request | None:
+        """The request to preempt for ``req``'s blocks, never one scheduled this step: the newest
+        other one (fcfs); under priority the last in ``running``'s order (the lowest priority,
+        newest), which is ``req`` itself when no other comes after it."""
+        by_priority = self.config.scheduling_policy == "priority"
         for r in reversed(self.running):
+            if r is req and by_priority:
+                return r
             if r is not req and r.request_id not in scheduled:
                 return r
         return None
+
+    def _queue_key(self, now: float):
+        """Under ``--scheduling-policy priority``, the order of every queue: priority (lower
+        first), then arrival; a request that has waited ``priority_starvation_timeout`` seconds
+        since it arrived goes ahead of all that have not, in arrival order (the starvation bound)."""
+        limit = self.config.priority_starvation_timeout
+        return lambda r: (0, 0, r.times.arrival) if now - r.times.arrival >= limit else (1, r.priority, r.times.arrival)
+
+    def _order_queues(self) -> None:
+        """Priority policy: both waiting queues in ``_queue_key`` order (fcfs: arrival order,
+        as they were queued; preempted requests at the front)."""
+        if self.config.scheduling_policy != "priority":
+            return
+        key = self._queue_key(time.time())
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=key))
+        if len(self.block_waiting) > 1:
+            self.block_waiting = deque(sorted(self.block_waiting, key=key))
+
+    def _start_running(self, req: Request) -> None:
+        """``req`` joins ``running``: at the end (fcfs, arrival order), or under priority in
+        (priority, arrival) order, so the stable decode-first sorts of a step serve higher
+        priorities first and preemption takes the lowest."""
+        if self.config.scheduling_policy != "priority":
+            self.running.append(req)
+            return
+        bisect.insort(self.running, req, key=lambda r: (r.priority, r.times.arrival))
 
     def _speculates(self, req: Request) -> bool:
         """Whether a decoding request may get proposals: not rows whose outputs cannot be
@@ -631,7 +684,7 @@ class Scheduler:
                 out.started.append(req)
             req.num_computed_tokens = num_hit
             req.status = S.RUNNING
-            self.running.append(req)
+            self._start_running(req)
             out.scheduled.append(self._row(req, num_new, out))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))

@@ -240,7 +240,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             answer = self._service.begin_chat(ids, sampling, tools, template_kwargs)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout,
-                                     lora_name=lora), answer
+                                     lora_name=lora, priority=request.priority), answer
 
 
 def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolPlan | None:

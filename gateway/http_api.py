@@ -135,7 +135,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
             with trace.span("tokenize"):
                 ids = (await service.inputs.encode_text(prompt) if isinstance(prompt, str)
                        else service.inputs.check_token_ids(prompt))
-            req = _prepare(service, request, ids, sampling, "cmpl", trace, lora)
+            req = _prepare(service, request, ids, sampling, "cmpl", trace, lora, body.priority)
         except BaseException as e:
             trace.finish(error=e)
             raise
@@ -225,9 +225,9 @@ def _lora_results(lora_name: str, results: list[ServerResult]) -> dict[str, Any]
 
 
 def _prepare(service: GatewayService, request: Request, ids: list[int], sampling: Any,
-             prefix: str, trace: RequestTrace, lora_name: str | None) -> PreparedRequest:
+             prefix: str, trace: RequestTrace, lora_name: str | None, priority: int = 0) -> PreparedRequest:
     return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace,
-                           lora_name=lora_name)
+                           lora_name=lora_name, priority=priority)
 
 
 async def _prepare_chat(service: GatewayService, request: Request, body: ChatCompletionRequest, prefix: str,
@@ -242,7 +242,7 @@ async def _prepare_chat(service: GatewayService, request: Request, body: ChatCom
                                                tools.template_tools() if tools is not None else None,
                                                body.chat_template_kwargs)
     answer = service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
-    return _prepare(service, request, ids, sampling, prefix, trace, lora), answer, lora
+    return _prepare(service, request, ids, sampling, prefix, trace, lora, body.priority), answer, lora
 
 
 async def _respond(service: GatewayService, request: Request, req: PreparedRequest, fmt: ResponseFormatter,

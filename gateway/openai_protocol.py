@@ -108,6 +108,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # vLLM extras
     allowed_token_ids: list[int] | None = None
+    priority: int = 0  # the engine servers' --scheduling-policy priority: lower is served first
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -112,6 +112,7 @@ class TokenChunk:
 
 
 class _Refused(Exception):
+    priority: int = 0  # the engine servers' --scheduling-policy priority: lower first
     """A decode server failed the request before anything was streamed."""
 
     def __init__(self, error: GatewayError) -> None:
@@ -308,7 +309,8 @@ class RequestFlow:
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
                                          sampling=self._sampling, remote_prefill=prefill is not None,
-                                         lora_name=req.lora_name or "", resume_output_token_ids=self._resume),
+                                         lora_name=req.lora_name or "", resume_output_token_ids=self._resume,
+                                         priority=req.priority),
                 timeout=self._timeout(), metadata=req.trace.metadata(span))
             self._calls.add(call)
             try:
@@ -381,7 +383,7 @@ class RequestFlow:
                                           dst_block_ids=reserved.block_ids, num_skip_blocks=num_skip,
                                           lora_name=req.lora_name or "",
                                           lora_fingerprint=reserved.lora_fingerprint,
-                                          resume_output_token_ids=self._resume,
+                                          resume_output_token_ids=self._resume, priority=req.priority,
                                           # a hybrid model's linear-attention state slot (-1: none)
                                           dst_state_slot=reserved.state_slot if reserved.HasField("state_slot")
                                           else None),

@@ -111,7 +111,7 @@ class RequestTrace:
         return tuple(self._headers.items()) or None
 
     def on_prepared(self, request_id: str, internal_id: str, num_prompt_tokens: int, sampling: Any,
-                    lora_name: str | None = None) -> None:
+                    lora_name: str | None = None, priority: int = 0) -> None:
         if not self.is_recording:
             return
         attrs: dict[str, Any] = {"gen_ai.response.id": request_id, "pdserve.request_id": request_id,
@@ -119,6 +119,8 @@ class RequestTrace:
                                  "gen_ai.usage.input_tokens": num_prompt_tokens}
         if lora_name:
             attrs["pdserve.lora_name"] = lora_name
+        if priority:
+            attrs["pdserve.priority"] = priority
         for key, value in (("max_tokens", sampling.max_tokens), ("temperature", sampling.temperature),
                            ("top_p", sampling.top_p), ("seed", getattr(sampling, "seed", None))):
             if value is not None:

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
+from engine.request import check_priority
 from engine.sampling_params import SamplingParams
 from gateway.active_requests import ActiveRequests
 from gateway.errors import ErrorKind, GatewayError, invalid
@@ -157,13 +158,18 @@ class GatewayService:
 
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None,
                 id_prefix: str, trace: RequestTrace | None = None, timeout: float | None = None,
-                lora_name: str | None = None) -> PreparedRequest:
+                lora_name: str | None = None, priority: int = 0) -> PreparedRequest:
         """Check the token budget and admission; assign ids and the deadline
         (``--request-timeout``, or ``timeout`` if shorter: a gRPC client's own
         deadline). ``sampling.max_tokens`` None means the rest of the context;
-        ``lora_name``: the adapter ``resolve_model`` chose (None: the base model)."""
+        ``lora_name``: the adapter ``resolve_model`` chose (None: the base model); ``priority``:
+        passed to both tiers (the servers refuse anything but 0 unless they schedule by priority)."""
         self.active.check_admission()
         self.inputs.check_sampling(sampling)  # the one range check for HTTP and gRPC
+        try:
+            check_priority(priority)
+        except ValueError as e:
+            raise invalid(str(e), param="priority") from e
         sampling.max_tokens = self.inputs.resolve_max_tokens(len(prompt_token_ids), sampling.max_tokens)
         if sampling.min_tokens > sampling.max_tokens:
             raise invalid(f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens "
@@ -177,10 +183,10 @@ class GatewayService:
         now = time.monotonic()
         timeout = self.request_timeout if timeout is None else min(timeout, self.request_timeout)
         trace = trace or RequestTrace.disabled()
-        trace.on_prepared(request_id, internal_id, len(prompt_token_ids), sampling, lora_name)
+        trace.on_prepared(request_id, internal_id, len(prompt_token_ids), sampling, lora_name, priority)
         return PreparedRequest(request_id=request_id, internal_id=internal_id, prompt_token_ids=prompt_token_ids,
                                sampling=sampling, arrival=now, deadline=now + timeout, trace=trace,
-                               lora_name=lora_name)
+                               lora_name=lora_name, priority=priority)
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         """Deltas of one request until the one with a finish_reason. Raises

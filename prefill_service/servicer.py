@@ -226,4 +226,5 @@ def _add_prefill(engine: LLMEngine, request: engine_pb2.PrefillRequest, prompt: 
             raise LoRAMismatch(f"LoRA adapter {name!r} differs between this prefill server (fingerprint {mine}) and "
                                f"the decode server ({request.lora_fingerprint}): load the same files on both")
     engine.add_prefill_request(request.request_id, prompt, params, deadline=deadline, lora_name=name,
-                               resume_output_token_ids=list(request.resume_output_token_ids))
+                               resume_output_token_ids=list(request.resume_output_token_ids),
+                               priority=request.priority)

@@ -38,7 +38,7 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., model_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., draft: _Optional[_Union[KVLayout, _Mapping]] = ..., groups: _Optional[str] = ..., linear_state: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "dst_block_ids", "num_skip_blocks", "lora_name", "lora_fingerprint", "dst_state_slot", "resume_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "dst_block_ids", "num_skip_blocks", "lora_name", "lora_fingerprint", "dst_state_slot", "resume_output_token_ids", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class PrefillRequest(_message.Message):
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DST_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -59,7 +60,8 @@ class PrefillRequest(_message.Message):
     lora_fingerprint: str
     dst_state_slot: int
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., dst_state_slot: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., dst_state_slot: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("num_blocks", "num_bytes", "seconds", "backend", "seconds_after_first_token")
@@ -92,20 +94,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "lora_name", "resume_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "lora_name", "resume_output_token_ids", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     remote_prefill: bool
     lora_name: str
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ..., lora_name: _Optional[str] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[bool] = ..., lora_name: _Optional[str] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "lora_fingerprint", "state_slot")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xf2\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\'\n\x05tools\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.FunctionTool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"\xa5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0e\x66inish_message\x18\x08 \x01(\t\x12-\n\ntool_calls\x18\t \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\"\x13\n\x11ListModelsRequest\"5\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04root\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"L\n\x10LoRAServerResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"C\n\x12LoRAAdapterResults\x12-\n\x07servers\x18\x01 \x03(\x0b\x32\x1c.pdserve.v1.LoRAServerResult2\x8f\x03\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12U\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x1e.pdserve.v1.LoRAAdapterResults\x12Y\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a\x1e.pdserve.v1.LoRAAdapterResultsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xf2\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\'\n\x05tools\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.FunctionTool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x08\n\x06prompt\"\xa5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0e\x66inish_message\x18\x08 \x01(\t\x12-\n\ntool_calls\x18\t \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\"\x13\n\x11ListModelsRequest\"5\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06parent\x18\x02 \x01(\t\x12\x0c\n\x04root\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"L\n\x10LoRAServerResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"C\n\x12LoRAAdapterResults\x12-\n\x07servers\x18\x01 \x03(\x0b\x32\x1c.pdserve.v1.LoRAServerResult2\x8f\x03\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12U\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x1e.pdserve.v1.LoRAAdapterResults\x12Y\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a\x1e.pdserve.v1.LoRAAdapterResultsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=630
   _globals['_TOKENIDS']._serialized_end=653
   _globals['_GENERATEREQUEST']._serialized_start=656
-  _globals['_GENERATEREQUEST']._serialized_end=865
-  _globals['_GENERATERESPONSE']._serialized_start=868
-  _globals['_GENERATERESPONSE']._serialized_end=1161
-  _globals['_LISTMODELSREQUEST']._serialized_start=1163
-  _globals['_LISTMODELSREQUEST']._serialized_end=1182
-  _globals['_MODELCARD']._serialized_start=1184
-  _globals['_MODELCARD']._serialized_end=1237
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1239
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1298
-  _globals['_LORASERVERRESULT']._serialized_start=1300
-  _globals['_LORASERVERRESULT']._serialized_end=1376
-  _globals['_LORAADAPTERRESULTS']._serialized_start=1378
-  _globals['_LORAADAPTERRESULTS']._serialized_end=1445
-  _globals['_GATEWAY']._serialized_start=1448
-  _globals['_GATEWAY']._serialized_end=1847
+  _globals['_GENERATEREQUEST']._serialized_end=883
+  _globals['_GENERATERESPONSE']._serialized_start=886
+  _globals['_GENERATERESPONSE']._serialized_end=1179
+  _globals['_LISTMODELSREQUEST']._serialized_start=1181
+  _globals['_LISTMODELSREQUEST']._serialized_end=1200
+  _globals['_MODELCARD']._serialized_start=1202
+  _globals['_MODELCARD']._serialized_end=1255
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1257
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1316
+  _globals['_LORASERVERRESULT']._serialized_start=1318
+  _globals['_LORASERVERRESULT']._serialized_end=1394
+  _globals['_LORAADAPTERRESULTS']._serialized_start=1396
+  _globals['_LORAADAPTERRESULTS']._serialized_end=1463
+  _globals['_GATEWAY']._serialized_start=1466
+  _globals['_GATEWAY']._serialized_end=1865
 # @@protoc_insertion_point(module_scope)

@@ -228,3 +228,118 @@ def test_a_step_ahead_reserves_blocks_for_decode_arrivals():
     assert ahead.reserved == [b] and b.status == RequestStatus.WAITING_FOR_KV
     assert len(s.kv.get_block_ids("b")) == 3 and len(s.kv.get_block_ids("a")) == 2
     assert not set(s.kv.get_block_ids("a")) & set(s.kv.get_block_ids("b"))
+
+
+# ---- --scheduling-policy priority ------------------------------------------------------------
+def make_priority(starvation=30.0, **kw) -> Scheduler:
+    s = make(**kw)
+    s.config = SchedulerConfig(max_num_seqs=s.config.max_num_seqs, max_num_batched_tokens=s.config.max_num_batched_tokens,
+                               max_model_len=s.config.max_model_len, scheduling_policy="priority",
+                               priority_starvation_timeout=starvation)
+    return s
+
+
+def preq(rid, priority, n=4, max_tokens=4, start=0, arrival=None) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   max_model_len=256, arrival_time=arrival, priority=priority)
+
+
+def finish_order(s: Scheduler, limit=500) -> list[str]:
+    done = []
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return done
+        out = step(s)
+        done += [x.request.request_id for x in out.scheduled if x.request.is_finished]
+    raise AssertionError("did not finish")
+
+
+def test_priority_admits_lower_values_first_then_arrival():
+    """One sequence at a time: the request running goes on; of those waiting, a later arrival
+    with a lower priority value runs first, equal priorities in arrival order."""
+    s = make_priority(max_seqs=1)
+    for r in (preq("a", 5), preq("b", 5, start=20), preq("c", 5, start=40)):
+        s.add_request(r)
+    step(s)  # a runs
+    s.add_request(preq("high", -1, start=60))
+    s.add_request(preq("mid", 2, start=80))
+    assert finish_order(s) == ["a", "high", "mid", "b", "c"]
+    assert_no_leak(s)
+
+
+def test_fcfs_keeps_arrival_order():
+    s = make(max_seqs=1)
+    for r in (req("a", 4), req("b", 4, start=20)):
+        s.add_request(r)
+    step(s)
+    s.add_request(req("c", 4, start=40))
+    assert finish_order(s) == ["a", "b", "c"]
+
+
+def test_priority_preempts_the_lowest_priority_not_the_newest():
+    """Two requests that cannot both grow in 6 blocks: the older one of lower priority (a
+    higher value) is preempted, not the newer one of higher priority; both finish."""
+    s = make_priority(num_blocks=6, block_size=4, budget=64, caching=False)
+    low, high = preq("low", 3, max_tokens=12), preq("high", 0, max_tokens=12, start=50)
+    s.add_request(low)
+    s.add_request(high)
+    run_to_end(s)
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert low.num_output_tokens == 12 and high.num_output_tokens == 12
+    assert_no_leak(s)
+
+
+def test_a_lower_priority_row_asking_for_blocks_preempts_itself():
+    """Colocated: the low-priority request decodes (given its tokens first in the step) while a
+    later high-priority one prefills in chunks; when the low one needs a block and the cache is
+    full, it goes itself rather than preempting the higher-priority request."""
+    s = make_priority(num_blocks=4, block_size=4, budget=4, caching=False)
+    low = preq("low", 5, n=6, max_tokens=8)
+    s.add_request(low)
+    step(s)
+    step(s)
+    high = preq("high", 0, n=8, max_tokens=4, start=50)
+    s.add_request(high)
+    run_to_end(s)
+    assert high.num_preemptions == 0 and low.num_preemptions >= 1
+    assert low.num_output_tokens == 8 and high.num_output_tokens == 4
+    assert_no_leak(s)
+
+
+def test_priority_starvation_is_bounded():
+    """A request that has waited past priority_starvation_timeout goes ahead of every other,
+    whatever their priorities; before that, priority decides."""
+    import time
+
+    now = time.time()
+    s = make_priority(starvation=10.0, max_seqs=1)
+    s.add_request(preq("a", 0))
+    step(s)
+    s.add_request(preq("old-low", 100, start=20, arrival=now - 11))  # waited past the bound
+    s.add_request(preq("young-low", 50, start=40, arrival=now - 5))
+    s.add_request(preq("high", -100, start=60))
+    assert finish_order(s) == ["a", "old-low", "high", "young-low"]
+
+
+def test_decode_reservations_follow_priority():
+    """Decode tier: reservations waiting for a sequence slot are reserved by priority."""
+    s = make_priority(max_seqs=1)
+    first, low, high = preq("first", 0), preq("low", 7, start=20), preq("high", 1, start=40)
+    for r in (first, low, high):
+        s.add_reservation(r)
+    out = s.schedule()
+    assert [r.request_id for r in out.reserved] == ["first"]
+    s.finish_request("first")
+    out = s.schedule()
+    assert [r.request_id for r in out.reserved] == ["high"]
+
+
+def test_priority_is_refused_under_fcfs():
+    from engine.request import check_priority
+
+    check_priority(0, "fcfs")
+    check_priority(-3, "priority")
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        check_priority(1, "fcfs")
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        check_priority(2**31, "priority")
