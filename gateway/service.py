@@ -179,7 +179,8 @@ class GatewayService:
                 raise invalid(f"request id is longer than {_MAX_REQUEST_ID_LEN} characters")
             internal_id = f"{request_id}-{uuid.uuid4().hex[:12]}"  # client ids may repeat
         else:
-            request_id = internal_id = f"{id_prefix}-{uuid.uuid4().hex}"
+            join = "" if id_prefix.endswith("_") else "-"  # msg_<hex> (Anthropic's form), else cmpl-<hex>
+            request_id = internal_id = f"{id_prefix}{join}{uuid.uuid4().hex}"
         now = time.monotonic()
         timeout = self.request_timeout if timeout is None else min(timeout, self.request_timeout)
         trace = trace or RequestTrace.disabled()
@@ -255,8 +256,13 @@ class GatewayService:
 
     def cluster_json(self) -> dict[str, Any]:
         """The /cluster body: every instance's load and health, and with the in-memory prefix
-        index the blocks it credits each with (``prefix_blocks``; null while not followed)."""
+        index the blocks it credits each with (``prefix_blocks``; null while not followed);
+        the prefix index (``prefix_index``: backend, and for Redis whether it is reachable);
+        and the degraded modes (``degraded``: the counts of gateway/metrics.py)."""
         out = self.registry.to_json()
+        index = self.router.index
+        out["prefix_index"] = index.to_json() if index is not None else None
+        out["degraded"] = self.metrics.degraded_json()
         num_blocks = getattr(self.router.index, "num_blocks", None)  # Redis keeps no per-instance count
         if num_blocks is not None:
             for inst in out["instances"]:
