@@ -66,6 +66,9 @@ class _DraftRow:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        return range(0)  # the target's logits give prompt logprobs; the draft's never do
+
 
 def draft_model_config(config: EngineConfig) -> ModelConfig:
     """The draft's model, in the target's dtype; ValueError where it cannot draft for it."""

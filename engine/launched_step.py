@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.prompt_logprobs import PendingPromptLogprobs
 from engine.sampler import PendingSample, SamplerOutput
 from engine.scheduler import SchedulerOutput
 
@@ -14,11 +15,13 @@ class LaunchedStep:
     (the inputs of a step scheduled ahead) while a copy goes to the host. ``which``: the
     rows of ``out.scheduled`` that sample, in order (every row of a decode step; none of
     a step of chunks that all stop short of their prompt's end, ``sample`` then None).
-    ``done``: the outcome of a step read before ``run`` returned (rows with proposals)."""
+    ``done``: the outcome of a step read before ``run`` returned (rows with proposals).
+    ``prompt``: the prompt logprobs its rows computed (None: no row did)."""
 
     def __init__(self, out: SchedulerOutput, sample: PendingSample | None, which: Sequence[int],
-                 done: tuple[list, list | None] | None = None) -> None:
+                 done: tuple[list, list | None] | None = None, prompt: PendingPromptLogprobs | None = None) -> None:
         self.out, self.sample, self.which, self._done = out, sample, list(which), done
+        self._prompt = prompt
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -36,6 +39,11 @@ class LaunchedStep:
         if self.sample is None:
             return [None] * n, None
         return _per_row(self.sample.result(), self.which, n)
+
+    def prompt_logprobs(self) -> list | None:
+        """Aligned with ``out.scheduled``: each row's (first prompt token's index, Logprobs of
+        it and the following ones) or None; None when no row computed any. Waits for the step."""
+        return self._prompt.result() if self._prompt is not None else None
 
 
 def _per_row(res: SamplerOutput, which: Sequence[int], n: int) -> tuple[list[int | None], list | None]:

@@ -153,8 +153,10 @@ class _Track:
         t = req.times
         metrics = {"arrival_time": t.arrival, "first_scheduled_time": t.first_scheduled,
                    "first_token_time": t.first_token, "finished_time": t.finished}
+        # vLLM's shape: None for the first prompt token, then one entry per prompt token
+        prompt_lps = None if req.prompt_logprobs is None else [None, *req.prompt_logprobs]
         return RequestOutput(req.request_id, self.prompt, list(req.sampling_prompt_token_ids), [comp], True,
-                             req.num_cached_tokens, metrics)
+                             req.num_cached_tokens, metrics, prompt_lps)
 
 
 def _progress(total: int):

@@ -78,6 +78,7 @@ from engine.lora.config import LoRAConfig
 from engine.lora.manager import LoRAManager
 from engine.model_loader import load_model
 from engine.parallel import TPGroup
+from engine.prompt_logprobs import PendingPromptLogprobs, prompt_logprobs_async
 from engine.runtime_config import KERNEL_CHOICES, KERNELS_ENV
 from engine.sampler import Sampler, SamplingRow, verify_async
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -319,6 +320,7 @@ class ModelRunner:
         self._copy_states(out.state_restores)  # prefix hits: a snapshot into the request's slot
         rows = out.scheduled
         which = [i for i, s in enumerate(rows) if s.samples]
+        prompt: PendingPromptLogprobs | None = None  # rows computing prompt logprobs: eager steps only
         if plan.path is StepPath.DECODE_GRAPH:
             assert self.graphs is not None and plan.bucket is not None
             step = self.graphs.fill_decode(rows, plan.bucket, plan.splits, ahead_ids)
@@ -340,13 +342,13 @@ class ModelRunner:
             logits = self.graphs.replay(step.size, None, q)
             logits = logits[[i * q + j for i in which for j in range(1 + len(rows[i].draft_token_ids))]]
         else:
-            logits = self._forward_eager(out, ahead_ids, on_layer, samples=bool(which))
+            logits, prompt = self._forward_eager(out, ahead_ids, on_layer, samples=bool(which))
         self._copy_states(out.state_snapshots)  # chunks that ended on a boundary: their slot kept
         if any(rows[i].draft_token_ids for i in which):
             if before_sampling is not None:
                 before_sampling(out)
-            return LaunchedStep(out, None, which, done=self._sample_with_proposals(out, which, logits))
-        return self._queue_sampling(out, logits, which, before_sampling)
+            return LaunchedStep(out, None, which, done=self._sample_with_proposals(out, which, logits), prompt=prompt)
+        return self._queue_sampling(out, logits, which, before_sampling, prompt)
 
     @torch.inference_mode()
     def copy_kv_tiers(self, tier: HostKVTier, wait: bool = False) -> None:
@@ -366,28 +368,37 @@ class ModelRunner:
             st.ssm.index_copy_(0, dst, st.ssm.index_select(0, src))
 
     def _queue_sampling(self, out: SchedulerOutput, logits: torch.Tensor | None, which: Sequence[int],
-                        before_sampling: Callable[[SchedulerOutput], None] | None) -> LaunchedStep:
+                        before_sampling: Callable[[SchedulerOutput], None] | None,
+                        prompt: PendingPromptLogprobs | None = None) -> LaunchedStep:
         """The sampling of rows ``which`` (their logits, in order) queued after a forward pass
         already queued; ``before_sampling`` first, where a row samples."""
         if not which:
-            return LaunchedStep(out, None, which)
+            return LaunchedStep(out, None, which, prompt=prompt)
         if before_sampling is not None:
             before_sampling(out)
         return LaunchedStep(out, self.sampler.sample_async(logits, [_sampling_row(out.scheduled[i]) for i in which]),
-                            which)
+                            which, prompt=prompt)
 
     def _forward_eager(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None,
-                       on_layer: Callable[[int], None] | None, samples: bool) -> torch.Tensor | None:
+                       on_layer: Callable[[int], None] | None, samples: bool
+                       ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """An eager forward pass of the step: the logits of its sampled positions, None when no
-        row samples (``samples``: whether any does). ``ahead_ids``: the leading rows' inputs on
-        the device (rows a step ahead are one token each, so token i is row i's)."""
+        row samples (``samples``: whether any does), and the prompt logprobs of rows that want
+        them (engine/prompt_logprobs.py; None: no row does). ``ahead_ids``: the leading rows'
+        inputs on the device (rows a step ahead are one token each, so token i is row i's)."""
         input_ids, positions, meta, sample_idx = self._prepare(out)
         if ahead_ids is not None:
             input_ids[:ahead_ids.shape[0]].copy_(ahead_ids)
         if self.tp is not None:
             self.wire.broadcast_step(input_ids, positions, meta, sample_idx)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer)
-        return self.model.compute_logits(hidden[sample_idx]) if samples else None
+        prompt = None
+        if any(s.prompt_logprob_positions for s in out.scheduled):
+            if self.tp is not None:  # (refused at admission: the head's other shards are the workers')
+                raise ValueError("prompt logprobs are not computed under tensor parallelism")
+            prompt = prompt_logprobs_async(hidden, out.scheduled, self.model.compute_logits,
+                                           self.config.model.vocab_size)
+        return (self.model.compute_logits(hidden[sample_idx]) if samples else None), prompt
 
     def _sample_with_proposals(self, out: SchedulerOutput, which: list[int], logits: torch.Tensor
                                ) -> tuple[list, list | None]:

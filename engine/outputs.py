@@ -23,6 +23,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then a Logprobs for each
+    # following one (the logprob of that token given those before it)
+    prompt_logprobs: list | None = None
 
 
 @dataclass

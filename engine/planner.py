@@ -10,6 +10,8 @@ nothing; the engine loop reads schedule -> plan -> run -> update.
     rows with proposals                        verify graph if one fits,  no (acceptance is read
                                                else eager                  before the next schedule)
     a row held for a KV send (prefill tier)    eager                      no
+    a row computing prompt logprobs            eager                      no (the extra logits are
+                                                                           read before the next schedule)
     every row decodes one token                decode graph of the        --async-scheduling
                                                smallest size that holds it
     anything else (prefill chunks)             mixed-step graph of the    --async-scheduling and
@@ -37,6 +39,8 @@ def plan_step(scheduled: Sequence[ScheduledRequest], runtime: StepRuntime, *, la
     g = runtime.graphs
     if g is None or layerwise or not scheduled:
         return EAGER
+    if any(s.prompt_logprob_positions for s in scheduled):
+        return EAGER  # the logits of its prompt positions: the eager pass's hidden states hold them
     if any(s.draft_token_ids for s in scheduled):
         size = verify_bucket(scheduled, g)
         return EAGER if size is None else StepPlan(StepPath.VERIFY_GRAPH, size)

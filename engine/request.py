@@ -133,6 +133,10 @@ class Request:
         self.is_sending = False  # prefill tier: a KV send reads the held blocks now
         self.kv_transfer: dict | None = None  # decode tier: figures of the transfer that brought its KV
         self.logprobs: list = []  # per output token, when sampling_params.logprobs is set
+        # sampling_params.prompt_logprobs: the Logprobs of prompt tokens 1, 2, ... (token 0 has
+        # none), recorded as the chunks that compute them run; None: not computed here (not
+        # asked for, or the decode tier, whose prompt the prefill tier computes)
+        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
         self.lora = None  # engine.lora.config.LoRAInfo: the adapter it runs under (None: the base model)
         self.num_draft_computed = 0  # draft_model: positions whose draft-model KV is valid (engine/draft_model.py)
         self.kv_skipped_blocks = 0  # decode tier: leading blocks of the prompt cached here, not received
@@ -177,6 +181,26 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some of its prompt logprobs are still to compute (the client's prompt only: a
+        resumed request's earlier output is not part of it)."""
+        return self.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.sampling_prompt_token_ids) - 1
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Of the positions ``start`` .. ``end - 1`` a step computes, those whose logits give a
+        prompt logprob not recorded yet: position p's give prompt token p + 1's."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, len(self.sampling_prompt_token_ids) - 1))
+
+    def record_prompt_logprobs(self, first: int, logprobs: Sequence) -> None:
+        """The logprobs of prompt tokens ``first``, ``first + 1``, ...: those not recorded yet
+        are kept (a chunk recomputed after a preemption adds nothing twice)."""
+        assert self.prompt_logprobs is not None and first <= len(self.prompt_logprobs) + 1
+        self.prompt_logprobs.extend(logprobs[len(self.prompt_logprobs) + 1 - first:])
 
     @property
     def finish_reason(self) -> str | None:

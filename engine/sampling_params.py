@@ -49,6 +49,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position
+    # vLLM's prompt_logprobs: for each prompt position after the first, the logprob of that
+    # prompt token given the ones before, its rank and the top-N (0: the token's own only).
+    # Such a request takes no prefix-cache hits for its prompt (cached positions have no logits).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # What the output must match (JSON schema, regex, choice, grammar; engine/structured_outputs.py)
@@ -105,6 +109,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

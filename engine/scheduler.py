@@ -140,6 +140,12 @@ class ScheduledRequest:
         """The step in flight before this row's was taken: the request's counts include it."""
         self.lookahead = self.computed_ahead = 0
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The positions of this row whose logits give prompt logprobs still to record
+        (``SamplingParams.prompt_logprobs``): the runner computes their logits too."""
+        return self.request.prompt_logprob_positions(self.start, self.start + self.num_new_tokens)
+
 
 @dataclass
 class SchedulerOutput:
@@ -670,7 +676,10 @@ class Scheduler:
                 if self.waiting and self.waiting[0] is req:  # still waiting (not failed)
                     deferred.append(self.waiting.popleft())
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # A request that wants its prompt's logprobs computes every position of it: a cached
+            # position has no logits (as in vLLM). Once they are recorded (a preempted request
+            # coming back) it takes hits as any other.
+            hits, num_hit = self.kv.get_computed_blocks(req) if not req.needs_prompt_logprobs else ((), 0)
             num_new = self.kv.chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
@@ -725,10 +734,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
-                           logprobs: list | None = None) -> list[Request]:
+                           logprobs: list | None = None, prompt_logprobs: list | None = None) -> list[Request]:
         """Advance token counts after the model ran ``out``; ``sampled[i]``
-        is the new token of ``out.scheduled[i]`` or None for a partial chunk.
-        Returns the requests that got a token (finished ones included)."""
+        is the new token of ``out.scheduled[i]`` or None for a partial chunk;
+        ``prompt_logprobs[i]`` (when any row computed some): None, or (first, [Logprobs]) for
+        prompt tokens ``first``, ``first + 1``, ... Returns the requests that got a token
+        (finished ones included)."""
         updated = []
         if self._grammars is not None and self._grammars.num_requests:  # constrained rows' next masks, in one batch
             self._grammars.prefetch([(s.request, tok) for s, tok in zip(out.scheduled, sampled)
@@ -739,6 +750,8 @@ class Scheduler:
             if req.status != S.RUNNING:  # aborted or expired since the schedule
                 continue
             tok = sampled[i]
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                req.record_prompt_logprobs(*prompt_logprobs[i])
             if s.draft_token_ids:  # the accepted proposals, then the target's token
                 tokens = list(tok)
                 self.spec.record(len(s.draft_token_ids), len(tokens) - 1)
