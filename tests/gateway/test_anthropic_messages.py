@@ -6,6 +6,7 @@ streaming framing, stop sequences, a failure mid-stream)."""
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -226,7 +227,7 @@ def _events(r: httpx.Response) -> list[tuple[str, dict]]:
 
 def test_client_text_streamed_and_not(cluster, claude):
     m = claude.messages.create(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Hi"}])
-    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert re.fullmatch("msg_[0-9a-f]{32}", m.id) and m.type == "message" and m.role == "assistant" and m.model == MODEL
     assert m.content[0].text == SCRIPT_TEXT and m.stop_reason == "end_turn" and m.stop_sequence is None
     assert m.usage.output_tokens == len(cluster.fake.state.script) + 1
     with claude.messages.stream(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi"}]) as s:
