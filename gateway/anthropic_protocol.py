@@ -110,9 +110,9 @@ class CountTokensRequest(BaseModel):
         """(OpenAI's tool_choice, parallel_tool_calls)."""
         choice = self.tool_choice
         if choice is None:
-            kind, parallel = ("auto" if self.tools else None), True
+            kind, name, parallel = ("auto" if self.tools else None), None, True
         else:
-            kind, parallel = choice.type, not choice.disable_parallel_tool_use
+            kind, name, parallel = choice.type, choice.name, not choice.disable_parallel_tool_use
         if self.tools and kind == "auto" and (parser is None or not enable_auto):
             default = " (the default when tools are given)" if choice is None else ""
             raise invalid(f'tool_choice {{"type": "auto"}}{default} needs a gateway started with '
@@ -122,10 +122,10 @@ class CountTokensRequest(BaseModel):
             raise invalid(f'tool_choice {{"type": "{kind}"}} needs a gateway started with --tool-call-parser',
                           param="tool_choice")
         if kind == "tool":
-            if not isinstance(choice.name, str):  # type: ignore[union-attr]
+            if name is None:
                 raise invalid('tool_choice {"type": "tool"} needs the tool\'s name', param="tool_choice")
-            return {"type": "function", "function": {"name": choice.name}}, False  # type: ignore[union-attr]
-        return {"any": "required"}.get(kind, kind) if kind is not None else None, parallel  # type: ignore[arg-type]
+            return {"type": "function", "function": {"name": name}}, False
+        return ("required" if kind == "any" else kind), parallel
 
     def _template_kwargs(self) -> dict[str, Any] | None:
         kind = (self.thinking or {}).get("type")

@@ -242,7 +242,8 @@ def test_client_text_streamed_and_not(cluster, claude):
 
 def test_raw_stream_framing_and_request_id(cluster):
     r = httpx.post(cluster.main.http_url + "/v1/messages", headers={"x-api-key": API_KEY}, timeout=20,
-                   json={"model": MODEL, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "Hi"}]})
+                   json={"model": MODEL, "max_tokens": 3, "stream": True,
+                         "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = _events(r)
     assert all(name == body["type"] for name, body in events)
