@@ -224,6 +224,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if kind == "chat":
             tools = _tool_plan(request.chat, self._service)
             sampling.structured_outputs = with_tool_constraint(sampling.structured_outputs, tools)
+            if tools is not None and tools.keeps_special_tokens:
+                sampling.skip_special_tokens = False  # the tool-call format's markers are special tokens
             template_kwargs = _template_kwargs(request.chat.chat_template_kwargs_json)
         with trace.span("tokenize"):
             if kind == "text":
@@ -299,6 +301,7 @@ def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool,
                                                     arguments=c.arguments) for c in tool_calls)
     if first:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
+    msg.prompt_logprobs.extend(delta.prompt_logprobs)  # (the first delta's: SamplingParams.prompt_logprobs)
     if delta.usage is not None:
         msg.usage.CopyFrom(delta.usage.to_proto())
     return msg

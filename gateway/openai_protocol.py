@@ -3,9 +3,18 @@ vLLM's ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) as pydantic
 models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
-change the meaning of a request and that pdserve does not implement (echo,
-suffix, n > 1, best_of > 1, functions, function_call, audio,
+change the meaning of a request and that pdserve does not implement (suffix,
+n > 1, best_of > 1, functions, function_call, audio,
 non-text modalities, prediction) are refused with a 400 that names the option.
+
+The prompt, as vLLM shows it: ``echo`` (completions) puts the prompt's text before the
+choice's text, and with ``logprobs`` the prompt's tokens before the generated ones in the
+logprobs (the first prompt token's logprob and top_logprobs null); vLLM's
+``prompt_logprobs`` (both endpoints: 0..20, the top-N beside each prompt token's own)
+returns the prompt's logprobs in vLLM's shape. Both are computed by the engine server that
+computes the prompt, which then takes no prefix-cache hits for it. Chat's ``echo`` (vLLM's)
+puts the last message's text before the answer when the answer continues it (its role is
+the answer's: assistant, or any with ``add_generation_prompt`` false).
 
 What the output must match, on both endpoints: OpenAI's ``response_format``
 (``text``, ``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
@@ -18,9 +27,9 @@ both), ``guided_decoding_backend`` may name xgrammar (or ``auto``), and
 requests also take ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 (``tool_plan``; gateway/tool_parsers.py): ``none`` leaves the tools out of the
 prompt; ``auto`` (the default when tools are given) needs
-``--enable-auto-tool-choice``; ``required`` and a named function need
-``--tool-call-parser`` and are enforced by a constraint, which excludes
-``response_format`` and ``structured_outputs``. ``chat_template_kwargs`` (vLLM's) are more
+``--enable-auto-tool-choice``; ``required`` and a named function are enforced by a
+constraint (in the ``--tool-call-parser``'s format, or vLLM's JSON form without one), which
+excludes ``response_format`` and ``structured_outputs``. ``chat_template_kwargs`` (vLLM's) are more
 variables of the chat template (``{"enable_thinking": false}``; checked by
 gateway/tokenization.py). With a ``--reasoning-parser`` the constraint applies to the
 answer after the reasoning (gateway/reasoning_parsers.py).
@@ -109,6 +118,7 @@ class _SamplingRequest(BaseModel):
     # vLLM extras
     allowed_token_ids: list[int] | None = None
     priority: int = 0  # the engine servers' --scheduling-policy priority: lower is served first
+    prompt_logprobs: int | None = None  # top-N beside each prompt token's own logprob (0: its own only)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -192,6 +202,7 @@ class _SamplingRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+                                  prompt_logprobs=self.engine_prompt_logprobs(),
                                   logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                                   skip_special_tokens=self.skip_special_tokens,
@@ -200,6 +211,10 @@ class _SamplingRequest(BaseModel):
         except ValueError as e:
             raise invalid(str(e)) from e
 
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top-N of the prompt logprobs the engine computes (None: none)."""
+        return self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as ids."""
@@ -237,11 +252,16 @@ class CompletionRequest(_SamplingRequest):
             raise invalid(f"prompt: at most {MAX_PROMPT_TOKEN_IDS} token ids, got {len(p)}", param="prompt")
         return p
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``, and what ``echo`` with ``logprobs`` shows of the prompt:
+        the larger top-N of the two (each response field shows its own)."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise invalid("echo is not supported", param="echo")
         if self.suffix:
-            raise invalid("suffix is not supported", param="suffix")
+            raise invalid("suffix is not supported: it needs the model's fill-in-the-middle template, which "
+                          "pdserve does not apply; send the text before the gap as the prompt", param="suffix")
         if self.tool_choice not in (None, "none"):
             raise invalid("tool_choice is for chat completions only", param="tool_choice")
         return self._sampling_params(self.max_tokens, self.logprobs, self.output_constraint())
@@ -328,6 +348,18 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables of the chat template
+    echo: bool = False  # vLLM's: the last message's text before the answer that continues it
+
+    def echoed_text(self) -> str:
+        """What vLLM's ``echo`` puts before the answer: the last message's text when the answer
+        continues it (its role is the answer's: assistant, or with ``add_generation_prompt``
+        false any role), else nothing."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        return last.to_template_dict()["content"]
 
     def tool_plan(self, parser: ToolParser | None, enable_auto: bool) -> ToolPlan | None:
         """The request's ``tools``/``tool_choice``/``parallel_tool_calls`` (``tool_plan``)."""
@@ -339,7 +371,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, with_tool_constraint(self.output_constraint(), tools))
+        sampling = self._sampling_params(max_tokens, logprobs, with_tool_constraint(self.output_constraint(), tools))
+        if tools is not None and tools.keeps_special_tokens:
+            sampling.skip_special_tokens = False  # the tool-call format's markers are special tokens
+        return sampling
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
@@ -364,10 +399,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
         raise invalid(f'tool_choice "auto"{default} needs a gateway started with --enable-auto-tool-choice '
                       'and --tool-call-parser; send tool_choice "required", a named function or "none"',
                       param="tool_choice")
-    if parser is None:
-        what = "a named function" if function is not None else '"required"'
-        raise invalid(f"tool_choice {what} needs a gateway started with --tool-call-parser", param="tool_choice")
-    if choice != "auto" and parser.name == "openai":
+    if choice != "auto" and parser is not None and parser.name == "openai":
         raise invalid(f'tool_choice {"a named function" if function is not None else choice!r} is not supported '
                       'with gpt-oss (harmony) tool calls; send tool_choice "auto" or "none"', param="tool_choice")
     if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable

@@ -142,7 +142,6 @@ def _error(body: dict, parser=HermesToolParser(), enable_auto=True) -> GatewayEr
 @pytest.mark.parametrize("body, parser, enable_auto, param, fragment", [
     ({"tools": TOOLS}, HermesToolParser(), False, "tool_choice", "(the default when tools are given) needs"),
     ({"tools": TOOLS, "tool_choice": "auto"}, None, False, "tool_choice", "--enable-auto-tool-choice"),
-    ({"tools": TOOLS, "tool_choice": "required"}, None, False, "tool_choice", "--tool-call-parser"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, HermesToolParser(), True,
      "tool_choice", "'nope', which is not among the tools (get_time, get_weather)"),
     ({"tool_choice": "required"}, HermesToolParser(), True, "tool_choice", "needs tools"),
