@@ -56,6 +56,7 @@ def cluster():
             local.wait_healthy()
             gw.local = local  # type: ignore[attr-defined]
             gw.prefill_address = prefill.address  # type: ignore[attr-defined]
+            gw.decode_address = decode.address  # type: ignore[attr-defined]
             yield gw
         finally:
             assert local.stop() == 0, local.logs()
@@ -297,6 +298,35 @@ def test_named_tool_call_streams_in_pieces(oai):
     assert call.function.name == "get_time" and isinstance(call.function.parsed_arguments, GetTime)
     assert len(pieces) > 1 and final.choices[0].finish_reason == "tool_calls"
     assert "".join(p.arguments_delta for p in pieces) == call.function.arguments
+
+
+def test_required_and_named_calls_need_no_tool_call_parser(cluster):
+    """A gateway with a tool template but no --tool-call-parser (in front of the same decode
+    server): required and named calls are forced in vLLM's JSON form and come back as
+    tool_calls, streamed and not; auto still needs a parser."""
+    gw = GatewayProcess("so-noparser", ["--decode", cluster.decode_address, "--chat-template", str(TEMPLATE),
+                                        "--max-model-len", str(MAX_MODEL_LEN)])
+    try:
+        gw.wait_ready()
+        gw.wait_healthy()
+        oai = openai.OpenAI(base_url=gw.http_url + "/v1", api_key="unused", max_retries=0)
+        r = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS,
+                                        tool_choice="required", max_tokens=150, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        for call in choice.message.tool_calls:
+            (GetTime if call.function.name == "get_time" else GetWeather).model_validate_json(call.function.arguments)
+        with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
+                                         temperature=0, tool_choice={"type": "function",
+                                                                     "function": {"name": "get_time"}}) as stream:
+            final = stream.get_final_completion()
+        call, = final.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and final.choices[0].finish_reason == "tool_calls", final
+        GetTime.model_validate_json(call.function.arguments)
+        auto = _chat(gw.http_url, messages=WEATHER, tools=TOOLS, tool_choice="auto", max_tokens=8)
+        assert auto.status_code == 400 and "--tool-call-parser" in auto.text, auto.text
+    finally:
+        assert gw.stop() == 0, gw.logs()
 
 
 def test_auto_parses_the_block_the_model_wrote(cluster):
