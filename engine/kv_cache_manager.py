@@ -194,7 +194,7 @@ class KVCacheManager:
         if start >= end:
             return 0
         hashes = self._block_hashes(request, end)[start:end]
-        n = self.host.lookup(hashes)
+        n = self.host.find(hashes)  # (hits on disk are read into the host tier)
         if n:
             self._host_hits[request.request_id] = hashes[:n]
         return n * self.block_size

@@ -22,15 +22,26 @@ to pinned memory, and the compute stream waits for them (so they are ordered bef
 overwrite, without the host waiting). Loading layer by layer, overlapped with the forward
 pass, is a later optimisation; the whole block is copied before the step now.
 
+The disk tier (``--kv-offloading-path``, engine/kv_disk_tier.py) is this tier's next level,
+reached only through it: a host block dropped to make room is spilled there (copied to a
+staging buffer now, written by the disk tier's thread), and ``find`` continues a prefix
+lookup past the host hits into it, reading those files into host blocks that then load like
+any host hit. The host touches its buffer from the CPU only for those two (a spill reads a
+block, a disk read writes one), never a block a queued copy of this round reads or writes,
+and on CUDA only once the copies of earlier flushes are done (``_sync_host``).
+
 Limits: one KV cache group without linear-attention state (the manager refuses more), one
 rank (no tensor parallel), no draft model (engine/config.py refuses both).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.kv_disk_tier import DiskKVTier
 
 
 class HostKVTier:
@@ -48,6 +59,10 @@ class HostKVTier:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
         self._pinned: set[int] = set()  # host blocks a load of the allocation in progress reads
         self._copies: list[tuple[bool, int, int]] = []  # (store?, device block, host block), in order
+        self._pending: set[int] = set()  # host blocks the queued copies read or write
+        self._pending_stores: set[int] = set()  # of those, the ones written (not holding their KV yet)
+        self._flushed: torch.cuda.Event | None = None  # CUDA: the last flush's copies, until waited for
+        self.disk: DiskKVTier | None = None  # the next tier (--kv-offloading-path), if any
         self.stored_blocks_total = 0  # device -> host copies
         self.loaded_blocks_total = 0  # host -> device copies (prefix hits in this tier)
         self.dropped_blocks_total = 0  # host blocks whose hash made room for another (LRU)
@@ -98,6 +113,65 @@ class HostKVTier:
     def release(self, slots: Sequence[int]) -> None:
         self._pinned.difference_update(slots)
 
+    def attach_disk(self, disk: DiskKVTier) -> None:
+        """Spill the blocks this tier drops to ``disk`` and continue ``find`` into it."""
+        self.disk = disk
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def find(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are here, after reading those that follow the host hits
+        from the disk tier into host blocks (as far as they verify and fit beside the host hits,
+        which they never displace). Unlike ``lookup``, it changes what is here."""
+        n = self.lookup(hashes)
+        if self.disk is None or n == len(hashes) or hashes[n] not in self.disk:
+            return n
+        want = self.disk.lookup(hashes[n:])
+        protect = {self._lru[h] for h in hashes[:n]} - self._pinned  # (the host hits: not victims)
+        self._pinned |= protect
+        read = 0
+        try:
+            for h in hashes[n:n + want]:
+                slot = self._take_slot(cpu_write=True)
+                if slot is None:
+                    break
+                self._sync_host()
+                if not self.disk.read(h, self.buffer[slot]):  # refused or gone: recomputed from here
+                    self._free.append(slot)
+                    break
+                self._lru[h] = slot
+                self._pinned.add(slot)
+                protect.add(slot)
+                read += 1
+        finally:
+            self._pinned -= protect
+        return n + read
+
+    def _take_slot(self, cpu_write: bool = False) -> int | None:
+        """A host block for new contents: a free one, else the least recently used that is not
+        pinned (nor, for a write by the CPU, read or written by a queued copy), whose KV is
+        spilled to the disk tier first. None when there is none."""
+        if self._free:
+            return self._free.pop()
+        busy = self._pinned | self._pending if cpu_write else self._pinned
+        victim = next((h for h, s in self._lru.items() if s not in busy), None)
+        if victim is None:
+            return None
+        slot = self._lru.pop(victim)
+        self.dropped_blocks_total += 1
+        if self.disk is not None and slot not in self._pending_stores:  # (else its KV is not here yet)
+            self._sync_host()
+            self.disk.spill(victim, self.buffer[slot])
+        return slot
+
+    def _sync_host(self) -> None:
+        """Before the CPU reads or writes the buffer: the copies of earlier flushes are done."""
+        if self._flushed is not None:
+            self._flushed.synchronize()
+            self._flushed = None
+
     def offload(self, block_hash: int, device_block: int) -> bool:
         """A cached device block is about to be reused: keep its KV here (queued copy), or
         only touch it when its hash is here already. False when every host block is pinned
@@ -105,22 +179,20 @@ class HostKVTier:
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
             return True
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = next((h for h, s in self._lru.items() if s not in self._pinned), None)
-            if victim is None:
-                return False
-            slot = self._lru.pop(victim)
-            self.dropped_blocks_total += 1
+        slot = self._take_slot()
+        if slot is None:
+            return False
         self._lru[block_hash] = slot
         self._copies.append((True, device_block, slot))
+        self._pending.add(slot)
+        self._pending_stores.add(slot)
         self.stored_blocks_total += 1
         return True
 
     def load(self, slot: int, device_block: int) -> None:
         """Queue the copy of host block ``slot`` into ``device_block`` (a prefix hit here)."""
         self._copies.append((False, device_block, slot))
+        self._pending.add(slot)
         self.loaded_blocks_total += 1
 
     @property
@@ -141,6 +213,8 @@ class HostKVTier:
         a side stream that first waits for the compute stream, which then waits for it (the
         host does not, unless ``wait``). Returns how many ran."""
         copies, self._copies = self._copies, []
+        self._pending.clear()
+        self._pending_stores.clear()
         if not copies:
             return 0
         if self._stream is None:
@@ -161,6 +235,10 @@ class HostKVTier:
         compute.wait_stream(self._stream)
         if wait:
             self._stream.synchronize()
+            self._flushed = None
+        elif self.disk is not None:  # (the CPU touches the buffer only with a disk tier)
+            self._flushed = torch.cuda.Event()
+            self._flushed.record(self._stream)
         return len(copies)
 
 
