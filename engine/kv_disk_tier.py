@@ -274,8 +274,10 @@ class DiskKVTier:
 
     def spill(self, block_hash: int, block: torch.Tensor) -> bool:
         """The host tier drops ``block`` (its KV, readable now): copy it to a staging buffer and
-        queue its write. False when dropped (no staging buffer free). A block whose file is here
-        already is only touched."""
+        queue its write. False when dropped (no staging buffer free, or closed). A block whose
+        file is here already is only touched."""
+        if self._closed:
+            return False
         if block_hash in self._index:
             self._put_nowait(("touch", block_hash))
             return True
@@ -313,10 +315,12 @@ class DiskKVTier:
 
     # ---- faults ----------------------------------------------------------
     def _count(self, cause: str, detail: str) -> None:
-        self.errors[cause] += 1
-        if cause not in self._logged:  # once per cause: a full disk must not flood the log
+        with self._lock:  # (both threads count)
+            self.errors[cause] += 1
+            first = cause not in self._logged
             self._logged.add(cause)
-            logger.warning("KV disk tier (%s): %s; the block is recomputed (further such errors are only "
+        if first:  # once per cause: a full disk must not flood the log
+            logger.warning("KV disk tier (%s): %s; that block is recomputed where needed (further such errors are only "
                            "counted: pdserve:kv_offload_disk_errors{cause=%r})", self.root, detail, cause)
 
     def _refuse(self, path: Path, block_hash: int, cause: str, detail: str, remove: bool = True) -> bool:
@@ -331,6 +335,8 @@ class DiskKVTier:
         return False
 
     def _put_nowait(self, item: tuple) -> bool:
+        if self._closed:
+            return False
         try:
             self._queue.put_nowait(item)
             return True
