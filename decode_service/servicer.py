@@ -36,7 +36,8 @@ def delta_to_proto(d: Delta) -> engine_pb2.DecodeResponse:
     return engine_pb2.DecodeResponse(delta=engine_pb2.TokenDelta(
         token_ids=d.token_ids, logprobs=logprobs_to_proto(d.logprobs),
         finish_reason=d.finish_reason or "", num_cached_tokens=d.num_cached_tokens, finish_message=message,
-        num_draft_tokens=d.spec[0], num_accepted_draft_tokens=d.spec[1]))
+        num_draft_tokens=d.spec[0], num_accepted_draft_tokens=d.spec[1],
+        prompt_logprobs=logprobs_to_proto(d.prompt_logprobs)))
 
 
 def _spec_attributes(spec: tuple[int, int]) -> dict:

@@ -62,7 +62,7 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.lora import ServerResult
 from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                                      UnloadLoRAAdapterRequest)
-from gateway.openai_responses import ChatFormatter, CompletionFormatter, ResponseFormatter
+from gateway.openai_responses import ChatFormatter, CompletionFormatter, PromptView, ResponseFormatter
 from gateway.output_processor import GenerationDelta
 from gateway.reasoning_parsers import ChatStream
 from gateway.request_flow import PreparedRequest
@@ -139,8 +139,10 @@ def create_app(service: GatewayService, api_key: str | None = None,
         except BaseException as e:
             trace.finish(error=e)
             raise
+        echo = (prompt if isinstance(prompt, str) else service.inputs.tokenizer.decode(ids)) if body.echo else None
+        shown = PromptView(ids, echo, body.logprobs or 0, body.prompt_logprobs)
         fmt = CompletionFormatter(req.request_id, service.model_name(lora), service.token_text,
-                                  body.include_usage, sampling.logprobs is not None)
+                                  body.include_usage, sampling.logprobs is not None, shown)
         return await _respond(service, request, req, fmt, body.stream)
 
     @v1.post("/chat/completions")
@@ -151,8 +153,9 @@ def create_app(service: GatewayService, api_key: str | None = None,
         except BaseException as e:
             trace.finish(error=e)
             raise
+        shown = PromptView(req.prompt_token_ids, body.echoed_text() or None, prompt_logprobs=body.prompt_logprobs)
         fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
-                            body.include_usage, req.sampling.logprobs is not None, answer=answer,
+                            body.include_usage, req.sampling.logprobs is not None, shown, answer=answer,
                             reasoning=service.reasoning_parser is not None)
         return await _respond(service, request, req, fmt, body.stream)
 

@@ -16,11 +16,21 @@ With a ``--reasoning-parser`` (gateway/reasoning_parsers.py) the message's reaso
 ``reasoning_content`` (and ``reasoning``, vLLM's newer name for it; null when there was
 none) apart from ``content`` (null when empty); streamed, ``delta.reasoning_content`` (and
 ``delta.reasoning``) carry it as it comes, before the content's deltas.
+
+The prompt (``PromptView``; gateway/openai_protocol.py): a completion's ``echo`` puts the
+prompt's text before the choice's text and, with ``logprobs``, the prompt's tokens before
+the generated ones (the first prompt token with a null logprob and top_logprobs); vLLM's
+``prompt_logprobs`` is a list, null for the first prompt token and then for each a map from
+token id to ``{"logprob", "rank", "decoded_token"}`` (the token's own entry, then the top-N),
+in the choice of a completion and at the top of a chat completion, as vLLM places them.
+Streamed, they come with the first chunk (a chat's echoed text in a chunk of its own after
+the role's, as vLLM sends it).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.output_processor import GenerationDelta, Usage
@@ -38,6 +48,19 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
+@dataclass(frozen=True)
+class PromptView:
+    """What a response shows of the prompt: its ``token_ids``; ``echo_text``, the text the
+    answer starts with (None: no echo); ``echo_top``, the top-N each echoed prompt token
+    shows in the logprobs (the request's ``logprobs``); ``prompt_logprobs``, the top-N of
+    vLLM's ``prompt_logprobs`` field (None: not asked for)."""
+
+    token_ids: Sequence[int] = ()
+    echo_text: str | None = None
+    echo_top: int = 0
+    prompt_logprobs: int | None = None
+
+
 class ResponseFormatter:
     """Shared by both endpoints: envelope, usage chunk, usage-null convention."""
 
@@ -45,7 +68,7 @@ class ResponseFormatter:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, prompt: PromptView | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -53,6 +76,24 @@ class ResponseFormatter:
         self._include_usage = include_usage
         self._want_logprobs = want_logprobs
         self._usage: Usage | None = None
+        self._prompt = prompt if prompt is not None else PromptView()
+        self._prompt_shown = False  # streamed: the first chunk carried the prompt
+
+    def _prompt_logprobs_json(self, lps: Sequence[common_pb2.TokenLogprob]) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` (None: not asked for)."""
+        n = self._prompt.prompt_logprobs
+        if n is None:
+            return None
+        out: list[Any] = [None]
+        for lp in lps:
+            entry = {str(lp.token_id): self._logprob_entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, t in enumerate(lp.top[:n], start=1):
+                entry.setdefault(str(t.token_id), self._logprob_entry(t.token_id, t.logprob, rank))
+            out.append(entry)
+        return out
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
@@ -109,32 +150,64 @@ class CompletionFormatter(ResponseFormatter):
         super().__init__(*args, **kwargs)
         self._text_offset = 0
 
-    def _logprobs(self, lps: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, lps: Sequence[common_pb2.TokenLogprob],
+                  echoed: Sequence[common_pb2.TokenLogprob] | None = None) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs of ``lps``; ``echoed``: echo's prompt logprobs, whose tokens
+        come first (the first prompt token's logprob and top_logprobs null)."""
         if not self._want_logprobs:
             return None
-        tokens, offsets = [], []
-        for lp in lps:
-            tokens.append(self._token_text(lp.token_id))
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+
+        def add(token_id: int, logprob: float | None, top: dict[str, float] | None) -> None:
+            tokens.append(self._token_text(token_id))
+            values.append(logprob)
+            tops.append(top)
             offsets.append(self._text_offset)
             self._text_offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_text(t.token_id): t.logprob for t in lp.top} for lp in lps],
-                "text_offset": offsets}
+
+        if echoed is not None:
+            ids, n = self._prompt.token_ids, self._prompt.echo_top
+            by_token = dict(enumerate(echoed, start=1))  # prompt token i's
+            for i, token_id in enumerate(ids):
+                lp = by_token.get(i)
+                add(token_id, lp.logprob if lp is not None else None,
+                    {self._token_text(t.token_id): t.logprob for t in lp.top[:n]} if lp is not None else None)
+        for lp in lps:
+            add(lp.token_id, lp.logprob, {self._token_text(t.token_id): t.logprob for t in lp.top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _choice(self, text: str, lps: Sequence[common_pb2.TokenLogprob],
+                prompt_lps: Sequence[common_pb2.TokenLogprob] | None) -> dict[str, Any]:
+        """The choice's text and logprobs; ``prompt_lps``: the prompt's logprobs where the
+        prompt is shown (echo, vLLM's prompt_logprobs), None where it is not."""
+        echo = self._prompt.echo_text if prompt_lps is not None else None
+        choice: dict[str, Any] = {"index": 0, "text": text if echo is None else echo + text,
+                                  "logprobs": self._logprobs(lps, prompt_lps if echo is not None else None)}
+        if prompt_lps is not None and self._prompt.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs_json(prompt_lps)
+        return choice
 
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
-        if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs):
+        shows_prompt = not self._prompt_shown and (self._prompt.echo_text is not None
+                                                   or self._prompt.prompt_logprobs is not None)
+        if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs) and not shows_prompt:
             return []
-        choice = _finish_fields({"index": 0, "text": d.text, "logprobs": self._logprobs(d.logprobs)}, d,
+        self._prompt_shown = True
+        choice = _finish_fields(self._choice(d.text, d.logprobs, d.prompt_logprobs if shows_prompt else None), d,
                                 d.finish_reason)
         return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
         lps = [lp for d in deltas for lp in d.logprobs]
-        choice = _finish_fields({"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(lps)},
-                                last, last.finish_reason)
+        prompt_lps = [lp for d in deltas for lp in d.prompt_logprobs]
+        choice = _finish_fields(self._choice("".join(d.text for d in deltas), lps, prompt_lps), last,
+                                last.finish_reason)
         body = self._envelope(self.object_name, [choice])
         body["usage"] = usage_json(last.usage) if last.usage else None
         return body
@@ -178,15 +251,20 @@ class ChatFormatter(ResponseFormatter):
         return self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))
 
     def stream_start(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        chunks = [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        if self._prompt.echo_text:  # vLLM's echo: the continued message's text, in a chunk of its own
+            chunks.append(self._chunk({"content": self._prompt.echo_text}, None, None))
+        return chunks
 
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
         new = self._answer.feed(d.token_ids, d.text, final=bool(d.finish_reason))
+        shows_prompt = not self._prompt_shown and self._prompt.prompt_logprobs is not None
         if (not new.reasoning and not new.content and not new.tool_calls and not d.finish_reason
-                and not (self._want_logprobs and d.logprobs)):
+                and not (self._want_logprobs and d.logprobs) and not shows_prompt):
             return []
+        self._prompt_shown = True
         delta: dict[str, Any] = {}
         if new.reasoning:  # before the content, as vLLM
             delta["reasoning_content"] = delta["reasoning"] = new.reasoning
@@ -195,13 +273,18 @@ class ChatFormatter(ResponseFormatter):
         if new.tool_calls:
             delta["tool_calls"] = [c.to_json() for c in new.tool_calls]
         finish_reason = tool_finish_reason(d.finish_reason, self._answer.num_calls)
-        return [self._chunk(delta, self._logprobs(d.logprobs), finish_reason, d)]
+        chunk = self._chunk(delta, self._logprobs(d.logprobs), finish_reason, d)
+        if shows_prompt:
+            chunk["prompt_logprobs"] = self._prompt_logprobs_json(d.prompt_logprobs)
+        return [chunk]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
         last = deltas[-1]
         text = "".join(d.text for d in deltas)
         answer = self._answer.whole([t for d in deltas for t in d.token_ids], text)
         message: dict[str, Any] = {"role": "assistant", "content": answer.content if self._parsed else text}
+        if self._prompt.echo_text:  # vLLM's echo: the continued message's text first
+            message["content"] = self._prompt.echo_text + (message["content"] or "")
         if self._reasoning:
             message["reasoning_content"] = message["reasoning"] = answer.reasoning
         if answer.tool_calls:
@@ -211,5 +294,7 @@ class ChatFormatter(ResponseFormatter):
                                  "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs])},
                                 last, finish_reason)
         body = self._envelope(self.object_name, [choice])
+        if self._prompt.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_json([lp for d in deltas for lp in d.prompt_logprobs])
         body["usage"] = usage_json(last.usage) if last.usage else None
         return body

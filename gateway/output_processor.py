@@ -50,6 +50,8 @@ class GenerationDelta:
     usage: Usage | None = None
     finish_message: str = ""
     stop_string: str | None = None
+    # SamplingParams.prompt_logprobs: on the first delta, prompt tokens 1, 2, ...'s (token 0 has none)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -64,6 +66,7 @@ class OutputProcessor:
         self._per_token = bool(req.sampling.stop)
         self._num_output_tokens = 0
         self._num_cached_tokens = 0
+        self._prompt_logprobs: list[common_pb2.TokenLogprob] = []  # not yet passed on
         self.spec = (0, 0)  # speculative decoding: (tokens proposed, accepted), as the decode server counts
         self.first_token_time: float | None = None  # time.monotonic()
         self.last_token_time: float | None = None
@@ -76,18 +79,25 @@ class OutputProcessor:
                 self.spec = max(self.spec, chunk.spec)
                 ids, lps, text = self._detokenize(chunk)
                 self._observe(len(ids))
+                self._prompt_logprobs += chunk.prompt_logprobs
                 if self._detok.is_stopped:
-                    yield self._final(ids, lps, text, "stop")
+                    yield self._with_prompt(self._final(ids, lps, text, "stop"))
                     return
                 if chunk.finish_reason:
                     text += self._detok.finish()
                     reason = "stop" if self._detok.is_stopped else chunk.finish_reason
-                    yield self._final(ids, lps, text, reason, chunk.finish_message if reason == "error" else "")
+                    yield self._with_prompt(self._final(ids, lps, text, reason,
+                                                        chunk.finish_message if reason == "error" else ""))
                     return
                 if ids or text:
-                    yield GenerationDelta(ids, text, lps)
+                    yield self._with_prompt(GenerationDelta(ids, text, lps))
         raise GatewayError(ErrorKind.INTERNAL, f"request {self._req.request_id}: the token stream ended "
                            "without a finish reason")
+
+    def _with_prompt(self, delta: GenerationDelta) -> GenerationDelta:
+        """``delta`` with the prompt logprobs that came in the chunks so far (the first one)."""
+        delta.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
+        return delta
 
     def _detokenize(self, chunk: TokenChunk) -> tuple[list[int], list[common_pb2.TokenLogprob], str]:
         """(ids kept, their logprobs, new text); ids past a stop-string match are dropped."""

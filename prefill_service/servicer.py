@@ -31,7 +31,7 @@ from engine.lora.adapter import LoRAMismatch
 from kv_transfer import ChannelOffer, ChannelRequest, KVSendScheduler, KVTransferError
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from prefill_service.flags import KV_SEND_MODES, PAIRS_PER_DECODE
-from rpc.convert import logprob_to_proto, sampling_from_proto
+from rpc.convert import logprob_to_proto, logprobs_to_proto, sampling_from_proto
 from rpc.engine_bridge import Delta, EngineBridge
 from rpc.engine_metrics import EngineMetrics
 from rpc import tls, tracing
@@ -132,6 +132,7 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 prefill_seconds=t_first - t0)
             if d.logprobs:
                 resp.logprob.CopyFrom(logprob_to_proto(d.logprobs[0]))
+            resp.prompt_logprobs.extend(logprobs_to_proto(d.prompt_logprobs))
             return resp
         finally:
             reading = sends.end(rid)  # the send still reading the blocks (one that never got its token ends aborted)

@@ -11,7 +11,7 @@ from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "logprobs",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "prompt_logprobs")
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -63,6 +63,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     if p.logit_bias:

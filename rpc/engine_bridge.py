@@ -55,6 +55,9 @@ class Delta:
     kv_transfer: dict | None = None  # decode tier: the figures of the KV transfer it came with
     spec: tuple[int, int] = (0, 0)  # speculative decoding so far: (tokens proposed, accepted)
     state_slot: int = -1  # "reserved": a hybrid model's linear-attention state slot reserved (-1: none)
+    # SamplingParams.prompt_logprobs, where this server computed the prompt: on the first delta
+    # with tokens, the Logprobs of prompt tokens 1, 2, ... (engine/request.py)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class _DeltaQueue(asyncio.Queue):
@@ -67,6 +70,7 @@ class _DeltaQueue(asyncio.Queue):
                 and tail.error is None and not tail.is_held):
             item.token_ids = tail.token_ids + item.token_ids
             item.logprobs = tail.logprobs + item.logprobs
+            item.prompt_logprobs = tail.prompt_logprobs or item.prompt_logprobs
             self._queue[-1] = item  # type: ignore[attr-defined]
             return
         self._queue.append(item)  # type: ignore[attr-defined]
@@ -142,11 +146,13 @@ class EngineBridge:
                 self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
             self.metrics.generation_tokens.inc(req.num_output_tokens - start)
         held = req.status == RequestStatus.HELD_FOR_SEND
+        first = start == 0 and req.num_output_tokens > 0  # the prompt's logprobs go with the first token
         return Delta(req.request_id, req.output_token_ids[start:], lps, req.finish_reason,
                      req.num_cached_tokens, req.num_prompt_tokens, req.num_output_tokens,
                      block_ids=self.engine.get_block_ids(req.request_id) if held else [],
                      error=req.error, is_held=held, times=req.times, kv_transfer=req.kv_transfer,
-                     spec=(req.num_draft_tokens, req.num_accepted_draft_tokens))
+                     spec=(req.num_draft_tokens, req.num_accepted_draft_tokens),
+                     prompt_logprobs=list(req.prompt_logprobs) if first and req.prompt_logprobs else [])
 
     def _on_step(self, out: StepOutput) -> None:
         for req in out.reserved:

@@ -78,20 +78,22 @@ class KVTransferStats(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backend: _Optional[str] = ..., seconds_after_first_token: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "logprob", "num_cached_tokens", "transfer", "queue_seconds", "prefill_seconds")
+    __slots__ = ("first_token", "logprob", "num_cached_tokens", "transfer", "queue_seconds", "prefill_seconds", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: _common_pb2.TokenLogprob
     num_cached_tokens: int
     transfer: KVTransferStats
     queue_seconds: float
     prefill_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferStats, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "lora_name", "resume_output_token_ids", "priority")
@@ -124,7 +126,7 @@ class Reserved(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., lora_fingerprint: _Optional[str] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "finish_message", "num_draft_tokens", "num_accepted_draft_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "finish_message", "num_draft_tokens", "num_accepted_draft_tokens", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,7 @@ class TokenDelta(_message.Message):
     FINISH_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: str
@@ -139,7 +142,8 @@ class TokenDelta(_message.Message):
     finish_message: str
     num_draft_tokens: int
     num_accepted_draft_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., finish_message: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., finish_message: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reserved", "delta")

@@ -53,7 +53,7 @@ def test_validation_happens_before_routing(client):
     assert err["code"] == "model_not_found"
     err = _error(client.post("/v1/completions", json={"prompt": "hi", "n": 3}), 400)
     assert err["type"] == "invalid_request_error" and "n must be 1" in err["message"]
-    _error(client.post("/v1/completions", json={"prompt": "hi", "echo": True}), 400)
+    _error(client.post("/v1/completions", json={"prompt": "hi", "suffix": "there"}), 400)
     _error(client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
     _error(client.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct"}), 400)
     _error(client.get("/v1/nothing-here"), 404)

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gateway.openai_responses import ChatFormatter, CompletionFormatter
+from gateway.openai_responses import ChatFormatter, CompletionFormatter, PromptView
 from gateway.output_processor import GenerationDelta, Usage
 from gateway.sse import SSE_DONE, sse_event
 from pdserve.v1 import common_pb2
@@ -50,7 +50,10 @@ def test_chat_content_parts_are_joined():
 
 @pytest.mark.parametrize("body, fragment", [
     ({"prompt": "x", "n": 2}, "n must be 1"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "fill-in-the-middle template"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -126,3 +129,71 @@ def test_chat_logprobs_shape():
     assert content[0] == {"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel"),
                           "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel")}]}
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+
+
+def _prompt_deltas() -> list[GenerationDelta]:
+    """A prompt of tokens 5, 6 ("Say", " hi") and its logprobs (token 6's, top-2), then _deltas()."""
+    top = [common_pb2.TopLogprob(token_id=7, logprob=-0.25), common_pb2.TopLogprob(token_id=6, logprob=-1.5)]
+    deltas = _deltas()
+    deltas[0].prompt_logprobs = [common_pb2.TokenLogprob(token_id=6, logprob=-1.5, rank=2, top=top)]
+    return deltas
+
+
+def _prompt_text(t: int) -> str:
+    return {5: "Say", 6: " hi", 7: "Hel", 8: "lo"}[t]
+
+
+def test_completion_echo_and_prompt_logprobs():
+    """echo: the prompt's text, and its tokens first in the logprobs (the first one's null);
+    prompt_logprobs: vLLM's list, each prompt token's own entry then the top-N."""
+    shown = PromptView([5, 6], "Say hi", echo_top=1, prompt_logprobs=2)
+    body = CompletionFormatter("c", "m", _prompt_text, False, True, shown).response(_prompt_deltas())
+    choice = body["choices"][0]
+    assert choice["text"] == "Say hiHello"
+    assert choice["logprobs"] == {"tokens": ["Say", " hi", "Hel", "lo"], "token_logprobs": [None, -1.5, -0.5, -0.125],
+                                  "top_logprobs": [None, {"Hel": -0.25}, {"Hel": -0.5}, {}],
+                                  "text_offset": [0, 3, 6, 9]}
+    assert choice["prompt_logprobs"] == [None, {"6": {"logprob": -1.5, "rank": 2, "decoded_token": " hi"},
+                                                "7": {"logprob": -0.25, "rank": 1, "decoded_token": "Hel"}}]
+    # streamed: all of it in the first chunk
+    fmt = CompletionFormatter("c", "m", _prompt_text, False, True, shown)
+    chunks = [c for d in _prompt_deltas() for c in fmt.stream_delta(d)]
+    first, second = (c["choices"][0] for c in chunks)
+    assert first["text"] == "Say hiHel" and first["logprobs"]["tokens"] == ["Say", " hi", "Hel"]
+    assert first["prompt_logprobs"] == choice["prompt_logprobs"]
+    assert second["text"] == "lo" and "prompt_logprobs" not in second and second["logprobs"]["text_offset"] == [9]
+    # echo alone: the text, no logprobs; nothing asked: the choice as before
+    plain = CompletionFormatter("c", "m", _prompt_text, False, False, PromptView([5, 6], "Say hi"))
+    assert plain.response(_prompt_deltas())["choices"][0] == {"index": 0, "text": "Say hiHello", "logprobs": None,
+                                                              "finish_reason": "length"}
+    assert "prompt_logprobs" not in CompletionFormatter("c", "m", _prompt_text, False, False).response(
+        _prompt_deltas())["choices"][0]
+
+
+def test_completion_echo_asks_the_engine_for_prompt_logprobs():
+    assert CompletionRequest(prompt="x", echo=True).to_sampling_params().prompt_logprobs is None
+    assert CompletionRequest(prompt="x", echo=True, logprobs=3).to_sampling_params().prompt_logprobs == 3
+    assert CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=4).to_sampling_params() \
+        .prompt_logprobs == 4
+    assert CompletionRequest(prompt="x", logprobs=3, prompt_logprobs=0).to_sampling_params().prompt_logprobs == 0
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], prompt_logprobs=2, echo=True)
+    assert chat.to_sampling_params().prompt_logprobs == 2
+
+
+def test_chat_echo_and_prompt_logprobs():
+    """vLLM's chat echo: the last message's text before the answer that continues it."""
+    def echoed(messages, **kw):
+        return ChatCompletionRequest(messages=messages, echo=True, **kw).echoed_text()
+
+    user, partial = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}
+    assert echoed([user]) == "" and echoed([user, partial]) == "Well,"
+    assert echoed([user], add_generation_prompt=False) == "Hi"
+    assert ChatCompletionRequest(messages=[user, partial]).echoed_text() == ""
+    shown = PromptView([5, 6], "Well,", prompt_logprobs=0)
+    body = ChatFormatter("c", "m", _prompt_text, False, False, shown).response(_prompt_deltas())
+    assert body["choices"][0]["message"]["content"] == "Well,Hello"
+    assert body["prompt_logprobs"] == [None, {"6": {"logprob": -1.5, "rank": 2, "decoded_token": " hi"}}]
+    fmt = ChatFormatter("c", "m", _prompt_text, False, False, shown)
+    chunks = fmt.stream_start() + [c for d in _prompt_deltas() for c in fmt.stream_delta(d)]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "Well,", "Hel", "lo"]
+    assert chunks[2]["prompt_logprobs"] == body["prompt_logprobs"] and "prompt_logprobs" not in chunks[3]

@@ -81,3 +81,14 @@ def test_eos_is_skipped_and_finish_reason_passes_through(tokenizer):
     out, _, _ = _run(tokenizer, SamplingParams(), _chunks(ids, 2, "stop"))
     assert "".join(d.text for d in out) == "Hi there" and out[-1].finish_reason == "stop"
     assert out[-1].usage.completion_tokens == len(ids)
+
+
+def test_prompt_logprobs_ride_on_the_first_delta(tokenizer):
+    from pdserve.v1 import common_pb2
+
+    ids = tokenizer.encode(TEXT)
+    prompt = [common_pb2.TokenLogprob(token_id=2, logprob=-1.0), common_pb2.TokenLogprob(token_id=3, logprob=-2.0)]
+    chunks = _chunks(ids, 3, "length")
+    chunks[0].prompt_logprobs = prompt
+    out, _, _ = _run(tokenizer, SamplingParams(prompt_logprobs=0), chunks)
+    assert out[0].prompt_logprobs == prompt and all(not d.prompt_logprobs for d in out[1:])
