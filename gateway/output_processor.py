@@ -79,7 +79,7 @@ class OutputProcessor:
                 self.spec = max(self.spec, chunk.spec)
                 ids, lps, text = self._detokenize(chunk)
                 self._observe(len(ids))
-                self._prompt_logprobs += chunk.prompt_logprobs
+                self._prompt_logprobs += getattr(chunk, "prompt_logprobs", ())  # (TokenChunk's, on the first)
                 if self._detok.is_stopped:
                     yield self._with_prompt(self._final(ids, lps, text, "stop"))
                     return
