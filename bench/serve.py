@@ -44,7 +44,9 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import random
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -85,6 +87,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-high", type=int, default=40000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--kill-decode-pid", type=int, default=None, metavar="PID",
+                   help="SIGKILL this decode server once --kill-at of the requests have finished (one run, not a "
+                        "sweep); the result's 'kill' part gives the streams in flight then, their seam (the "
+                        "inter-token gap across the kill), and their TTFT/TPOT against the other requests'")
+    p.add_argument("--kill-at", type=float, default=0.5, metavar="FRACTION",
+                   help="with --kill-decode-pid: the fraction of the requests finished when the kill comes")
 
 
 def parse_rates(text: str | float) -> list[float]:
@@ -235,11 +243,15 @@ async def _drive(client, bodies: list[dict], rate: float, args: argparse.Namespa
     sem = asyncio.Semaphore(args.max_concurrency)
     t0 = time.perf_counter()
 
+    kill = _Kill(args, len(bodies), t0) if getattr(args, "kill_decode_pid", None) else None
+
     async def limited(body: dict) -> Sample:
         async with sem:
             start = time.perf_counter() - t0
             sample = await one_request(client, "/v1/completions", body, headers)
             sample.start, sample.input_tokens = start, len(body["prompt"])
+            if kill is not None:
+                kill.finished()
             return sample
 
     tasks, last_send = [], 0.0
@@ -249,7 +261,52 @@ async def _drive(client, bodies: list[dict], rate: float, args: argparse.Namespa
         if rate != float("inf"):
             await asyncio.sleep(rng.expovariate(rate))
     samples = list(await asyncio.gather(*tasks))
+    if kill is not None:
+        args.kill_seconds = kill.at
     return samples, time.perf_counter() - t0, last_send
+
+
+class _Kill:
+    """--kill-decode-pid: SIGKILL the decode server once ``--kill-at`` of ``n`` requests finished."""
+
+    def __init__(self, args: argparse.Namespace, n: int, t0: float) -> None:
+        self.pid, self.t0, self.at = args.kill_decode_pid, t0, None
+        self.remaining = max(1, math.ceil(args.kill_at * n))
+
+    def finished(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            os.kill(self.pid, signal.SIGKILL)
+            self.at = time.perf_counter() - self.t0
+
+
+def kill_report(samples: list[Sample], at: float | None) -> dict:
+    """What a decode server's death at ``at`` (seconds into the run) cost: the streams in flight
+    then (started before it, their last token after it), each one's seam (the gap between its
+    tokens across the kill: detection, routing, the prefill of prompt + tokens so far, the next
+    token), and TTFT/TPOT of those streams against the requests the kill did not touch."""
+    if at is None:
+        return {"killed": False}
+    hit, others, seams = [], [], []
+    for s in samples:
+        if not s.ok or s.ttft == 0.0:
+            continue
+        times = list(itertools.accumulate([s.start + s.ttft, *s.itl]))
+        if s.start < at < times[-1]:
+            hit.append(s)
+            after = next((i for i, t in enumerate(times) if t > at), None)
+            if after:
+                seams.append(times[after] - times[after - 1])
+        else:
+            others.append(s)
+
+    def stats(xs: list[float]) -> dict:
+        return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": _pct(xs, 0.5), "max": max(xs, default=0.0)}
+
+    return {"killed": True, "at_s": at, "streams_in_flight": len(hit), "seam_s": stats(seams),
+            "ttft_in_flight": stats([s.ttft for s in hit]), "ttft_others": stats([s.ttft for s in others]),
+            "tpot_in_flight": stats([s.tpot for s in hit]), "tpot_others": stats([s.tpot for s in others]),
+            "itl_others": stats([x for s in others for x in s.itl])}
 
 
 def _samples_json(samples: list[Sample]) -> list[dict]:
@@ -277,6 +334,8 @@ async def run(args: argparse.Namespace, rate: float | None = None) -> dict:
         bodies = _bodies(args, await _model(client, args, headers), rng, num_prompts(args, rate))
         samples, wall, _ = await _drive(client, bodies, rate, args, rng, headers)
         result = summarize(samples, wall, args)
+        if getattr(args, "kill_decode_pid", None):
+            result["kill"] = kill_report(samples, getattr(args, "kill_seconds", None))
         result["samples"] = _samples_json(samples)
         return result
 
@@ -381,6 +440,8 @@ def main(args: argparse.Namespace) -> int:
     parse_goodput(args)
     if args.plot:
         serve_plot.pyplot()  # no matplotlib: say so before the benchmark, not after it
+    if len(rates) > 1 and args.kill_decode_pid:
+        raise SystemExit("pdserve bench serve: --kill-decode-pid takes one --request-rate, not a sweep")
     if len(rates) > 1:
         result = asyncio.run(sweep(args))
         result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
@@ -394,7 +455,7 @@ def main(args: argparse.Namespace) -> int:
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(json.dumps({k: result[k] for k in ("completed", "failed", "request_throughput", "output_tokens_per_s",
                                               "goodput_targets_s", "goodput_requests_per_s", "ttft", "tpot", "itl",
-                                              "e2e")}, indent=2))
+                                              "e2e", "kill") if k in result}, indent=2))
     write_result(result, "serve", args.output_json)
     if args.plot:
         serve_plot.plot_run(result, args.plot)

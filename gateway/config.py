@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.config import parse_size
 from gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
-from gateway.request_flow import DEFAULT_MIGRATION_LIMIT
+from gateway.request_flow import DEFAULT_MIGRATION_LIMIT, DEFAULT_STREAM_IDLE_TIMEOUT
 from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
@@ -86,12 +86,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_migration_args(g: argparse._ArgumentGroup) -> None:
-    """``--migration-limit`` (vLLM/Dynamo's name; `pdserve up` passes it on)."""
+    """``--migration-limit`` (vLLM/Dynamo's name) and ``--stream-idle-timeout`` (`pdserve up` passes both on)."""
     g.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
                    help="times a request whose decode server dies (or whose stream breaks) mid-response is "
                         "resumed on another decode server, the tokens already streamed prefilled after its "
                         "prompt; the client sees one uninterrupted stream. Past N the request fails naming "
                         "the servers it lost (0: never migrate)")
+    g.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT, metavar="SECONDS",
+                   help="a decode server that sends nothing on a request's stream for this long (since its last "
+                        "token, or since the call began) counts as hung: the gateway cancels the stream there and "
+                        "retries the request on another decode server, or migrates it once tokens were streamed "
+                        "(within --migration-limit). Not counted while a prefill server computes the request. "
+                        "Raise it for prompts a decode server prefills itself slower than that (0: no deadline)")
 
 
 def add_chat_args(g: argparse._ArgumentGroup) -> None:
@@ -156,6 +162,7 @@ class GatewayConfig:
     local_prefill_threshold: int = 0
     kv_load_failure_policy: str = "fail"
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT  # 0: none
     max_request_body: int = 4 * 1024 * 1024  # bytes
     chat_template: str | None = None  # a file, or the template itself
     tool_call_parser: str | None = None
@@ -194,6 +201,8 @@ class GatewayConfig:
             raise ValueError(f"--local-prefill-threshold must be non-negative, got {self.local_prefill_threshold}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be non-negative, got {self.migration_limit}")
+        if not self.stream_idle_timeout >= 0:
+            raise ValueError(f"--stream-idle-timeout must be non-negative (0: none), got {self.stream_idle_timeout}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one of "
                              f"{', '.join(PARSERS)}")
@@ -226,6 +235,7 @@ class GatewayConfig:
                    local_prefill_threshold=args.local_prefill_threshold,
                    kv_load_failure_policy=args.kv_load_failure_policy,
                    migration_limit=getattr(args, "migration_limit", DEFAULT_MIGRATION_LIMIT),
+                   stream_idle_timeout=getattr(args, "stream_idle_timeout", DEFAULT_STREAM_IDLE_TIMEOUT),
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)),
                    chat_template=getattr(args, "chat_template", None),
                    tool_call_parser=getattr(args, "tool_call_parser", None),

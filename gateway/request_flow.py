@@ -45,6 +45,21 @@ fails naming the servers it lost. Each migration counts in
 the request's root span; the new attempt's "route" span carries
 ``pdserve.route.migration`` and ``pdserve.route.resume_tokens``).
 
+A hung decode server (stopped, wedged; its connection still open) is found by the stream's
+idle deadline (``--stream-idle-timeout``, the router's ``stream_idle_timeout``): a read of
+the decode stream that waits longer than that since the last message (the last token, or
+the call's start) ends the call there, which is the best-effort cancel: the server frees
+the request's blocks once it runs again, and whatever it sent late is never read. The
+server is marked unhealthy until its next good poll. Before anything was streamed that is
+a refusal (the request is retried on another decode server), after it a migration (cause
+"stalled"). The deadline does not run while a prefill server computes the request's KV
+into the decode server's blocks: meanwhile the decode stream is only watched for a break.
+
+A decode server that dies while the prefill server computes into its blocks (its stream
+breaks, or the prefill fails and the decode server no longer answers a poll) migrates the
+request too, with nothing to resume after: the prefill's failure is the decode server's
+loss, not the prefill server's.
+
 A KV hand-off the decode server fails after the prefill server's first token went out (its
 checksum of the blocks that landed is not the sender's: kv_transfer/canary.py) ends its
 stream ABORTED: with ``--kv-load-failure-policy recompute`` the request is resumed after
@@ -80,6 +95,9 @@ _RETRYABLE = (ErrorKind.UNAVAILABLE, ErrorKind.RESOURCE_EXHAUSTED)
 _BROKEN = {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "cancelled",
            grpc.StatusCode.UNKNOWN: "unknown"}
 DEFAULT_MIGRATION_LIMIT = 3
+# --stream-idle-timeout: seconds a decode stream may send nothing before its server counts as hung.
+DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
+_DECODE_PROBE_S = 1.0  # a poll of a decode server suspected dead
 
 
 @dataclass
@@ -94,6 +112,7 @@ class PreparedRequest:
     deadline: float  # time.monotonic()
     trace: RequestTrace = field(default_factory=RequestTrace.disabled)
     lora_name: str | None = None  # the LoRA adapter the request runs under (None: the base model)
+    priority: int = 0  # the engine servers' --scheduling-policy priority: lower first
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -112,7 +131,6 @@ class TokenChunk:
 
 
 class _Refused(Exception):
-    priority: int = 0  # the engine servers' --scheduling-policy priority: lower first
     """A decode server failed the request before anything was streamed."""
 
     def __init__(self, error: GatewayError) -> None:
@@ -221,7 +239,7 @@ class RequestFlow:
             # releasing its blocks there.
             self._engine_id = self._req.internal_id if attempt == 0 else f"{self._req.internal_id}.{attempt}"
             attrs = {"pdserve.route.attempt": attempt + 1}
-            if self._resume:
+            if self.migrations:
                 attrs.update({"pdserve.route.migration": self.migrations,
                               "pdserve.route.resume_tokens": len(self._resume)})
             with self._req.trace.span("route", **attrs) as span:
@@ -305,6 +323,7 @@ class RequestFlow:
         req = self._req
         span = _client_span(req.trace, "pdserve.v1.Decode/Generate", decode)
         done = False  # the last chunk yielded ended the call
+        watch: asyncio.Future[Any] | None = None  # the decode stream's read during a remote prefill
         with in_flight(decode), _ending(span, lambda: done or self.is_finished):
             call = decode.stub.Generate(
                 engine_pb2.DecodeRequest(request_id=self._engine_id, prompt_token_ids=req.prompt_token_ids,
@@ -331,20 +350,64 @@ class RequestFlow:
                 reserved = self._reserved(msg, decode)
                 span.add_event("reserved", {"pdserve.kv.blocks": len(reserved.block_ids),
                                             "pdserve.cached_tokens": reserved.num_cached_tokens})
+                # The decode stream is read while the prefill server computes: that read sees the
+                # decode server die (and, should its first delta come before the prefill's answer,
+                # keeps it for the relay).
+                watch = asyncio.ensure_future(call.read())
                 try:
-                    first = await self._prefill(prefill, decode, reserved)
+                    first = await self._prefill_watched(prefill, decode, reserved, call, watch)
                 except _FinishedInPrefill as e:
                     done = True
                     yield TokenChunk([], finish_reason="error", finish_message=e.message)
                     return
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
                                  num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
-                async for chunk in self._relay(call, decode, skip=1, refusable=False):
+                async for chunk in self._relay(call, decode, skip=1, refusable=False, pending=watch):
                     done = bool(chunk.finish_reason)
                     yield chunk
             finally:
                 call.cancel()  # a no-op once the call has finished
                 self._calls.discard(call)
+                if watch is not None:
+                    watch.cancel()
+                    watch.add_done_callback(_retrieve)
+
+    async def _prefill_watched(self, prefill: Instance, decode: Instance, reserved: engine_pb2.Reserved,
+                               call: Any, watch: asyncio.Future[Any]) -> engine_pb2.PrefillResponse:
+        """``_prefill`` while ``watch`` reads the decode stream. The decode server's death
+        meanwhile raises _StreamBroken (the request migrates; the prefill call is cancelled):
+        its stream broke, or the prefill failed and the decode server no longer answers."""
+        task = asyncio.ensure_future(self._prefill(prefill, decode, reserved))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and watch.exception() is not None:
+                await self._read(call, decode, refusable=False, pending=watch, idle=False)  # raises
+            return await task
+        except _StreamBroken as e:
+            raise self._lost_under_prefill(decode, prefill, e.error.message, e.cause) from None
+        except (_PrefillFailed, GatewayError) as e:
+            if not task.done() or self.is_aborted:
+                raise
+            if watch.done():
+                lost = watch.cancelled() or watch.exception() is not None
+            else:  # the prefill server may have seen it first: ask the decode server
+                await decode.poll(_DECODE_PROBE_S)  # a dead server refuses the connection at once
+                lost = not decode.is_healthy
+            if not lost:
+                raise
+            error = e.error if isinstance(e, _PrefillFailed) else e
+            raise self._lost_under_prefill(decode, prefill, f"{decode.error or 'its stream broke'}; the prefill: "
+                                           f"{error.message}", "unavailable") from None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def _lost_under_prefill(self, decode: Instance, prefill: Instance, why: str, cause: str) -> _StreamBroken:
+        return _StreamBroken(GatewayError(ErrorKind.UNAVAILABLE, f"decode server {decode.address} was lost while "
+                                          f"prefill server {prefill.address} computed request "
+                                          f"{self._req.request_id} into it: {why}"), cause)
 
     def _check_adapter_copy(self, prefill: Instance, decode: Instance, reserved: engine_pb2.Reserved) -> None:
         """Raise _PrefillFailed, without calling it, when ``prefill`` is known to hold
@@ -418,11 +481,13 @@ class RequestFlow:
                 span.set_attributes(prefill_attributes(result, num_skip))
             return result
 
-    async def _relay(self, call: Any, decode: Instance, skip: int, refusable: bool) -> AsyncIterator[TokenChunk]:
-        """Decode deltas as chunks, dropping the first ``skip`` tokens."""
+    async def _relay(self, call: Any, decode: Instance, skip: int, refusable: bool,
+                     pending: asyncio.Future[Any] | None = None) -> AsyncIterator[TokenChunk]:
+        """Decode deltas as chunks, dropping the first ``skip`` tokens (``pending``: a read
+        of the call already under way, the first one)."""
         while True:
-            msg = await self._read(call, decode, refusable=refusable)
-            refusable = False
+            msg = await self._read(call, decode, refusable=refusable, pending=pending)
+            refusable, pending = False, None
             if msg.WhichOneof("kind") != "delta":
                 raise GatewayError(ErrorKind.INTERNAL, f"decode server {decode.address} sent "
                                    f"{msg.WhichOneof('kind')!r} where a token delta was expected")
@@ -440,9 +505,24 @@ class RequestFlow:
                           delta.num_cached_tokens, delta.finish_message if delta.finish_reason == "error" else "",
                           (delta.num_draft_tokens, delta.num_accepted_draft_tokens))
 
-    async def _read(self, call: Any, decode: Instance, refusable: bool) -> engine_pb2.DecodeResponse:
+    async def _read(self, call: Any, decode: Instance, refusable: bool, pending: asyncio.Future[Any] | None = None,
+                    idle: bool = True) -> engine_pb2.DecodeResponse:
+        """The decode stream's next message (``pending``: a read already under way), within the
+        stream's idle deadline unless ``idle`` is False; its failures as this flow's exceptions."""
+        timeout = self._router.stream_idle_timeout if idle else None
         try:
-            msg = await call.read()
+            async with asyncio.timeout(timeout):
+                msg = await (pending if pending is not None else call.read())
+        except TimeoutError:
+            error = GatewayError(ErrorKind.UNAVAILABLE, f"decode server {decode.address} sent nothing on the "
+                                 f"stream of request {self._req.request_id} for {timeout:g} s "
+                                 f"(--stream-idle-timeout): it is hung or stalled", code="decode_server_stalled")
+            decode.set_unhealthy(f"stalled: nothing streamed for {timeout:g} s")
+            if refusable:
+                raise _Refused(error) from None
+            if self._req.remaining() > 0 and not self.is_aborted:
+                raise _StreamBroken(error, "stalled") from None
+            raise error from None
         except grpc.aio.AioRpcError as e:
             error = self._decode_error(e, decode)
             if refusable:
@@ -525,6 +605,12 @@ def prefill_attributes(result: engine_pb2.PrefillResponse, num_skip_blocks: int)
         if t.seconds > 0:
             attrs["pdserve.kv.gbps"] = round(t.num_bytes / t.seconds / 1e9, 3)
     return attrs
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Read a dropped task's outcome (asyncio would log an exception nobody read)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _client_span(trace: RequestTrace, method: str, instance: Instance) -> Span:

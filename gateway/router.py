@@ -94,7 +94,8 @@ class Router:
     def __init__(self, registry: InstanceRegistry, index: PrefixIndex | None = None,
                  overlap_weight: float = 1.0, local_prefill_threshold: int = 0,
                  kv_load_failure_policy: str = "fail",
-                 on_local_prefill_fallback: Callable[[str], None] | None = None) -> None:
+                 on_local_prefill_fallback: Callable[[str], None] | None = None,
+                 stream_idle_timeout: float | None = None) -> None:
         if kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"--kv-load-failure-policy must be fail or recompute, got {kv_load_failure_policy!r}")
         self._registry = registry
@@ -102,6 +103,9 @@ class Router:
         self.overlap_weight = overlap_weight
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_load_failure_policy = kv_load_failure_policy  # a failed KV hand-off: "fail" | "recompute"
+        # --stream-idle-timeout: seconds a decode stream may send nothing before RequestFlow takes its
+        # server as hung and moves the request (None: no such deadline)
+        self.stream_idle_timeout = stream_idle_timeout
         self._num_routed: dict[str, int] = {}
         # Called with the cause whenever no prefill server is usable for a request, so its decode
         # server prefills it (the metric; counted here, where it is decided). None where no prefill

@@ -160,7 +160,8 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
                           inputs.served_model_name, redis_status=redis_status)
     index = make_prefix_index(cfg, registry, redis_status)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
-                    cfg.kv_load_failure_policy, metrics.on_local_prefill_fallback if cfg.prefill else None)
+                    cfg.kv_load_failure_policy, metrics.on_local_prefill_fallback if cfg.prefill else None,
+                    stream_idle_timeout=cfg.stream_idle_timeout or None)
     tool_parser = cfg.tool_call_parser or ("openai" if cfg.reasoning_parser == "gpt_oss" else None)
     parser = get_parser(tool_parser) if tool_parser else None
     service = GatewayService(inputs, registry, metrics, cfg.request_timeout,

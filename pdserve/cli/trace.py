@@ -57,6 +57,28 @@ def render_waterfall(t: Trace, width: int = 40) -> str:
     return "\n".join(lines)
 
 
+def render_seams(t: Trace) -> str:
+    """A migrated request's seams, one line each: where its stream left a decode server that
+    died or hung (the root span's "migration" events) and which one it resumed on (the next
+    attempt's "route" span). Empty for a request that never moved."""
+    events = [e for e in t.root.events if e.get("name") == "migration"]
+    if not events:
+        return ""
+    resumed_on: dict[int, str] = {}
+    for s in sorted(t.spans, key=lambda s: s.start_ns):  # the last attempt of each migration served it
+        if s.name == "route" and "pdserve.route.migration" in s.attributes:
+            resumed_on[int(s.attributes["pdserve.route.migration"])] = str(s.attributes.get("pdserve.route.decode"))
+    lines = []
+    for e in events:
+        a = e.get("attributes") or {}
+        n = int(a.get("pdserve.migration", 0))
+        lines.append(f"seam {n} at {(int(e['time_ns']) - t.start_ns) / 1e6:.1f} ms: decode server "
+                     f"{a.get('pdserve.migration.from')} lost ({a.get('pdserve.migration.cause')}) after "
+                     f"{a.get('pdserve.migration.resume_tokens')} tokens; resumed on decode server "
+                     f"{resumed_on.get(n, '(none)')}")
+    return "\n".join(lines)
+
+
 def render_speculation(t: Trace) -> str:
     """Speculative decoding's acceptance on the decode server, when it speculated ("" else)."""
     for s in t.spans:
@@ -196,6 +218,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"({len(matches)} traces carry this id; showing the newest)\n")
     print(render_waterfall(t, args.width))
     print()
+    if seams := render_seams(t):
+        print(seams + "\n")
     if note := render_incomplete(t):
         print(note)
     print(render_breakdown(t))

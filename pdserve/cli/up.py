@@ -296,7 +296,7 @@ class Cluster:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
                "--local-prefill-threshold", str(a.local_prefill_threshold),
-               "--migration-limit", str(a.migration_limit)]
+               "--migration-limit", str(a.migration_limit), "--stream-idle-timeout", str(a.stream_idle_timeout)]
         if a.disable_log_requests:
             gw.append("--disable-log-requests")
         return gw
