@@ -122,4 +122,7 @@ def _dummy_codes(src: torch.Tensor, scales: bool) -> torch.Tensor:
     gets the same model), or the scale 2^-7."""
     if scales:
         return torch.full(src.shape, DUMMY_SCALE, dtype=torch.uint8, device=src.device)
-    return ((src.float() * 4096).round().to(torch.int64) & 0xFF).to(torch.uint8)
+    out = torch.empty(src.shape, dtype=torch.uint8, device=src.device)
+    for e in range(src.shape[0]):  # an expert at a time: the int32 working copy of a whole layer's would not fit
+        out[e] = ((src[e].float() * 4096).round().to(torch.int32) & 0xFF).to(torch.uint8)
+    return out
