@@ -451,10 +451,18 @@ class CacheConfig:
     # --kv-offloading-size: GiB of host memory for KV blocks the device cache evicts (a second
     # tier, engine/kv_offload.py; pinned on CUDA). 0: off.
     kv_offloading_size: float = 0.0
+    # --kv-offloading-path: a directory (possibly shared by several servers) where the host tier's
+    # dropped blocks spill to files (engine/kv_disk_tier.py), at most kv_offloading_disk_size GiB.
+    kv_offloading_path: str | None = None
+    kv_offloading_disk_size: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.kv_offloading_size >= 0:
             raise ValueError(f"--kv-offloading-size must be at least 0 (GiB), got {self.kv_offloading_size}")
+        if self.kv_offloading_path is not None and not self.kv_offloading_size > 0:
+            raise ValueError("--kv-offloading-path needs the host tier: set --kv-offloading-size (GiB) too")
+        if not self.kv_offloading_disk_size > 0:
+            raise ValueError(f"--kv-offloading-disk-size must be positive (GiB), got {self.kv_offloading_disk_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -551,6 +559,7 @@ class EngineConfig:
                 f"max_num_seqs={s.max_num_seqs} "
                 f"max_num_batched_tokens={s.max_num_batched_tokens} "
                 f"enable_prefix_caching={c.enable_prefix_caching} kv_offloading_size={c.kv_offloading_size} "
+                f"kv_offloading_path={c.kv_offloading_path} kv_offloading_disk_size={c.kv_offloading_disk_size} "
                 f"{self.runtime.describe()} "
                 f"tensor_parallel_size={self.tensor_parallel_size} "
                 f"enable_expert_parallel={self.enable_expert_parallel} "
@@ -579,6 +588,8 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
     kv_offloading_size: float = 0.0
+    kv_offloading_path: str | None = None
+    kv_offloading_disk_size: float = 10.0
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -650,6 +661,16 @@ class EngineArgs:
                        help="GiB of host memory (pinned on CUDA) for a second KV tier: blocks the device "
                             "cache evicts are copied there and a prefix hit on them loads them back "
                             "(default 0: off; one cache group only, no tensor parallel or draft model)")
+        g.add_argument("--kv-offloading-path", default=None, metavar="DIR",
+                       help="a third KV tier on disk (needs --kv-offloading-size): blocks the host tier drops "
+                            "are written to files in DIR named by their prefix hash, and a prefix lookup that "
+                            "misses the device and the host reads them back; on a filesystem several servers "
+                            "share, any of them loads a prefix another computed (files of another model or KV "
+                            "layout are never loaded; default: off)")
+        g.add_argument("--kv-offloading-disk-size", type=float, default=10.0, metavar="GiB",
+                       help="the most --kv-offloading-path DIR holds (every server's files): the least recently "
+                            "used files are removed to stay under it; give every server sharing DIR the same "
+                            "value (default 10)")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) = "
                             "float8_e4m3fn with a per-layer k/v scale (the checkpoint's, else 1.0): twice "
@@ -769,7 +790,9 @@ class EngineArgs:
                             hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
                             linear_state_snapshots=self.linear_state_snapshots,
                             linear_state_snapshot_interval=self.linear_state_snapshot_interval,
-                            kv_offloading_size=self.kv_offloading_size)
+                            kv_offloading_size=self.kv_offloading_size,
+                            kv_offloading_path=self.kv_offloading_path,
+                            kv_offloading_disk_size=self.kv_offloading_disk_size)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, kv_transfer_timeout=self.kv_transfer_timeout,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from engine.config import EngineArgs, EngineConfig
 from engine.grammar import GrammarManager
+from engine.kv_disk_tier import DiskKVTier, DiskTierStats
 from engine.kv_offload import HostKVTier
 from engine.launched_step import LaunchedStep
 from engine.model_runner import ModelRunner
@@ -120,6 +121,7 @@ class EngineStats:
     host_kv_loaded_total: int = 0
     host_kv_dropped_total: int = 0
     host_kv_hit_tokens_total: int = 0  # prompt tokens of prefix hits in the host tier (loaded blocks)
+    disk_kv: DiskTierStats | None = None  # the disk tier's counters (--kv-offloading-path; None when off)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -178,6 +180,8 @@ class LLMEngine:
             logger.info("host KV tier: %d blocks (%.1f MiB%s)", self.host_kv.num_blocks,
                         self.host_kv.num_blocks * self.host_kv.block_bytes / 2**20,
                         ", pinned" if self.host_kv.buffer.is_pinned() else "")
+            if config.cache.kv_offloading_path is not None:  # and the disk tier behind it
+                self.host_kv.attach_disk(DiskKVTier.for_engine(config, self.runner.kv_cache, self.kv_scales))
         layout = self.runner.layout
         # tokens of context the cache holds were every group to keep every block
         capacity = self.runner.num_blocks // layout.num_groups * config.cache.block_size
@@ -235,6 +239,8 @@ class LLMEngine:
         self.grammars.close()
         if self.drafter is not None:
             self.drafter.close()
+        if self.host_kv is not None:  # (the disk tier's queued writes)
+            self.host_kv.close()
 
     def expert_load(self):  # -> torch.Tensor
         """[MoE layers, experts] int64 on the host: tokens routed to each expert since the
@@ -658,7 +664,8 @@ class LLMEngine:
                            kv_blocks_used=s.kv.num_used_blocks, kv_blocks_total=s.kv.num_blocks,
                            prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
                            num_preemptions_total=s.num_preemptions_total, num_steps_total=self.num_steps_total,
-                           num_steps_ahead_total=self.num_steps_ahead_total, **self._host_kv_stats())
+                           num_steps_ahead_total=self.num_steps_ahead_total, **self._host_kv_stats(),
+                           disk_kv=self.host_kv.disk.stats() if self.host_kv and self.host_kv.disk else None)
 
     def _host_kv_stats(self) -> dict[str, int]:
         h = self.host_kv

@@ -63,6 +63,28 @@ class _SchedulerCollector(Collector):
                           "room for others.", s.host_kv_dropped_total)
             yield counter("kv_offload_hit_tokens", "Prompt tokens of prefix hits in the host tier (also counted "
                           "in prefix_cache_hits on a request's first admission).", s.host_kv_hit_tokens_total)
+        d = s.disk_kv
+        if d is not None:  # the disk tier (--kv-offloading-path; engine/kv_disk_tier.py)
+            yield gauge("kv_offload_disk_usage_bytes", "Bytes in the disk tier's directory (every server's files, "
+                        "as this one last saw them).", d.used_bytes)
+            yield gauge("kv_offload_disk_size_bytes", "The most the disk tier's directory holds.", d.size_bytes)
+            yield counter("kv_offload_disk_stored_blocks", "KV blocks dropped by the host tier and written to "
+                          "disk.", d.stored_blocks_total)
+            yield counter("kv_offload_disk_loaded_blocks", "KV blocks read from disk into the host tier (prefix hits "
+                          "there; then loaded like host hits).", d.loaded_blocks_total)
+            yield counter("kv_offload_disk_hit_tokens", "Prompt tokens of prefix hits read from disk (also counted "
+                          "in kv_offload_hit_tokens).", d.loaded_blocks_total * self.engine.config.cache.block_size)
+            yield counter("kv_offload_disk_read_bytes", "Bytes of KV block files read.", d.read_bytes_total)
+            yield counter("kv_offload_disk_written_bytes", "Bytes of KV block files written.", d.written_bytes_total)
+            yield counter("kv_offload_disk_dropped_spills", "Blocks not written to disk because the writer's queue "
+                          "was full.", d.dropped_spills_total)
+            yield counter("kv_offload_disk_removed_files", "Files removed (least recently used) to keep the "
+                          "directory under its bound.", d.removed_files_total)
+            c = CounterMetricFamily("pdserve:kv_offload_disk_errors", "KV block files refused or not written, by "
+                                    "cause (the block is recomputed).", labels=names + ["cause"])
+            for cause, n in d.errors.items():
+                c.add_metric(values + [cause], n)
+            yield c
         spec = self.engine.scheduler.spec if self.engine.config.speculative is not None else None
         if spec is not None:  # vLLM's speculative-decoding counters
             yield counter("spec_decode_num_drafts", "Decode steps of a request that verified proposals.",
