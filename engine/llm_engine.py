@@ -330,6 +330,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate(vocab_size=vocab)
         check_priority(priority, self.config.scheduler.scheduling_policy)
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1: the LM head is "
+                             "split over the ranks, and the prompt positions' logits would need every rank")
         if params.structured_outputs is not None:
             self.grammars.check_tokenizer()
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_len, arrival_time,
@@ -405,6 +408,7 @@ class LLMEngine:
         ValueError (invalid) or OverflowError (the queue is full)."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
                                 resume_output_token_ids=resume_output_token_ids, priority=priority)
+        req.prompt_logprobs = None  # the prefill tier computes the prompt, and its logprobs
         self.scheduler.add_reservation(req)
         if req.lora is not None:  # its adapter into a free slot while the prompt is prefilled elsewhere
             self.runner.lora.prefetch(req.lora)
@@ -515,7 +519,8 @@ class LLMEngine:
             if plan.overlapped:
                 self._in_flight = launched
             else:
-                result.updated += self.scheduler.update_from_output(out, *launched.result())
+                result.updated += self.scheduler.update_from_output(out, *launched.result(),
+                                                                    prompt_logprobs=launched.prompt_logprobs())
         return self._once_each(result)
 
     def _drop_unusable_adapters(self, out: SchedulerOutput) -> list[Request]:
@@ -571,14 +576,16 @@ class LLMEngine:
                 # the step ahead samples with; the device runs the forward meanwhile.
                 def before_sampling(step: SchedulerOutput) -> None:
                     nonlocal taken
-                    taken = self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+                    taken = self.scheduler.update_from_output(in_flight.out, *in_flight.result(),
+                                                              prompt_logprobs=in_flight.prompt_logprobs())
                     for s in step.scheduled:  # those tokens are known now: none is pending for the sampler
                         s.landed()
                     self._fill_ready_masks(step)
             if plan.overlapped:  # (otherwise it is scheduled again once the tokens are read)
                 self._in_flight = self.runner.run(ahead, plan, in_flight, before_sampling=before_sampling)
         result.updated += taken if taken is not None else \
-            self.scheduler.update_from_output(in_flight.out, *in_flight.result())
+            self.scheduler.update_from_output(in_flight.out, *in_flight.result(),
+                                              prompt_logprobs=in_flight.prompt_logprobs())
         if self._in_flight is None:
             return False
         assert ahead is not None

@@ -128,6 +128,7 @@ class TokenChunk:
     num_cached_tokens: int = 0
     finish_message: str = ""  # finish_reason "error": why
     spec: tuple[int, int] = (0, 0)  # speculative decoding so far: (tokens proposed, accepted)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # with the first token only
 
 
 class _Refused(Exception):
@@ -313,6 +314,8 @@ class RequestFlow:
         attempt's figures continue the request's (cached tokens are the first attempt's, the
         speculative counts add up)."""
         self._generated += chunk.token_ids
+        if chunk.token_ids:  # the prompt's logprobs went out with the first token: no attempt computes them again
+            self._sampling.ClearField("prompt_logprobs")
         self._spec_last = (self._spec_base[0] + chunk.spec[0], self._spec_base[1] + chunk.spec[1])
         if self._resume:
             chunk.num_cached_tokens = 0
@@ -361,7 +364,8 @@ class RequestFlow:
                     yield TokenChunk([], finish_reason="error", finish_message=e.message)
                     return
                 yield TokenChunk([first.first_token], [first.logprob] if first.HasField("logprob") else [],
-                                 num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens))
+                                 num_cached_tokens=max(first.num_cached_tokens, reserved.num_cached_tokens),
+                                 prompt_logprobs=list(first.prompt_logprobs))
                 async for chunk in self._relay(call, decode, skip=1, refusable=False, pending=watch):
                     done = bool(chunk.finish_reason)
                     yield chunk
@@ -503,7 +507,7 @@ class RequestFlow:
         n = min(skip, len(delta.token_ids))
         return TokenChunk(list(delta.token_ids)[n:], list(delta.logprobs)[n:], delta.finish_reason,
                           delta.num_cached_tokens, delta.finish_message if delta.finish_reason == "error" else "",
-                          (delta.num_draft_tokens, delta.num_accepted_draft_tokens))
+                          (delta.num_draft_tokens, delta.num_accepted_draft_tokens), list(delta.prompt_logprobs))
 
     async def _read(self, call: Any, decode: Instance, refusable: bool, pending: asyncio.Future[Any] | None = None,
                     idle: bool = True) -> engine_pb2.DecodeResponse:

@@ -216,6 +216,61 @@ def test_logit_bias_and_allowed_token_ids_match_offline_engine(servers, refs, ll
     _assert_no_blocks_held(servers)
 
 
+def _close(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None) and (g is None or abs(g - w) < 1e-4), (what, i, g, w)
+
+
+def test_echo_and_prompt_logprobs_match_offline_engine(servers, llm, oai):
+    """Computed by the prefill server (its prefix cache holds this prompt by now: bypassed) and
+    passed on by the gateway: a completion's echo with logprobs (the prompt's text first, its
+    tokens first in the logprobs, the first one's null) and vLLM's prompt_logprobs equal the
+    offline engine's (itself equal to transformers', tests/engine/test_prompt_logprobs.py),
+    streamed and not; a chat's prompt_logprobs (the chat formatter's stream is tested in
+    tests/gateway/test_openai_protocol.py) and gRPC's likewise."""
+    if servers.overlapped:
+        pytest.skip("the prefill server computes the prompt: one kind of decode server is enough")
+    model = oai.models.list().data[0].id
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, logprobs=2, prompt_logprobs=2))[0]
+    want_prompt = [None] + [lp.logprob for lp in ref.prompt_logprobs[1:]]
+    want = want_prompt + [lp.logprob for lp in ref.outputs[0].logprobs]
+    kw = dict(model=model, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True, logprobs=2,
+              extra_body={"prompt_logprobs": 2})
+    c = oai.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in oai.completions.create(stream=True, **kw)]
+    for streamed, text, tokens, values, tops, prompt_lps in [
+            (False, c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs, c.prompt_logprobs),
+            (True, "".join(ch.text for ch in chunks), [t for ch in chunks for t in ch.logprobs.tokens],
+             [v for ch in chunks for v in ch.logprobs.token_logprobs],
+             [t for ch in chunks for t in ch.logprobs.top_logprobs], chunks[0].prompt_logprobs)]:
+        assert text == PROMPTS[0] + ref.outputs[0].text, streamed
+        assert "".join(tokens) == text and len(tokens) == len(want)
+        _close(values, want, f"echo logprobs, streamed={streamed}")
+        assert tops[0] is None and all(len(t) == 2 for t in tops[1:])
+        assert prompt_lps[0] is None and len(prompt_lps) == len(ref.prompt_token_ids)
+        for tok, entry, lp in zip(ref.prompt_token_ids[1:], prompt_lps[1:], ref.prompt_logprobs[1:]):
+            assert abs(entry[str(tok)]["logprob"] - lp.logprob) < 1e-4 and entry[str(tok)]["rank"] == lp.rank
+            assert {str(t) for t, _ in lp.top} <= set(entry)
+    assert all(getattr(ch, "prompt_logprobs", None) is None for ch in chunks[1:])
+
+    chat_ref = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    body = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    got = [None] + [next(iter(e.values()))["logprob"] for e in body.prompt_logprobs[1:]]
+    _close(got, [None] + [lp.logprob for lp in chat_ref.prompt_logprobs[1:]], "chat")
+
+    with grpc.insecure_channel(servers.grpc_address) as ch:
+        req = gateway_pb2.GenerateRequest(text=PROMPTS[0], sampling=common_pb2.SamplingParams(
+            temperature=0, max_tokens=2, prompt_logprobs=1))
+        msgs = list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120,
+                                                               metadata=[("authorization", f"Bearer {API_KEY}")]))
+    assert [lp.token_id for lp in msgs[0].prompt_logprobs] == ref.prompt_token_ids[1:]
+    _close([lp.logprob for lp in msgs[0].prompt_logprobs], want_prompt[1:], "gRPC")
+    assert all(not m.prompt_logprobs for m in msgs[1:])
+    _assert_no_blocks_held(servers)
+
+
 def _decode_load(gw: GatewayProcess) -> common_pb2.LoadInfo:
     """The decode server's load, asked now (the gateway's /cluster is up to a poll old)."""
     with grpc.insecure_channel(gw.decode_address) as ch:  # type: ignore[attr-defined]
