@@ -86,7 +86,7 @@ def test_grpc_priority_and_its_range(cluster):
     with grpc.insecure_channel(cluster.grpc_address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         req = gateway_pb2.GenerateRequest(text=PROMPT, priority=-1,
-                                          sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4))
+                                          sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert sum(len(d.token_ids) for d in stub.Generate(req, timeout=120)) == 4
     oai = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="priority"):
