@@ -76,6 +76,13 @@ class GatewayMetrics:
             "copy or draft model). Not counted without --prefill.",
             labels + ["cause"], registry=r)
 
+        self._kv_host_staged = Counter(
+            "pdserve:gateway_kv_host_staged_transfers",
+            "Requests whose KV hand-off went through host memory (gloo) though a cache was on a GPU: "
+            "prefill and decode on one GPU, or NCCL not usable between them.",
+            labels, registry=r).labels(model_name)
+        self._num_kv_host_staged = 0
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
@@ -142,6 +149,11 @@ class GatewayMetrics:
         """A decode server prefills a request itself: no prefill server was usable."""
         self._local_prefill_fallbacks.labels(self._model_name, cause).inc()
 
+    def on_kv_host_staged(self) -> None:
+        """A request's KV went through host memory though a cache was on a GPU."""
+        self._kv_host_staged.inc()
+        self._num_kv_host_staged += 1
+
     def set_prefix_index_unreachable(self, unreachable: bool) -> None:
         self._is_prefix_index_unreachable = unreachable
         self._prefix_index_unreachable.set(1 if unreachable else 0)
@@ -150,7 +162,8 @@ class GatewayMetrics:
         """The degraded-mode counters as /cluster shows them (the same values as /metrics)."""
         return {"prefix_index_unreachable": self._is_prefix_index_unreachable,
                 "local_prefill_fallbacks": _by_label(self._local_prefill_fallbacks, "cause"),
-                "migrations": _by_label(self._migrations, "cause")}
+                "migrations": _by_label(self._migrations, "cause"),
+                "kv_host_staged_transfers": self._num_kv_host_staged}
 
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)

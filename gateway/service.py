@@ -223,6 +223,8 @@ class GatewayService:
         ttft = output.first_token_time - req.arrival if output.first_token_time is not None else None
         prefill = flow.prefill_result
         kv = prefill.transfer if prefill is not None and prefill.HasField("transfer") else None
+        if kv is not None and kv.host_staged:
+            self.metrics.on_kv_host_staged()
         if error is None:
             decode_s = (output.last_token_time - output.first_token_time
                         if output.first_token_time is not None and output.last_token_time is not None else None)

@@ -246,6 +246,7 @@ class _Pair:
         self.layout = layout
         self.asks = asks  # the backend this side asked for: "auto" | "gloo" | "nccl"
         self.backend = asks  # settled by the handshake
+        self.host_staged = False  # sender: the KV goes through host memory though a cache is on a GPU
         self.reason = ""  # why that backend, for the logs
         self.timeout = timeout
         self.device = torch.device(device)

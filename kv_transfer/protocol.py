@@ -487,6 +487,12 @@ def resolve_backend(prefill_asks: str, decode_asks: str, prefill_gpu: str | None
     return wanted, f"{wanted} (asked for; the automatic choice would be {reason})"
 
 
+def host_staged(backend: str, prefill_gpu: str | None, decode_gpu: str | None) -> bool:
+    """Whether a pair's KV goes through host memory though a cache is on a GPU: gloo with a
+    GPU on either side (the degraded mode the gateway counts). Pure, like ``choose_backend``."""
+    return backend != "nccl" and bool(prefill_gpu or decode_gpu)
+
+
 def slow_path(backend: str, prefill_gpu: str | None, decode_gpu: str | None) -> str | None:
     """Why a pair whose two caches are both on GPUs moves its KV slower than it could (for
     a warning at setup), or None: two GPUs over gloo (host-staged) where NCCL would go GPU
@@ -585,6 +591,8 @@ class TransferStats:
     marks: tuple[tuple[str, float], ...] = ()
     # A transfer in parts (tensor-parallel ranks): (sending rank, start, end (time.time()), bytes) each
     parts: tuple[tuple[int, float, float, int], ...] = ()
+    # The pair's KV went through host memory though a cache is on a GPU (``host_staged``)
+    host_staged: bool = False
 
     @property
     def bytes_per_second(self) -> float:

@@ -88,7 +88,8 @@ class RankPairs:
         return TransferStats(num_blocks=len(src_block_ids), num_bytes=sum(s.num_bytes for s in stats),
                              seconds=max(s.seconds for s in stats), backend=stats[0].backend,
                              num_messages=sum(s.num_messages for s in stats),
-                             parts=tuple((rank, start, end, s.num_bytes) for rank, start, end, s in parts))
+                             parts=tuple((rank, start, end, s.num_bytes) for rank, start, end, s in parts),
+                             host_staged=any(s.host_staged for s in stats))
 
     def begin(self, request_id: str, *args, **kwargs) -> None:
         raise KVTransferError(f"request {request_id}: a KV channel in parts is sent after prefill, not layer "

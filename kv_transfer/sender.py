@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from kv_transfer.protocol import (DEFAULT_PAIR_NAME, DEFAULT_TIMEOUT_S, KVLayout, KVTransferError,
                                   RECEIVER_RANK, SENDER_RANK, StateMove, TransferStats, WirePlan, _ABORTED,
-                                  _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats,
+                                  _HEADER_QUEUE, _OK, encode_runs, encode_trailer, has_repeats, host_staged,
                                   plan_transfer, plane_block_bytes, plane_chunks, run_array, state_views)
 from kv_transfer import canary
 from kv_transfer.pair import (_Pair, _gather_blocks, _hello, _local_addr_toward, _log_pair_up, _remaining,
@@ -55,6 +55,7 @@ class KVSender(_Pair):
         except Exception as e:
             raise KVTransferError(f"{where}: {e}") from e
         self.backend, self.reason = _settle(mine, theirs)
+        self.host_staged = host_staged(self.backend, mine.get("gpu"), theirs.get("gpu"))
         self._build_group(SENDER_RANK, deadline, where, _local_addr_toward(host, port))
         _log_pair_up(f"sending to {host}:{port}", self.backend, self.reason, mine, theirs)
         return self
@@ -369,7 +370,8 @@ class KVSendTransfer:
         self._stats = TransferStats(
             num_blocks=num_blocks, num_bytes=num_blocks * plane_block_bytes(self._planes) + state_bytes,
             seconds=time.perf_counter() - self._start, backend=sender.backend,
-            num_messages=self._num_messages, marks=(*self._marks, ("left", time.perf_counter())))
+            num_messages=self._num_messages, marks=(*self._marks, ("left", time.perf_counter())),
+            host_staged=sender.host_staged)
         return self._stats
 
     def __enter__(self) -> KVSendTransfer:

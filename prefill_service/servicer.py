@@ -127,7 +127,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                 first_token=d.token_ids[0], num_cached_tokens=d.num_cached_tokens,
                 transfer=engine_pb2.KVTransferStats(num_blocks=stats.num_blocks, num_bytes=stats.num_bytes,
                                                     seconds=stats.seconds, backend=stats.backend,
-                                                    seconds_after_first_token=after_token),
+                                                    seconds_after_first_token=after_token,
+                                                    host_staged=stats.host_staged),
                 queue_seconds=max(0.0, (d.times.first_scheduled or t0) - d.times.arrival) if d.times else 0.0,
                 prefill_seconds=t_first - t0)
             if d.logprobs:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8d\x02\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x10\n\x08k_scales\x18\x07 \x03(\x01\x12\x10\n\x08v_scales\x18\x08 \x03(\x01\x12\x13\n\x0bmodel_dtype\x18\t \x01(\t\x12\x0f\n\x07weights\x18\n \x01(\t\x12#\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06groups\x18\x0c \x01(\t\x12\x14\n\x0clinear_state\x18\r \x01(\t\"\xc4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\x12\x1b\n\x0e\x64st_state_slot\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x17resume_output_token_ids\x18\n \x03(\x05\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x11\n\x0f_dst_state_slot\"}\n\x0fKVTransferStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12!\n\x19seconds_after_first_token\x18\x05 \x01(\x01\"\xfe\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x1f\n\x17resume_output_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\"z\n\x08Reserved\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x18\n\x10lora_fingerprint\x18\x03 \x01(\t\x12\x17\n\nstate_slot\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\x85\x02\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"k\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"x\n\x14OpenKVChannelRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\"^\n\x0eKVRankEndpoint\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x16\n\x0esrc_head_start\x18\x02 \x01(\x05\x12\x14\n\x0csrc_head_end\x18\x03 \x01(\x05\x12\x0c\n\x04port\x18\x04 \x01(\x05\"\xa8\x01\n\x15OpenKVChannelResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tpair_name\x18\x05 \x01(\t\x12)\n\x05parts\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVRankEndpoint\"+\n\x15PrefillStartedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16PrefillStartedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17WatchCacheEventsRequest\"q\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x03\x12\x0e\n\x06stored\x18\x05 \x03(\x08\x32\xf7\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2\xa6\x04\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12T\n\rOpenKVChannel\x12 .pdserve.v1.OpenKVChannelRequest\x1a!.pdserve.v1.OpenKVChannelResponse\x12W\n\x0ePrefillStarted\x12!.pdserve.v1.PrefillStartedRequest\x1a\".pdserve.v1.PrefillStartedResponse\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2Z\n\x0b\x43\x61\x63heEvents\x12K\n\x05Watch\x12#.pdserve.v1.WatchCacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/engine.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8d\x02\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x10\n\x08k_scales\x18\x07 \x03(\x01\x12\x10\n\x08v_scales\x18\x08 \x03(\x01\x12\x13\n\x0bmodel_dtype\x18\t \x01(\t\x12\x0f\n\x07weights\x18\n \x01(\t\x12#\n\x05\x64raft\x18\x0b \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06groups\x18\x0c \x01(\t\x12\x14\n\x0clinear_state\x18\r \x01(\t\"\xc4\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_skip_blocks\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x18\n\x10lora_fingerprint\x18\x08 \x01(\t\x12\x1b\n\x0e\x64st_state_slot\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x17resume_output_token_ids\x18\n \x03(\x05\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x11\n\x0f_dst_state_slot\"\x92\x01\n\x0fKVTransferStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12!\n\x19seconds_after_first_token\x18\x05 \x01(\x01\x12\x13\n\x0bhost_staged\x18\x06 \x01(\x08\"\xfe\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xc9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eremote_prefill\x18\x04 \x01(\x08\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x1f\n\x17resume_output_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\"z\n\x08Reserved\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x18\n\x10lora_fingerprint\x18\x03 \x01(\t\x12\x17\n\nstate_slot\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\x85\x02\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"k\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x06\n\x04kind\"x\n\x14OpenKVChannelRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\x05\"^\n\x0eKVRankEndpoint\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x16\n\x0esrc_head_start\x18\x02 \x01(\x05\x12\x14\n\x0csrc_head_end\x18\x03 \x01(\x05\x12\x0c\n\x04port\x18\x04 \x01(\x05\"\xa8\x01\n\x15OpenKVChannelResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\tpair_name\x18\x05 \x01(\t\x12)\n\x05parts\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.KVRankEndpoint\"+\n\x15PrefillStartedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16PrefillStartedResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x19\n\x17WatchCacheEventsRequest\"q\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x02 \x01(\t\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x03\x12\x0e\n\x06stored\x18\x05 \x03(\x08\x32\xf7\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2\xa6\x04\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x38\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x14.pdserve.v1.LoadInfo\x12T\n\rOpenKVChannel\x12 .pdserve.v1.OpenKVChannelRequest\x1a!.pdserve.v1.OpenKVChannelResponse\x12W\n\x0ePrefillStarted\x12!.pdserve.v1.PrefillStartedRequest\x1a\".pdserve.v1.PrefillStartedResponse\x12N\n\x0fLoadLoRAAdapter\x12\".pdserve.v1.LoadLoRAAdapterRequest\x1a\x17.pdserve.v1.LoRAAdapter\x12`\n\x11UnloadLoRAAdapter\x12$.pdserve.v1.UnloadLoRAAdapterRequest\x1a%.pdserve.v1.UnloadLoRAAdapterResponse2Z\n\x0b\x43\x61\x63heEvents\x12K\n\x05Watch\x12#.pdserve.v1.WatchCacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,36 +36,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_end=334
   _globals['_PREFILLREQUEST']._serialized_start=337
   _globals['_PREFILLREQUEST']._serialized_end=661
-  _globals['_KVTRANSFERSTATS']._serialized_start=663
-  _globals['_KVTRANSFERSTATS']._serialized_end=788
-  _globals['_PREFILLRESPONSE']._serialized_start=791
-  _globals['_PREFILLRESPONSE']._serialized_end=1045
-  _globals['_DECODEREQUEST']._serialized_start=1048
-  _globals['_DECODEREQUEST']._serialized_end=1249
-  _globals['_RESERVED']._serialized_start=1251
-  _globals['_RESERVED']._serialized_end=1373
-  _globals['_TOKENDELTA']._serialized_start=1376
-  _globals['_TOKENDELTA']._serialized_end=1637
-  _globals['_DECODERESPONSE']._serialized_start=1639
-  _globals['_DECODERESPONSE']._serialized_end=1746
-  _globals['_OPENKVCHANNELREQUEST']._serialized_start=1748
-  _globals['_OPENKVCHANNELREQUEST']._serialized_end=1868
-  _globals['_KVRANKENDPOINT']._serialized_start=1870
-  _globals['_KVRANKENDPOINT']._serialized_end=1964
-  _globals['_OPENKVCHANNELRESPONSE']._serialized_start=1967
-  _globals['_OPENKVCHANNELRESPONSE']._serialized_end=2135
-  _globals['_PREFILLSTARTEDREQUEST']._serialized_start=2137
-  _globals['_PREFILLSTARTEDREQUEST']._serialized_end=2180
-  _globals['_PREFILLSTARTEDRESPONSE']._serialized_start=2182
-  _globals['_PREFILLSTARTEDRESPONSE']._serialized_end=2221
-  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_start=2223
-  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_end=2248
-  _globals['_CACHEEVENTBATCH']._serialized_start=2250
-  _globals['_CACHEEVENTBATCH']._serialized_end=2363
-  _globals['_PREFILL']._serialized_start=2366
-  _globals['_PREFILL']._serialized_end=2741
-  _globals['_DECODE']._serialized_start=2744
-  _globals['_DECODE']._serialized_end=3294
-  _globals['_CACHEEVENTS']._serialized_start=3296
-  _globals['_CACHEEVENTS']._serialized_end=3386
+  _globals['_KVTRANSFERSTATS']._serialized_start=664
+  _globals['_KVTRANSFERSTATS']._serialized_end=810
+  _globals['_PREFILLRESPONSE']._serialized_start=813
+  _globals['_PREFILLRESPONSE']._serialized_end=1067
+  _globals['_DECODEREQUEST']._serialized_start=1070
+  _globals['_DECODEREQUEST']._serialized_end=1271
+  _globals['_RESERVED']._serialized_start=1273
+  _globals['_RESERVED']._serialized_end=1395
+  _globals['_TOKENDELTA']._serialized_start=1398
+  _globals['_TOKENDELTA']._serialized_end=1659
+  _globals['_DECODERESPONSE']._serialized_start=1661
+  _globals['_DECODERESPONSE']._serialized_end=1768
+  _globals['_OPENKVCHANNELREQUEST']._serialized_start=1770
+  _globals['_OPENKVCHANNELREQUEST']._serialized_end=1890
+  _globals['_KVRANKENDPOINT']._serialized_start=1892
+  _globals['_KVRANKENDPOINT']._serialized_end=1986
+  _globals['_OPENKVCHANNELRESPONSE']._serialized_start=1989
+  _globals['_OPENKVCHANNELRESPONSE']._serialized_end=2157
+  _globals['_PREFILLSTARTEDREQUEST']._serialized_start=2159
+  _globals['_PREFILLSTARTEDREQUEST']._serialized_end=2202
+  _globals['_PREFILLSTARTEDRESPONSE']._serialized_start=2204
+  _globals['_PREFILLSTARTEDRESPONSE']._serialized_end=2243
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_start=2245
+  _globals['_WATCHCACHEEVENTSREQUEST']._serialized_end=2270
+  _globals['_CACHEEVENTBATCH']._serialized_start=2272
+  _globals['_CACHEEVENTBATCH']._serialized_end=2385
+  _globals['_PREFILL']._serialized_start=2388
+  _globals['_PREFILL']._serialized_end=2763
+  _globals['_DECODE']._serialized_start=2766
+  _globals['_DECODE']._serialized_end=3316
+  _globals['_CACHEEVENTS']._serialized_start=3318
+  _globals['_CACHEEVENTS']._serialized_end=3408
 # @@protoc_insertion_point(module_scope)

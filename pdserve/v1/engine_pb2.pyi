@@ -64,18 +64,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_skip_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_fingerprint: _Optional[str] = ..., dst_state_slot: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "seconds", "backend", "seconds_after_first_token")
+    __slots__ = ("num_blocks", "num_bytes", "seconds", "backend", "seconds_after_first_token", "host_staged")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SECONDS_AFTER_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_STAGED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
     seconds: float
     backend: str
     seconds_after_first_token: float
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backend: _Optional[str] = ..., seconds_after_first_token: _Optional[float] = ...) -> None: ...
+    host_staged: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backend: _Optional[str] = ..., seconds_after_first_token: _Optional[float] = ..., host_staged: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "logprob", "num_cached_tokens", "transfer", "queue_seconds", "prefill_seconds", "prompt_logprobs")

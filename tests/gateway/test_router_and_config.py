@@ -107,6 +107,18 @@ def test_local_prefill_fallbacks_are_counted_by_cause():
     asyncio.run(go())
 
 
+def test_host_staged_transfers_are_counted_in_metrics_and_cluster():
+    """A finished request whose prefill server reported a host-staged KV hand-off counts once in
+    pdserve:gateway_kv_host_staged_transfers_total and /cluster's degraded field."""
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics("m")
+    assert metrics.degraded_json()["kv_host_staged_transfers"] == 0
+    metrics.on_kv_host_staged()
+    assert metrics.degraded_json()["kv_host_staged_transfers"] == 1
+    assert 'pdserve:gateway_kv_host_staged_transfers_total{model_name="m"} 1.0' in metrics.render().decode()
+
+
 def test_router_spreads_ties():
     async def go():
         reg = InstanceRegistry((), ("a:1", "b:2"))

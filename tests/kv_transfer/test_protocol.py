@@ -10,8 +10,8 @@ import torch
 
 from kv_transfer import (KVLayout, KVSender, KVTransferError, WirePlan, check_compatible, choose_backend,
                          chunk_ranges, merge_runs, plan_transfer, resolve_backend)
-from kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, is_head_slice, run_array,
-                                  slow_path)
+from kv_transfer.protocol import (decode_runs, encode_runs, expand_runs, has_repeats, host_staged, is_head_slice,
+                                  run_array, slow_path)
 from tests.kv_transfer.pairs import FP8_K_SCALES, FP8_V_SCALES
 
 
@@ -129,6 +129,19 @@ def test_a_slower_transport_than_the_gpus_allow_is_named() -> None:
     assert slow_path("gloo", None, None) is None and slow_path("gloo", "GPU-a", None) is None
     assert "NCCL would move it GPU to GPU" in slow_path("gloo", "GPU-a", "GPU-b")
     assert "share GPU GPU-a" in slow_path("gloo", "GPU-a", "GPU-a")
+
+
+def test_host_staged_is_gloo_with_a_cache_on_a_gpu() -> None:
+    """The degraded mode the gateway counts: the KV through host memory though a cache is on a
+    GPU (one GPU for both, one side on a GPU, or gloo asked for between two); never between two
+    host caches, never under NCCL."""
+    for backend, prefill, decode, staged in [("gloo", None, None, False), ("nccl", "GPU-a", "GPU-b", False),
+                                             ("gloo", "GPU-a", "GPU-a", True), ("gloo", "GPU-a", None, True),
+                                             ("gloo", None, "GPU-b", True), ("gloo", "GPU-a", "GPU-b", True)]:
+        assert host_staged(backend, prefill, decode) is staged, (backend, prefill, decode)
+    for prefill, decode in [(None, None), ("GPU-a", "GPU-a"), ("GPU-a", None), ("GPU-a", "GPU-b")]:
+        backend, _ = choose_backend(prefill, decode)
+        assert host_staged(backend, prefill, decode) is (backend == "gloo" and prefill is not None)
 
 
 def test_resolve_backend() -> None:
