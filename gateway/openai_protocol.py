@@ -42,7 +42,7 @@ or ``true`` is not an integer); ranges are checked once, by
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -349,6 +349,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables of the chat template
     echo: bool = False  # vLLM's: the last message's text before the answer that continues it
+    # OpenAI's: how long a reasoning model thinks; the chat template's ``reasoning_effort``
+    # variable (gpt-oss: the harmony system message's "Reasoning: low|medium|high")
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.reasoning_effort is not None and "reasoning_effort" not in (self.chat_template_kwargs or {}):
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def echoed_text(self) -> str:
         """What vLLM's ``echo`` puts before the answer: the last message's text when the answer

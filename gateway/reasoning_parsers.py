@@ -252,7 +252,8 @@ class HarmonyReasoningParser(ReasoningParser):
         ``chat_renderer``; ``messages`` as the chat template would see them)."""
         from openai_harmony import Conversation, Role
 
-        conversation = Conversation.from_messages(harmony_messages(messages, tools))
+        conversation = Conversation.from_messages(harmony_messages(messages, tools,
+                                                                   template_kwargs.get("reasoning_effort")))
         with self._lock:
             if add_generation_prompt:
                 return list(self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
@@ -280,15 +281,22 @@ def load_harmony_encoding() -> Any:
                          f"({e}); {hint}") from None
 
 
-def harmony_messages(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[Any]:
-    """The chat as harmony messages: system (date, reasoning channels), developer
+def harmony_messages(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     reasoning_effort: str | None = None) -> list[Any]:
+    """The chat as harmony messages: system (date, reasoning channels, the reasoning effort:
+    ``reasoning_effort`` low, medium or high, harmony's default medium when None), developer
     (system/developer instructions and the function tools), then the turns; an assistant's
     tool calls are commentary messages to ``functions.NAME``, a tool result is a message
     from ``functions.NAME`` (the name of the call it answers)."""
-    from openai_harmony import (Author, ChannelConfig, DeveloperContent, Message, Role, SystemContent,
-                                ToolDescription)
+    from openai_harmony import (Author, ChannelConfig, DeveloperContent, Message, ReasoningEffort, Role,
+                                SystemContent, ToolDescription)
 
     system = SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat())
+    if reasoning_effort is not None:
+        efforts = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+        if reasoning_effort not in efforts:
+            raise ValueError(f"reasoning_effort must be low, medium or high, got {reasoning_effort!r:.40}")
+        system = system.with_reasoning_effort(efforts[reasoning_effort])
     if not tools:  # no function calls: no commentary channel (as vLLM)
         system = system.with_channel_config(ChannelConfig.require_channels(["analysis", "final"]))
     out = [Message.from_role_and_content(Role.SYSTEM, system)]

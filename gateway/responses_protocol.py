@@ -28,8 +28,9 @@ response or conversation (``previous_response_id``, ``store: true``, ``conversat
 ``input``. Hosted tools (web search, file search, MCP, ...), non-text input (images,
 files, audio), ``include`` other than ``reasoning.encrypted_content`` (there is none to
 give), ``top_logprobs``, ``max_tool_calls`` and ``truncation: "auto"`` are 400s naming the
-field. ``reasoning`` (effort, summary) is accepted and repeated in the response; with a
-``--reasoning-parser`` the answer's reasoning comes back as a reasoning item whatever it says.
+field. ``reasoning`` (effort, summary) is repeated in the response; its effort is the chat's
+``reasoning_effort`` (low, medium, high: the chat template's variable, harmony's system message
+for gpt-oss); with a ``--reasoning-parser`` the answer's reasoning comes back as a reasoning item.
 
 Errors raised while the chat request is checked name the Responses fields
 (``responses_errors``): ``max_output_tokens`` for ``max_tokens``, ``text.format`` for
@@ -111,6 +112,8 @@ class ResponsesRequest(BaseModel):
             body["tools"] = chat_tools(self.tools)
         if self.tool_choice is not None:
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
+        if (self.reasoning or {}).get("effort") is not None:
+            body["reasoning_effort"] = self.reasoning["effort"]
         if self.text is not None:
             response_format = chat_response_format(self.text)
             if response_format is not None:

@@ -112,6 +112,21 @@ def test_chats_render_in_the_harmony_format(harmony):
     assert "developer" not in plain and "commentary" not in plain.split("<|start|>user")[0]  # no tools
 
 
+def test_reasoning_effort_reaches_the_harmony_system_message(harmony):
+    """The chat's reasoning_effort (OpenAI's field, carried as the template's variable) sets
+    harmony's "Reasoning: ..." line; without it harmony's default, medium."""
+    from gateway.openai_protocol import ChatCompletionRequest
+
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    for effort in ("low", "high"):
+        kwargs = ChatCompletionRequest.model_validate({"messages": ask, "reasoning_effort": effort}).chat_template_kwargs
+        text = harmony.encoding.decode(harmony.render_chat(None, ask, True, None, kwargs))
+        assert f"Reasoning: {effort}" in text
+    assert "Reasoning: medium" in harmony.encoding.decode(harmony.render_chat(None, ask, True, None, {}))
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        harmony.render_chat(None, ask, True, None, {"reasoning_effort": "extreme"})
+
+
 def _parse(harmony, text: str, per_token: bool):
     from gateway.reasoning_parsers import HarmonyChatStream
 

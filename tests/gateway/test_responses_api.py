@@ -38,6 +38,13 @@ def test_a_string_input_and_instructions_are_a_system_and_a_user_message():
     assert _chat(input="Hi").to_sampling_params().max_tokens is None  # the rest of the context, as chat
 
 
+def test_reasoning_effort_is_the_chat_templates_variable():
+    assert _chat(input="Hi", reasoning={"effort": "low"}).chat_template_kwargs == {"reasoning_effort": "low"}
+    assert _chat(input="Hi", reasoning={"summary": "auto"}).chat_template_kwargs is None
+    with pytest.raises(GatewayError):
+        _chat(input="Hi", reasoning={"effort": "extreme"})
+
+
 def test_items_become_the_chat_conversation():
     items = [{"role": "developer", "content": "rules"},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "},
