@@ -175,3 +175,27 @@ def assert_prefix_hits_and_preemption(model_dir: Path, blocks: int, caching: boo
     assert max(o.num_cached_tokens for o in outs) >= (24 if caching else 0)
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def assert_gpu_greedy_match(reference: Path, served: Path, prompts: list[list[int]], dtype: str, tie: float,
+                            relative: float, max_tokens: int = 16):
+    """pdserve on CUDA (``served``: a checkpoint of the ``reference`` model, or that model itself)
+    through CUDA graphs and chunks of 64 tokens, against transformers on the same GPU: float32
+    within float32 rounding; bf16 within bf16 rounding of transformers' own bf16 arithmetic, up
+    to where its bf16 tokens leave its float32 ones (past there bf16 rounding decides). Returns
+    the engine."""
+    from engine import LLM, SamplingParams
+
+    m = hf_model(reference, getattr(torch, dtype), "cuda")
+    want = hf_greedy(m, prompts, max_tokens)
+    llm = LLM(str(served), dtype=dtype, device="cuda", block_size=16, kv_cache_memory="64MiB",
+              max_num_batched_tokens=64, max_num_seqs=8)
+    got = [o.outputs[0].token_ids
+           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))]
+    assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
+    if dtype == "bfloat16":
+        stable = hf_greedy(hf_model(reference, torch.float32, "cuda"), prompts, max_tokens)
+        cut = [next((i for i, (a, b) in enumerate(zip(w, s)) if a != b), len(w)) for w, s in zip(want, stable)]
+        want, got = [w[:c] for w, c in zip(want, cut)], [g[:c] for g, c in zip(got, cut)]
+    assert_greedy_match(m, prompts, want, got, tie=tie, relative=relative)
+    return llm

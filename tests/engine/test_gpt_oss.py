@@ -17,8 +17,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
 from engine.models.gpt_oss import to_checkpoint_layout, to_engine_layout
-from tests.engine.families import (assert_greedy_match, assert_grouped_logits_match, assert_prefix_hits_and_preemption,
-                                   greedy_references, hf_greedy, hf_model, random_prompts)
+from tests.engine.families import (assert_gpu_greedy_match, assert_greedy_match, assert_grouped_logits_match,
+                                   assert_prefix_hits_and_preemption, greedy_references, hf_greedy, hf_model,
+                                   random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -258,18 +259,6 @@ GPU_SHAPE = dict(hidden_size=256, intermediate_size=128, num_attention_heads=8, 
                  num_local_experts=8, num_experts_per_tok=2, sliding_window=32, initializer_range=0.05)
 
 
-@pytest.fixture
-def quick_moe_tuning(tmp_path, monkeypatch):
-    """A small real tune of the fused MoE kernel into a fresh cache (tests/engine/test_model_families_gpu.py)."""
-    import functools
-    import importlib
-
-    module = importlib.import_module("kernels.fused_moe")
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(module, "tune", functools.partial(module.tune, token_counts=(1, 8, 64), max_candidates=1,
-                                                          rep_ms=2))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, tie, relative", [("float32", 1e-4, 0.0), ("bfloat16", 0.02, 0.01)])
@@ -285,16 +274,4 @@ def test_gpt_oss_on_gpu(tmp_path, quick_moe_tuning, experts, dtype, tie, relativ
         served, d = tmp_path / "q", tmp_path / "f"
     else:
         served = d
-    prompts = random_prompts([1, 7, 33, 65, 130], seed=8)
-    m = hf_model(d, getattr(torch, dtype), "cuda")
-    want = hf_greedy(m, prompts, 16)
-    llm = LLM(str(served), dtype=dtype, device="cuda", block_size=16, kv_cache_memory="64MiB",
-              max_num_batched_tokens=64, max_num_seqs=8)
-    got = [o.outputs[0].token_ids
-           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
-    assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
-    if dtype == "bfloat16":
-        stable = hf_greedy(hf_model(d, torch.float32, "cuda"), prompts, 16)
-        cut = [next((i for i, (a, b) in enumerate(zip(w, s)) if a != b), len(w)) for w, s in zip(want, stable)]
-        want, got = [w[:c] for w, c in zip(want, cut)], [g[:c] for g, c in zip(got, cut)]
-    assert_greedy_match(m, prompts, want, got, tie=tie, relative=relative)
+    assert_gpu_greedy_match(d, served, random_prompts([1, 7, 33, 65, 130], seed=8), dtype, tie, relative)

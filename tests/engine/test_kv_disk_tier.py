@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine import kv_disk_tier
 from engine.config import EngineArgs
-from engine.kv_disk_tier import DiskKVTier, encode_record
-from engine.request import Request
+from engine.kv_disk_tier import DiskKVTier
 from kv_transfer.layout import engine_layout
 from rpc.engine_metrics import _SchedulerCollector
 from tests.engine.families import make_family_model, random_prompts
+from tests.engine.test_kv_offload import _greedy, _hashes
 
 BS = 4  # block size of the engine tests
 BLOCK_BYTES = 3 * 2 * BS * 2 * 16 * 4  # the tiny model's block: 3 layers x K,V x 4 tokens x 2 heads x 16 x fp32
@@ -49,18 +49,6 @@ def _llm(made: list[LLM], model, path: Path | None, device_blocks: int = 16, hos
               kv_offloading_size=host_blocks * BLOCK_BYTES / 2**30, **extra, **kw)
     made.append(llm)
     return llm
-
-
-def _greedy(llm: LLM, prompts, max_tokens: int = 6):
-    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def _hashes(llm: LLM, prompt: list[int], n: int) -> list[int]:
-    kv = llm.engine.scheduler.kv
-    r = Request("probe", list(prompt), SamplingParams())
-    out = kv._block_hashes(r, n)
-    kv.req_hashes.pop("probe", None)
-    return out
 
 
 def _disk(llm: LLM) -> DiskKVTier:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tests.engine.families import FAMILIES, assert_greedy_match, hf_greedy, hf_model, make_family_model, random_prompts
+from tests.engine.families import FAMILIES, assert_gpu_greedy_match, make_family_model, random_prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("quick_moe_tuning")]
 MAX_TOKENS = 16
 # Wider than the CPU models, so bf16 rounding behaves as in real ones; head_dim 64.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -22,19 +22,6 @@ OVERRIDES = {"qwen3-moe": dict(mlp_only_layers=[1], moe_intermediate_size=128, n
              "phi3-longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                     "short_factor": [1.0 + 0.05 * i for i in range(32)],
                                                     "long_factor": [2.0 + 0.1 * i for i in range(32)]})}
-
-
-@pytest.fixture(autouse=True)
-def quick_moe_tuning(tmp_path, monkeypatch):
-    """A small real tune (few token counts, one candidate each) into a fresh cache: what is
-    checked here is the tokens, not the tiles' speed."""
-    import functools
-    import importlib
-
-    module = importlib.import_module("kernels.fused_moe")  # `kernels.fused_moe` is also the launcher's name
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(module, "tune", functools.partial(module.tune, token_counts=(1, 8, 64), max_candidates=1,
-                                                          rep_ms=2))
 
 
 # bf16: 8 bits of mantissa, so a step's rounding is about 0.4% of a value, and it adds up
@@ -55,19 +42,6 @@ def test_family_on_gpu(tmp_path, name, dtype, tie, relative, request):
     # (64 here); pdserve rotates by position (engine/layers/rotary.py), so stay below it.
     lengths = [1, 7, 33, 40] if name == "phi3-longrope" else [1, 7, 33, 65, 130]
     prompts = random_prompts(lengths, seed=6)
-    m = hf_model(d, getattr(torch, dtype), "cuda")
-    want = hf_greedy(m, prompts, MAX_TOKENS)
-    llm = LLM(str(d), dtype=dtype, device="cuda", block_size=16, kv_cache_memory="64MiB",
-              max_num_batched_tokens=64, max_num_seqs=8)
-    got = [o.outputs[0].token_ids
-           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
-    if dtype == "bfloat16":
-        # Past the step where transformers' own bf16 tokens leave its float32 ones, bf16
-        # rounding decides (a 65-token Mixtral prompt here: step 3); compare up to there.
-        stable = hf_greedy(hf_model(d, torch.float32, "cuda"), prompts, MAX_TOKENS)
-        cut = [next((i for i, (a, b) in enumerate(zip(w, s)) if a != b), len(w)) for w, s in zip(want, stable)]
-        want, got = [w[:c] for w, c in zip(want, cut)], [g[:c] for g, c in zip(got, cut)]
-    assert_greedy_match(m, prompts, want, got, tie=tie, relative=relative)
+    llm = assert_gpu_greedy_match(d, d, prompts, dtype, tie, relative, MAX_TOKENS)
     if llm.engine.runner.model.moe_layers():
         assert llm.engine.expert_load().sum() > 0
