@@ -43,10 +43,11 @@ when the request fails before that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.message
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -147,12 +148,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
-        try:
-            req, answer, lora = await _prepare_chat(service, request, body, "chatcmpl", trace)
-        except BaseException as e:
-            trace.finish(error=e)
-            raise
+        req, answer, lora = await _traced_chat(service, request, lambda: body, "chatcmpl")
         shown = PromptView(req.prompt_token_ids, body.echoed_text() or None, prompt_logprobs=body.prompt_logprobs)
         fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
                             body.include_usage, req.sampling.logprobs is not None, shown, answer=answer,
@@ -161,25 +157,14 @@ def create_app(service: GatewayService, api_key: str | None = None,
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
-        try:
-            with responses_errors():
-                req, answer, lora = await _prepare_chat(service, request, body.to_chat_request(), "resp", trace)
-        except BaseException as e:
-            trace.finish(error=e)
-            raise
+        req, answer, lora = await _traced_chat(service, request, body.to_chat_request, "resp", responses_errors())
         fmt = ResponsesFormatter(req.request_id, service.model_name(lora), body.echo(), answer)
         return await _respond(service, request, req, fmt, body.stream)
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         chat = body.to_chat_request(service.tool_parser, service.enable_auto_tool_choice)
-        trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
-        try:
-            req, answer, lora = await _prepare_chat(service, request, chat, "msg_", trace)
-        except BaseException as e:
-            trace.finish(error=e)
-            raise
+        req, answer, lora = await _traced_chat(service, request, lambda: chat, "msg_")
         fmt = MessagesFormatter(req.request_id, service.model_name(lora), service.token_text, answer,
                                 len(req.prompt_token_ids))
         return await _respond(service, request, req, fmt, body.stream)
@@ -231,6 +216,21 @@ def _prepare(service: GatewayService, request: Request, ids: list[int], sampling
              prefix: str, trace: RequestTrace, lora_name: str | None, priority: int = 0) -> PreparedRequest:
     return service.prepare(ids, sampling, request.headers.get("x-request-id"), prefix, trace=trace,
                            lora_name=lora_name, priority=priority)
+
+
+async def _traced_chat(service: GatewayService, request: Request, chat: Callable[[], ChatCompletionRequest],
+                       prefix: str, errors: contextlib.AbstractContextManager[Any] | None = None
+                       ) -> tuple[PreparedRequest, ChatStream, str | None]:
+    """A chat request's trace started and the request prepared (``_prepare_chat``); ``chat()``
+    gives the chat request (a translation may refuse it) under ``errors``; a failure ends the
+    trace with its error."""
+    trace = service.start_trace("chat", trace_headers(request.headers.items()), "http")
+    try:
+        with errors or contextlib.nullcontext():
+            return await _prepare_chat(service, request, chat(), prefix, trace)
+    except BaseException as e:
+        trace.finish(error=e)
+        raise
 
 
 async def _prepare_chat(service: GatewayService, request: Request, body: ChatCompletionRequest, prefix: str,
