@@ -45,8 +45,8 @@ from engine.kv_offload import HostKVTier
 from engine.launched_step import LaunchedStep
 from engine.model_runner import ModelRunner
 from engine.planner import plan_step
-from engine.request import Request, RequestError, RequestStatus, check_priority
-from engine.sampling_params import SamplingParams
+from engine.request import Request, RequestError, RequestStatus
+from engine.sampling_params import SamplingParams, check_priority
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import Speculator
 from engine.step_plan import StepPlan, StepRuntime

@@ -82,20 +82,6 @@ class RequestTimes:
     finished: float | None = None
 
 
-INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
-
-
-def check_priority(priority: object, policy: str | None = None) -> None:
-    """ValueError unless ``priority`` is an int32 and, under ``--scheduling-policy fcfs``, 0
-    (vLLM's rule: a priority that would be ignored is refused); ``policy`` None: the range only
-    (the gateway, which does not know the servers' policy)."""
-    if not isinstance(priority, int) or isinstance(priority, bool) or not INT32_MIN <= priority <= INT32_MAX:
-        raise ValueError(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}], got {priority!r:.40}")
-    if priority != 0 and policy == "fcfs":
-        raise ValueError(f"priority {priority} is set, but this server schedules first come first served: "
-                         "start it with --scheduling-policy priority, or leave priority out")
-
-
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None,

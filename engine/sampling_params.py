@@ -162,6 +162,17 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+def check_priority(priority: object, policy: str | None = None) -> None:
+    """ValueError unless ``priority`` is an int32 and, under ``--scheduling-policy fcfs``, 0
+    (vLLM's rule: a priority that would be ignored is refused); ``policy`` None: the range only
+    (the gateway, which does not know the servers' policy)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -INT32_MAX - 1 <= priority <= INT32_MAX:
+        raise ValueError(f"priority must be an integer in [{-INT32_MAX - 1}, {INT32_MAX}], got {priority!r:.40}")
+    if priority != 0 and policy == "fcfs":
+        raise ValueError(f"priority {priority} is set, but this server schedules first come first served: "
+                         "start it with --scheduling-policy priority, or leave priority out")
+
+
 def check_unicode(text: str, field_name: str) -> None:
     """ValueError unless ``text`` is valid Unicode (no lone surrogates, which
     JSON's \\ud800 escapes can smuggle into a Python str)."""

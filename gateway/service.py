@@ -37,8 +37,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from engine.request import check_priority
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_priority
 from gateway.active_requests import ActiveRequests
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.instances import InstanceRegistry

@@ -39,11 +39,12 @@ same format, so the answer carries tool_calls (gateway/tool_parsers/base.py).
 from __future__ import annotations
 
 from gateway.tool_parsers.base import (FunctionTool, ParsedMessage, ToolCall, ToolCallDelta, ToolCallStream,
-                                       ToolParser, ToolPlan, finish_reason, new_call_id)
+                                       ToolParser, finish_reason, new_call_id)
 from gateway.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from gateway.tool_parsers.json_formats import (HarmonyToolParser, HermesToolParser, JsonCallsToolParser,
                                                Llama3JsonToolParser)
 from gateway.tool_parsers.mistral import MistralToolParser
+from gateway.tool_parsers.plan import ToolPlan
 from gateway.tool_parsers.pythonic import PythonicToolParser
 from gateway.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 

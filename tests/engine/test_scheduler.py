@@ -335,7 +335,7 @@ def test_decode_reservations_follow_priority():
 
 
 def test_priority_is_refused_under_fcfs():
-    from engine.request import check_priority
+    from engine.sampling_params import check_priority
 
     check_priority(0, "fcfs")
     check_priority(-3, "priority")
