@@ -107,8 +107,15 @@ HTTP_CASES = [
     ("stop string too long", "/v1/completions", _json(prompt="hi", stop=["x" * 5000]), 400, "at most 1024"),
     ("n 2", "/v1/completions", _json(prompt="hi", n=2), 400, "n must be 1"),
     ("best_of 3", "/v1/completions", _json(prompt="hi", best_of=3), 400, "best_of"),
-    ("logit_bias", "/v1/completions", _json(prompt="hi", logit_bias={"5": 10}), 400, "logit_bias"),
-    ("echo", "/v1/completions", _json(prompt="hi", echo=True), 400, "echo"),
+    ("logit_bias past the vocabulary", "/v1/completions", _json(prompt="hi", logit_bias={"1000000": 10}), 400,
+     "logit_bias"),
+    ("logit_bias out of range", "/v1/completions", _json(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias"),
+    ("logit_bias not a token id", "/v1/completions", _json(prompt="hi", logit_bias={"five": 1}), 400, "logit_bias"),
+    ("empty allowed_token_ids", "/v1/completions", _json(prompt="hi", allowed_token_ids=[]), 400,
+     "allowed_token_ids"),
+    ("prompt_logprobs 21", "/v1/completions", _json(prompt="hi", prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("priority past int32", "/v1/completions", _json(prompt="hi", priority=2**31), 400, "priority"),
+    ("priority under fcfs", "/v1/completions", _json(prompt="hi", priority=3), 400, "--scheduling-policy"),
     ("tools", "/v1/chat/completions", _json(messages=[{"role": "user", "content": "hi"}],
                                             tools=[{"type": "function"}]), 400, "tools"),
     ("functions", "/v1/chat/completions", _json(messages=[{"role": "user", "content": "hi"}],
@@ -284,8 +291,8 @@ REFUSED_FIELDS = [
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}}),
     ("structured_outputs", "/v1/completions", {"prompt": "hi", "structured_outputs": {"whitespace_pattern": " "}}),
     ("tool_choice", "/v1/completions", {"prompt": "hi", "tool_choice": "required"}),
-    ("tool_choice", "/v1/chat/completions",  # this gateway has no --tool-call-parser
-     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+    ("tool_choice", "/v1/chat/completions",  # this gateway has no --tool-call-parser: auto needs one
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}),
 ]
 
 
