@@ -432,11 +432,18 @@ def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def _race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [R, V] float32 > 0, entry (r, v) a function of ``keys[r]`` and v alone:
-    ``_hash32(keys[r] ^ _hash32((v + 1) * golden))``, its top 24 bits as a uniform u in
-    (0, 1), then -log(u). In int32 arithmetic on the row's device (products wrap), about
-    20 elementwise passes over [R, V]: float64 splitmix64 cost 3-4x as much on CPU."""
+    ``_hash32(keys[r] ^ _hash32((v + 1) * golden))``, its top 23 bits through ``_exp_noise``.
+    In int32 arithmetic on the row's device (products wrap), about 20 elementwise passes over
+    [R, V]: float64 splitmix64 cost 3-4x as much on CPU."""
     bits = _hash32(keys.unsqueeze(1) ^ _vocab_hashes(vocab, keys.device))  # [R, V] int32
-    return (_lsr32(bits, 8).float() + 0.5).mul_(2.0**-24).log_().neg_()  # (0, 1): 24 bits + 1/2, exact
+    return _exp_noise(_lsr32(bits, 9))
+
+
+def _exp_noise(top23: torch.Tensor) -> torch.Tensor:
+    """Exp(1) from 23 uniform bits b: u = (b + 1/2) 2^-23, exact in float32 and inside (0, 1)
+    (at most 1 - 2^-24, below float32's last step under 1: 24 bits would round that to 1.0,
+    giving -log u = -0 and a NaN score that wins every race), then -log u, finite and > 0."""
+    return (top23.float() + 0.5).mul_(2.0**-23).log_().neg_()
 
 
 @functools.lru_cache(maxsize=8)

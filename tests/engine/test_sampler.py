@@ -299,7 +299,27 @@ def test_race_noise_is_the_same_integer_hash_on_every_machine() -> None:
 
     vocab, keys = 5000, [0x12345678, 0xDEADBEEF, 0]
     bits = _lsr32(_hash32(torch.tensor([_signed32(k) for k in keys], dtype=torch.int32).unsqueeze(1)
-                          ^ _vocab_hashes(vocab, torch.device("cpu"))), 8)
+                          ^ _vocab_hashes(vocab, torch.device("cpu"))), 9)
     for r, key in enumerate(keys):
         for v in (0, 1, 4242, vocab - 1):
-            assert int(bits[r, v]) == lowbias32(lowbias32((v + 1) * 0x9E3779B9) ^ key) >> 8
+            assert int(bits[r, v]) == lowbias32(lowbias32((v + 1) * 0x9E3779B9) ^ key) >> 9
+
+
+def test_race_noise_is_finite_and_positive_at_its_extremes() -> None:
+    """Every value of the 23 bits gives Exp(1) noise in (0, inf): the largest one too (with 24
+    bits it rounded to u = 1.0, noise -0.0, and the NaN score of p / -0.0 won the race)."""
+    from engine.sampler import _exp_noise
+
+    e = _exp_noise(torch.tensor([0, 1, 2**22, 2**23 - 2, 2**23 - 1], dtype=torch.int32))
+    assert torch.isfinite(e).all() and (e > 0).all(), e
+
+
+def test_a_seeded_row_under_a_two_token_mask_always_draws_one_of_them() -> None:
+    """Thousands of seeded draws over a 49k vocabulary with two tokens allowed (a constraint's
+    mask): each is one of the two (the noise's extremes never pick a token of probability 0)."""
+    vocab, allowed = 49152, (18, 1799)
+    logits = torch.full((64, vocab), float("-inf"))
+    logits[:, allowed[0]], logits[:, allowed[1]] = 1.0, 0.0
+    for batch in range(40):
+        rows = [_seeded_row(batch, step, temperature=1.0) for step in range(64)]
+        assert set(sample(logits, rows)) <= set(allowed), batch
