@@ -64,13 +64,16 @@ def default_model_dir() -> Path:
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), each worker
     takes whole modules, so a module's fixtures start once; the gateway tests that share the
-    session's gateway processes (tests/gateway/conftest.py) go to one worker together."""
+    session's gateway processes (tests/gateway/conftest.py), and the e2e modules that share
+    ``hermes_cluster`` (tests/e2e/conftest.py), go to one worker together."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
         module = item.nodeid.split("::", 1)[0]
         shares_gateways = module.startswith("tests/gateway/") and "_cluster_processes" in item.fixturenames
-        item.add_marker(pytest.mark.xdist_group("gateway-cluster" if shares_gateways else module))
+        group = ("gateway-cluster" if shares_gateways else
+                 "hermes-cluster" if "hermes_cluster" in item.fixturenames else module)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # No server outlives the suite. Each process tests/processes.py starts is in a process group

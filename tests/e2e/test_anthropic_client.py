@@ -1,6 +1,7 @@
 """/v1/messages end to end through the official ``anthropic`` client: one real prefill
 server, one real decode server and a gateway on the default model (SmolLM2) with the
-shipped Hermes tool template and parser (one cluster for the module).
+shipped Hermes tool template and parser (the session's ``hermes_cluster``, shared with the
+Responses API's tests).
 
 What it proves: a Messages request is the chat request it translates into (greedy text
 and prompt length equal the chat completion of the same conversation, streamed and
@@ -18,17 +19,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.processes import REPO, EngineServer, GatewayProcess, running_cluster
+from tests.e2e.conftest import HERMES_API_KEY as API_KEY
+from tests.e2e.conftest import HERMES_MAX_MODEL_LEN as MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-API_KEY = "anthropic-e2e"
-MAX_MODEL_LEN = 1024
-ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN)]
-TEMPLATE = REPO / "deploy" / "chat_templates" / "hermes_tools.jinja"
-GATEWAY_FLAGS = ["--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
-                 "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY]
 GREEDY = {"temperature": 0}  # the client's own arguments leave sampling out
 SYSTEM = "You are a helpful assistant."
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -38,13 +34,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    prefill, decode = EngineServer("prefill", ENGINE_FLAGS), EngineServer("decode", ENGINE_FLAGS)
-    gw = GatewayProcess("anthropic", ["--prefill", prefill.address, "--decode", decode.address, *GATEWAY_FLAGS])
-    with running_cluster([prefill, decode], gw, api_key=API_KEY):
-        yield gw
-        decode.wait_idle()  # nothing held once every request is done
-        prefill.wait_idle()
+def cluster(hermes_cluster):
+    return hermes_cluster
 
 
 @pytest.fixture(scope="module")

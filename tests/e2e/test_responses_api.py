@@ -1,6 +1,6 @@
 """/v1/responses end to end: one real prefill server, one real decode server and a gateway
-on the default model (SmolLM2, ChatML) with the shipped Hermes tool template and parser,
-driven through the official ``openai`` client (``responses.create``, streamed and not,
+on the default model (SmolLM2, ChatML) with the shipped Hermes tool template and parser
+(the session's ``hermes_cluster``, shared with the Messages API's tests), driven through the official ``openai`` client (``responses.create``, streamed and not,
 ``responses.stream`` and ``responses.parse``, with ``text_format`` a pydantic model).
 
 What it proves: a Responses request runs as the chat request it translates into (the
@@ -21,14 +21,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.processes import REPO, EngineServer, GatewayProcess, running_cluster
+from tests.e2e.conftest import HERMES_API_KEY
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 1024
-ENGINE_FLAGS = ["--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN)]
-TEMPLATE = REPO / "deploy" / "chat_templates" / "hermes_tools.jinja"
 ASK = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -36,15 +33,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def oai():
-    prefill, decode = EngineServer("prefill", ENGINE_FLAGS), EngineServer("decode", ENGINE_FLAGS)
-    gw = GatewayProcess("responses", ["--prefill", prefill.address, "--decode", decode.address,
-                                      "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes",
-                                      "--max-model-len", str(MAX_MODEL_LEN)])
-    with running_cluster([prefill, decode], gw):
-        yield openai.OpenAI(base_url=gw.http_url + "/v1", api_key="unused", max_retries=0)
-        decode.wait_idle()  # every request's blocks freed
-        prefill.wait_idle()
+def oai(hermes_cluster):
+    return openai.OpenAI(base_url=hermes_cluster.http_url + "/v1", api_key=HERMES_API_KEY, max_retries=0)
 
 
 def _chat_text(oai, messages, max_tokens, **kw):
@@ -158,6 +148,7 @@ def test_bad_requests_are_openai_400s(oai, body, param, fragment, stream):
 
 
 def test_the_error_body_is_openais_shape(oai):
-    r = httpx.post(str(oai.base_url) + "responses", json={"input": ASK, "previous_response_id": "resp_1"}, timeout=30)
+    r = httpx.post(str(oai.base_url) + "responses", json={"input": ASK, "previous_response_id": "resp_1"}, timeout=30,
+                   headers={"Authorization": f"Bearer {HERMES_API_KEY}"})
     assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
