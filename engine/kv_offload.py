@@ -134,6 +134,13 @@ class HostKVTier:
         read = 0
         try:
             for h in hashes[n:n + want]:
+                if h in self._lru:  # here too (stored again after an earlier spill): a host hit, not a read
+                    slot = self._lru[h]
+                    self._lru.move_to_end(h)
+                    self._pinned.add(slot)
+                    protect.add(slot)
+                    read += 1
+                    continue
                 slot = self._take_slot(cpu_write=True)
                 if slot is None:
                     break

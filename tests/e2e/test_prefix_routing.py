@@ -268,7 +268,7 @@ def test_shared_prefix_goes_where_it_is_cached(tiny_llama_dir, reference, backen
     try:
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
         assert _cluster(gw)["degraded"] == {"prefix_index_unreachable": False, "local_prefill_fallbacks": {},
-                                            "migrations": {}}
+                                            "migrations": {}, "kv_host_staged_transfers": 0}
         holder = _warm_holder(stub, prefills, reference)
         ns = holder.load().cache_namespace
         _known_to_gateway(gw, {holder}, redis.url if redis else None, ns)

@@ -343,3 +343,31 @@ def test_no_leak_in_any_tier_after_cancel_storms(storm, data):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     _assert_no_leaks(llm)
+
+
+def test_a_block_on_disk_and_back_in_the_host_tier_is_a_host_hit(tmp_path):
+    """A prefix whose blocks are all on disk, one of them also in the host tier again (stored
+    after its spill): the lookup reads the others from disk and takes that one as the host hit
+    it is, keeping every host block accounted for (it used to read it again into a second host
+    block and lose the first)."""
+    from engine.kv_offload import HostKVTier
+
+    shape = (3, 2, BS, 2, 16)
+    host = HostKVTier(4, shape, torch.float32, torch.device("cpu"))
+    disk = DiskKVTier(tmp_path, 1 << 30, {"model": "t"}, shape, torch.float32)
+    host.attach_disk(disk)
+    try:
+        blocks = {h: torch.randn(shape) for h in (11, 22, 33)}
+        for h, block in blocks.items():
+            assert disk.spill(h, block)
+        disk.drain()
+        slot = host._take_slot()
+        host.buffer[slot].copy_(blocks[22])
+        host._lru[22] = slot  # 22 is back in the host tier
+        assert host.find([11, 22, 33]) == 3
+        host.check()
+        assert host._lru[22] == slot
+        for h, block in blocks.items():
+            assert torch.equal(host.buffer[host._lru[h]], block)
+    finally:
+        disk.close()
