@@ -424,8 +424,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """The exponential race of seeded rows: ``argmax_v p_v / E_v`` [R], E from ``_race_noise``.
     A token of probability 0 scores 0 and never beats one above it (E is finite and > 0)."""
-    keys = [_signed32(_mix64((_mix64(row.params.seed & _MASK64) + (row.step + 1) * _GOLDEN64) & _MASK64))
-            for row in rows]
+    keys = [_signed32(_step_key(row.params.seed, row.step)) for row in rows]
     noise = _race_noise(to_device(torch.tensor(keys, dtype=torch.int32), probs.device), probs.shape[1])
     return (probs.float() / noise).argmax(dim=-1)
 
@@ -488,10 +487,15 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _step_key(seed: int, step: int) -> int:
+    """The 64 random bits of ``step`` of a request seeded with ``seed`` (its race's noise key
+    and its uniform both come from them)."""
+    return _mix64((_mix64(seed & _MASK64) + (step + 1) * _GOLDEN64) & _MASK64)
+
+
 def _seeded_uniform(seed: int, step: int) -> float:
     """The uniform in [0, 1) of ``step`` of a request seeded with ``seed``."""
-    bits = _mix64((_mix64(seed & _MASK64) + (step + 1) * _GOLDEN64) & _MASK64)
-    return (bits >> 11) * 2.0**-53  # 53 bits: exact in a float64
+    return (_step_key(seed, step) >> 11) * 2.0**-53  # 53 bits: exact in a float64
 
 
 def _pack_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
