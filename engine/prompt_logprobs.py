@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine.outputs import Logprobs
+from engine.sampler import logprob_table, table_logprobs
 from engine.scheduler import ScheduledRequest
 
 _SLICE_ELEMENTS = 1 << 24  # logits (float32) computed at once: 64 MiB, and as much for their log-softmax
@@ -45,9 +46,7 @@ class PendingPromptLogprobs:
         for i, first, tokens, n in self._spans:
             rows = host[at:at + len(tokens)]
             at += len(tokens)
-            per_row[i] = (first, [Logprobs(token_id=tok, logprob=r[0], rank=int(r[1]),
-                                           top=[(int(r[2 + j]), r[2 + m + j]) for j in range(n)])
-                                  for tok, r in zip(tokens, rows)])
+            per_row[i] = (first, [table_logprobs(tok, r, m, n) for tok, r in zip(tokens, rows)])
         return per_row
 
 
@@ -77,8 +76,5 @@ def prompt_logprobs_async(hidden: torch.Tensor, scheduled: Sequence[ScheduledReq
     parts = []
     for a in range(0, len(index), step):
         lp = torch.log_softmax(compute_logits(hidden[index_t[a:a + step]]).float(), dim=-1)  # [k, V]
-        chosen = lp.gather(1, targets_t[a:a + step].unsqueeze(1))  # [k, 1]
-        rank = (lp > chosen).sum(dim=-1, keepdim=True) + 1  # [k, 1]; 1 = most likely
-        top_lp, top_ids = lp.topk(top_n, dim=-1)  # [k, N]
-        parts.append(torch.cat([chosen.double(), rank.double(), top_ids.double(), top_lp.double()], dim=1))
+        parts.append(logprob_table(lp, targets_t[a:a + step], top_n))
     return PendingPromptLogprobs(len(scheduled), spans, torch.cat(parts), top_n)

@@ -498,27 +498,35 @@ def _seeded_uniform(seed: int, step: int) -> float:
     return (_step_key(seed, step) >> 11) * 2.0**-53  # 53 bits: exact in a float64
 
 
+def logprob_table(logprobs: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> torch.Tensor:
+    """Per row of ``logprobs`` [K, V]: the logprob of ``token_ids`` [K], its rank (1: the most
+    likely) and the top ``top_n`` ids and logprobs, as [K, 2 + 2 * top_n] float64 (which holds
+    ids and ranks exactly, < 2**53): one tensor, one copy to the host (``table_logprobs``)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [K, 1]
+    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [K, 1]
+    top_lp, top_ids = logprobs.topk(top_n, dim=-1)  # [K, N]
+    return torch.cat([chosen.double(), rank.double(), top_ids.double(), top_lp.double()], dim=1)
+
+
+def table_logprobs(token_id: int, row: Sequence[float], top_n: int, n: int) -> Logprobs:
+    """One row of ``logprob_table`` (its ``top_n`` columns) as ``Logprobs`` with the top ``n``."""
+    return Logprobs(token_id=token_id, logprob=row[0], rank=int(row[1]),
+                    top=[(int(row[2 + j]), row[2 + top_n + j]) for j in range(n)])
+
+
 def _pack_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
                    rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The sampled ids with their logprobs, ranks and the top-N, in one tensor (one copy
-    to the host): [B, 3 + 2N] float64, which holds ids and ranks exactly (< 2**53)."""
+    """The sampled ids with their ``logprob_table`` in one tensor: [B, 3 + 2N] float64
+    (failed rows gather token 0: dropped when unpacked)."""
     top_n = max(row.params.logprobs or 0 for row in rows)
-    chosen = raw_logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1))  # [B, 1]; failed rows: dropped below
-    rank = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [B, 1]
-    top_lp, top_ids = raw_logprobs.topk(top_n, dim=-1)  # [B, N]
-    return torch.cat([token_ids.unsqueeze(1).double(), chosen.double(), rank.double(),
-                      top_ids.double(), top_lp.double()], dim=1)
+    return torch.cat([token_ids.unsqueeze(1).double(),
+                      logprob_table(raw_logprobs, token_ids.clamp(min=0), top_n)], dim=1)
 
 
 def _unpack_logprobs(host: list[list[float]], rows: Sequence[SamplingRow]) -> SamplerOutput:
     top_n = max(row.params.logprobs or 0 for row in rows)
     ids = [int(r[0]) for r in host]
-    logprobs: list[Logprobs | None] = []
-    for row, r in zip(rows, host):
-        n = row.params.logprobs
-        if n is None or int(r[0]) == SAMPLE_FAILED:
-            logprobs.append(None)
-            continue
-        top = [(int(r[3 + j]), r[3 + top_n + j]) for j in range(n)]
-        logprobs.append(Logprobs(token_id=int(r[0]), logprob=r[1], rank=int(r[2]), top=top))
+    logprobs: list[Logprobs | None] = [
+        None if row.params.logprobs is None or int(r[0]) == SAMPLE_FAILED
+        else table_logprobs(int(r[0]), r[1:], top_n, row.params.logprobs) for row, r in zip(rows, host)]
     return SamplerOutput(ids, logprobs)
