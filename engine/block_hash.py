@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from typing import Container, Sequence
 
 NONE_HASH = 0
 
@@ -29,3 +29,13 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int, start: int = 
         parent_hash = hash_block_tokens(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def leading_run(hashes: Sequence[int], present: Container[int]) -> int:
+    """How many leading ``hashes`` are in ``present`` (a prefix hit stops at the first miss)."""
+    n = 0
+    for h in hashes:
+        if h not in present:
+            break
+        n += 1
+    return n

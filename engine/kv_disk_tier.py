@@ -73,6 +73,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from engine.block_hash import leading_run
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
@@ -217,12 +219,7 @@ class DiskKVTier:
 
     def lookup(self, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` have a file here (as this server last saw ``DIR``)."""
-        n = 0
-        for h in hashes:
-            if h not in self._index:
-                break
-            n += 1
-        return n
+        return leading_run(hashes, self._index)
 
     def file_of(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}{SUFFIX}"

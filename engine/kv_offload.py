@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from engine.block_hash import leading_run
+
 if TYPE_CHECKING:
     from engine.kv_disk_tier import DiskKVTier
 
@@ -92,12 +94,7 @@ class HostKVTier:
 
     def lookup(self, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` are here (changes nothing)."""
-        n = 0
-        for h in hashes:
-            if h not in self._lru:
-                break
-            n += 1
-        return n
+        return leading_run(hashes, self._lru)
 
     def acquire(self, hashes: Sequence[int]) -> list[int]:
         """The host blocks of ``hashes`` (all here: ``lookup``), made most recently used and
