@@ -331,6 +331,16 @@ class GatewayProcess(ServiceProcess):
             raise RuntimeError(f"{self.name}: {exc}\n{self.logs()}") from None
 
 
+def wait_for(condition, what: str, timeout: float = 30.0):
+    """Poll ``condition()`` every 50 ms until it is truthy and return its value; fail naming
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
 def wait_every_instance_healthy(http_url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
     """Until the gateway at ``http_url`` has seen every engine server it knows healthy (its
     /health, and `pdserve up`'s ready line, come with one decode server, before the prefill

@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from rpc.local_redis import LocalRedis
 from tests.conftest import make_tiny_model
-from tests.processes import REPO, GatewayProcess, ServiceProcess, free_port
+from tests.processes import REPO, GatewayProcess, ServiceProcess, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -191,11 +191,7 @@ class LongRequest(threading.Thread):
 
 
 def _wait_for(condition, what: str, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
+    return wait_for(condition, what, timeout)
 
 
 def _instances(gw: GatewayProcess) -> dict[str, dict]:

@@ -37,6 +37,7 @@ from gateway.prefix_index import RedisPrefixIndex
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.local_redis import LocalRedis
 from tests.processes import EngineServer, GatewayProcess, free_port
+from tests.processes import wait_for as _wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -149,14 +150,6 @@ def _indexed(redis_url: str, ns: str, want: dict[str, int | None], timeout: floa
             return got
         assert time.monotonic() < deadline, (got, want)
         time.sleep(0.2)
-
-
-def _wait_for(condition, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 def _cluster(gw) -> dict:
