@@ -167,6 +167,19 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _ballast(server, n: int) -> list:
+    """``n`` long requests sent straight to decode server ``server`` (cancel the calls to end
+    them), running or queued there, and seen by the gateway's load poll: it routes elsewhere."""
+    stub = engine_pb2_grpc.DecodeStub(server.channel)
+    calls = [stub.Generate(engine_pb2.DecodeRequest(
+        request_id=f"ballast-{i}", prompt_token_ids=[1 + i, 2, 3, 4],
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)), timeout=120)
+        for i in range(n)]
+    _wait(lambda: server.load().num_running + server.load().num_waiting >= n, 20, "ballast running")
+    time.sleep(1.2)  # the gateway polled the server's load
+    return calls
+
+
 STALL_S = 3.0  # the stalling gateway's --stream-idle-timeout
 
 
@@ -221,14 +234,7 @@ def test_streams_survive_their_decode_server_being_killed(cluster):
     want["stop"] = _run_chat(oai, *r)([])
     assert want["stop"]["finish"] == "stop" and stop not in want["stop"]["text"]
 
-    # Ballast on b: the router sends every stream to a.
-    b_stub = engine_pb2_grpc.DecodeStub(b.channel)
-    ballast = [b_stub.Generate(engine_pb2.DecodeRequest(
-        request_id=f"ballast-{i}", prompt_token_ids=[1 + i, 2, 3, 4],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)), timeout=120)
-        for i in range(10)]
-    _wait(lambda: b.load().num_running + b.load().num_waiting >= 10, 20, "ballast running on b")
-    time.sleep(1.2)  # the gateway polled b's load
+    ballast = _ballast(b, 10)  # the router sends every stream to a
     before = _metric(gw, "pdserve:gateway_migrations_total")
     streams = {name: Stream(_run_chat(oai, *r)) for name, r in reqs.items()}
     streams["grpc"] = Stream(_run_grpc(stub))
@@ -279,14 +285,7 @@ def test_a_hung_decode_server_loses_no_stream_and_shows_none_of_its_late_output(
     stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(stall.grpc_address))
     reqs = _requests(None)
     want = {"seeded": _run_chat(oai, *reqs["seeded"])([]), "grpc": _run_grpc(stub)([])}
-    # Ballast on d: the router sends both streams to c.
-    d_stub = engine_pb2_grpc.DecodeStub(d.channel)
-    ballast = [d_stub.Generate(engine_pb2.DecodeRequest(
-        request_id=f"ballast-{i}", prompt_token_ids=[1 + i, 2, 3, 4],
-        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)), timeout=120)
-        for i in range(4)]
-    _wait(lambda: d.load().num_running + d.load().num_waiting >= 4, 20, "ballast running on d")
-    time.sleep(1.2)  # the gateway polled d's load
+    ballast = _ballast(d, 4)  # the router sends both streams to c
     ids: list = []
     streams = {"seeded": Stream(_run_chat(oai, *reqs["seeded"], ids=ids)), "grpc": Stream(_run_grpc(stub))}
     _wait(lambda: c.load().num_running == 2, 30, "both streams running on c")
