@@ -80,8 +80,7 @@ class GatewayMetrics:
             "pdserve:gateway_kv_host_staged_transfers",
             "Requests whose KV hand-off went through host memory (gloo) though a cache was on a GPU: "
             "prefill and decode on one GPU, or NCCL not usable between them.",
-            labels, registry=r).labels(model_name)
-        self._num_kv_host_staged = 0
+            labels, registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
@@ -151,8 +150,7 @@ class GatewayMetrics:
 
     def on_kv_host_staged(self) -> None:
         """A request's KV went through host memory though a cache was on a GPU."""
-        self._kv_host_staged.inc()
-        self._num_kv_host_staged += 1
+        self._kv_host_staged.labels(self._model_name).inc()
 
     def set_prefix_index_unreachable(self, unreachable: bool) -> None:
         self._is_prefix_index_unreachable = unreachable
@@ -163,7 +161,7 @@ class GatewayMetrics:
         return {"prefix_index_unreachable": self._is_prefix_index_unreachable,
                 "local_prefill_fallbacks": _by_label(self._local_prefill_fallbacks, "cause"),
                 "migrations": _by_label(self._migrations, "cause"),
-                "kv_host_staged_transfers": self._num_kv_host_staged}
+                "kv_host_staged_transfers": sum(_by_label(self._kv_host_staged, "model_name").values())}
 
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)
