@@ -36,14 +36,17 @@ install: $(STAMP) cpu-kernels
 
 install-test: $(TEST_STAMP) cpu-kernels
 
-# The compiled CPU attention (kernels/cpu_attention.py), built into torch's extension
+# The compiled CPU attention (kernels/cpu_attention.py) and GGUF GEMM (kernels/cpu_gemm.py),
+# built side by side (one core each) into torch's extension
 # cache (up to date: a few seconds). torch builds with ninja: pip's where the system
 # has none. Without a compiler it says so and the CPU path keeps the references.
 cpu-kernels: $(STAMP)
 	@command -v ninja >/dev/null 2>&1 || test -x $(VENV)/bin/ninja || \
 		{ echo "installing ninja (pip) for the CPU attention's build"; $(PY) -m pip install -q ninja==1.13.2; } || \
 		echo "ninja could not be installed: the CPU attention will use the reference"
-	@$(PY) -m kernels.cpu_attention $(if $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT),--build-timeout $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT))
+	@timeout_flag="$(if $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT),--build-timeout $(PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT))"; \
+		$(PY) -m kernels.cpu_gemm $$timeout_flag & gemm=$$!; \
+		$(PY) -m kernels.cpu_attention $$timeout_flag; wait $$gemm
 
 # ARGS: flags for pdserve up, e.g. make run ARGS="--decode 2 --http-port 8080".
 ARGS ?=

@@ -3,6 +3,7 @@ GGUF weights served packed (``SmolLM2-135M-Instruct-GGUF``) against the float32 
 (``SmolLM2-135M-Instruct``). Each model runs in a process of its own (peak RSS is per process).
 
     .venv/bin/python -m bench.gguf_local [--output-len 128] [--repeats 3]
+    .venv/bin/python -m bench.gguf_local --lm-head     # the LM head alone: float32 against packed Q8_0
 
 Decode tok/s: one greedy request of a short prompt generating ``--output-len`` tokens
 (ignore_eos), minus the same request generating 1 token (prefill and start), over the
@@ -41,12 +42,42 @@ def measure(model: str, output_len: int, repeats: int) -> dict:
             "peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def lm_head(rounds: int = 30) -> None:
+    """The default model's LM head, [T, 576] x [49152, 576]: the float32 table (oneDNN) against
+    the same table packed in Q8_0 (kernels/cpu/gguf_gemm.cpp), interleaved, best of ``rounds``."""
+    import torch
+
+    from kernels import cpu_gemm, gguf_reference
+
+    vocab, hidden = 49152, 576
+    packed = gguf_reference.quantize(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * 0.05,
+                                     "Q8_0")
+    table = gguf_reference.dequantize(packed, "Q8_0", hidden)
+    cpu_gemm.gguf_extension()
+    for rows in (1, 4):
+        x = torch.randn(rows, hidden)
+        runs = {"float32": lambda: cpu_gemm.linear(x, table), "Q8_0": lambda: cpu_gemm.gguf_linear(x, packed, "Q8_0")}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(rounds):
+            for name, run in runs.items():
+                t = time.perf_counter()
+                for _ in range(5):
+                    run()
+                best[name] = min(best[name], (time.perf_counter() - t) / 5)
+        print(f"LM head, {rows} row(s): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
+              + f" (tables {table.numel() * 4 / 2**20:.0f} and {packed.numel() / 2**20:.0f} MiB)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lm-head", action="store_true", help="time the LM head alone (float32 against packed Q8_0)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child process's model
     args = p.parse_args()
+    if args.lm_head:
+        lm_head()
+        return
     if args.one:
         print(json.dumps(measure(args.one, args.output_len, args.repeats)))
         return

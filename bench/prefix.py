@@ -27,15 +27,15 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from bench.cluster import UpCluster
-from bench.results import write_result
-from bench.serve import Sample, _pct, one_request
+from bench.http_stream import percentile
+from bench.results import metric_samples, write_result
+from bench.serve import Sample, one_request
 from engine.block_hash import hash_request_blocks
 
 
@@ -113,8 +113,7 @@ class Cluster(UpCluster):
         total = 0.0
         for port in self.prefill_ports:
             text = httpx.get(f"http://127.0.0.1:{port + 1000}/metrics", timeout=10).text
-            total += sum(float(m.group(1)) for m in re.finditer(r'^pdserve:prefix_cache_hits_total\{[^}]*\} (\S+)',
-                                                               text, re.M))
+            total += sum(value for _, value in metric_samples(text, "pdserve:prefix_cache_hits_total"))
         return total
 
 
@@ -158,7 +157,7 @@ async def _run_mode(args: argparse.Namespace, cluster: Cluster, systems: list[li
     ok = [s for s in samples if s.ok]
 
     def stats(xs: list[float]) -> dict:
-        return {"p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99),
+        return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9), "p99": percentile(xs, 0.99),
                 "mean": statistics.fmean(xs) if xs else 0.0}
 
     return {"completed": len(ok), "failed": len(samples) - len(ok), "wall_seconds": wall,
@@ -176,8 +175,8 @@ def route_times(traces: Path, num_probes: int) -> dict:
             ms.append((span["start_ns"], (span["end_ns"] - span["start_ns"]) / 1e6))
     ms = [d for _, d in sorted(ms)]
     idle = ms[-num_probes:] if num_probes else []
-    return {"count": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms, default=0.0),
-            "idle_p50_ms": _pct(idle, 0.5), "idle_p99_ms": _pct(idle, 0.99)}
+    return {"count": len(ms), "p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "max_ms": max(ms, default=0.0),
+            "idle_p50_ms": percentile(idle, 0.5), "idle_p99_ms": percentile(idle, 0.99)}
 
 
 async def _route_cost(args: argparse.Namespace, prompts: list[list[int]], n: int = 1000) -> dict:
@@ -215,7 +214,7 @@ async def _route_cost(args: argparse.Namespace, prompts: list[list[int]], n: int
             ms.append((time.perf_counter() - t0) * 1e3)
         await index.close()
         await registry.close()
-    return {"routes": n, "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "max_ms": max(ms)}
+    return {"routes": n, "p50_ms": percentile(ms, 0.5), "p99_ms": percentile(ms, 0.99), "max_ms": max(ms)}
 
 
 def main(args: argparse.Namespace) -> int:

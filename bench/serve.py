@@ -51,6 +51,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from bench.http_stream import HTTPStatusError, percentile, sse_chunks
 from bench.results import write_result
 
 
@@ -93,6 +94,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "inter-token gap across the kill), and their TTFT/TPOT against the other requests'")
     p.add_argument("--kill-at", type=float, default=0.5, metavar="FRACTION",
                    help="with --kill-decode-pid: the fraction of the requests finished when the kill comes")
+    g = p.add_argument_group("multi-turn chats (--multi-turn: `pdserve bench multi-turn` with this command's "
+                             "--output-len and --max-concurrency)")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="chats of several turns with think time between them, each turn's prompt the whole "
+                        "history: TTFT and cached tokens per turn and per KV tier")
+    from bench import multi_turn  # (it reads streams with this module's helpers)
+
+    multi_turn.add_workload_args(g)
 
 
 def parse_rates(text: str | float) -> list[float]:
@@ -177,35 +186,23 @@ async def one_request(client, url: str, body: dict, headers: dict) -> Sample:
     s, t0 = Sample(), time.perf_counter()
     last = t0
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=600) as r:
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return s
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    s.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                if s.ttft == 0.0:
-                    s.ttft = now - t0
-                else:
-                    s.itl.append(now - last)
-                last = now
+        async for chunk in sse_chunks(client, url, body, headers):
+            if chunk.get("usage"):
+                s.output_tokens = chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices"):
+                continue
+            now = time.perf_counter()
+            if s.ttft == 0.0:
+                s.ttft = now - t0
+            else:
+                s.itl.append(now - last)
+            last = now
         s.e2e, s.ok = time.perf_counter() - t0, True
+    except HTTPStatusError as exc:
+        s.error = str(exc)
     except Exception as exc:  # counted as a failed request
         s.error = repr(exc)
     return s
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def within_targets(samples: list[Sample], targets: dict[str, float]) -> list[Sample]:
@@ -219,8 +216,8 @@ def summarize(samples: list[Sample], wall: float, args: argparse.Namespace) -> d
     good = within_targets(samples, targets)
 
     def stats(xs: list[float]) -> dict:
-        return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
-                "p99": _pct(xs, 0.99)}
+        return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9),
+                "p99": percentile(xs, 0.99)}
 
     return {"completed": len(ok), "failed": len(samples) - len(ok), "wall_seconds": wall,
             "request_throughput": len(ok) / wall, "output_tokens_per_s": sum(s.output_tokens for s in ok) / wall,
@@ -301,7 +298,7 @@ def kill_report(samples: list[Sample], at: float | None) -> dict:
             others.append(s)
 
     def stats(xs: list[float]) -> dict:
-        return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": _pct(xs, 0.5), "max": max(xs, default=0.0)}
+        return {"mean": statistics.fmean(xs) if xs else 0.0, "p50": percentile(xs, 0.5), "max": max(xs, default=0.0)}
 
     return {"killed": True, "at_s": at, "streams_in_flight": len(hit), "seam_s": stats(seams),
             "ttft_in_flight": stats([s.ttft for s in hit]), "ttft_others": stats([s.ttft for s in others]),
@@ -435,6 +432,11 @@ def sweep_table(result: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from bench import serve_plot
+
+    if args.multi_turn:
+        from bench import multi_turn
+
+        return multi_turn.main(args)
 
     rates = request_rates(args)
     parse_goodput(args)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from engine.cache_events import CacheEvents
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "indexed", "prev_free", "next_free")
@@ -79,14 +81,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
-        # The prefix index feed: hashes stored/evicted since the last
-        # take_events(). Nothing is recorded until someone subscribes, and at
-        # most max_events are kept (then the feed is marked lost and the
-        # consumer resynchronises from a snapshot()). Only take_events() and
-        # snapshot() clear the buffer and the mark.
-        self._events: list[tuple[bool, int]] | None = None
-        self._max_events = 0
-        self._events_lost = False
+        # The prefix index feed: hashes stored/evicted since the last take_events()
+        # (engine/cache_events.py; nothing until someone subscribes or snapshots).
+        self.events = CacheEvents()
         # Called with (hash, block id) just before a cached block is reused for a new
         # allocation, while its KV is still there (the host tier's write-back: engine/kv_offload.py).
         self.on_evict: Callable[[int, int], object] | None = None
@@ -132,7 +129,7 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 if block.indexed:
-                    self._record(False, block.block_hash)
+                    self.events.record(False, block.block_hash)
             block.block_hash = None
 
     def cache_block(self, block: KVBlock, block_hash: int, indexed: bool = True) -> None:
@@ -146,16 +143,26 @@ class BlockPool:
         block.block_hash, block.indexed = block_hash, indexed
         self.cached[block_hash] = block
         if indexed:
-            self._record(True, block_hash)
+            self.events.record(True, block_hash)
 
-    def publish(self, block: KVBlock) -> None:
-        """Publish a cached block that was registered unpublished (``cache_block(indexed=False)``)
-        to the prefix index's feed, from now until it is evicted."""
-        h = block.block_hash
-        if h is None or block.indexed or self.cached.get(h) is not block:
+    def publish(self, block_hash: int) -> None:
+        """Publish the cached block of ``block_hash``, registered unpublished
+        (``cache_block(indexed=False)``) or withdrawn, to the prefix index's feed, from now until
+        it is evicted or withdrawn. Nothing when no block holds that hash."""
+        block = self.cached.get(block_hash)
+        if block is None or block.indexed:
             return
         block.indexed = True
-        self._record(True, h)
+        self.events.record(True, block_hash)
+
+    def unpublish(self, block_hash: int) -> None:
+        """Withdraw the cached block of ``block_hash`` from the prefix index's feed (a dropped
+        event); it stays cached. Nothing when no block holds that hash or it is not published."""
+        block = self.cached.get(block_hash)
+        if block is None or not block.indexed:
+            return
+        block.indexed = False
+        self.events.record(False, block_hash)
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the free queue
@@ -179,35 +186,19 @@ class BlockPool:
 
     @property
     def is_recording(self) -> bool:
-        return self._events is not None
+        return self.events.is_recording
 
-    def subscribe_events(self, max_events: int = 65536) -> None:
+    def subscribe_events(self, max_events: int | None = None) -> None:
         """Start recording stored/evicted hashes for ``take_events``."""
-        if max_events < 1:
-            raise ValueError("max_events must be at least 1")
-        self._events, self._max_events, self._events_lost = [], max_events, False
-
-    def _record(self, stored: bool, block_hash: int) -> None:
-        if self._events is None:
-            return
-        if len(self._events) >= self._max_events:
-            self._events.clear()
-            self._events_lost = True
-        self._events.append((stored, block_hash))
+        self.events.restart(max_events)
 
     def take_events(self) -> tuple[list[tuple[bool, int]], bool]:
         """((stored?, hash) in order since the last call, lost): lost when the buffer
-        overflowed since then (the events are only the latest; a new ``snapshot`` is
-        exact). Empty until subscribed. Clears the buffer and the lost mark."""
-        events, self._events = self._events or [], [] if self._events is not None else None
-        lost, self._events_lost = self._events_lost, False
-        return events, lost
+        overflowed since then (a new ``snapshot`` is exact). Empty until subscribed."""
+        return self.events.take()
 
     def snapshot(self) -> list[int]:
         """Every hash cached now, recording from here on (subscribed now if not yet): what
         was buffered and the lost mark are dropped, ``take_events`` continues from this."""
-        if self._events is None:
-            self.subscribe_events()
-        else:
-            self._events, self._events_lost = [], False
+        self.events.restart()
         return [h for h, b in self.cached.items() if b.indexed]

@@ -3,6 +3,8 @@ and the linear-attention state slots. The runner owns the tensors; this says the
 their bytes, and makes them (and the dummy metadata the memory profile and warm-up run on)."""
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -61,13 +63,13 @@ class CacheSpec:
 
     def new_kv_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """[num_slots, num_blocks, 2, block_size, kv_heads, head_dim], zeroed."""
-        return torch.zeros(self.layout.num_slots, num_blocks, *self.page_shape, dtype=self.kv_dtype, device=device)
+        return zeroed((self.layout.num_slots, num_blocks, *self.page_shape), self.kv_dtype, device)
 
     def new_linear_states(self, device: torch.device) -> list[LinearState]:
         """Every linear-attention layer's slots (``num_state_slots_total``)."""
         n = self.num_state_slots_total
-        return [LinearState(torch.zeros(n, *s.conv, dtype=s.conv_dtype, device=device),
-                            torch.zeros(n, *s.ssm, dtype=s.ssm_dtype, device=device)) for s in self.state_shapes]
+        return [LinearState(zeroed((n, *s.conv), s.conv_dtype, device), zeroed((n, *s.ssm), s.ssm_dtype, device))
+                for s in self.state_shapes]
 
     def dummy_metadata(self, query_lens: list[int], device: torch.device, written: bool) -> AttentionMetadata:
         """Fresh sequences of ``query_lens`` tokens (``dummy_metadata`` below) for
@@ -108,3 +110,16 @@ def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_sizes:
                 first += w
     return AttentionMetadata(slot_mapping=slots.to(device), block_tables=tables.to(device),
                              query_start_loc=qsl.to(device), seq_lens=lens.to(device))
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On CPU its pages are zeroed lazily by the kernel (numpy's calloc maps
+    them): a cache is resident only as far as it has been written, so a 1 GiB KV cache costs a
+    single-stream local user the memory of the blocks it uses, not 1 GiB (``torch.zeros`` would
+    write every page)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -78,6 +78,35 @@ class KVCacheLayout:
             parts.append(f"shared[{shared} layers]")
         return " ".join(parts)
 
+    def check_prefix(self, num_tokens: int, prompt_tokens: int) -> None:
+        """ValueError unless a prefix of ``num_tokens`` tokens is a whole number of every group's
+        blocks and leaves some of a ``prompt_tokens``-token prompt (0 always is)."""
+        if not 0 <= num_tokens < prompt_tokens or any(num_tokens % g.block_size for g in self.groups):
+            raise ValueError(f"a prefix of {num_tokens} tokens is not a whole number of every cache group's blocks "
+                             f"({', '.join(str(g.block_size) for g in self.groups)} tokens) within the "
+                             f"{prompt_tokens}-token prompt")
+
+    def blocks_past(self, block_ids: Sequence[int], num_tokens: int, skip_tokens: int) -> list[int]:
+        """Of a request's ``block_ids`` (every group's table in group order, each holding the
+        blocks of ``num_tokens`` tokens: what a reservation takes for a prompt), those past its
+        first ``skip_tokens`` tokens: each group's table less its blocks of them, in the same
+        order (the blocks a KV transfer moves when the receiver holds that prefix). 0: all of
+        them, unchecked. ValueError when ``skip_tokens`` is not a whole number of every group's
+        blocks below ``num_tokens``, or the ids are not such tables."""
+        if skip_tokens == 0:
+            return list(block_ids)
+        self.check_prefix(skip_tokens, num_tokens)
+        lengths = [g.blocks_needed(num_tokens) for g in self.groups]
+        if sum(lengths) != len(block_ids):
+            raise ValueError(f"{len(block_ids)} block ids, but the cache groups' tables of {num_tokens} tokens hold "
+                             f"{' + '.join(map(str, lengths))}")
+        out: list[int] = []
+        start = 0
+        for g, n in zip(self.groups, lengths):
+            out.extend(block_ids[start + skip_tokens // g.block_size:start + n])
+            start += n
+        return out
+
     def field_list(self, with_shapes: bool = False) -> list[tuple[str, Any]]:
         """The layout as (name, value) pairs: what both ends of a KV transfer compare;
         ``with_shapes``: each group's KV heads and head size too."""

@@ -101,9 +101,9 @@ class KVCacheManager:
             self.snapshots = StateSnapshots(num_state_slots + 1, num_state_snapshots, snapshot_interval)
         self.enable_caching = enable_caching and (not layout.has_linear or self.snapshots is not None)
         self.restore_from: dict[str, int] = {}  # request -> the snapshot slot its prefix hit restores
-        # A hybrid model's blocks are published to the prefix index only up to a boundary with a
-        # snapshot: what a hit there really saves (request -> tokens published).
-        self.published_upto: dict[str, int] = {}
+        # Prefill tier: request -> its prompt's first tokens whose KV the receiving decode server
+        # holds already; a send leaves out each group's blocks of them (``send_block_ids``).
+        self.send_skip: dict[str, int] = {}
         self.states = StateSlots(num_state_slots) if layout.has_linear else None
         if layout.has_linear and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs state slots")
@@ -159,10 +159,15 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+    def get_computed_blocks(self, request: Request, with_state: bool = True) -> tuple[list[list[KVBlock]], int]:
         """Longest cached prefix of the request in every group, as each group's blocks and a
         token count. At least one token is always left to compute (its logits are needed).
-        Does not take references: ``allocate_slots`` does."""
+        Does not take references: ``allocate_slots`` does.
+
+        ``with_state`` False: the request's linear-attention state will not be restored from a
+        snapshot (a decode tier's reservation: the state after the whole prompt arrives with
+        its KV), so a hybrid model's hit is its attention groups' blocks alone, at any boundary
+        of them, and no snapshot is noted for ``take_restore``."""
         none: list[list[KVBlock]] = [[] for _ in self.groups]
         if not self.enable_caching:
             return none, 0
@@ -180,7 +185,7 @@ class KVCacheManager:
             found.append(blocks)
         if self.host is not None:  # past the device hits, the host tier's (one group)
             num_tokens += self._host_lookup(request, len(found[0]), limit // self.block_size)
-        if self.snapshots is not None:  # and the linear state at that boundary, or an earlier one
+        if self.snapshots is not None and with_state:  # and the linear state at that boundary, or an earlier one
             num_tokens = self._snapshot_boundary(request, num_tokens)
         if num_tokens == 0:
             return none, 0
@@ -194,7 +199,7 @@ class KVCacheManager:
         if start >= end:
             return 0
         hashes = self._block_hashes(request, end)[start:end]
-        n = self.host.find(hashes)  # (hits on disk are read into the host tier)
+        n = self.host.find(hashes)  # (blocks on disk after these: being read into the host tier, off the step)
         if n:
             self._host_hits[request.request_id] = hashes[:n]
         return n * self.block_size
@@ -227,17 +232,21 @@ class KVCacheManager:
 
     def snapshot_after(self, request: Request, end: int) -> tuple[int, int] | None:
         """(the request's slot, a snapshot slot) to copy once a step computed its tokens up to
-        ``end``, where that is a boundary without a snapshot yet; else None."""
+        ``end``, where that is a boundary without a snapshot yet; else None.
+
+        The prefix index hears of a hybrid model's blocks while a kept snapshot covers them
+        (``StateSnapshots.covers``: what a hit there restores): the blocks up to this boundary
+        now, those only an evicted snapshot covered no more. Blocks not registered yet are
+        published by ``cache_blocks`` once their step ran."""
         if self.snapshots is None or end % self.snapshots.interval or end > request.num_tokens or end == 0:
             return None
-        rid = request.request_id
-        if end > self.published_upto.get(rid, 0):  # its blocks up to the boundary are a hit now
-            self.published_upto[rid] = end
-            g = self.groups[0]
-            for block in g.req_blocks.get(rid, ())[:end // g.block_size]:
-                self.pool.publish(block)  # (those registered already; the rest are as they are)
-        dst = self.snapshots.take(self._boundary_hash(request, end))
-        return None if dst is None else (self.state_slot(rid), dst)
+        bs = self.groups[0].block_size
+        taken = self.snapshots.take(self._block_hashes(request, end // bs, bs)[:end // bs])
+        for h in taken.uncovered:
+            self.pool.unpublish(h)
+        for h in taken.covered:
+            self.pool.publish(h)
+        return None if taken.slot is None else (self.state_slot(request.request_id), taken.slot)
 
     def take_restore(self, request: Request) -> tuple[int, int] | None:
         """(snapshot slot, the request's slot) to copy before its first step after a prefix hit."""
@@ -303,9 +312,10 @@ class KVCacheManager:
             if num_full <= start:
                 continue
             hashes = self._block_hashes(request, num_full, g.block_size)
-            published = num_full if self.snapshots is None else self.published_upto.get(rid, 0) // g.block_size
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], g.key(hashes[i]), indexed=g.index == 0 and i < published)
+                # published: group 0's, and a hybrid model's only under a kept state snapshot
+                indexed = g.index == 0 and (self.snapshots is None or self.snapshots.covers(hashes[i]))
+                self.pool.cache_block(blocks[i], g.key(hashes[i]), indexed=indexed)
             g.num_cached_blocks[rid] = num_full
 
     def free_dead_blocks(self, request: Request) -> int:
@@ -370,9 +380,42 @@ class KVCacheManager:
         """The request's block ids per group (copies: the kept lists grow)."""
         return tuple(list(g.req_block_ids.get(request_id, ())) for g in self.groups)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids, every group's table in group order (one group: its table)."""
-        return [b for g in self.groups for b in g.req_block_ids.get(request_id, ())]
+    def get_block_ids(self, request_id: str, skip_tokens: int = 0) -> list[int]:
+        """The request's block ids, every group's table in group order (one group: its table);
+        past its first ``skip_tokens`` tokens (a whole number of every group's blocks): each
+        group's table less its blocks of them."""
+        return [b for g in self.groups for b in g.req_block_ids.get(request_id, ())[skip_tokens // g.block_size:]]
+
+    def skipped_tokens(self, request_id: str, block_ids: Sequence[int]) -> int | None:
+        """The prefix whose blocks ``block_ids`` leaves out of the request's tables, in tokens:
+        the n for which they are ``get_block_ids(request_id, n)`` (each group less its blocks of
+        the same n tokens); None when they are no such list."""
+        per_unit = sum(self.hit_unit // g.block_size for g in self.groups)  # blocks of hit_unit tokens
+        missing = sum(len(g.req_block_ids.get(request_id, ())) for g in self.groups) - len(block_ids)
+        if missing < 0 or missing % per_unit:
+            return None
+        n = missing // per_unit * self.hit_unit
+        return n if self.get_block_ids(request_id, n) == list(block_ids) else None
+
+    # ---- prefill tier: what a send leaves out -------------------------------
+    def skip_on_send(self, request: Request, num_tokens: int) -> None:
+        """The request's KV goes to a decode server that holds its prompt's first ``num_tokens``
+        tokens already (its prefix-cache hit): ``send_block_ids`` leaves out each group's blocks
+        of them. ValueError unless that is a whole number of every group's blocks, fewer than
+        the prompt's tokens."""
+        try:
+            self.layout.check_prefix(num_tokens, request.num_prompt_tokens)
+        except ValueError as exc:
+            raise ValueError(f"request {request.request_id}: the decode server's cached prefix: {exc}") from None
+        if num_tokens:
+            self.send_skip[request.request_id] = num_tokens
+        else:
+            self.send_skip.pop(request.request_id, None)
+
+    def send_block_ids(self, request_id: str) -> list[int]:
+        """The blocks a send of the request's KV reads: every group's table in group order, less
+        each group's blocks of the prefix the receiver holds (``skip_on_send``)."""
+        return self.get_block_ids(request_id, self.send_skip.get(request_id, 0))
 
     def state_slot(self, request_id: str) -> int:
         """The request's linear-attention state slot (-1: none)."""
@@ -391,13 +434,13 @@ class KVCacheManager:
         if self.states is not None:
             self.states.give_back(rid)
         self.restore_from.pop(rid, None)
-        self.published_upto.pop(rid, None)
         self._host_hits.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drop all per-request state of a finished request."""
         self.free(request)
         self.req_hashes.pop(request.request_id, None)
+        self.send_skip.pop(request.request_id, None)
 
     # ---- the prefix index feed (the pool's events) ----------------------
     def cache_snapshot(self) -> list[int]:

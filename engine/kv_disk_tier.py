@@ -5,8 +5,10 @@ host reads them back into the host tier, from where they load like a host hit.
 Ownership: ``DiskKVTier`` alone reads, writes and removes files under ``DIR`` and keeps the
 in-memory view of what is there (``_index``: the block hashes of this layout's files). The
 host tier calls it with two things: ``spill(hash, host block)`` (copy the block to a staging
-buffer now, write it later on the writer thread) and ``read(hash, host block)`` (read and
-verify one file into a host block, on the caller's thread).
+buffer now, write it later on the writer thread) and ``read_async([(hash, host block), ...],
+done)`` (read and verify those files, in order, into host blocks the host tier reserved for
+them, on the reader thread; ``done(hash, ok)`` for each, from that thread). ``read`` is one
+such read on the caller's thread.
 
 Files (format version 1), one per KV block::
 
@@ -51,8 +53,12 @@ writer killed mid-write) are removed by the rescans.
 Off the step's critical path: the writer thread checksums, writes and cleans up; the step
 only copies a dropped host block into a staging buffer (one block's memcpy). The staging
 buffers bound the queue: a spill that finds none free is dropped and counted. Reads are on
-the scheduler's thread, while a request's prefix is looked up (a file per block: one open,
-two reads and a CRC): a later change may read ahead on a thread while the request waits.
+the reader thread (a file per block: one open, two reads and a CRC), in the order they were
+asked for; a run of blocks stops at its first block that does not load (the rest of that
+run is reported not loaded, unread: the prefix is recomputed from there). The host tier
+bounds the reads outstanding (engine/kv_offload.py) and the request whose prefix they are
+waits in the scheduler's waiting queue meanwhile. A reader thread that dies (``reader_alive``
+False) ends no read it was given: the host tier then frees their blocks and reads no more.
 """
 from __future__ import annotations
 
@@ -69,7 +75,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -189,12 +195,15 @@ class DiskKVTier:
         self.dropped_spills_total = self.removed_files_total = 0
         self.errors = {c: 0 for c in CAUSES}
         self._logged: set[str] = set()
-        self._read_header = bytearray(_HEADER.size + len(self.record))
         self._rescan()  # what a restarted server finds: loaded only once verified, block by block
         self._next_scan = time.monotonic() + rescan_s
         self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
         self._closed = False
         self._thread.start()
+        # The reader: runs of blocks to read, in order (``read_async``); None stops it.
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._reader.start()
 
     @classmethod
     def for_engine(cls, config: EngineConfig, kv_cache: torch.Tensor,
@@ -230,7 +239,7 @@ class DiskKVTier:
         garbage and the block is to be recomputed."""
         path = self.file_of(block_hash)
         payload = out.view(-1).view(torch.uint8).numpy()  # (fp8 too: bytes are bytes)
-        header = self._read_header
+        header = bytearray(_HEADER.size + len(self.record))
         try:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(header)
@@ -264,10 +273,29 @@ class DiskKVTier:
             return self._refuse(path, block_hash, "read", _os_error(e), remove=False)
         if zlib.crc32(payload, zlib.crc32(record)) != crc:
             return self._refuse(path, block_hash, "corrupt", "checksum mismatch")
-        self.loaded_blocks_total += 1
-        self.read_bytes_total += self.file_bytes
+        with self._lock:
+            self.loaded_blocks_total += 1
+            self.read_bytes_total += self.file_bytes
         self._put_nowait(("touch", block_hash))  # a hit: least recently used is by use, not by write
         return True
+
+    def read_async(self, blocks: Sequence[tuple[int, torch.Tensor]], done: Callable[[int, bool], None],
+                   after: Callable[[], None] | None = None) -> None:
+        """Read ``blocks`` ((hash, a contiguous host block to read it into), in prefix order) on the
+        reader thread, each as ``read`` does, then ``done(hash, loaded?)`` for each, from that
+        thread, in order. After the first that does not load, the rest are not read (reported
+        not loaded): their prefix is recomputed from there. ``after`` runs on the reader thread
+        before the first write into them (the host waiting for copies still using the blocks)."""
+        if self._closed:  # (no reader any more: none is read)
+            for block_hash, _ in blocks:
+                done(block_hash, False)
+            return
+        self._reads.put((list(blocks), done, after))
+
+    @property
+    def reader_alive(self) -> bool:
+        """False once the reader thread died: reads given to it will never end."""
+        return self._reader.is_alive() or self._closed
 
     def spill(self, block_hash: int, block: torch.Tensor) -> bool:
         """The host tier drops ``block`` (its KV, readable now): copy it to a staging buffer and
@@ -303,12 +331,15 @@ class DiskKVTier:
             time.sleep(0.005)
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer. Idempotent."""
+        """Finish the queued writes and stop the writer and the reader (reads still queued are
+        reported not loaded, unread). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._reads.put(None)
         self._queue.put(None)
         self._thread.join(timeout=30.0)
+        self._reader.join(timeout=30.0)
 
     # ---- faults ----------------------------------------------------------
     def _count(self, cause: str, detail: str) -> None:
@@ -339,6 +370,32 @@ class DiskKVTier:
             return True
         except queue.Full:
             return False
+
+    # ---- the reader thread -----------------------------------------------
+    def _read_loop(self) -> None:
+        while True:
+            job = self._reads.get()
+            if job is None:
+                return
+            blocks, done, after = job
+            ok = not self._closed
+            if ok and after is not None:
+                try:
+                    after()
+                except Exception:  # (nothing may be written into blocks still in use)
+                    logger.exception("KV disk tier reader: waiting for the host's copies")
+                    ok = False
+            for block_hash, out in blocks:
+                if ok:
+                    try:
+                        ok = self.read(block_hash, out)
+                    except Exception as e:  # the reader must outlive any one file's trouble
+                        self._count("read", f"reading {self.file_of(block_hash).name}: {e!r}")
+                        ok = False
+                try:
+                    done(block_hash, ok)
+                except Exception:
+                    logger.exception("KV disk tier reader: reporting a read")
 
     # ---- the writer thread -----------------------------------------------
     def _writer(self) -> None:

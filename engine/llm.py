@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
 from engine.config import EngineArgs
@@ -73,28 +73,43 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError("priority must be one value per prompt")
-        tracks: list[_Track] = []
+        prompts_out: list[_Prompt] = []
+        tracks: list[_Track] = []  # every choice's
+        by_id: dict[str, tuple[_Prompt, _Track]] = {}
+
+        def add(p: _Prompt, index: int) -> None:
+            sp = p.params.choice(index)
+            req = self.engine.add_request(str(next(self._ids)), p.ids, sp, lora_name=p.lora,
+                                          resume_output_token_ids=p.resumed, priority=p.priority)
+            detok = IncrementalDetokenizer(self.tokenizer, p.ids, sp) if self.tokenizer else None
+            t = _Track(req, p.text, detok, index)
+            p.choices.append(t)
+            tracks.append(t)
+            by_id[req.request_id] = (p, t)
+
         try:
             for (text, ids), sp, lr, done, rank in zip(encoded, params, loras, resumed, priorities):
-                req = self.engine.add_request(str(next(self._ids)), ids, sp,
-                                              lora_name=lr.lora_name if lr is not None else None,
-                                              resume_output_token_ids=done, priority=rank)
-                detok = IncrementalDetokenizer(self.tokenizer, ids, sp) if self.tokenizer else None
-                tracks.append(_Track(req, text, detok))
-            by_id = {t.request.request_id: t for t in tracks}
-            bar = _progress(len(tracks)) if use_tqdm else None
+                p = _Prompt(text, ids, sp, lr.lora_name if lr is not None else None, done, rank)
+                prompts_out.append(p)
+                add(p, 0)  # the other choices once its prompt is computed: they share its blocks
+            bar = _progress(len(prompts_out)) if use_tqdm else None
             while self.engine.has_unfinished_requests():
                 step = self.engine.step()
                 if not step.did_work:  # everything waits (a constraint compiling)
                     self.engine.wait_for_background(_IDLE_WAIT_S)
                 for req in step.updated:
-                    t = by_id.pop(req.request_id, None)  # None: reported again after a stop string
-                    if t is None:
+                    entry = by_id.pop(req.request_id, None)  # None: reported again after a stop string
+                    if entry is None:
                         continue
+                    p, t = entry
                     self._on_tokens(t)
+                    if t.index == 0 and len(p.choices) == 1:
+                        for index in range(1, p.params.num_sequences):
+                            add(p, index)
                     if not req.is_finished:
-                        by_id[req.request_id] = t
-                    elif bar is not None:
+                        by_id[req.request_id] = entry
+                    elif bar is not None and all(c.request.is_finished for c in p.choices) \
+                            and len(p.choices) == p.params.num_sequences:
                         bar.update(1)
             if bar is not None:
                 bar.close()
@@ -102,7 +117,7 @@ class LLM:
             for t in tracks:
                 if not t.request.is_finished:
                     self.engine.abort_request(t.request.request_id)
-        return [t.output() for t in tracks]
+        return [p.output() for p in prompts_out]
 
     def _ensure_lora(self, lr: LoRARequest) -> None:
         lora = self.engine.lora
@@ -133,30 +148,60 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Track:
-    """One prompt of a generate() call: its request and detokenizer."""
+    """One choice of a prompt of a generate() call: its request and detokenizer."""
 
     request: Request
     prompt: str | None
     detok: IncrementalDetokenizer | None
+    index: int = 0  # the choice's
     num_seen: int = 0  # output tokens already fed to the detokenizer
 
-    def output(self) -> RequestOutput:
+    def completion(self, index: int, logprobs: bool) -> CompletionOutput:
         req, text = self.request, ""
         if self.detok is not None:
             if not self.detok.is_stopped:
                 self.detok.finish()
             text = self.detok.output_text
-        comp = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
-                                list(req.logprobs) if req.sampling_params.logprobs is not None else None)
+        return CompletionOutput(index, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                list(req.logprobs) if logprobs else None)
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """One prompt of a generate() call and its choices (``params.num_sequences`` of them:
+    choice 0 first, the others added once its prompt is computed, sharing its KV blocks
+    through the prefix cache)."""
+
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+    lora: str | None
+    resumed: Sequence[int]
+    priority: int
+    choices: list[_Track] = field(default_factory=list)
+
+    def output(self) -> RequestOutput:
+        """vLLM's shape: ``n`` completions by index; of ``best_of`` sequences, the ``n`` with the
+        highest cumulative logprob (ties: the lower index), re-indexed in that order."""
+        choices = sorted(self.choices, key=lambda t: t.index)
+        if self.params.num_sequences > self.params.n:
+            choices = [choices[i] for i in self.params.best([cumulative_logprob(t.request.logprobs) for t in choices])]
+        outputs = [t.completion(i, self.params.logprobs is not None) for i, t in enumerate(choices)]
+        req = self.choices[0].request
         t = req.times
         metrics = {"arrival_time": t.arrival, "first_scheduled_time": t.first_scheduled,
                    "first_token_time": t.first_token, "finished_time": t.finished}
         # vLLM's shape: None for the first prompt token, then one entry per prompt token
         prompt_lps = None if req.prompt_logprobs is None else [None, *req.prompt_logprobs]
-        return RequestOutput(req.request_id, self.prompt, list(req.sampling_prompt_token_ids), [comp], True,
+        return RequestOutput(req.request_id, self.text, list(req.sampling_prompt_token_ids), outputs, True,
                              req.num_cached_tokens, metrics, prompt_lps)
+
+
+def cumulative_logprob(logprobs: Sequence[Any]) -> float:
+    """A sequence's ``best_of`` score: the sum of its sampled tokens' logprobs."""
+    return sum(lp.logprob for lp in logprobs if lp is not None)
 
 
 def _progress(total: int):

@@ -94,8 +94,9 @@ class LayerSignal(Protocol):
 
 class LayerwiseSink(Protocol):
     """Told, as a step begins, which held-for-send requests finish their prompt in it
-    (request id, block ids), so their KV can leave layer by layer while the rest of the
-    forward pass runs. Returns None to take none of them."""
+    (request id, the block ids its send reads: ``LLMEngine.begin_send``'s), so their KV can
+    leave layer by layer while the rest of the forward pass runs. Returns None to take none of
+    them."""
 
     def step_begins(self, finishing: list[tuple[str, list[int]]]) -> LayerSignal | None: ...
 
@@ -109,7 +110,7 @@ class EngineStats:
     kv_blocks_used: int  # held by live requests (idle prefix-cache blocks are free)
     kv_blocks_total: int
     prefix_queries_total: int
-    prefix_hits_total: int
+    prefix_hits_total: int  # every tier's (the requests' num_cached_tokens)
     num_preemptions_total: int
     num_steps_total: int = 0  # forward passes run or queued
     num_steps_ahead_total: int = 0  # of those, scheduled a step ahead (overlapped with the one before)
@@ -122,6 +123,8 @@ class EngineStats:
     host_kv_dropped_total: int = 0
     host_kv_hit_tokens_total: int = 0  # prompt tokens of prefix hits in the host tier (loaded blocks)
     disk_kv: DiskTierStats | None = None  # the disk tier's counters (--kv-offloading-path; None when off)
+    # prefix_hits_total by where the blocks were: "device" | "host" | "disk" (Scheduler.prefix_hits_by_source)
+    prefix_hits_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -182,6 +185,8 @@ class LLMEngine:
                         ", pinned" if self.host_kv.buffer.is_pinned() else "")
             if config.cache.kv_offloading_path is not None:  # and the disk tier behind it
                 self.host_kv.attach_disk(DiskKVTier.for_engine(config, self.runner.kv_cache, self.kv_scales))
+                # a prefix's blocks read from disk (off the step) wake whoever waits between steps
+                self.host_kv.on_read_done = lambda: self.on_background_done and self.on_background_done()
         layout = self.runner.layout
         # tokens of context the cache holds were every group to keep every block
         capacity = self.runner.num_blocks // layout.num_groups * config.cache.block_size
@@ -329,6 +334,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range for vocabulary size {vocab}")
         params.validate(vocab_size=vocab)
+        if params.num_sequences != 1:
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: an engine server runs one sequence per request; "
+                             "the gateway and the offline LLM run a request's choices as requests of their own "
+                             "(SamplingParams.choice)")
         check_priority(priority, self.config.scheduler.scheduling_policy)
         if params.prompt_logprobs is not None and self.tp is not None:
             raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1: the LM head is "
@@ -388,15 +397,21 @@ class LLMEngine:
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                             deadline: float | None = None, lora_name: str | None = None,
-                            resume_output_token_ids: Sequence[int] = (), priority: int = 0) -> Request:
+                            resume_output_token_ids: Sequence[int] = (), priority: int = 0,
+                            kv_skip_tokens: int = 0) -> Request:
         """Prefill tier: compute the prompt and sample the first token, then
         hold the blocks (HELD_FOR_SEND) until ``begin_send`` ...
-        ``release_after_send``."""
+        ``release_after_send``. ``kv_skip_tokens``: the prompt's first tokens whose KV the
+        decode server holds already (its prefix-cache hit; a whole number of every cache
+        group's blocks): the send leaves out each group's blocks of them."""
         req = self.make_request(request_id, prompt_token_ids, params, deadline=deadline, lora_name=lora_name,
                                 resume_output_token_ids=resume_output_token_ids, priority=priority)
         req.max_tokens = 1
         req.hold_kv_on_finish = True
+        kv = self.scheduler.kv
+        kv.layout.check_prefix(kv_skip_tokens, req.num_prompt_tokens)  # (ValueError before it is queued)
         self.scheduler.add_request(req)
+        kv.skip_on_send(req, kv_skip_tokens)
         return self._constrain(req)
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -444,8 +459,9 @@ class LLMEngine:
         return req
 
     def begin_send(self, request_id: str) -> list[int]:
-        """Prefill tier: a send of the held blocks starts; returns their ids.
-        (A request a ``layerwise_sink`` took is sending already: no call.)"""
+        """Prefill tier: a send of the held blocks starts; returns the ids it reads (each
+        group's table less its blocks of ``kv_skip_tokens``). (A request a ``layerwise_sink``
+        took is sending already: no call.)"""
         return self.scheduler.begin_send(request_id)
 
     def release_after_send(self, request_id: str) -> Request | None:
@@ -613,7 +629,8 @@ class LLMEngine:
         step (their KV leaves layer by layer as the forward pass goes), or None."""
         if self.layerwise_sink is None:
             return None
-        finishing = [(s.request.request_id, [b for t in s.block_ids for b in t]) for s in out.scheduled
+        kv = self.scheduler.kv  # (its tables are the rows' as allocated for this step)
+        finishing = [(s.request.request_id, kv.send_block_ids(s.request.request_id)) for s in out.scheduled
                      if s.samples and s.request.hold_kv_on_finish]
         return self.layerwise_sink.step_begins(finishing) if finishing else None
 
@@ -657,7 +674,13 @@ class LLMEngine:
 
     def wait_for_background(self, timeout: float) -> None:
         """After a step that did no work: wait (at most ``timeout`` s) for background work that
-        may let one run (a grammar compiling), rather than step again at once."""
+        may let one run (a grammar compiling, a prefix's blocks read from the disk tier), rather
+        than step again at once."""
+        host = self.host_kv
+        if host is not None and host.num_reads_in_flight:
+            # (both kinds at once: a short wait for reads, then the step looks at the grammars again)
+            host.wait_reads(min(timeout, 0.01) if self.grammars.num_requests else timeout)
+            return
         self.grammars.wait(timeout)
 
     def has_unfinished_requests(self) -> bool:
@@ -672,6 +695,7 @@ class LLMEngine:
                            prefix_queries_total=s.prefix_queries_total, prefix_hits_total=s.prefix_hits_total,
                            num_preemptions_total=s.num_preemptions_total, num_steps_total=self.num_steps_total,
                            num_steps_ahead_total=self.num_steps_ahead_total, **self._host_kv_stats(),
+                           prefix_hits_by_source=dict(s.prefix_hits_by_source),
                            disk_kv=self.host_kv.disk.stats() if self.host_kv and self.host_kv.disk else None)
 
     def _host_kv_stats(self) -> dict[str, int]:

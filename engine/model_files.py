@@ -14,9 +14,9 @@ Two conversions of that file, each its own directory:
     SmolLM2-135M-Instruct-GGUF   (``--model SmolLM2-135M-Instruct-GGUF``) the GGUF's quantized linear
                                  weights kept as the file ships them, packed uint8 blocks with
                                  ``quantization_config: {"quant_method": "gguf", "tensor_types": ...}``
-                                 (engine/quantization/gguf.py serves them); only the token embedding
-                                 (Q8_0 in the file, tied to the LM head) is dequantized to float32
-                                 (~180 MB of weights in all)
+                                 (engine/quantization/gguf.py serves them), the token embedding too
+                                 (Q8_0 in the file, tied to the LM head: engine/layers/embedding.py
+                                 reads it packed) (~95 MB of weights in all)
 
 Cache layout (``cache_dir()`` is ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``)::
 
@@ -24,7 +24,7 @@ Cache layout (``cache_dir()`` is ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``)
       SmolLM2-135M-Instruct/            complete, never modified after the rename
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  chat_template.jinja
-        .pdserve-complete-v1            marker: written last, before the rename
+        .pdserve-complete-v1            marker: written last, before the rename (-v2: the GGUF one)
       .SmolLM2-135M-Instruct.lock       serialises conversions across processes
       .SmolLM2-135M-Instruct.tmp-XXXX/  a conversion in progress (or a crashed one)
 
@@ -54,7 +54,8 @@ _GGUF_FILE = f"{DEFAULT_MODEL}.Q4_1.gguf"
 
 # Bump the version in the name when the directory's contents change: an older
 # directory then lacks the marker and is converted again.
-_COMPLETE_MARKER = ".pdserve-complete-v1"
+# (one per conversion: a change to one leaves the other's directory alone)
+_COMPLETE_MARKERS = {False: ".pdserve-complete-v1", True: ".pdserve-complete-v2"}
 
 # Waiting on another process's conversion (~20 s on 2 cores) longer than this
 # means something is stuck; say so rather than hang a cluster start forever.
@@ -144,7 +145,7 @@ def ensure_default_model(packed: bool = False) -> Path:
     ``packed``: the conversion that keeps the quantized tensors (``GGUF_MODEL``).
     """
     dest = default_model_dir(packed)
-    if _is_complete(dest):
+    if _is_complete(dest, packed):
         return dest
     return _convert_under_lock(dest, packed)
 
@@ -171,8 +172,8 @@ def find_default_gguf() -> Path:
     )
 
 
-def _is_complete(model_dir: Path) -> bool:
-    return (model_dir / _COMPLETE_MARKER).is_file()
+def _is_complete(model_dir: Path, packed: bool = False) -> bool:
+    return (model_dir / _COMPLETE_MARKERS[packed]).is_file()
 
 
 def _convert_under_lock(dest: Path, packed: bool = False) -> Path:
@@ -185,7 +186,7 @@ def _convert_under_lock(dest: Path, packed: bool = False) -> Path:
     lock = FileLock(str(parent / f".{dest.name}.lock"), timeout=_LOCK_TIMEOUT_S)
     try:
         with lock:
-            if _is_complete(dest):  # another process converted while we waited
+            if _is_complete(dest, packed):  # another process converted while we waited
                 return dest
             _remove_leftovers(dest)
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
@@ -198,7 +199,7 @@ def _convert_under_lock(dest: Path, packed: bool = False) -> Path:
                 _verify_model_dir(tmp, packed)
                 for item in tmp.iterdir():
                     item.chmod(0o644)  # some writers create 0600 temp files and rename them
-                (tmp / _COMPLETE_MARKER).write_text(
+                (tmp / _COMPLETE_MARKERS[packed]).write_text(
                     json.dumps({"source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}",
                                 "source_bytes": gguf.stat().st_size}) + "\n"
                 )
@@ -333,7 +334,7 @@ def _convert_gguf_packed(gguf: Path, out_dir: Path) -> None:
         if name is None:
             raise RuntimeError(f"{gguf}: tensor {t.name!r} has no Hugging Face Llama name")
         qtype = t.tensor_type.name
-        keep = qtype in GGUF_WEIGHT_TYPES and name != "model.embed_tokens.weight" and name != "lm_head.weight"
+        keep = qtype in GGUF_WEIGHT_TYPES  # the linear layers', and the embedding and LM head tables
         data = np.asarray(t.data) if keep else dequantize(t.data, t.tensor_type).astype(np.float32)
         heads = (config.num_attention_heads if name.endswith("q_proj.weight")
                  else config.num_key_value_heads if name.endswith("k_proj.weight") else None)

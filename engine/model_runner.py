@@ -104,10 +104,15 @@ def state_snapshots(config: EngineConfig, tp: TPGroup | None) -> int:
 
 
 def select_ops(device: torch.device, choice: str = "auto") -> ModuleType:
-    """The kernel module for ``device``: ``kernels`` (Triton) or
-    ``kernels.reference``, by ``choice`` (``RuntimeConfig.kernels``)."""
+    """The kernel module for ``device``, by ``choice`` (``RuntimeConfig.kernels``): ``kernels``
+    (Triton; "auto" on CUDA), ``kernels.cpu_ops`` ("auto" on CPU: the references with the compiled
+    CPU glue and attention) or ``kernels.reference`` ("reference")."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "auto" and device.type == "cpu":
+        from kernels import cpu_ops
+
+        return cpu_ops
     use_triton = device.type == "cuda" if choice == "auto" else choice == "triton"
     if not use_triton:
         from kernels import reference

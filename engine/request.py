@@ -24,6 +24,10 @@ class RequestStatus(enum.IntEnum):
     local / offline:  WAITING -> RUNNING <-> PREEMPTED -> FINISHED_*
     prefill tier:     WAITING -> RUNNING -> HELD_FOR_SEND -> FINISHED_*
     decode tier:      WAITING_FOR_BLOCKS -> WAITING_FOR_KV -> RECEIVING_KV -> RUNNING -> FINISHED_*
+
+    A waiting (or preempted) request whose prefix's next blocks are being read from the
+    disk KV tier is WAITING_FOR_DISK_KV until they are in (or it stops waiting for them),
+    then WAITING (PREEMPTED) again; it keeps its place in the waiting queue meanwhile.
     """
 
     WAITING = enum.auto()  # in the waiting queue (not yet scheduled)
@@ -32,6 +36,7 @@ class RequestStatus(enum.IntEnum):
     RECEIVING_KV = enum.auto()  # decode tier: a transfer is writing into the reserved blocks
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_DISK_KV = enum.auto()  # in the waiting queue, its prefix's blocks being read from disk
     HELD_FOR_SEND = enum.auto()  # prefill tier: first token sampled, blocks kept for the KV send
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()

@@ -1,10 +1,11 @@
 """Per-request sampling parameters (the vLLM shape)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from engine.structured_outputs import StructuredOutputsParams
 
@@ -24,6 +25,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 128  # n and best_of: OpenAI's bound on n (the gateway's --max-n may lower it)
 
 
 @dataclass
@@ -32,9 +34,13 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. Stop strings are applied by whoever
     detokenizes (the offline ``LLM`` or the gateway), never inside the step.
+    ``n`` sequences are generated from one prompt (``best_of``: that many, of which the ``n``
+    with the highest cumulative logprob are returned); choice ``i`` is the request with
+    ``choice(i)``'s parameters (seed + i, as vLLM), so a choice equals a single request.
     """
 
     n: int = 1
+    best_of: int | None = None  # vLLM's: sequences generated, the best n returned (None: n)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -83,6 +89,26 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated: ``best_of``, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def choice(self, index: int) -> "SamplingParams":
+        """Choice ``index``'s parameters: one sequence, seed + index when seeded (vLLM's rule);
+        prompt logprobs only for choice 0 (the prompt's are the same for every choice), and
+        the sampled tokens' logprobs for every choice of a ``best_of`` (its ranking)."""
+        seed = (self.seed + index) % (INT64_MAX + 1) if self.seed is not None else None
+        logprobs = self.logprobs if self.logprobs is not None or self.num_sequences == self.n else 0
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
+    def best(self, scores: Sequence[float]) -> list[int]:
+        """Of ``num_sequences`` choices' cumulative logprobs (the sum of each one's sampled
+        tokens'), the indices of the ``n`` highest, best first (ties: the lower index), as
+        vLLM ranks ``best_of``."""
+        return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:self.n]
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` with a user-facing message naming the field on
         a bad value: wrong type, not finite, outside its range (the ranges
@@ -91,9 +117,12 @@ class SamplingParams:
         or, with ``vocab_size``, a stop token id outside the vocabulary.
 
         Every front end (HTTP, gRPC, the offline ``LLM``) goes through here."""
-        if _is_int(self.n) and self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
-        _check_int("n", self.n, 1, 1)
+        _check_int("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1, MAX_N)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of}")
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, INT32_MAX, what=f"-1 or 0 (disabled) or in [1, {INT32_MAX}]")

@@ -31,6 +31,17 @@ The two tiers add states around that batch (see ``RequestStatus``)::
              (layer-wise: ``begin_streamed_send`` as the last prompt chunk is scheduled,
              RUNNING, then held already sending ──release_held──▶ FINISHED_*)
 
+A prefix hit on blocks of the disk KV tier (``--kv-offloading-path``) is read off the
+step, as vLLM's asynchronous KV connector loads are (WAITING_FOR_REMOTE_KVS): the lookup
+(``KVCacheManager.get_computed_blocks`` -> ``HostKVTier.find``) starts reading the blocks
+that follow the device and host hits into the host tier on the disk tier's reader thread,
+and the request stays in its queue, passed over (``WAITING_FOR_DISK_KV``; a reservation
+stays WAITING_FOR_BLOCKS), while the block right after its hit is being read; the requests
+behind it are admitted and the steps run meanwhile. A later step looks it up again and
+takes the blocks read as host hits. It waits for reads at most ``max_read_wait_s`` in all,
+and not for a second read of a block whose first read it waited for (read, then evicted
+before it came back): past either, it is admitted with the hit it has and computes the rest.
+
 Every non-final state has a deadline (``expire``): the caller's, and for the
 hand-off states their own bound, so nothing waits for ever. ``finish_request``
 is the one exit. A request finished while a transfer still reads or writes
@@ -103,6 +114,16 @@ S = RequestStatus
 _UNSTARTED_KV_WAIT_FACTOR = 10
 # Extra time a transfer's own deadline gets before the engine gives up on it.
 _TRANSFER_GRACE_S = 5.0
+
+
+@dataclass
+class _DiskWait:
+    """A request waiting for its prefix's blocks to be read from the disk tier: since when
+    (time.monotonic()), and the block (hash) and read (the host tier's read id) it waits for."""
+
+    since: float
+    block: int
+    read: int
 
 
 @dataclass
@@ -196,6 +217,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # HELD_FOR_SEND
         self.pending_free: dict[str, Request] = {}  # finished; a transfer still uses their blocks
         self.requests: dict[str, Request] = {}  # every request that holds a queue slot or blocks
+        self._disk_waits: dict[str, _DiskWait] = {}  # queued requests that waited for disk reads, until admitted
         self._max_waiting: int | None = None
         self.limit_waiting(max_waiting)
         self._grammars = grammars
@@ -208,6 +230,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_queries_total = 0  # tokens looked up in the prefix cache
         self.prefix_hits_total = 0  # tokens found there
+        # Of those, by where they were: the device cache, the host tier, the disk tier (read into the
+        # host tier by the lookup). vLLM's cache hit sources (vllm:prompt_tokens_cached_by_source).
+        self.prefix_hits_by_source = {"device": 0, "host": 0, "disk": 0}
 
     # ---- collaborators and limits (read-only: given at construction) ----
     @property
@@ -282,20 +307,30 @@ class Scheduler:
         """Reserve blocks for queued reservations, in order, while they fit,
         reusing this cache's prefix hits (``num_cached_tokens``: the sender
         skips those leading blocks)."""
-        while self.block_waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
-            req = self.block_waiting[0]
-            # One group: the sender skips the blocks this cache has. Several: a received
-            # prompt is whole (the hand-off's block lists carry no per-group skip).
-            hits, num_hit = self.kv.get_computed_blocks(req) if len(self.kv.groups) == 1 else ([], 0)
-            if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hits) is None:
-                return
-            self.block_waiting.popleft()
-            self._count_prefix_hit(req, num_hit)
-            req.status = S.WAITING_FOR_KV
-            req.times.reserved = time.time()
-            req.state_deadline = time.monotonic() + _UNSTARTED_KV_WAIT_FACTOR * self.config.kv_transfer_timeout
-            self.reserved[req.request_id] = req
-            out.reserved.append(req)
+        deferred: list[Request] = []  # prefixes being read from disk: they keep their place
+        try:
+            while self.block_waiting and len(self.running) + len(self.reserved) < self.config.max_num_seqs:
+                req = self.block_waiting[0]
+                # The sender leaves out each group's blocks of the prefix this cache has. A hybrid
+                # model's linear state arrives whole (after the last prompt token) with the KV: the
+                # hit is the attention groups' blocks, with or without a state snapshot.
+                hits, num_hit = self.kv.get_computed_blocks(req, with_state=False)
+                if self._waits_for_disk(req, num_hit, queued=False):
+                    deferred.append(self.block_waiting.popleft())
+                    continue
+                tiers = self._tier_hits()
+                if self.kv.allocate_slots(req, req.num_prompt_tokens - num_hit, hits) is None:
+                    return
+                self.block_waiting.popleft()
+                self._disk_waits.pop(req.request_id, None)
+                self._count_prefix_hit(req, num_hit, tiers)
+                req.status = S.WAITING_FOR_KV
+                req.times.reserved = time.time()
+                req.state_deadline = time.monotonic() + _UNSTARTED_KV_WAIT_FACTOR * self.config.kv_transfer_timeout
+                self.reserved[req.request_id] = req
+                out.reserved.append(req)
+        finally:
+            self.block_waiting.extendleft(reversed(deferred))
 
     # ---- KV hand-off, decode tier ----------------------------------------
     def prefill_started(self, request_id: str) -> bool:
@@ -317,12 +352,13 @@ class Scheduler:
             state = req.status.name if req is not None else "unknown or finished"
             raise ValueError(f"request {request_id} is not waiting for KV here ({state})")
         have = self.kv.get_block_ids(request_id)
-        skipped = len(have) - len(dst_block_ids)  # leading blocks this cache already had (prefix hits)
-        if not 0 <= skipped * self.kv.block_size <= req.num_cached_tokens or dst_block_ids != have[skipped:]:
+        # the leading tokens whose blocks (in every group) this cache already had: prefix hits
+        skipped = self.kv.skipped_tokens(request_id, dst_block_ids)
+        if skipped is None or skipped > req.num_cached_tokens:
             raise ValueError(f"request {request_id}: KV sent to blocks {dst_block_ids}, reserved {have} "
                              f"({req.num_cached_tokens} tokens cached here)")
         req.status = S.RECEIVING_KV
-        req.kv_skipped_blocks = skipped
+        req.kv_skipped_blocks = len(have) - len(dst_block_ids)
         req.times.kv_recv_start = time.time()
         req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
 
@@ -367,7 +403,8 @@ class Scheduler:
 
     # ---- KV hand-off, prefill tier ---------------------------------------
     def begin_send(self, request_id: str) -> list[int]:
-        """A send of the held request's blocks starts; returns its block ids.
+        """A send of the held request's blocks starts; returns the block ids it reads (less each
+        group's blocks of a prefix the receiver holds: ``KVCacheManager.skip_on_send``).
         Raises ValueError if it is not held (aborted or expired meanwhile)."""
         req = self.held.get(request_id)
         if req is None or req.is_sending:
@@ -375,7 +412,7 @@ class Scheduler:
         req.is_sending = True
         req.times.kv_send_start = time.time()
         req.state_deadline = time.monotonic() + self.config.kv_transfer_timeout + _TRANSFER_GRACE_S
-        return self.kv.get_block_ids(request_id)
+        return self.kv.send_block_ids(request_id)
 
     def begin_streamed_send(self, request_id: str) -> None:
         """A send reads the running request's blocks from now on, layer by layer as its last
@@ -679,17 +716,23 @@ class Scheduler:
             # A request that wants its prompt's logprobs computes every position of it: a cached
             # position has no logits (as in vLLM). Once they are recorded (a preempted request
             # coming back) it takes hits as any other.
-            hits, num_hit = self.kv.get_computed_blocks(req) if not req.needs_prompt_logprobs else ((), 0)
+            looked_up = not req.needs_prompt_logprobs
+            hits, num_hit = self.kv.get_computed_blocks(req) if looked_up else ((), 0)
+            if looked_up and self._waits_for_disk(req, num_hit):  # its next blocks come from disk: later
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = self.kv.chunk_len(req, num_hit, min(req.num_tokens - num_hit, budget))
+            tiers = self._tier_hits()
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             restore = self.kv.take_restore(req)  # a hybrid model's hit: its state from the snapshot
             if restore is not None:
                 out.state_restores.append(restore)
             self.waiting.popleft()
+            self._disk_waits.pop(req.request_id, None)
             if req.times.first_scheduled is None:  # first admission, not a resume
                 req.times.first_scheduled = time.time()
-                self._count_prefix_hit(req, num_hit)
+                self._count_prefix_hit(req, num_hit, tiers)
                 out.started.append(req)
             req.num_computed_tokens = num_hit
             req.status = S.RUNNING
@@ -697,6 +740,40 @@ class Scheduler:
             out.scheduled.append(self._row(req, num_new, out))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
+
+    def _waits_for_disk(self, req: Request, num_hit: int, queued: bool = True) -> bool:
+        """After ``req``'s lookup found ``num_hit`` tokens: True while the block right after them
+        is being read from the disk tier (the lookup started the read, or an earlier one did),
+        so the request waits; ``queued``: it is in the waiting queue, WAITING_FOR_DISK_KV while
+        it waits (a reservation stays WAITING_FOR_BLOCKS). False, and the request goes on with
+        the hit it has, when nothing it needs is being read, when it has waited
+        ``max_read_wait_s`` in all since its first wait, or when the block is read a second
+        time after the read it waited for (read, then evicted before this lookup)."""
+        host = self.kv.host
+        if host is None or host.disk is None:
+            return False
+        rid, bs = req.request_id, self.kv.block_size
+        hashes = self.kv.req_hashes.get(rid, {}).get(bs, ())
+        i = num_hit // bs
+        block = hashes[i] if i < min(len(hashes), (req.num_tokens - 1) // bs) else None
+        read = host.reading(block) if block is not None else None
+        wait = self._disk_waits.get(rid)
+        now = time.monotonic()
+        if read is not None and wait is not None and (
+                now - wait.since >= host.max_read_wait_s or (wait.block == block and wait.read != read)):
+            read = None
+        if read is None:
+            if queued and req.status == S.WAITING_FOR_DISK_KV:
+                req.status = S.PREEMPTED if req.num_preemptions else S.WAITING
+            return False
+        assert block is not None
+        if wait is None:
+            self._disk_waits[rid] = _DiskWait(now, block, read)
+        else:
+            wait.block, wait.read = block, read
+        if queued:
+            req.status = S.WAITING_FOR_DISK_KV
+        return True
 
     def _held_by_constraint(self, req: Request, out: SchedulerOutput) -> bool:
         """A request with a structured-output constraint runs only once its grammar is
@@ -718,11 +795,21 @@ class Scheduler:
             out.finished.append(req)
         return True
 
-    def _count_prefix_hit(self, req: Request, num_hit: int) -> None:
-        """A request's first admission: its prompt tokens found in the prefix cache."""
+    def _tier_hits(self) -> tuple[int, int]:
+        """The host tier's prefix hits taken so far, in blocks: (in host memory, read from disk)."""
+        host = self.kv.host
+        return host.hit_blocks if host is not None else (0, 0)
+
+    def _count_prefix_hit(self, req: Request, num_hit: int, tiers_before: tuple[int, int]) -> None:
+        """A request's first admission: its prompt tokens found in the prefix cache, and of
+        those, by source (``tiers_before``: ``_tier_hits()`` before its allocation took them)."""
         req.num_cached_tokens = num_hit
         self.prefix_queries_total += req.num_prompt_tokens
         self.prefix_hits_total += num_hit
+        host, disk = ((now - before) * self.kv.block_size for now, before in zip(self._tier_hits(), tiers_before))
+        self.prefix_hits_by_source["device"] += num_hit - host - disk
+        self.prefix_hits_by_source["host"] += host
+        self.prefix_hits_by_source["disk"] += disk
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -832,7 +919,7 @@ class Scheduler:
                 transfer_over: bool = False) -> None:
         rid = req.request_id
         busy = not transfer_over and (req.status == S.RECEIVING_KV or req.is_sending)
-        if req.status in (S.WAITING, S.PREEMPTED):
+        if req.status in (S.WAITING, S.PREEMPTED, S.WAITING_FOR_DISK_KV):
             self.waiting.remove(req)
         elif req.status == S.WAITING_FOR_BLOCKS:
             self.block_waiting.remove(req)
@@ -844,6 +931,7 @@ class Scheduler:
             del self.held[rid]
         req.status, req.error, req.state_deadline = status, error or req.error, None
         req.times.finished = time.time()
+        self._disk_waits.pop(rid, None)
         if self._grammars is not None:
             self._grammars.free(rid)
         if busy:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @torch.inference_mode()
 def warm_up_kernels(runner: RunnerParts) -> None:
-    if runner.device.type == "cpu" and runner.ops.__name__ == "kernels.reference":
+    if runner.device.type == "cpu" and runner.ops.__name__ in ("kernels.reference", "kernels.cpu_ops"):
         from kernels import cpu_attention
 
         cpu_attention.extension(runner.runtime.cpu_attention_build_timeout)  # None where it cannot build

@@ -13,8 +13,10 @@ import os
 from dataclasses import dataclass
 
 from engine.config import parse_size
+from engine.sampling_params import MAX_N
 from gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
 from gateway.request_flow import DEFAULT_MIGRATION_LIMIT, DEFAULT_STREAM_IDLE_TIMEOUT
+from gateway.router import HOST_HIT_CREDIT
 from gateway.tool_parsers import PARSERS
 from rpc import tls, tracing
 
@@ -61,6 +63,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="requests in flight at the gateway beyond which new ones get 429 with Retry-After "
                         "(gRPC: RESOURCE_EXHAUSTED)")
+    g.add_argument("--max-n", type=int, default=MAX_N,
+                   help=f"the most sequences one request may ask for (n, best_of; default {MAX_N}, OpenAI's "
+                        "bound on n): each is a request of its own on the engine servers")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     add_chat_args(g)
@@ -74,6 +79,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="weight of the prompt tokens a prefill server would compute (not in its prefix cache) "
                         "against the tokens already queued on it; 0 routes by queued work alone")
+    r.add_argument("--kv-host-hit-credit", type=float, default=HOST_HIT_CREDIT,
+                   help=f"what a prefix hit in an instance's host KV tier is worth against one in its device "
+                        f"cache, in [0, 1] (default {HOST_HIT_CREDIT}, loading a block against recomputing it on "
+                        "CPU: bench/host_hit_cost.py; lower it where host-to-device loads are dearer)")
     r.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail",
                    help="when a request's KV hand-off from prefill to decode fails (stalls past its deadline, "
                         "is refused or breaks): fail it, or have the decode server compute the prompt itself")
@@ -159,9 +168,11 @@ class GatewayConfig:
     redis_timeout: float = 0.01
     discovery_interval: float = 5.0
     kv_overlap_score_weight: float = 1.0
+    kv_host_hit_credit: float = HOST_HIT_CREDIT
     local_prefill_threshold: int = 0
     kv_load_failure_policy: str = "fail"
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    max_n: int = MAX_N
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT  # 0: none
     max_request_body: int = 4 * 1024 * 1024  # bytes
     chat_template: str | None = None  # a file, or the template itself
@@ -195,10 +206,14 @@ class GatewayConfig:
         for flag, entries in (("--prefill", self.prefill), ("--decode", self.decode)):
             if REDIS_ENTRY in entries and not self.redis_url:
                 raise ValueError(f"{flag} {REDIS_ENTRY} reads the servers registered in Redis: give --redis-url")
+        if not 0.0 <= self.kv_host_hit_credit <= 1.0:
+            raise ValueError(f"--kv-host-hit-credit must be within [0, 1], got {self.kv_host_hit_credit}")
         if self.kv_overlap_score_weight < 0:
             raise ValueError(f"--kv-overlap-score-weight must be non-negative, got {self.kv_overlap_score_weight}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"--local-prefill-threshold must be non-negative, got {self.local_prefill_threshold}")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be non-negative, got {self.migration_limit}")
         if not self.stream_idle_timeout >= 0:
@@ -232,9 +247,11 @@ class GatewayConfig:
                    redis_url=args.redis_url, redis_timeout=args.redis_timeout,
                    discovery_interval=args.discovery_interval,
                    kv_overlap_score_weight=args.kv_overlap_score_weight,
+                   kv_host_hit_credit=getattr(args, "kv_host_hit_credit", HOST_HIT_CREDIT),
                    local_prefill_threshold=args.local_prefill_threshold,
                    kv_load_failure_policy=args.kv_load_failure_policy,
                    migration_limit=getattr(args, "migration_limit", DEFAULT_MIGRATION_LIMIT),
+                   max_n=getattr(args, "max_n", MAX_N),
                    stream_idle_timeout=getattr(args, "stream_idle_timeout", DEFAULT_STREAM_IDLE_TIMEOUT),
                    max_request_body=parse_size(getattr(args, "max_request_body", DEFAULT_MAX_REQUEST_BODY)),
                    chat_template=getattr(args, "chat_template", None),

@@ -50,7 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import DNS_PREFIX, REDIS_ENTRY, join_host_port
 from gateway.instances import DECODE, PREFILL, InstanceRegistry
-from gateway.redis_status import RedisStatus
+from gateway.redis_status import RedisStatus, redis_client
 from pdserve.v1 import engine_pb2
 from rpc import tls
 from rpc.prefix_index import ALIVE_TTL_S, NAMESPACES_KEY, address_of, alive_key, namespace_model
@@ -60,6 +60,13 @@ logger = logging.getLogger(__name__)
 SERVICE_OF_ROLE = {PREFILL: engine_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
                    DECODE: engine_pb2.DESCRIPTOR.services_by_name["Decode"].full_name}
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def _slow(exc: BaseException) -> bool:
+    """A Redis call that timed out (its server may be up, the host loaded)."""
+    import redis
+
+    return isinstance(exc, (redis.TimeoutError, asyncio.TimeoutError, TimeoutError))
 
 
 def resolve_host(name: str, port: int) -> list[str]:
@@ -127,18 +134,22 @@ class Discovery:
 
     async def _lookup(self, entry: str, lookup):
         status = self.redis_status if entry == REDIS_ENTRY else None
+        started = time.monotonic()
         try:
             answer = await lookup()
         except Exception as exc:  # the resolver's or Redis's failure: keep the last answer
-            if status is not None:
-                status.failed(exc)
+            if status is not None and _slow(exc):
+                # Redis answered late (a loaded host), not an outage: its probe decides those
+                logger.debug("discovery: Redis did not answer in time (%s); keeping its last answer", exc)
+            elif status is not None:
+                status.failed(exc, started)
             elif entry not in self._warned:
                 logger.warning("discovery: looking up %s failed (%s); keeping its last answer %s", entry,
                                exc or type(exc).__name__, self._last.get(entry, "(none)"))
                 self._warned.add(entry)
             return self._last.get(entry)
         if status is not None:
-            status.answered()
+            status.answered(started)
         if entry in self._warned:
             logger.info("discovery: %s answers again", entry)
             self._warned.discard(entry)
@@ -163,12 +174,10 @@ class RedisRegistrations:
     servers publish to, by role."""
 
     def __init__(self, url: str | None, model_name: str, timeout_s: float = 1.0) -> None:
-        import redis.asyncio as aredis
-
         if not url:
             raise ValueError("discovery from Redis needs --redis-url")
         self.model_name = model_name
-        self._redis = aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis = redis_client(url, timeout_s)
         self._roles: dict[str, str] = {}  # instance id -> role (asked once per id)
         self._timeout_s = timeout_s
         self._skipped: set[str] = set()  # namespaces of other models (logged once)

@@ -147,14 +147,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 auth = self._auth_error(context)
                 if auth is not None:
                     raise auth
-                req, answer = await self._prepare(request, trace, context.time_remaining())
+                req, answers = await self._prepare(request, trace, context.time_remaining())
             except BaseException as e:
                 trace.finish(error=e)
                 raise
             first = True
             async with aclosing(self._service.generate(req)) as deltas:
                 async for delta in deltas:
-                    yield _to_response(req, delta, first, answer)
+                    yield _to_response(req, delta, first, answers[delta.index] if answers else None)
                     first = False
         except Exception as e:
             await self._abort(context, e, "Generate")
@@ -210,7 +210,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(auth.kind.grpc_status, auth.message)
 
     async def _prepare(self, request: gateway_pb2.GenerateRequest, trace: RequestTrace,
-                       timeout: float | None) -> tuple[PreparedRequest, ChatStream | None]:
+                       timeout: float | None) -> tuple[PreparedRequest, list[ChatStream]]:
+        """The prepared request and, for a chat, how each choice's answer splits."""
         inputs = self._service.inputs
         lora = self._service.resolve_model(request.model)
         try:
@@ -220,7 +221,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not request.sampling.HasField("max_tokens"):
             sampling.max_tokens = None  # proto default: up to the context length
         kind = request.WhichOneof("prompt")
-        tools, template_kwargs, answer = None, None, None
+        tools, template_kwargs, answers = None, None, []
         if kind == "chat":
             tools = _tool_plan(request.chat, self._service)
             sampling.structured_outputs = with_tool_constraint(sampling.structured_outputs, tools)
@@ -239,10 +240,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             else:
                 raise invalid("GenerateRequest needs a prompt: text, chat or token_ids")
         if kind == "chat":
-            answer = self._service.begin_chat(ids, sampling, tools, template_kwargs)
+            answers = [self._service.begin_chat(ids, sampling, tools, template_kwargs)
+                       for _ in range(sampling.num_sequences)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return self._service.prepare(ids, sampling, request.request_id or None, prefix, trace, timeout,
-                                     lora_name=lora, priority=request.priority), answer
+                                     lora_name=lora, priority=request.priority), answers
 
 
 def _tool_plan(chat: gateway_pb2.ChatMessages, service: GatewayService) -> ToolPlan | None:
@@ -296,7 +298,8 @@ def _to_response(req: PreparedRequest, delta: GenerationDelta, first: bool,
         finish_reason = tool_finish_reason(finish_reason, answer.num_calls) or ""
     msg = gateway_pb2.GenerateResponse(request_id=req.request_id, token_ids=delta.token_ids, text=text,
                                        finish_reason=finish_reason, logprobs=delta.logprobs,
-                                       finish_message=delta.finish_message, reasoning_text=reasoning)
+                                       finish_message=delta.finish_message, reasoning_text=reasoning,
+                                       index=delta.index)
     msg.tool_calls.extend(gateway_pb2.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "",
                                                     arguments=c.arguments) for c in tool_calls)
     if first:

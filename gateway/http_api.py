@@ -143,7 +143,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
         echo = (prompt if isinstance(prompt, str) else service.inputs.tokenizer.decode(ids)) if body.echo else None
         shown = PromptView(ids, echo, body.logprobs or 0, body.prompt_logprobs)
         fmt = CompletionFormatter(req.request_id, service.model_name(lora), service.token_text,
-                                  body.include_usage, sampling.logprobs is not None, shown)
+                                  body.include_usage, sampling.logprobs is not None, shown, n=body.n)
         return await _respond(service, request, req, fmt, body.stream)
 
     @v1.post("/chat/completions")
@@ -152,7 +152,7 @@ def create_app(service: GatewayService, api_key: str | None = None,
         shown = PromptView(req.prompt_token_ids, body.echoed_text() or None, prompt_logprobs=body.prompt_logprobs)
         fmt = ChatFormatter(req.request_id, service.model_name(lora), service.token_text,
                             body.include_usage, req.sampling.logprobs is not None, shown, answer=answer,
-                            reasoning=service.reasoning_parser is not None)
+                            reasoning=service.reasoning_parser is not None, n=body.n)
         return await _respond(service, request, req, fmt, body.stream)
 
     @v1.post("/responses")
@@ -220,7 +220,7 @@ def _prepare(service: GatewayService, request: Request, ids: list[int], sampling
 
 async def _traced_chat(service: GatewayService, request: Request, chat: Callable[[], ChatCompletionRequest],
                        prefix: str, errors: contextlib.AbstractContextManager[Any] | None = None
-                       ) -> tuple[PreparedRequest, ChatStream, str | None]:
+                       ) -> tuple[PreparedRequest, Any, str | None]:
     """A chat request's trace started and the request prepared (``_prepare_chat``); ``chat()``
     gives the chat request (a translation may refuse it) under ``errors``; a failure ends the
     trace with its error."""
@@ -234,9 +234,10 @@ async def _traced_chat(service: GatewayService, request: Request, chat: Callable
 
 
 async def _prepare_chat(service: GatewayService, request: Request, body: ChatCompletionRequest, prefix: str,
-                        trace: RequestTrace) -> tuple[PreparedRequest, ChatStream, str | None]:
-    """A chat request tokenized and prepared, how its answer splits, and its LoRA adapter
-    (/v1/chat/completions, and /v1/responses translated into a chat request)."""
+                        trace: RequestTrace) -> tuple[PreparedRequest, Any, str | None]:
+    """A chat request tokenized and prepared, how its answer splits (a ChatStream; with ``n``
+    or ``best_of``, one per sequence), and its LoRA adapter (/v1/chat/completions, and
+    /v1/responses translated into a chat request)."""
     lora = service.resolve_model(body.model)
     tools = body.tool_plan(service.tool_parser, service.enable_auto_tool_choice)
     sampling = body.to_sampling_params(tools)
@@ -244,7 +245,9 @@ async def _prepare_chat(service: GatewayService, request: Request, body: ChatCom
         ids = await service.inputs.encode_chat(body.template_messages(), body.add_generation_prompt,
                                                tools.template_tools() if tools is not None else None,
                                                body.chat_template_kwargs)
-    answer = service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
+    answers = [service.begin_chat(ids, sampling, tools, body.chat_template_kwargs)
+               for _ in range(sampling.num_sequences)]
+    answer: ChatStream | list[ChatStream] = answers if len(answers) > 1 else answers[0]
     return _prepare(service, request, ids, sampling, prefix, trace, lora, body.priority), answer, lora
 
 

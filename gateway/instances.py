@@ -88,6 +88,7 @@ class Instance:
         self.num_queued_tokens = 0
         self.num_late_polls = 0  # consecutive polls that ran past their deadline
         self.is_draining = False  # taken out of routing; kept while requests are in flight on it
+        self._num_lora_changes = 0  # adapters loaded or unloaded here through this gateway
 
     @property
     def num_requests(self) -> int:
@@ -129,8 +130,21 @@ class Instance:
             return False
         return sum(a.in_slot for a in self.load.lora_adapters) >= self.load.max_loras
 
+    def note_lora_change(self, loaded: common_pb2.LoRAAdapter | None = None, unloaded: str | None = None) -> None:
+        """What a load (the server's answer) or an unload through this gateway changed, in
+        the listed adapters at once: the next request sees it whether or not the poll that
+        follows comes back in time, and a poll begun before it cannot take it back."""
+        self._num_lora_changes += 1
+        if self.load is None:
+            return
+        name = loaded.name if loaded is not None else unloaded
+        kept = [a for a in self.load.lora_adapters if a.name != name]
+        del self.load.lora_adapters[:]
+        self.load.lora_adapters.extend([*kept, loaded] if loaded is not None else kept)
+
     async def poll(self, timeout: float) -> None:
         """Refresh load and health; never raises."""
+        changes = self._num_lora_changes
         try:
             load, health = await asyncio.gather(
                 self.stub.GetLoad(common_pb2.LoadRequest(), timeout=timeout),
@@ -143,6 +157,9 @@ class Instance:
                 self.set_unhealthy(f"{e.code().name}: {e.details()}")
             return
         self.num_late_polls = 0
+        if changes != self._num_lora_changes and self.load is not None:  # answered before a load or unload
+            del load.lora_adapters[:]
+            load.lora_adapters.extend(self.load.lora_adapters)
         self.load = load
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             self.set_unhealthy(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")

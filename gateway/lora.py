@@ -8,9 +8,10 @@ ask for (``known_adapters``; ``InputProcessor.check_model``) and an entry of
 /v1/models. Routing on it is ``router.py``'s business.
 
 Load and unload (``LoRAAdmin``) go to every routable prefill and decode
-server at once, each call bounded by a timeout; the servers' LoadInfo is
-polled again right after, so the next request sees the change without
-waiting for the next poll. The answer is one ``ServerResult`` per server.
+server at once, each call bounded by a timeout; each server's answer
+changes its listing at once (``Instance.note_lora_change``), so the next
+request sees the change without waiting for a poll, and the servers' LoadInfo
+is polled again right after for the rest (slots). The answer is one ``ServerResult`` per server.
 All ok: the results. Otherwise a ``GatewayError`` whose message names each
 failing server and its reason (and the servers where it did succeed, since
 the change stands there), its kind from the failures, the first of::
@@ -142,11 +143,15 @@ class LoRAAdmin:
 
 async def _call(inst: Instance, method: str, request: Any, timeout: float) -> ServerResult:
     try:
-        await getattr(inst.stub, method)(request, timeout=timeout)
+        answer = await getattr(inst.stub, method)(request, timeout=timeout)
     except grpc.aio.AioRpcError as e:
         return ServerResult(inst.address, inst.role, False, f"{e.code().name}: {e.details()}", e.code())
     except Exception as e:  # a closed channel (the server was removed meanwhile), ...
         return ServerResult(inst.address, inst.role, False, f"{type(e).__name__}: {e}")
+    if isinstance(answer, common_pb2.LoRAAdapter):
+        inst.note_lora_change(loaded=answer)
+    else:
+        inst.note_lora_change(unloaded=request.lora_name)
     return ServerResult(inst.address, inst.role, True)
 
 

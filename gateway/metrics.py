@@ -6,14 +6,18 @@ live here: latencies as the client sees them, token counts, and per request
 the phases the prefill server reports in its answer (queue and prefill time,
 KV transfer seconds and bytes; observed only for requests prefilled on a
 prefill server), and requests per LoRA adapter (``pdserve:lora_requests_total``,
-labelled ``lora_name``). KV usage and prefix-cache counters are the engine servers'
-metrics.
+labelled ``lora_name``), and the prompt tokens the router expected cached on the
+servers it chose, by tier (``pdserve:gateway_routed_cached_tokens_total``, labelled
+``tier``: device, host; the router's own count, /cluster's ``routed_cached_tokens``).
+KV usage and prefix-cache counters are the engine servers' metrics.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                     320.0, 640.0)
@@ -75,6 +79,9 @@ class GatewayMetrics:
             "the request or its KV hand-off; lora_adapter, draft_model: none holds the decode server's adapter "
             "copy or draft model). Not counted without --prefill.",
             labels + ["cause"], registry=r)
+
+        self._routed_cached = _RoutedCachedTokens(model_name)
+        r.register(self._routed_cached)
 
         self._kv_host_staged = Counter(
             "pdserve:gateway_kv_host_staged_transfers",
@@ -152,6 +159,11 @@ class GatewayMetrics:
         """A request's KV went through host memory though a cache was on a GPU."""
         self._kv_host_staged.labels(self._model_name).inc()
 
+    def follow_routed_cached_tokens(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Report ``counts()`` (the router's ``routed_cached_tokens``: tier -> prompt tokens it
+        expected cached on the servers it chose) as ``pdserve:gateway_routed_cached_tokens_total``."""
+        self._routed_cached.counts = counts
+
     def set_prefix_index_unreachable(self, unreachable: bool) -> None:
         self._is_prefix_index_unreachable = unreachable
         self._prefix_index_unreachable.set(1 if unreachable else 0)
@@ -169,6 +181,27 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """Prometheus text exposition of every gateway metric."""
         return generate_latest(self.registry)
+
+
+class _RoutedCachedTokens(Collector):
+    """The router's count of prompt tokens the prefix index credited the chosen server with,
+    per tier, read when scraped (one number for /metrics and /cluster)."""
+
+    TIERS = ("device", "host")
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.counts: Callable[[], Mapping[str, int]] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self.counts() if self.counts is not None else {}
+        c = CounterMetricFamily("pdserve:gateway_routed_cached_tokens",
+                                "Prompt tokens the router expected cached on the server it chose to prefill "
+                                "(the prefix index's match there), by tier: device (its KV cache) or host "
+                                "(its host tier, --kv-offloading-size).", labels=["model_name", "tier"])
+        for tier in (*self.TIERS, *(t for t in counts if t not in self.TIERS)):
+            c.add_metric([self.model_name, tier], counts.get(tier, 0))
+        yield c
 
 
 def _by_label(counter: Counter, label: str) -> dict[str, int]:

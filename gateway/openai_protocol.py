@@ -4,8 +4,13 @@ models, and their mapping onto the engine's SamplingParams.
 
 Unknown fields are ignored, like vLLM does. Fields that would silently
 change the meaning of a request and that pdserve does not implement (suffix,
-n > 1, best_of > 1, functions, function_call, audio,
-non-text modalities, prediction) are refused with a 400 that names the option.
+functions, function_call, audio, non-text modalities, prediction) are refused with a 400
+that names the option.
+
+``n`` choices, and vLLM's ``best_of`` (the ``n`` of that many sequences with the highest
+cumulative logprob; not streamed), on both endpoints: each choice is a request of its own
+on the engine servers sharing the prompt's KV (gateway/choices.py), choice i seeded with
+seed + i; both bounded by the gateway's ``--max-n`` (128).
 
 The prompt, as vLLM shows it: ``echo`` (completions) puts the prompt's text before the
 choice's text, and with ``logprobs`` the prompt's tokens before the generated ones in the
@@ -148,8 +153,9 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _check_unsupported(self) -> None:
-        if self.best_of not in (None, 1):
-            raise invalid(f"best_of must be 1, got {self.best_of}", param="best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise invalid(f"best_of ({self.best_of}) > n ({self.n}) cannot be streamed: the best sequences are "
+                          "known only when all have ended; drop stream or best_of", param="best_of")
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) is not None:
                 raise invalid(f"{name} is not supported", param=name)
@@ -201,7 +207,7 @@ class _SamplingRequest(BaseModel):
         kw: dict[str, Any] = {k: getattr(self, k) for k in _OPTIONAL_SAMPLING if getattr(self, k) is not None}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
-            return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+            return SamplingParams(n=self.n, best_of=self.best_of, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
                                   prompt_logprobs=self.engine_prompt_logprobs(),
                                   logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
                                   stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,

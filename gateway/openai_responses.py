@@ -68,8 +68,10 @@ class ResponseFormatter:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool,
-                 want_logprobs: bool, prompt: PromptView | None = None) -> None:
+                 want_logprobs: bool, prompt: PromptView | None = None, n: int = 1) -> None:
+        """``n``: the choices (deltas carry their ``index``; gateway/choices.py)."""
         self.response_id = response_id
+        self.n = n
         self.model = model
         self.created = int(time.time())
         self._token_text = token_text
@@ -77,7 +79,14 @@ class ResponseFormatter:
         self._want_logprobs = want_logprobs
         self._usage: Usage | None = None
         self._prompt = prompt if prompt is not None else PromptView()
-        self._prompt_shown = False  # streamed: the first chunk carried the prompt
+        self._prompt_shown: set[int] = set()  # streamed: the choices whose first chunk carried the prompt
+        self._prompt_lps: list[common_pb2.TokenLogprob] = []  # as they came with choice 0's first delta
+
+    def _prompt_lps_of(self, d: GenerationDelta) -> list[common_pb2.TokenLogprob]:
+        """The prompt's logprobs (computed once, for choice 0; every choice shows them)."""
+        if d.prompt_logprobs:
+            self._prompt_lps = list(d.prompt_logprobs)
+        return self._prompt_lps
 
     def _prompt_logprobs_json(self, lps: Sequence[common_pb2.TokenLogprob]) -> list[Any] | None:
         """vLLM's ``prompt_logprobs`` (None: not asked for)."""
@@ -133,6 +142,21 @@ class ResponseFormatter:
         return chunk
 
 
+def by_choice(deltas: Sequence[GenerationDelta]) -> list[tuple[int, list[GenerationDelta]]]:
+    """The deltas of each choice, by index (one choice: all of them)."""
+    groups: dict[int, list[GenerationDelta]] = {}
+    for d in deltas:
+        groups.setdefault(d.index, []).append(d)
+    return sorted(groups.items())
+
+
+def last_usage(deltas: Sequence[GenerationDelta]) -> dict[str, Any] | None:
+    """The request's usage: the last delta's that has one (with ``n`` > 1 the last finished
+    choice's, which counts them all)."""
+    usage = next((d.usage for d in reversed(deltas) if d.usage is not None), None)
+    return usage_json(usage) if usage is not None else None
+
+
 def _finish_fields(choice: dict[str, Any], d: GenerationDelta, finish_reason: str | None) -> dict[str, Any]:
     """The choice's ``finish_reason``, and with "error" its reason in ``stop_reason``."""
     choice["finish_reason"] = finish_reason
@@ -148,10 +172,10 @@ class CompletionFormatter(ResponseFormatter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self._text_offsets = [0] * self.n  # per choice
 
     def _logprobs(self, lps: Sequence[common_pb2.TokenLogprob],
-                  echoed: Sequence[common_pb2.TokenLogprob] | None = None) -> dict[str, Any] | None:
+                  echoed: Sequence[common_pb2.TokenLogprob] | None = None, index: int = 0) -> dict[str, Any] | None:
         """OpenAI's legacy logprobs of ``lps``; ``echoed``: echo's prompt logprobs, whose tokens
         come first (the first prompt token's logprob and top_logprobs null)."""
         if not self._want_logprobs:
@@ -165,8 +189,8 @@ class CompletionFormatter(ResponseFormatter):
             tokens.append(self._token_text(token_id))
             values.append(logprob)
             tops.append(top)
-            offsets.append(self._text_offset)
-            self._text_offset += len(tokens[-1])
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(tokens[-1])
 
         if echoed is not None:
             ids, n = self._prompt.token_ids, self._prompt.echo_top
@@ -180,12 +204,12 @@ class CompletionFormatter(ResponseFormatter):
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _choice(self, text: str, lps: Sequence[common_pb2.TokenLogprob],
-                prompt_lps: Sequence[common_pb2.TokenLogprob] | None) -> dict[str, Any]:
-        """The choice's text and logprobs; ``prompt_lps``: the prompt's logprobs where the
+                prompt_lps: Sequence[common_pb2.TokenLogprob] | None, index: int = 0) -> dict[str, Any]:
+        """Choice ``index``'s text and logprobs; ``prompt_lps``: the prompt's logprobs where the
         prompt is shown (echo, vLLM's prompt_logprobs), None where it is not."""
         echo = self._prompt.echo_text if prompt_lps is not None else None
-        choice: dict[str, Any] = {"index": 0, "text": text if echo is None else echo + text,
-                                  "logprobs": self._logprobs(lps, prompt_lps if echo is not None else None)}
+        choice: dict[str, Any] = {"index": index, "text": text if echo is None else echo + text,
+                                  "logprobs": self._logprobs(lps, prompt_lps if echo is not None else None, index)}
         if prompt_lps is not None and self._prompt.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs_json(prompt_lps)
         return choice
@@ -193,23 +217,26 @@ class CompletionFormatter(ResponseFormatter):
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
-        shows_prompt = not self._prompt_shown and (self._prompt.echo_text is not None
-                                                   or self._prompt.prompt_logprobs is not None)
+        prompt_lps = self._prompt_lps_of(d)
+        shows_prompt = d.index not in self._prompt_shown and (self._prompt.echo_text is not None
+                                                              or self._prompt.prompt_logprobs is not None)
         if not d.text and not d.finish_reason and not (self._want_logprobs and d.logprobs) and not shows_prompt:
             return []
-        self._prompt_shown = True
-        choice = _finish_fields(self._choice(d.text, d.logprobs, d.prompt_logprobs if shows_prompt else None), d,
+        self._prompt_shown.add(d.index)
+        choice = _finish_fields(self._choice(d.text, d.logprobs, prompt_lps if shows_prompt else None, d.index), d,
                                 d.finish_reason)
         return [self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
-        last = deltas[-1]
-        lps = [lp for d in deltas for lp in d.logprobs]
         prompt_lps = [lp for d in deltas for lp in d.prompt_logprobs]
-        choice = _finish_fields(self._choice("".join(d.text for d in deltas), lps, prompt_lps), last,
-                                last.finish_reason)
-        body = self._envelope(self.object_name, [choice])
-        body["usage"] = usage_json(last.usage) if last.usage else None
+        choices = []
+        for index, ds in by_choice(deltas):
+            last = ds[-1]
+            lps = [lp for d in ds for lp in d.logprobs]
+            choices.append(_finish_fields(self._choice("".join(d.text for d in ds), lps, prompt_lps, index), last,
+                                          last.finish_reason))
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = last_usage(deltas)
         return body
 
 
@@ -219,14 +246,17 @@ class ChatFormatter(ResponseFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, tools: ToolPlan | None = None, answer: ChatStream | None = None,
-                 reasoning: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolPlan | None = None,
+                 answer: ChatStream | Sequence[ChatStream] | None = None, reasoning: bool = False,
+                 **kwargs: Any) -> None:
         """``answer``: how the answer splits (reasoning, content, tool calls; default: the
-        ``tools``' calls, if any, from the text); ``reasoning``: the gateway has a reasoning
-        parser (the message carries ``reasoning_content``)."""
+        ``tools``' calls, if any, from the text), one per choice with ``n`` > 1;
+        ``reasoning``: the gateway has a reasoning parser (the message carries
+        ``reasoning_content``)."""
         super().__init__(*args, **kwargs)
-        self._answer = answer if answer is not None else plain_chat_stream(tools)
-        self._parsed = self._answer.parses  # content null when empty, as vLLM
+        answers = [answer] if answer is None or isinstance(answer, ChatStream) else list(answer)
+        self._answers = [a if a is not None else plain_chat_stream(tools) for a in answers]
+        self._parsed = self._answers[0].parses  # content null when empty, as vLLM
         self._reasoning = reasoning
 
     def _token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -244,27 +274,30 @@ class ChatFormatter(ResponseFormatter):
         return {"content": content, "refusal": None}
 
     def _chunk(self, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               finish_reason: str | None, d: GenerationDelta | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+               finish_reason: str | None, d: GenerationDelta | None = None, index: int = 0) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if d is not None:
             _finish_fields(choice, d, finish_reason)
         return self._with_usage_field(self._envelope(self.chunk_object_name, [choice]))
 
     def stream_start(self) -> list[dict[str, Any]]:
-        chunks = [self._chunk({"role": "assistant", "content": ""}, None, None)]
-        if self._prompt.echo_text:  # vLLM's echo: the continued message's text, in a chunk of its own
-            chunks.append(self._chunk({"content": self._prompt.echo_text}, None, None))
+        chunks = []
+        for index in range(self.n):
+            chunks.append(self._chunk({"role": "assistant", "content": ""}, None, None, index=index))
+            if self._prompt.echo_text:  # vLLM's echo: the continued message's text, in a chunk of its own
+                chunks.append(self._chunk({"content": self._prompt.echo_text}, None, None, index=index))
         return chunks
 
     def stream_delta(self, d: GenerationDelta) -> list[dict[str, Any]]:
         if d.usage is not None:
             self._usage = d.usage
-        new = self._answer.feed(d.token_ids, d.text, final=bool(d.finish_reason))
+        answer = self._answers[d.index]
+        new = answer.feed(d.token_ids, d.text, final=bool(d.finish_reason))
         shows_prompt = not self._prompt_shown and self._prompt.prompt_logprobs is not None
         if (not new.reasoning and not new.content and not new.tool_calls and not d.finish_reason
                 and not (self._want_logprobs and d.logprobs) and not shows_prompt):
             return []
-        self._prompt_shown = True
+        self._prompt_shown.add(d.index)
         delta: dict[str, Any] = {}
         if new.reasoning:  # before the content, as vLLM
             delta["reasoning_content"] = delta["reasoning"] = new.reasoning
@@ -272,29 +305,31 @@ class ChatFormatter(ResponseFormatter):
             delta["content"] = new.content
         if new.tool_calls:
             delta["tool_calls"] = [c.to_json() for c in new.tool_calls]
-        finish_reason = tool_finish_reason(d.finish_reason, self._answer.num_calls)
-        chunk = self._chunk(delta, self._logprobs(d.logprobs), finish_reason, d)
+        finish_reason = tool_finish_reason(d.finish_reason, answer.num_calls)
+        chunk = self._chunk(delta, self._logprobs(d.logprobs), finish_reason, d, d.index)
         if shows_prompt:
             chunk["prompt_logprobs"] = self._prompt_logprobs_json(d.prompt_logprobs)
         return [chunk]
 
     def response(self, deltas: Sequence[GenerationDelta]) -> dict[str, Any]:
-        last = deltas[-1]
-        text = "".join(d.text for d in deltas)
-        answer = self._answer.whole([t for d in deltas for t in d.token_ids], text)
-        message: dict[str, Any] = {"role": "assistant", "content": answer.content if self._parsed else text}
-        if self._prompt.echo_text:  # vLLM's echo: the continued message's text first
-            message["content"] = self._prompt.echo_text + (message["content"] or "")
-        if self._reasoning:
-            message["reasoning_content"] = message["reasoning"] = answer.reasoning
-        if answer.tool_calls:
-            message["tool_calls"] = [c.to_json() for c in answer.tool_calls]
-        finish_reason = tool_finish_reason(last.finish_reason, len(answer.tool_calls))
-        choice = _finish_fields({"index": 0, "message": message,
-                                 "logprobs": self._logprobs([lp for d in deltas for lp in d.logprobs])},
-                                last, finish_reason)
-        body = self._envelope(self.object_name, [choice])
+        choices = []
+        for index, ds in by_choice(deltas):
+            last = ds[-1]
+            text = "".join(d.text for d in ds)
+            answer = self._answers[index].whole([t for d in ds for t in d.token_ids], text)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content if self._parsed else text}
+            if self._prompt.echo_text:  # vLLM's echo: the continued message's text first
+                message["content"] = self._prompt.echo_text + (message["content"] or "")
+            if self._reasoning:
+                message["reasoning_content"] = message["reasoning"] = answer.reasoning
+            if answer.tool_calls:
+                message["tool_calls"] = [c.to_json() for c in answer.tool_calls]
+            finish_reason = tool_finish_reason(last.finish_reason, len(answer.tool_calls))
+            choices.append(_finish_fields({"index": index, "message": message,
+                                           "logprobs": self._logprobs([lp for d in ds for lp in d.logprobs])},
+                                          last, finish_reason))
+        body = self._envelope(self.object_name, choices)
         if self._prompt.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_json([lp for d in deltas for lp in d.prompt_logprobs])
-        body["usage"] = usage_json(last.usage) if last.usage else None
+        body["usage"] = last_usage(deltas)
         return body

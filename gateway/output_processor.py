@@ -52,6 +52,7 @@ class GenerationDelta:
     stop_string: str | None = None
     # SamplingParams.prompt_logprobs: on the first delta, prompt tokens 1, 2, ...'s (token 0 has none)
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    index: int = 0  # the choice's (n > 1: gateway/choices.py)
 
 
 class OutputProcessor:

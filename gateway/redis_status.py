@@ -25,6 +25,18 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0
 
 
+def redis_client(url: str, timeout_s: float) -> Any:
+    """An asyncio Redis client for the gateway's users of Redis: ``timeout_s`` on each socket
+    read and connect, and a call whose connection fails is tried once more on a fresh one (a
+    pooled connection made before Redis restarted fails its next call though Redis answers)."""
+    import redis.asyncio as aredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                 retry=Retry(NoBackoff(), 1))
+
+
 def _strip_password(url: str) -> str:
     """The URL without a password (for logs)."""
     scheme, sep, rest = url.partition("://")
@@ -48,12 +60,15 @@ class RedisStatus:
         self.is_unreachable = False
         self.num_outages = 0
         self._since = 0.0  # time.monotonic() the current outage started
+        self._answered_at = 0.0  # time.monotonic() Redis last answered after an outage
         self._task: asyncio.Task[None] | None = None
         self._redis: Any = None
 
-    def failed(self, exc: BaseException | str) -> None:
-        """A call to Redis failed: an outage starts unless one is on."""
-        if self.is_unreachable:
+    def failed(self, exc: BaseException | str, started: float | None = None) -> None:
+        """A call to Redis failed: an outage starts unless one is on. ``started``: when the
+        call began (time.monotonic()); a call begun before Redis last answered again failed
+        in the outage that is over (a client's retries can outlast it), and starts none."""
+        if self.is_unreachable or (started is not None and started < self._answered_at):
             return
         self.is_unreachable, self._since = True, time.monotonic()
         self.num_outages += 1
@@ -63,11 +78,14 @@ class RedisStatus:
         if self._on_change is not None:
             self._on_change(True)
 
-    def answered(self) -> None:
-        """A call to Redis succeeded: the outage, if any, is over."""
-        if not self.is_unreachable:
+    def answered(self, started: float | None = None) -> None:
+        """A call to Redis succeeded: the outage, if any, is over. ``started``: when the call
+        began; a call begun before the outage started may carry an answer Redis sent before it
+        went away (read after another call's failure), and ends none."""
+        if not self.is_unreachable or (started is not None and started < self._since):
             return
         self.is_unreachable = False
+        self._answered_at = time.monotonic()
         logger.info("Redis at %s answers again after %.1f s: prefix routing resumes as the engine servers "
                     "publish their blocks", self.url, time.monotonic() - self._since)
         if self._on_change is not None:
@@ -80,22 +98,20 @@ class RedisStatus:
 
     async def start(self) -> None:
         """Probe once (so the state is known), then every ``interval`` seconds."""
-        import redis.asyncio as aredis
-
-        self._redis = aredis.Redis.from_url(self._client_url, socket_timeout=self._timeout_s,
-                                            socket_connect_timeout=self._timeout_s)
+        self._redis = redis_client(self._client_url, self._timeout_s)
         await self.probe()
         self._task = asyncio.create_task(self._probe_forever(), name="redis-probe")
 
     async def probe(self) -> None:
         import redis
 
+        started = time.monotonic()
         try:
             await asyncio.wait_for(self._redis.ping(), 2 * self._timeout_s)
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
-            self.failed(exc)
+            self.failed(exc, started)
             return
-        self.answered()
+        self.answered(started)
 
     async def _probe_forever(self) -> None:
         while True:

@@ -58,7 +58,9 @@ into the decode server's blocks: meanwhile the decode stream is only watched for
 A decode server that dies while the prefill server computes into its blocks (its stream
 breaks, or the prefill fails and the decode server no longer answers a poll) migrates the
 request too, with nothing to resume after: the prefill's failure is the decode server's
-loss, not the prefill server's.
+loss, not the prefill server's. A decode stream that ends with a status its server sent (ABORTED:
+the transfer into it failed, as when the prefill server dies mid-send) is a live server's: then
+the prefill call's own failure decides (another prefill server, or the decode server itself).
 
 A KV hand-off the decode server fails after the prefill server's first token went out (its
 checksum of the blocks that landed is not the sender's: kv_transfer/canary.py) ends its
@@ -180,8 +182,14 @@ class RequestFlow:
     """Drives one request; owns its in-flight internal calls."""
 
     def __init__(self, req: PreparedRequest, router: Router, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                 on_migration: Callable[[str], None] | None = None) -> None:
+                 on_migration: Callable[[str], None] | None = None, pin: Instance | None = None) -> None:
+        """``pin``: the decode server of the first attempt, prefilling locally (another choice of
+        the same prompt: its KV is in that server's prefix cache); a retry routes as usual."""
         self._req = req
+        self._pin = pin
+        # The first delta of a decode stream came: the prompt's KV is in that server's cache.
+        self.decode_ready = asyncio.Event()
+        self.ready_decode: Instance | None = None
         self._router = router
         self._migration_limit = migration_limit
         self._on_migration = on_migration  # called with the cause of each migration (the metric)
@@ -245,10 +253,13 @@ class RequestFlow:
                               "pdserve.route.resume_tokens": len(self._resume)})
             with self._req.trace.span("route", **attrs) as span:
                 try:
-                    route, hashes = await self._router.route(self._req.prompt_token_ids + self._resume,
-                                                             tried + self.lost_decode, hashes,
-                                                             exclude_prefill=failed_prefill,
-                                                             lora_name=self._req.lora_name)
+                    if self._pin is not None and attempt == 0:
+                        route = Route(self._pin, None, reason="choice")
+                    else:
+                            route, hashes = await self._router.route(self._req.prompt_token_ids + self._resume,
+                                                                 tried + self.lost_decode, hashes,
+                                                                 exclude_prefill=failed_prefill,
+                                                                 lora_name=self._req.lora_name)
                 except GatewayError:
                     if last is not None:
                         raise last from None
@@ -344,6 +355,8 @@ class RequestFlow:
                 msg = await self._read(call, decode, refusable=True)
                 if msg.WhichOneof("kind") == "delta":  # a decode server in local-prefill mode
                     done = bool(msg.delta.finish_reason)
+                    self.ready_decode = decode
+                    self.decode_ready.set()
                     yield self._chunk(msg.delta, skip=0)
                     if not msg.delta.finish_reason:
                         async for chunk in self._relay(call, decode, skip=0, refusable=False):
@@ -384,7 +397,7 @@ class RequestFlow:
         task = asyncio.ensure_future(self._prefill(prefill, decode, reserved))
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and watch.exception() is not None:
+            if not task.done() and _broke(watch):  # the decode server is gone: the prefill's outcome is moot
                 await self._read(call, decode, refusable=False, pending=watch, idle=False)  # raises
             return await task
         except _StreamBroken as e:
@@ -393,7 +406,10 @@ class RequestFlow:
             if not task.done() or self.is_aborted:
                 raise
             if watch.done():
-                lost = watch.cancelled() or watch.exception() is not None
+                # A status the decode server sent (ABORTED: the transfer into it failed, as it does
+                # when the prefill server dies mid-send) is a live server's: the prefill's failure
+                # is the one to act on.
+                lost = _broke(watch)
             else:  # the prefill server may have seen it first: ask the decode server
                 await decode.poll(_DECODE_PROBE_S)  # a dead server refuses the connection at once
                 lost = not decode.is_healthy
@@ -497,6 +513,9 @@ class RequestFlow:
                                    f"{msg.WhichOneof('kind')!r} where a token delta was expected")
             chunk = self._chunk(msg.delta, skip)
             skip = max(0, skip - len(msg.delta.token_ids))
+            if not self.decode_ready.is_set():
+                self.ready_decode = decode
+                self.decode_ready.set()
             yield chunk
             if chunk.finish_reason:
                 return
@@ -609,6 +628,18 @@ def prefill_attributes(result: engine_pb2.PrefillResponse, num_skip_blocks: int)
         if t.seconds > 0:
             attrs["pdserve.kv.gbps"] = round(t.num_bytes / t.seconds / 1e9, 3)
     return attrs
+
+
+def _broke(watch: asyncio.Future[Any]) -> bool:
+    """Whether a finished read of a decode stream says the server or its connection is gone
+    (cancelled, a broken-stream status, anything but a status the server sent), rather than
+    a status a live server ended the call with."""
+    if watch.cancelled():
+        return True
+    exc = watch.exception()
+    if exc is None:
+        return False
+    return not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in _BROKEN
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

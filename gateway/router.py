@@ -3,22 +3,29 @@
 Prefill, KV-aware (as NVIDIA Dynamo's KV router weighs it): each healthy
 prefill server is costed in tokens of prefill work, ::
 
-    cost = w * (prompt tokens it would compute: not in its prefix cache)
+    cost = w * (prompt tokens it would compute, less its credited cached tokens)
            + prompt tokens this gateway has queued on it now
+    credited cached tokens = (tokens of its device hit) + HOST_HIT_CREDIT * (tokens of its host hit)
 
 (``w`` = ``--kv-overlap-score-weight``), and the cheapest wins. The cached
-lengths come from the prefix index (``gateway/prefix_index.py``); with no
-match anywhere this is plain least-queued-work routing.
+lengths per tier come from the prefix index (``gateway/prefix_index.py``:
+the blocks in a server's device cache, then those in its host tier,
+``--kv-offloading-size``); with no match anywhere this is plain
+least-queued-work routing. A host hit is loaded back before the step that
+uses it, which costs a little of what recomputing it would: it is credited at
+``HOST_HIT_CREDIT`` (below, measured) of a device hit, so with equal load a
+server holding the prefix on device beats one holding it on host, which beats
+one holding none.
 
 Decode: the fewest requests (the larger of the last polled running+waiting
 count and this gateway's in-flight count, which is fresher between polls),
-less the fraction of the prompt already in that server's own prefix cache
-(a full hit weighs as much as one request), then the lowest KV-block usage,
-then the fewest requests routed so far (ties go round-robin).
+less the credited fraction of the prompt already in that server's own prefix
+cache (a full device hit weighs as much as one request), then the lowest
+KV-block usage, then the fewest requests routed so far (ties go round-robin).
 
 Conditional disaggregation: when the part of the prompt the chosen decode
-server lacks is at most ``--local-prefill-threshold`` tokens, it prefills
-the request itself and no KV moves.
+server lacks in both tiers is at most ``--local-prefill-threshold`` tokens,
+it prefills the request itself and no KV moves.
 
 A prefill tier configured (``--prefill``) but no prefill server usable for a
 request (none found, none healthy, each failed it, none holds its adapter copy
@@ -67,7 +74,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import NONE_HASH
 from gateway.errors import ErrorKind, GatewayError
 from gateway.instances import Instance, InstanceRegistry
-from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+from gateway.prefix_index import PrefixIndex, TierMatch, prompt_block_hashes
 
 # A prompt's block hashes by block 0's parent (NONE_HASH, or an adapter copy's root hash),
 # computed once per request and handed back to ``route`` on a retry.
@@ -75,17 +82,32 @@ BlockHashes = dict[int, list[int]]
 
 logger = logging.getLogger(__name__)
 
+# What a prefix hit in a server's host tier is worth against one in its device cache:
+# 1 - (time to load a block back) / (time to recompute it). ``python -m bench.host_hit_cost``
+# measures both (docs/benchmarks.md, "Host KV tier: what a hit there is worth"): on CPU, the
+# default model's 720 KiB block loads in 0.07-0.6 ms and recomputes in 150-380 ms (runs on a
+# busy 2-core machine), a ratio of 0.0002-0.004. Rounded down to two places (a device hit
+# stays ahead of a host hit at equal load by 1% of the hit's tokens). On a
+# GPU the copy over PCIe is a larger share (estimated ~10-20% for a Llama-3.1-8B block before
+# loads overlap compute): run the same script there and pass its credit to ``Router``.
+HOST_HIT_CREDIT = 0.99
+
 
 @dataclass
 class Route:
     decode: Instance
     prefill: Instance | None  # None: the decode server prefills (no prefill server, or a short uncached part)
     block_size: int = 0
-    matched: dict[str, int] = field(default_factory=dict)  # address -> cached prompt tokens there
+    matched: dict[str, int] = field(default_factory=dict)  # address -> cached prompt tokens there (both tiers)
     reason: str = "load"  # "prefix" | "load" | "local" (conditional) | "no-prefill-server"
+    matched_host: dict[str, int] = field(default_factory=dict)  # address -> of those, tokens in its host tier
 
     def cached_tokens(self, inst: Instance | None) -> int:
         return self.matched.get(inst.address, 0) if inst is not None else 0
+
+    def host_cached_tokens(self, inst: Instance | None) -> int:
+        """Of ``cached_tokens``, those in the instance's host tier (loaded back before use)."""
+        return self.matched_host.get(inst.address, 0) if inst is not None else 0
 
 
 class Router:
@@ -95,12 +117,18 @@ class Router:
                  overlap_weight: float = 1.0, local_prefill_threshold: int = 0,
                  kv_load_failure_policy: str = "fail",
                  on_local_prefill_fallback: Callable[[str], None] | None = None,
-                 stream_idle_timeout: float | None = None) -> None:
+                 stream_idle_timeout: float | None = None, host_hit_credit: float = HOST_HIT_CREDIT) -> None:
         if kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"--kv-load-failure-policy must be fail or recompute, got {kv_load_failure_policy!r}")
         self._registry = registry
         self.index = index
         self.overlap_weight = overlap_weight
+        if not 0.0 <= host_hit_credit <= 1.0:
+            raise ValueError(f"the host hit credit must be within [0, 1], got {host_hit_credit}")
+        self.host_hit_credit = host_hit_credit  # a host-tier hit's worth against a device hit's
+        # Prompt tokens the prefix index credited the chosen prefill server with (or the decode
+        # server, where it prefills), by tier: "device" | "host" (/cluster, metrics).
+        self.routed_cached_tokens: dict[str, int] = {"device": 0, "host": 0}
         self.local_prefill_threshold = local_prefill_threshold
         self.kv_load_failure_policy = kv_load_failure_policy  # a failed KV hand-off: "fail" | "recompute"
         # --stream-idle-timeout: seconds a decode stream may send nothing before RequestFlow takes its
@@ -133,17 +161,22 @@ class Router:
         if lora_name is not None:
             decodes = self._holding(decodes, lora_name, exclude)
             prefills = [i for i in prefills if i.lora_adapter(lora_name) is not None]
-        matched, block_size = {}, 0
+        matched, on_host, block_size = {}, {}, 0
         if self.index is not None:
             namespace, block_size = _namespace(decodes + prefills)
             if namespace and block_size:
-                matched, hashes = await self._match(namespace, block_size, prompt_token_ids, decodes + prefills,
-                                                    lora_name, hashes)
+                matched, on_host, hashes = await self._match(namespace, block_size, prompt_token_ids,
+                                                             decodes + prefills, lora_name, hashes)
         n = len(prompt_token_ids)
+        c = self.host_hit_credit
+
+        def credited(i: Instance) -> float:  # cached tokens, a host hit's at its credit
+            return matched.get(i.address, 0) - (1.0 - c) * on_host.get(i.address, 0)
+
         decode = self._pick(decodes, lambda i: (i.needs_lora_swap(lora_name),
-                                                i.num_requests - min(1.0, matched.get(i.address, 0) / n),
+                                                i.num_requests - min(1.0, credited(i) / n),
                                                 i.kv_usage))
-        route = Route(decode, None, block_size, matched, "no-prefill-server")
+        route = Route(decode, None, block_size, matched, "no-prefill-server", on_host)
         if lora_name is not None:
             fingerprint = decode.lora_adapter(lora_name).fingerprint
             prefills = [i for i in prefills if i.lora_adapter(lora_name).fingerprint == fingerprint]
@@ -154,16 +187,23 @@ class Router:
         if not prefills:
             if self._on_local_prefill_fallback is not None:
                 self._on_local_prefill_fallback(unusable or "draft_model")
-            return route, hashes
+            return self._count(route, decode), hashes
         if n - matched.get(decode.address, 0) <= self.local_prefill_threshold:
             route.reason = "local"
-            return route, hashes
+            return self._count(route, decode), hashes
         w = self.overlap_weight
         route.prefill = self._pick(prefills, lambda i: (i.needs_lora_swap(lora_name),
-                                                        w * (n - matched.get(i.address, 0)) + i.num_queued_tokens,
+                                                        w * (n - credited(i)) + i.num_queued_tokens,
                                                         i.num_requests, i.kv_usage))
         route.reason = "prefix" if matched.get(route.prefill.address) else "load"
-        return route, hashes
+        return self._count(route, route.prefill), hashes
+
+    def _count(self, route: Route, prefiller: Instance) -> Route:
+        """Add what the index credits ``prefiller`` (the instance that prefills) with, per tier."""
+        host = route.host_cached_tokens(prefiller)
+        self.routed_cached_tokens["device"] += route.cached_tokens(prefiller) - host
+        self.routed_cached_tokens["host"] += host
+        return route
 
     def _holding(self, decodes: list[Instance], lora_name: str, exclude: Collection[str]) -> list[Instance]:
         """The healthy decode servers that serve ``lora_name``; UNAVAILABLE naming it when none does."""
@@ -180,10 +220,11 @@ class Router:
 
     async def _match(self, namespace: str, block_size: int, prompt_token_ids: Sequence[int],
                      candidates: list[Instance], lora_name: str | None,
-                     hashes: BlockHashes | None) -> tuple[dict[str, int], BlockHashes]:
-        """Cached prompt tokens per address. Under an adapter, servers are grouped by its
-        root hash there (one group when every copy agrees): each group is matched with the
-        chain from its own root and credited only with that."""
+                     hashes: BlockHashes | None) -> tuple[dict[str, int], dict[str, int], BlockHashes]:
+        """Cached prompt tokens per address (both tiers), and of those, the ones in its host
+        tier. Under an adapter, servers are grouped by its root hash there (one group when
+        every copy agrees): each group is matched with the chain from its own root and
+        credited only with that. An index without tiers (only ``match``) counts all as device."""
         groups: dict[int, set[str] | None] = {NONE_HASH: None}  # root -> addresses (None: any)
         if lora_name is not None:
             groups = {}
@@ -192,13 +233,22 @@ class Router:
                 groups.setdefault(root, set()).add(inst.address)
         hashes = dict(hashes or {})
         matched: dict[str, int] = {}
+        on_host: dict[str, int] = {}
+        match_tiers = getattr(self.index, "match_tiers", None)
         for root, members in groups.items():
             if root not in hashes:
                 hashes[root] = await asyncio.get_running_loop().run_in_executor(
                     None, prompt_block_hashes, list(prompt_token_ids), block_size, root)
-            blocks = await self.index.match(namespace, hashes[root])
-            matched.update({addr: k * block_size for addr, k in blocks.items() if members is None or addr in members})
-        return matched, hashes
+            if match_tiers is not None:
+                tiers = await match_tiers(namespace, hashes[root])
+            else:
+                tiers = {a: TierMatch(k, 0) for a, k in (await self.index.match(namespace, hashes[root])).items()}
+            for addr, m in tiers.items():
+                if members is None or addr in members:
+                    matched[addr] = m.total * block_size
+                    if m.host:
+                        on_host[addr] = m.host * block_size
+        return matched, on_host, hashes
 
     @property
     def prefill_instances(self) -> list[Instance]:

@@ -16,10 +16,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -46,6 +48,9 @@ logger = logging.getLogger("gateway")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # After --shutdown-timeout, aborted requests get this long to send their last message.
 _ABORT_GRACE_S = 5.0
+# Each client the gateway closes after serving (discovery, the prefix index, the Redis probe, the
+# engine servers' channels) gets this long; one that takes longer is named with its stack.
+_CLOSE_TIMEOUT_S = 10.0
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -161,13 +166,13 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
     index = make_prefix_index(cfg, registry, redis_status)
     router = Router(registry, index, cfg.kv_overlap_score_weight, cfg.local_prefill_threshold,
                     cfg.kv_load_failure_policy, metrics.on_local_prefill_fallback if cfg.prefill else None,
-                    stream_idle_timeout=cfg.stream_idle_timeout or None)
+                    stream_idle_timeout=cfg.stream_idle_timeout or None, host_hit_credit=cfg.kv_host_hit_credit)
     tool_parser = cfg.tool_call_parser or ("openai" if cfg.reasoning_parser == "gpt_oss" else None)
     parser = get_parser(tool_parser) if tool_parser else None
     service = GatewayService(inputs, registry, metrics, cfg.request_timeout,
                              cfg.max_queued_requests, cfg.log_requests, router, parser, cfg.enable_auto_tool_choice,
                              cfg.allow_runtime_lora_updating, reasoning_parser=reasoning,
-                             migration_limit=cfg.migration_limit)
+                             migration_limit=cfg.migration_limit, max_n=cfg.max_n)
     if cfg.allow_runtime_lora_updating:
         logger.info("runtime LoRA updating on: /v1/load_lora_adapter and /v1/unload_lora_adapter act on every "
                     "engine server")
@@ -209,14 +214,45 @@ async def _serve(cfg: GatewayConfig, inputs: InputProcessor, reasoning: Reasonin
         if http_task is not None:
             with contextlib.suppress(Exception):
                 await http_task
-        await discovery.close()
-        await index.close()
+        parts = [("discovery", discovery.close()), ("the prefix index", index.close())]
         if redis_status is not None:
-            await redis_status.close()
-        await registry.close()
+            parts.append(("the Redis probe", redis_status.close()))
+        parts.append(("the engine servers' channels", registry.close()))
+        stuck = await close_all(parts, _CLOSE_TIMEOUT_S)
         sock.close()
     logger.info("gateway stopped")
+    if stuck:  # a client that never closed would keep the process alive after it stopped serving
+        logging.shutdown()
+        os._exit(0)
     return 0
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a suspended coroutine waits: its frame and those of what it awaits, outermost first."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines) or "  (no frame)"
+
+
+async def close_all(parts: list[tuple[str, Coroutine[Any, Any, Any]]], timeout: float) -> list[str]:
+    """Await each (name, close coroutine) in turn, each within ``timeout`` seconds; returns the
+    names of those that did not end in time, each logged once with where it waits (left running)."""
+    stuck = []
+    for name, coro in parts:
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if done:
+            with contextlib.suppress(Exception):  # a close that fails has nothing left to close
+                task.result()
+            continue
+        logger.warning("gateway: closing %s took over %.0f s; exiting without it. It waits in:\n%s", name,
+                       timeout, _awaiting(task.get_coro()))
+        stuck.append(name)
+    return stuck
 
 
 async def _drain(service: GatewayService, http: uvicorn.Server, timeout: float) -> None:

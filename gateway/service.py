@@ -37,8 +37,9 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from engine.sampling_params import SamplingParams, check_priority
+from engine.sampling_params import MAX_N, SamplingParams, check_priority
 from gateway.active_requests import ActiveRequests
+from gateway.choices import ChoiceStreams
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.instances import InstanceRegistry
 from gateway.lora import LoRAAdmin, ServerResult, known_adapters
@@ -66,9 +67,10 @@ class GatewayService:
                  log_requests: bool = True, router: Router | None = None,
                  tool_parser: ToolParser | None = None, enable_auto_tool_choice: bool = False,
                  allow_runtime_lora_updating: bool = False, reasoning_parser: ReasoningParser | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, max_n: int = MAX_N) -> None:
         self.inputs = inputs
         self.migration_limit = migration_limit  # --migration-limit
+        self.max_n = max_n  # --max-n: n and best_of at most this
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tool_parser = tool_parser  # --tool-call-parser
@@ -76,6 +78,7 @@ class GatewayService:
         self.registry = registry
         self.metrics = metrics
         self.router = router or Router(registry)
+        metrics.follow_routed_cached_tokens(lambda: self.router.routed_cached_tokens)
         self.active = ActiveRequests(max_queued_requests)
         self.request_timeout = request_timeout
         self.log_requests = log_requests
@@ -165,6 +168,10 @@ class GatewayService:
         passed to both tiers (the servers refuse anything but 0 unless they schedule by priority)."""
         self.active.check_admission()
         self.inputs.check_sampling(sampling)  # the one range check for HTTP and gRPC
+        for name in ("n", "best_of"):
+            value = getattr(sampling, name)
+            if value is not None and value > self.max_n:
+                raise invalid(f"{name} must be at most {self.max_n} (the gateway's --max-n), got {value}", param=name)
         try:
             check_priority(priority)
         except ValueError as e:
@@ -189,35 +196,56 @@ class GatewayService:
                                lora_name=lora_name, priority=priority)
 
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerationDelta]:
-        """Deltas of one request until the one with a finish_reason. Raises
-        GatewayError; closing the iterator cancels every internal call."""
-        flow = RequestFlow(req, self.router, self.migration_limit, self.metrics.on_migration)
-        handle = self.active.add(req, flow)
-        self.metrics.set_in_flight(len(self.active))
+        """Deltas of one request until the one with a finish_reason (with ``n`` or ``best_of``:
+        every choice's, tagged with its index; gateway/choices.py). Raises GatewayError;
+        closing the iterator cancels every internal call."""
+        outputs: dict[str, OutputProcessor] = {}  # by the choice's internal id
+
+        def flow_of(choice: PreparedRequest, pin: Any = None) -> RequestFlow:
+            return RequestFlow(choice, self.router, self.migration_limit, self.metrics.on_migration, pin)
+
+        async def run(choice: PreparedRequest, flow: RequestFlow) -> AsyncIterator[GenerationDelta]:
+            handle = self.active.add(choice, flow)
+            self.metrics.set_in_flight(len(self.active))
+            output = outputs[choice.internal_id] = OutputProcessor(self.inputs.tokenizer, choice, self.metrics)
+            try:
+                async with aclosing(output.process(flow.stream())) as deltas:
+                    async for delta in deltas:
+                        if delta.finish_reason:
+                            flow.is_finished = True
+                        yield delta
+            finally:
+                self.active.remove(handle)
+                self.metrics.set_in_flight(len(self.active))
+
         if req.lora_name:
             self.metrics.on_lora_request(req.lora_name)
-        output = OutputProcessor(self.inputs.tokenizer, req, self.metrics)
+        choices = ChoiceStreams(req, flow_of, run) if req.sampling.num_sequences > 1 else None
+        flows = choices.flows if choices is not None else [flow_of(req)]
         outcome, message = "cancelled", ""
         error: BaseException | str | None = "cancelled"
         try:
-            async with aclosing(output.process(flow.stream())) as deltas:
+            stream = choices.deltas() if choices is not None else run(req, flows[0])
+            async with aclosing(stream) as deltas:
                 async for delta in deltas:
-                    if delta.finish_reason:
+                    if delta.finish_reason and delta.index == 0:
                         outcome, message, error = delta.finish_reason, delta.finish_message, None
-                        flow.is_finished = True
                     yield delta
         except GatewayError as e:
             outcome, error = f"error {e.kind.http_status}: {e.message}", e
             raise
         finally:
-            self.active.remove(handle)
-            self.metrics.set_in_flight(len(self.active))
-            self._finish(req, flow, output, outcome, error, message)
+            if req.internal_id in outputs:
+                total = choices.num_output_tokens if choices is not None else None
+                self._finish(req, flows[0], outputs[req.internal_id], outcome, error, message, total)
 
     def _finish(self, req: PreparedRequest, flow: RequestFlow, output: OutputProcessor, outcome: str,
-                error: BaseException | str | None, message: str = "") -> None:
+                error: BaseException | str | None, message: str = "", num_output_tokens: int | None = None) -> None:
         """A request's end: phase metrics, its trace's root span, its log line
-        (``message``: why a request finished with "error")."""
+        (``message``: why a request finished with "error"; ``num_output_tokens``: every
+        choice's, when it had several; its phases and route are choice 0's)."""
+        if num_output_tokens is None:
+            num_output_tokens = output.num_output_tokens
         e2e = time.monotonic() - req.arrival
         ttft = output.first_token_time - req.arrival if output.first_token_time is not None else None
         prefill = flow.prefill_result
@@ -228,13 +256,13 @@ class GatewayService:
             decode_s = (output.last_token_time - output.first_token_time
                         if output.first_token_time is not None and output.last_token_time is not None else None)
             self.metrics.on_request_phases(
-                num_prompt_tokens=len(req.prompt_token_ids), num_generation_tokens=output.num_output_tokens,
+                num_prompt_tokens=len(req.prompt_token_ids), num_generation_tokens=num_output_tokens,
                 queue_seconds=prefill.queue_seconds if prefill is not None else None,
                 prefill_seconds=max(0.0, prefill.prefill_seconds - prefill.queue_seconds) if prefill else None,
                 decode_seconds=decode_s, kv_seconds=kv.seconds if kv else None, kv_bytes=kv.num_bytes if kv else None)
         req.trace.finish({
             "gen_ai.response.finish_reasons": [outcome] if error is None else None,
-            "gen_ai.usage.output_tokens": output.num_output_tokens,
+            "gen_ai.usage.output_tokens": num_output_tokens,
             "pdserve.cached_tokens": output.num_cached_tokens, "pdserve.e2e_ms": round(e2e * 1e3, 3),
             "pdserve.kv.bytes": kv.num_bytes if kv else None,
             "pdserve.route.decode": flow.decode_address, "pdserve.route.prefill": flow.prefill_address,
@@ -246,7 +274,7 @@ class GatewayService:
             logger.info("request %s%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
                         "decode=%s prefill=%s route=%s matched_tokens=%d finish=%s%s%s%s",
                         req.request_id, internal, len(req.prompt_token_ids), output.num_cached_tokens,
-                        output.num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
+                        num_output_tokens, f"{ttft:.3f}s" if ttft is not None else "-", e2e,
                         flow.decode_address or "-",
                         flow.prefill_address or ("local" if flow.decode_address else "-"),
                         route.reason if route is not None else "-", matched,
@@ -257,17 +285,23 @@ class GatewayService:
 
     def cluster_json(self) -> dict[str, Any]:
         """The /cluster body: every instance's load and health, and with the in-memory prefix
-        index the blocks it credits each with (``prefix_blocks``; null while not followed);
-        the prefix index (``prefix_index``: backend, and for Redis whether it is reachable);
-        and the degraded modes (``degraded``: the counts of gateway/metrics.py)."""
+        index the blocks it credits each with, in its device cache (``prefix_blocks``) and in
+        its host tier (``prefix_host_blocks``; both null while not followed); the prefix index
+        (``prefix_index``: backend, and for Redis whether it is reachable); the prompt tokens
+        the index credited the instances routed to with, by tier (``routed_cached_tokens``:
+        device, host); and the degraded modes (``degraded``: the counts of gateway/metrics.py)."""
         out = self.registry.to_json()
         index = self.router.index
         out["prefix_index"] = index.to_json() if index is not None else None
+        out["routed_cached_tokens"] = dict(self.router.routed_cached_tokens)
         out["degraded"] = self.metrics.degraded_json()
-        num_blocks = getattr(self.router.index, "num_blocks", None)  # Redis keeps no per-instance count
-        if num_blocks is not None:
-            for inst in out["instances"]:
+        num_blocks = getattr(index, "num_blocks", None)  # Redis keeps no per-instance count
+        num_host_blocks = getattr(index, "num_host_blocks", None)
+        for inst in out["instances"]:
+            if num_blocks is not None:
                 inst["prefix_blocks"] = num_blocks(inst["address"])
+            if num_host_blocks is not None:
+                inst["prefix_host_blocks"] = num_host_blocks(inst["address"])
         return out
 
     def abort(self, request_id: str) -> bool:

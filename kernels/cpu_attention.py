@@ -1,4 +1,5 @@
-"""Paged attention and the KV-cache write on the CPU, compiled (``cpu/paged_attention.cpp``).
+"""Paged attention and the KV-cache write on the CPU, compiled (``cpu/paged_attention.cpp``; the
+same library holds the RMSNorm and rotary embedding of ``kernels/cpu_ops.py``, ``cpu/elementwise.cpp``).
 
 The references gather each sequence's K/V out of the paged cache before their
 matmuls, and run a few dozen small ops per layer to do it. This C++ extension
@@ -37,7 +38,6 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 import torch
@@ -49,8 +49,11 @@ from kernels._checks import FP8_KV_DTYPE, check_window
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_attention.cpp")
+# Built into the same library: the per-layer elementwise glue (kernels/cpu_ops.py calls it).
+_ELEMENTWISE_SOURCE = os.path.join(os.path.dirname(_SOURCE), "elementwise.cpp")
 _NAME = ("pdserve_cpu_attention_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
-         + hashlib.sha256(f"{_SOURCE}\0{os.path.dirname(torch.__file__)}".encode()).hexdigest()[:12])
+         + hashlib.sha256(f"{_SOURCE}\0{_ELEMENTWISE_SOURCE}\0{os.path.dirname(torch.__file__)}".encode())
+         .hexdigest()[:12])
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 
@@ -84,18 +87,18 @@ def unavailable_reason() -> str | None:
 
 
 def _load(timeout: float) -> tuple[Any, str | None]:
-    return cpu_extension.load_extension(_NAME, [_SOURCE], timeout, what="compiled CPU attention",
+    return cpu_extension.load_extension(_NAME, [_SOURCE, _ELEMENTWISE_SOURCE], timeout, what="compiled CPU attention",
                                         timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT")
 
 
-def _covered(q: torch.Tensor, *caches: torch.Tensor) -> bool:
+def _covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the extension takes these tensors (else the reference does)."""
     if q.device.type != "cpu" or q.dtype not in _FLOAT_DTYPES or q.dim() != 3:
         return False
-    c = caches[0]
-    return (all(t.device.type == "cpu" and t.dtype == c.dtype and t.dim() == 4 and t.stride(3) == 1
-                for t in caches)
-            and c.dtype in (q.dtype, FP8_KV_DTYPE) and c.shape[3] <= _MAX_HEAD_DIM)
+    for c in (k_cache, v_cache):
+        if c.device.type != "cpu" or c.dtype != k_cache.dtype or c.dim() != 4 or c.stride(3) != 1:
+            return False
+    return k_cache.dtype in (q.dtype, FP8_KV_DTYPE) and k_cache.shape[3] <= _MAX_HEAD_DIM
 
 
 def store_kv_cache(
@@ -135,8 +138,8 @@ def paged_attention(
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``kernels.reference.paged_attention``, compiled; ``num_splits`` and ``step_cache``
-    change nothing here (the extension needs no per-step index work). ``sinks`` (float32
+    """``kernels.reference.paged_attention``, compiled; ``num_splits`` changes nothing here, and
+    ``step_cache`` keeps the index tensors' int32 copies for the step's other layers. ``sinks`` (float32
     [num_q_heads] or None) are folded into each row's softmax once its keys are done."""
     check_window(sliding_window)
     check_sinks("paged_attention", sinks, q)
@@ -147,21 +150,16 @@ def paged_attention(
                                          sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
                                          sinks=sinks)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    meta = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
+    # The step's index tensors as the extension reads them: once per step and cache group, not per layer.
+    meta = step_cache.get("cpu_int32") if step_cache is not None else None
+    if meta is None:
+        meta = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
+        if step_cache is not None:
+            step_cache["cpu_int32"] = meta
     return ext.paged_attention(q, k_cache, v_cache, *meta, float(scale),
                                0 if sliding_window is None else sliding_window, float(k_scale), float(v_scale),
                                sinks)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build (or find) the extension ahead of use
-    import argparse
-
-    cli = argparse.ArgumentParser(description="build the compiled CPU attention ahead of use")
-    cli.add_argument("--build-timeout", type=float, default=DEFAULT_BUILD_TIMEOUT_S,
-                     help=f"seconds to wait for the build (and torch's build lock) before giving up "
-                          f"(default {DEFAULT_BUILD_TIMEOUT_S:g})")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    t0 = time.perf_counter()
-    ready = extension(cli.parse_args().build_timeout) is not None
-    print(f"compiled CPU attention: ready ({time.perf_counter() - t0:.1f} s)" if ready
-          else f"compiled CPU attention: not built ({unavailable_reason()}); CPU attention uses the reference")
+    cpu_extension.prebuild_main("compiled CPU attention", extension, unavailable_reason)

@@ -191,3 +191,20 @@ def _processes_holding(path: str) -> list[int] | None:
             except OSError:
                 continue
     return pids
+
+
+def prebuild_main(what: str, build: Any, unavailable_reason: Any) -> None:
+    """``python -m kernels.<module>``: build (or find) one extension ahead of use, with
+    ``--build-timeout``, and say in one line whether it is ready (``build(timeout)`` returns
+    the module or None, ``unavailable_reason()`` says why None)."""
+    import argparse
+
+    cli = argparse.ArgumentParser(description=f"build the {what} ahead of use")
+    cli.add_argument("--build-timeout", type=float, default=DEFAULT_BUILD_TIMEOUT_S,
+                     help=f"seconds to wait for the build (and torch's build lock) before giving up "
+                          f"(default {DEFAULT_BUILD_TIMEOUT_S:g})")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    ready = build(cli.parse_args().build_timeout) is not None
+    print(f"{what}: ready ({time.perf_counter() - t0:.1f} s)" if ready
+          else f"{what}: not built ({unavailable_reason()}); the PyTorch reference serves")

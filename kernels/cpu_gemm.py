@@ -80,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 _GGUF_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "gguf_gemm.cpp")
 GGUF_QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the extension's qtype codes
-_GGUF_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-ffp-contract=off")
+GGUF_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-ffp-contract=off")  # also bench.gguf_token_gemms's builds
 _gguf_state: dict = {}  # "module": the loaded extension or None; "reason": why None
 
 
@@ -93,7 +93,7 @@ def _cpu_flags() -> str:
 
 
 def _gguf_name() -> str:
-    key = f"{_GGUF_SOURCE}\0{os.path.dirname(torch.__file__)}\0{_cpu_flags()}\0{' '.join(_GGUF_CFLAGS)}"
+    key = f"{_GGUF_SOURCE}\0{os.path.dirname(torch.__file__)}\0{_cpu_flags()}\0{' '.join(GGUF_CFLAGS)}"
     return ("pdserve_cpu_gguf_gemm_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
             + hashlib.sha256(key.encode()).hexdigest()[:12])
 
@@ -109,7 +109,7 @@ def gguf_extension(build_timeout: float | None = None) -> Any:
                 timeout = build_timeout or cpu_extension.DEFAULT_BUILD_TIMEOUT_S
                 module, reason = cpu_extension.load_extension(
                     _gguf_name(), [_GGUF_SOURCE], timeout, what="compiled GGUF GEMM",
-                    timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT", extra_cflags=_GGUF_CFLAGS)
+                    timeout_env="PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT", extra_cflags=GGUF_CFLAGS)
                 _gguf_state["module"], _gguf_state["reason"] = module, reason
                 if module is None:
                     logger.warning("compiled GGUF GEMM unavailable (%s); GGUF linear layers use the PyTorch "
@@ -125,16 +125,22 @@ def gguf_unavailable_reason() -> str | None:
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias), x [..., K], W the packed GGUF weight uint8 [N, row bytes] of type ``qtype``;
     float32 out. The compiled kernel on CPU, else ``kernels.gguf_reference.linear``."""
-    from kernels import gguf_reference
+    code = GGUF_QTYPES.get(qtype)
+    ext = gguf_extension() if x.device.type == "cpu" and packed.device.type == "cpu" else None
+    if ext is None or code is None or x.shape[-1] % 32 or packed.dtype != torch.uint8 or packed.dim() != 2:
+        from kernels import gguf_reference
 
-    ext = None
-    if (x.device.type == "cpu" and packed.device.type == "cpu" and qtype in GGUF_QTYPES
-            and x.shape[-1] % 32 == 0 and packed.dtype == torch.uint8 and packed.dim() == 2):
-        ext = gguf_extension()
-    if ext is None:
         return gguf_reference.linear(x, packed, qtype, bias)
+    if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return ext.gguf_linear(x, packed, code, None)  # a step's call: nothing to reshape or convert
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    y = ext.gguf_linear(x2, packed.contiguous(), GGUF_QTYPES[qtype], b)
+    y = ext.gguf_linear(x2, packed.contiguous(), code, b)
     return y.reshape(*shape[:-1], packed.shape[0])
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_gemm`: build (or find) the GGUF GEMM ahead of use
+    from kernels import cpu_extension
+
+    cpu_extension.prebuild_main("compiled GGUF GEMM", gguf_extension, gguf_unavailable_reason)

@@ -386,6 +386,93 @@ def _expert_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_experts"])
+def _pair_gemv_kernel(
+    a_ptr,  # GATED: x [T, KDIM]; else inter [T*K, KDIM]
+    w_ptr,  # GATED: w13 [E, 2*N, KDIM]; else w2 [E, N, KDIM] (MXFP4: uint8, KDIM / 2 bytes a row)
+    out_ptr,  # [T*K, N]
+    ids_ptr,  # [T, K] expert ids; ids outside [0, E) are skipped
+    topk_weights_ptr,  # [T, K] float32 (not GATED only)
+    bias_ptr,  # HAS_BIAS: GATED b13 [E, 2*N]; else b2 [E, N]
+    w_scale_ptr,  # MXFP4: uint8 e8m0 [E, rows of w, KDIM / 32]
+    num_experts, N, swiglu_alpha, swiglu_limit,
+    stride_am, stride_we, stride_wn, stride_om, stride_it, stride_ik, stride_rt, stride_rk,
+    stride_wse, stride_wsn, stride_wsk, stride_be,
+    KDIM: tl.constexpr, TOP_K: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+):
+    # One (token, slot) pair and BLOCK_N output columns: the expert's rows n times one A row, reduced
+    # along K in float32 registers without a dot (a dot pads the one row to 16). The same products as
+    # _expert_gemm_kernel: weights rounded to a's dtype, each product exact in float32.
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + token * stride_it + (pair % TOP_K) * stride_ik).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    if GATED:
+        a_row = token.to(tl.int64)
+    else:
+        a_row = pair.to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row * stride_am + k  # [BLOCK_K]
+    row64 = n.to(tl.int64)[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if MXFP4:
+        kh = tl.arange(0, BLOCK_K // 2)
+        kg = tl.arange(0, BLOCK_K // 32)
+        q_ptrs = w_ptr + expert * stride_we + row64 * stride_wn + kh[:, None]  # [BLOCK_K / 2, BLOCK_N]
+        s_ptrs = w_scale_ptr + expert * stride_wse + row64 * stride_wsn + kg[:, None] * stride_wsk
+        for k0 in range(0, KDIM, BLOCK_K):
+            if KDIM % BLOCK_K == 0:
+                a = tl.load(a_ptrs)
+                q_ok = n_ok[None, :]
+                s_ok = n_ok[None, :]
+            else:
+                a = tl.load(a_ptrs, mask=k < KDIM - k0, other=0.0)
+                q_ok = (kh < (KDIM - k0) // 2)[:, None] & n_ok[None, :]
+                s_ok = (kg < (KDIM - k0) // 32)[:, None] & n_ok[None, :]
+            af = a.to(tl.float32)[:, None]
+            w = _mxfp4_tile(tl.load(q_ptrs, mask=q_ok, other=0), tl.load(s_ptrs, mask=s_ok, other=0),
+                            BLOCK_K, BLOCK_N)
+            acc += tl.sum(af * w.to(a.dtype).to(tl.float32), axis=0)
+            if GATED:  # up rows follow the N gate rows
+                wu = _mxfp4_tile(tl.load(q_ptrs + N * stride_wn, mask=q_ok, other=0),
+                                 tl.load(s_ptrs + N * stride_wsn, mask=s_ok, other=0), BLOCK_K, BLOCK_N)
+                acc_up += tl.sum(af * wu.to(a.dtype).to(tl.float32), axis=0)
+            a_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_wsk
+    else:
+        w_ptrs = w_ptr + expert * stride_we + row64 * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
+        for k0 in range(0, KDIM, BLOCK_K):
+            if KDIM % BLOCK_K == 0:
+                a = tl.load(a_ptrs)
+                w_ok = n_ok[None, :]
+            else:
+                a = tl.load(a_ptrs, mask=k < KDIM - k0, other=0.0)
+                w_ok = (k < KDIM - k0)[:, None] & n_ok[None, :]
+            af = a.to(tl.float32)[:, None]
+            acc += tl.sum(af * tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32), axis=0)
+            if GATED:
+                wu = tl.load(w_ptrs + N * stride_wn, mask=w_ok, other=0.0)
+                acc_up += tl.sum(af * wu.to(tl.float32), axis=0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + n
+        acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up += tl.load(b_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)
+    if GATED:
+        acc = _gated(acc, acc_up, swiglu_alpha, swiglu_limit, ACTIVATION)
+    else:
+        acc = acc * tl.load(topk_weights_ptr + token * stride_rt + (pair % TOP_K) * stride_rk)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 @triton.jit
 def _sum_slots_kernel(
     y_ptr,  # [T*K, H]
@@ -456,6 +543,31 @@ class MoeTiles:
             require(g.group_m >= 1 and g.num_warps in (1, 2, 4, 8, 16) and g.num_stages >= 1, where,
                     f"config has a bad group_m, num_warps or num_stages: {d!r}")
         return tiles
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The pair GEMV's tiles (a few tokens): BLOCK_N output columns of one pair a program, BLOCK_K a step."""
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# The pair GEMV serves at most this many tokens (each pair reads its expert's rows on its own: a few
+# tokens sharing an expert read them again from L2) for MXFP4 and 16-bit experts; 0: the grouped
+# GEMMs serve every count. Off until `python -m bench.moe_small_batch` has timed it on a GPU against
+# the tuned grouped GEMMs (docs/benchmarks.md); the tests run it on CPU under Triton's interpreter.
+PAIR_GEMV_MAX_TOKENS = 0
+
+
+def gemv_tiles(num_tokens: int, w: torch.Tensor, x: torch.Tensor) -> GemvTiles | None:
+    """The pair GEMV's tiles for ``num_tokens`` tokens of x times experts ``w`` (w13), or None when the
+    grouped GEMMs serve them (more tokens, e4m3 weights)."""
+    if num_tokens > PAIR_GEMV_MAX_TOKENS or w.dtype == FP8_DTYPE:
+        return None
+    if x.dtype == torch.float32:  # the exact float32 path: smaller register tiles
+        return GemvTiles(16, 64, 4)
+    return GemvTiles(16, 256, 4)
 
 
 def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> MoeTiles:
@@ -703,6 +815,14 @@ def fused_moe(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
+    gemv = gemv_tiles(num_tokens, w13, x)
+    if gemv is not None:
+        inter_out = _pair_gemv(x, w13, topk_ids, topk_weights, inter, gemv, gated=True, activation=activation,
+                               w_scale=w13_scale, bias=w13_bias, swiglu=swiglu)  # [T*K, I]
+        y = _pair_gemv(inter_out, w2, topk_ids, topk_weights, hidden, gemv, gated=False, activation=activation,
+                       w_scale=w2_scale, bias=w2_bias)  # [T*K, H]
+        _sum_slots(y, topk_ids, out, num_experts)
+        return out
     tiles = pick_tiles(config, num_tokens, num_experts, top_k, x.dtype if mxfp4 else w13.dtype)
     sorted_ids, block_expert = _align(topk_ids, num_experts, tiles.block_m)
     fp8 = w13.dtype == FP8_DTYPE
@@ -724,9 +844,37 @@ def fused_moe(
     y = _gemm(a, w2, sorted_ids, block_expert, topk_weights, top_k, hidden, tiles.block_m, tiles.gemm2,
               gated=False, activation=activation, out_dtype=x.dtype, a_scale=a_scale, w_scale=w2_scale,
               block_size=block_size, bias=w2_bias)  # [T*K, H]
+    _sum_slots(y, topk_ids, out, num_experts)
+    return out
+
+
+def _sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, num_experts: int) -> None:
+    """out[t] = the sum of y's rows t*K .. t*K + K-1 in slot order (float32), skipping foreign ids."""
+    (num_tokens, top_k), hidden = topk_ids.shape, out.shape[1]
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_H))](
         y, topk_ids, out, hidden, num_experts, topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         TOP_K=top_k, BLOCK_H=min(_SUM_BLOCK_H, max(16, next_pow2(hidden))),
+    )
+
+
+def _pair_gemv(a: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int,
+               tiles: GemvTiles, *, gated: bool, activation: str, w_scale: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT)
+               ) -> torch.Tensor:
+    """One pair GEMV (a few tokens) into a new [T*K, n] in a's dtype: as ``_gemm`` without the align
+    step; rows of pairs with a foreign expert id are never written (the slot sum skips them)."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty((num_tokens * top_k, n), dtype=a.dtype, device=a.device)
+    mxfp4 = w.dtype == MXFP4_DTYPE
+    block_k = max(tiles.block_k, MXFP4_BLOCK) if mxfp4 else tiles.block_k
+    ws = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)) if mxfp4 else (0, 0, 0)
+    _pair_gemv_kernel[(num_tokens * top_k, triton.cdiv(n, tiles.block_n))](
+        a, w, out, topk_ids, topk_weights, topk_weights if bias is None else bias,
+        w_scale if mxfp4 else topk_weights, w.shape[0], n, float(swiglu[0]), float(swiglu[1]),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1), *ws, 0 if bias is None else bias.stride(0),
+        KDIM=a.shape[1], TOP_K=top_k, GATED=gated, ACTIVATION=activation, BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, MXFP4=mxfp4, num_warps=tiles.num_warps,
     )
     return out
 
@@ -848,8 +996,9 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
     calls = 0
     for num_tokens in range(1, max_tokens + 1):
         block_e, block_p, chunks = _align_shape(num_tokens * top_k, num_experts)
-        key = (pick_tiles(config, num_tokens, num_experts, top_k, tiles_dtype), block_p,
-               chunks == 1 or next_pow2(chunks))
+        gemv = gemv_tiles(num_tokens, w13, torch.empty(0, dtype=x_dtype))
+        key = (gemv,) if gemv is not None else (
+            pick_tiles(config, num_tokens, num_experts, top_k, tiles_dtype), block_p, chunks == 1 or next_pow2(chunks))
         if key in seen:
             continue
         seen.add(key)

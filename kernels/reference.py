@@ -24,10 +24,12 @@ from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_
 
 
 def describe_kernels(device: torch.device, dtype: torch.dtype,
-                     cpu_attention_build_timeout: float | None = None) -> str:
+                     cpu_attention_build_timeout: float | None = None,
+                     glue: str = "norms, RoPE and activations PyTorch (kernels.reference)") -> str:
     """What serves a step on these references, for the model runner's start-up log line.
     On the CPU, attention is the compiled CPU attention (built or loaded here, as the
-    runner's warm-up would, so the line says which runs) and float32 GEMMs oneDNN's."""
+    runner's warm-up would, so the line says which runs) and float32 GEMMs oneDNN's;
+    ``glue`` names what runs the rest (kernels.cpu_ops names its own)."""
     if device.type != "cpu":
         return "PyTorch references (kernels.reference), GEMMs torch's"
     from kernels import cpu_gemm
@@ -41,8 +43,7 @@ def describe_kernels(device: torch.device, dtype: torch.dtype,
         why = cpu_attention.unavailable_reason() if cpu_attention is not None else "not in use"
         attention = f"PyTorch reference ({why})"
     gemms = "oneDNN's" if dtype == torch.float32 and cpu_gemm.onednn_available() else "torch's F.linear"
-    return (f"attention {attention}, GEMMs {gemms}, norms, RoPE and activations PyTorch "
-            "(kernels.reference)")
+    return f"attention {attention}, GEMMs {gemms}, {glue}"
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:

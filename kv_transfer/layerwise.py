@@ -29,6 +29,10 @@ from kv_transfer.send_worker import KVSendWorker, check_block_counts
 
 logger = logging.getLogger(__name__)
 _END = "end"  # the step is over: no more layers
+# TESTS ONLY (the prefill server's hidden flag --test-pause-kv-send LAYER:SECONDS): every
+# layer-wise send stops for SECONDS once it has given layer LAYER, its transfer begun on the
+# decode server, so a test can kill the prefill server mid-send. None: one test per layer.
+TEST_PAUSE_AFTER_LAYER: tuple[int, float] | None = None
 
 
 @dataclass
@@ -90,6 +94,8 @@ def _stream(s: StreamedSend, transfer, num_layers: int, deadline: float) -> Tran
             done, ready = item  # layers up to ``done`` are written once ``ready`` has passed
             for layer in range(next_layer, done + 1):
                 transfer.send_layer(layer, ready if layer == done else None)
+                if TEST_PAUSE_AFTER_LAYER is not None and layer == TEST_PAUSE_AFTER_LAYER[0]:
+                    _test_pause(s.request_id, *TEST_PAUSE_AFTER_LAYER)
             next_layer = done + 1
         meta = _get(s.meta, deadline, f"request {s.request_id}: no first token")
         if meta is None:
@@ -122,6 +128,12 @@ class StepLayers:
     def step_ended(self) -> None:
         for s in self.sends:
             s.layers.put(_END)  # read only by a send that is still short of layers
+
+
+def _test_pause(request_id: str, layer: int, seconds: float) -> None:
+    logger.warning("test hook: the layer-wise KV send of request %s pauses after layer %d for %g s",
+                   request_id, layer, seconds)
+    time.sleep(seconds)
 
 
 def _get(q: queue.SimpleQueue, deadline: float, what: str) -> Any:

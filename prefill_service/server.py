@@ -7,6 +7,7 @@ import logging
 import sys
 
 from engine.speculative import SpeculativeConfig
+from kv_transfer import layerwise
 from prefill_service.flags import add_kv_send_args
 from prefill_service.servicer import PrefillServicer
 from rpc.engine_server import add_server_args, configure_logging, serve_engine
@@ -17,10 +18,20 @@ DEFAULT_PORT = 50061
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser, DEFAULT_PORT)
     add_kv_send_args(parser)
+    # Tests only (kv_transfer/layerwise.py TEST_PAUSE_AFTER_LAYER): hidden, and not passed on by `pdserve up`.
+    parser.add_argument("--test-pause-kv-send", default=None, metavar="LAYER:SECONDS", help=argparse.SUPPRESS)
+
+
+def _test_pause(value: str | None) -> tuple[int, float] | None:
+    if value is None:
+        return None
+    layer, _, seconds = value.partition(":")
+    return int(layer), float(seconds)
 
 
 def main(args: argparse.Namespace) -> int:
     configure_logging("prefill")
+    layerwise.TEST_PAUSE_AFTER_LAYER = _test_pause(getattr(args, "test_pause_kv_send", None))
     try:
         spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
     except ValueError:  # reported by the engine's configuration

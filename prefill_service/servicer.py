@@ -85,7 +85,12 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         d = stats = None
         try:
             prompt, deadline = list(request.prompt_token_ids), deadline_of(context)
-            skip = request.num_skip_blocks  # the decode side has these leading blocks cached
+            # The decode side has the prompt's first skip blocks of --block-size tokens cached (its
+            # prefix-cache hit): every cache group's blocks of those tokens stay out of the send.
+            try:
+                skip_tokens, dst_blocks = _skipped(bridge.engine, request, len(prompt))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             # a hybrid model's linear-attention state goes whole into this slot (-1: no such layers)
             dst_state = request.dst_state_slot if request.HasField("dst_state_slot") else -1
             if sends.worker.linear_states is not None and dst_state < 0:
@@ -93,9 +98,10 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                                     f"request {rid}: this model has linear-attention layers, whose state goes to "
                                     "the decode server's reserved state slot, but the request names none "
                                     "(dst_state_slot; a gateway or decode server older than this server?)")
-            sends.expect(rid, request.decode_address, list(request.dst_block_ids)[skip:], skip, dst_state)
+            # (the engine leaves the skipped blocks out of what it hands the send: none to skip here)
+            sends.expect(rid, request.decode_address, dst_blocks, 0, dst_state)
             try:
-                await bridge.run(lambda e: _add_prefill(e, request, prompt, params, deadline))
+                await bridge.run(lambda e: _add_prefill(e, request, prompt, params, deadline, skip_tokens))
             except (OverflowError, ValueError) as exc:
                 await context.abort(admission_status(exc), str(exc))
             d = await self._wait_held(queue, request.decode_address, context)
@@ -104,16 +110,13 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
                     "logprob": dataclasses.asdict(d.logprobs[0]) if d.logprobs else None}
             # sending since its last chunk began (layer-wise): the token completes it
             send = sends.first_token(rid, meta)
-            if not 0 <= skip < len(d.block_ids):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"num_skip_blocks {skip} out of range [0, {len(d.block_ids)})")
             try:
                 if send is None:
                     try:
                         block_ids, state_slot = await bridge.run(lambda e: (e.begin_send(rid), e.state_slot(rid)))
                     except ValueError as exc:  # expired or aborted since it was held
                         await context.abort(grpc.StatusCode.ABORTED, str(exc))
-                    send = sends.send_after_prefill(rid, block_ids[skip:], state_slot)
+                    send = sends.send_after_prefill(rid, block_ids, state_slot)
                 stats = await asyncio.shield(asyncio.wrap_future(send))
             except KVTransferError as exc:
                 # ABORTED, not UNAVAILABLE: this server is fine, the hand-off to that decode server is not.
@@ -217,10 +220,27 @@ def _record_spans(rid: str, trace_ctx, d: Delta, stats, num_prompt_tokens: int, 
     tracing.record_engine_spans("prefill", rid, trace_ctx, times, attrs)
 
 
+def _skipped(engine: LLMEngine, request: engine_pb2.PrefillRequest, num_prompt: int) -> tuple[int, list[int]]:
+    """The decode side's cached prefix in tokens (``num_skip_blocks`` of --block-size), and the
+    blocks there the KV goes to: every cache group's table (``dst_block_ids`` holds them in group
+    order) less its blocks of that prefix. ValueError when the request names no such prefix."""
+    skip, block_size = request.num_skip_blocks, engine.config.cache.block_size
+    num_tokens = num_prompt + len(request.resume_output_token_ids)  # (what the reservation holds)
+    num_blocks = -(-num_tokens // block_size)
+    if not 0 <= skip < num_blocks:
+        raise ValueError(f"num_skip_blocks {skip} out of range [0, {num_blocks})")
+    try:
+        return skip * block_size, engine.cache_layout.blocks_past(list(request.dst_block_ids), num_tokens,
+                                                                  skip * block_size)
+    except ValueError as exc:
+        raise ValueError(f"num_skip_blocks {skip}: {exc}") from None
+
+
 def _add_prefill(engine: LLMEngine, request: engine_pb2.PrefillRequest, prompt: list[int], params,
-                 deadline: float | None) -> None:
-    """Queue the prompt (engine thread); under an adapter, only if this server's copy of it is
-    the one the decode server reserved with."""
+                 deadline: float | None, skip_tokens: int) -> None:
+    """Queue the prompt (engine thread), its send to leave out the decode side's cached
+    ``skip_tokens``; under an adapter, only if this server's copy of it is the one the decode
+    server reserved with."""
     name = request.lora_name or None
     if name is not None and request.lora_fingerprint:
         mine = engine.lora_info(name).fingerprint
@@ -229,4 +249,4 @@ def _add_prefill(engine: LLMEngine, request: engine_pb2.PrefillRequest, prompt: 
                                f"the decode server ({request.lora_fingerprint}): load the same files on both")
     engine.add_prefill_request(request.request_id, prompt, params, deadline=deadline, lora_name=name,
                                resume_output_token_ids=list(request.resume_output_token_ids),
-                               priority=request.priority)
+                               priority=request.priority, kv_skip_tokens=skip_tokens)

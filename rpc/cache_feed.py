@@ -1,9 +1,17 @@
 """An engine server's prefix-cache feed: the full-block hashes entering and
-leaving its cache, fanned out to whoever indexes them (the Redis publisher in
-this process, the gateways watching over gRPC).
+leaving its caches, each with its tier (the device cache; the host tier,
+``--kv-offloading-size``), fanned out to whoever indexes them (the Redis
+publisher in this process, the gateways watching over gRPC).
 
-    engine thread, after each step:  events = engine.take_cache_events() -> every subscriber
-    subscribe (in the engine thread): a snapshot of every cached hash, then the events after it
+    engine thread, after each step:  the device cache's events (engine.take_cache_events())
+                                     and the host tier's (engine.host_kv.take_events()) -> every subscriber
+    subscribe (in the engine thread): a snapshot of every cached hash in both, then the events after it
+
+The two tiers are independent sets (a block loaded back from the host is on
+both until one of them drops it), so a batch lists the device's events, then
+the host's, each in order. Lost events in either tier replace the batch with a
+snapshot of both. The disk tier (``--kv-offloading-path``) is not fed: see
+docs/architecture.md, "Prefix index".
 
 Nothing is recorded until the first subscription. A subscriber that falls
 more than ``max_pending`` batches behind is dropped (its ``closed`` is set)
@@ -30,11 +38,47 @@ if TYPE_CHECKING:  # the gateway imports the key scheme next door and must not l
 logger = logging.getLogger(__name__)
 
 
+DEVICE, HOST = engine_pb2.CACHE_TIER_DEVICE, engine_pb2.CACHE_TIER_HOST
+
+
 @dataclass
 class CacheBatch:
-    snapshot: bool  # True: ``hashes`` is everything cached now (all stored)
+    snapshot: bool  # True: ``hashes`` is everything cached now, in every tier (all stored)
     hashes: list[int] = field(default_factory=list)
     stored: list[bool] = field(default_factory=list)
+    tiers: list[int] = field(default_factory=list)  # DEVICE | HOST per hash
+
+    def to_proto(self, instance_id: str, namespace: str) -> engine_pb2.CacheEventBatch:
+        # (tiers left empty when every entry is the device's: what a reader without tiers expects)
+        tiers = self.tiers if any(t != DEVICE for t in self.tiers) else []
+        return engine_pb2.CacheEventBatch(instance_id=instance_id, cache_namespace=namespace,
+                                          snapshot=self.snapshot, hashes=self.hashes, stored=self.stored,
+                                          tiers=tiers)
+
+
+def take_snapshot(engine: LLMEngine) -> CacheBatch:
+    """Everything ``engine`` caches now, both tiers; each tier records its events from here."""
+    device = engine.cache_snapshot()
+    host = engine.host_kv.snapshot() if engine.host_kv is not None else []
+    return CacheBatch(True, device + host, [True] * (len(device) + len(host)),
+                      [DEVICE] * len(device) + [HOST] * len(host))
+
+
+def take_events(engine: LLMEngine) -> CacheBatch | None:
+    """What changed in both tiers since the last call or snapshot (None: nothing); a snapshot
+    instead when either tier lost events."""
+    events, lost = engine.take_cache_events()
+    host_events: list[tuple[bool, int]] = []
+    if engine.host_kv is not None:
+        host_events, host_lost = engine.host_kv.take_events()
+        lost = lost or host_lost
+    if lost:
+        return take_snapshot(engine)
+    if not events and not host_events:
+        return None
+    both = events + host_events
+    return CacheBatch(False, [h for _, h in both], [s for s, _ in both],
+                      [DEVICE] * len(events) + [HOST] * len(host_events))
 
 
 class Subscription:
@@ -73,8 +117,7 @@ class CacheEventFeed:
     def subscribe(self, engine: LLMEngine, deliver: Callable[[CacheBatch], None]) -> Subscription:
         sub = Subscription(deliver, self.max_pending)
         self.publish(engine)  # the others get what is pending before the snapshot resets it
-        snapshot = engine.cache_snapshot()
-        sub.deliver(CacheBatch(True, snapshot, [True] * len(snapshot)))
+        sub.deliver(take_snapshot(engine))
         with self._lock:
             self._subs.append(sub)
         return sub
@@ -83,13 +126,8 @@ class CacheEventFeed:
         """After a step: hand the step's cache events to every subscriber."""
         if not self._subs:
             return
-        events, lost = engine.take_cache_events()
-        if lost:
-            snapshot = engine.cache_snapshot()
-            batch = CacheBatch(True, snapshot, [True] * len(snapshot))
-        elif events:
-            batch = CacheBatch(False, [h for _, h in events], [s for s, _ in events])
-        else:
+        batch = take_events(engine)
+        if batch is None:
             return
         with self._lock:
             self._subs = [s for s in self._subs if s.deliver(batch)]
@@ -132,8 +170,7 @@ class CacheEventsServicer(engine_pb2_grpc.CacheEventsServicer):
                 except asyncio.TimeoutError:
                     continue
                 sub.consumed()
-                yield engine_pb2.CacheEventBatch(instance_id=feed.instance_id, cache_namespace=feed.namespace,
-                                                 snapshot=batch.snapshot, hashes=batch.hashes, stored=batch.stored)
+                yield batch.to_proto(feed.instance_id, feed.namespace)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "the watcher fell too far behind; watch again for a fresh snapshot")
         finally:

@@ -11,7 +11,7 @@ from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "logprobs",
-                    "skip_special_tokens", "prompt_logprobs")
+                    "skip_special_tokens", "prompt_logprobs", "n", "best_of")
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -65,6 +65,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.n != 1:
+        msg.n = p.n
+    if p.best_of is not None:
+        msg.best_of = p.best_of
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     if p.logit_bias:

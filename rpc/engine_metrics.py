@@ -21,6 +21,8 @@ from kv_transfer import TransferStats
 from engine.llm_engine import LLMEngine
 from rpc.ports import PortUnavailable, join
 
+# Where a prefix hit's KV was (vLLM's CacheHitSource values that apply here).
+CACHE_HIT_SOURCES = ("device", "host", "disk")
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -45,8 +47,26 @@ class _SchedulerCollector(Collector):
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to run (or for their KV).", s.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv_cache_usage)
+        # Prefix-cache hits as vLLM counts them (a request's first admission; tokens): prefix_cache_*
+        # the device cache's, external_prefix_cache_* those of the tiers behind it (vLLM's counters
+        # of its KV connectors, where its CPU offloading reports), prompt_tokens_cached all of them,
+        # prompt_tokens_cached_by_source per tier (vLLM's sources device, host, disk).
+        by_source = {src: s.prefix_hits_by_source.get(src, 0) for src in CACHE_HIT_SOURCES}
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_total)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits_total)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the device prefix cache.", by_source["device"])
+        yield counter("prompt_tokens_cached", "Prompt tokens found cached (device + host + disk tiers).",
+                      s.prefix_hits_total)
+        c = CounterMetricFamily("pdserve:prompt_tokens_cached_by_source", "Prompt tokens found cached, by the tier "
+                                "their KV came from (device; host: --kv-offloading-size; disk: "
+                                "--kv-offloading-path).", labels=names + ["source"])
+        for src, n in by_source.items():
+            c.add_metric(values + [src], n)
+        yield c
+        if s.host_kv_blocks_total:
+            yield counter("external_prefix_cache_queries", "Prompt tokens looked up in the prefix cache, the host "
+                          "and disk tiers included.", s.prefix_queries_total)
+            yield counter("external_prefix_cache_hits", "Prompt tokens found in the host or disk tier (not on "
+                          "the device).", by_source["host"] + by_source["disk"])
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)
         yield counter("engine_steps", "Engine steps that ran (or queued) a forward pass.", s.num_steps_total)
         yield counter("engine_steps_ahead", "Of those, decode steps scheduled and queued while the step before "
@@ -61,8 +81,9 @@ class _SchedulerCollector(Collector):
                           "there).", s.host_kv_loaded_total)
             yield counter("kv_offload_dropped_blocks", "Host tier blocks dropped (least recently used) to make "
                           "room for others.", s.host_kv_dropped_total)
-            yield counter("kv_offload_hit_tokens", "Prompt tokens of prefix hits in the host tier (also counted "
-                          "in prefix_cache_hits on a request's first admission).", s.host_kv_hit_tokens_total)
+            yield counter("kv_offload_hit_tokens", "Prompt tokens of prefix hits in the host tier, disk hits "
+                          "included (every load, a preempted request's again too: external_prefix_cache_hits "
+                          "counts a request's first admission).", s.host_kv_hit_tokens_total)
         d = s.disk_kv
         if d is not None:  # the disk tier (--kv-offloading-path; engine/kv_disk_tier.py)
             yield gauge("kv_offload_disk_usage_bytes", "Bytes in the disk tier's directory (every server's files, "

@@ -3,8 +3,11 @@ and the engine server's publisher.
 
 Keys (``ns`` = the engines' cache namespace: model, block size, KV dtype)::
 
-    pdserve:{ns}:b:{block_hash}   SET of instance ids holding that full block (expires a day after
-                                  its last addition: entries of dead instances do not pile up)
+    pdserve:{ns}:b:{block_hash}   SET of instance ids holding that full block in their device cache
+                                  (expires a day after its last addition: entries of dead instances
+                                  do not pile up)
+    pdserve:{ns}:h:{block_hash}   SET of instance ids holding it in their host tier
+                                  (``--kv-offloading-size``), expiring alike
     pdserve:{ns}:alive            ZSET instance id -> time of its last heartbeat
     pdserve:{ns}:i:{instance_id}  a key with a short TTL, re-set by every heartbeat; finding it gone
                                   means Redis lost our entries (restarted, flushed): publish again
@@ -28,7 +31,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
-from rpc.cache_feed import QueueConsumer
+from rpc.cache_feed import HOST, QueueConsumer
 
 if TYPE_CHECKING:
     from rpc.cache_feed import CacheEventFeed
@@ -43,6 +46,10 @@ _CHUNK = 1000  # commands per pipeline round trip for big snapshots
 
 def block_key(ns: str, block_hash: int) -> str:
     return f"pdserve:{ns}:b:{block_hash}"
+
+
+def host_block_key(ns: str, block_hash: int) -> str:
+    return f"pdserve:{ns}:h:{block_hash}"
 
 
 def alive_key(ns: str) -> str:
@@ -114,7 +121,7 @@ class RedisIndexPublisher:
                 pipe = self._redis.pipeline(transaction=False)
                 ns, iid = self.feed.namespace, self.instance_id
                 if batch is not None:
-                    self._write(batch.hashes, batch.stored)
+                    self._write(batch.hashes, batch.stored, batch.tiers)
                     self.num_published += 1
                 beat = fresh or renamed or time.monotonic() >= next_beat
                 if beat:
@@ -160,12 +167,13 @@ class RedisIndexPublisher:
             self.feed.unsubscribe(self._consumer.sub)
         self._consumer = None
 
-    def _write(self, hashes: list[int], stored: list[bool]) -> None:
+    def _write(self, hashes: list[int], stored: list[bool], tiers: list[int]) -> None:
         ns, iid = self.feed.namespace, self.instance_id
         for start in range(0, len(hashes), _CHUNK):
             pipe = self._redis.pipeline(transaction=False)
-            for h, s in zip(hashes[start:start + _CHUNK], stored[start:start + _CHUNK]):
-                key = block_key(ns, h)
+            for h, s, t in zip(hashes[start:start + _CHUNK], stored[start:start + _CHUNK],
+                               tiers[start:start + _CHUNK]):
+                key = host_block_key(ns, h) if t == HOST else block_key(ns, h)
                 if s:
                     pipe.sadd(key, iid)
                     pipe.expire(key, BLOCK_KEY_TTL_S)

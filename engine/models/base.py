@@ -60,12 +60,14 @@ class CausalLM(nn.Module):
         self.ropes = {t: RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope[t], cfg.max_position_embeddings, ops)
                       for t in sorted((set(cfg.layer_types) - {"linear_attention"}) or {"full_attention"})}
         self.model = nn.Module()
-        self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.shard, tp)
+        vocab_type = self.quant.vocab_type if self.quant is not None else lambda name: None
+        self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.shard, tp,
+                                                 qtype=vocab_type("model.embed_tokens"))
         self.model.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=self.norm_offset)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.shard, tp,
                               tied=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-                              softcap=cfg.hf_config.get("final_logit_softcapping"))
+                              softcap=cfg.hf_config.get("final_logit_softcapping"), qtype=vocab_type("lm_head"))
         moe = self.moe_layers()
         # the decoder layer each row of expert_load belongs to
         self.moe_layer_indices = [i for i, layer in enumerate(self.model.layers)

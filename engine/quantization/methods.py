@@ -110,6 +110,13 @@ class QuantMethods:
 
         return GgufLinearMethod(qtype, prefix=f"{prefix}.{module}", ops=self.ops)
 
+    def vocab_type(self, name: str) -> str | None:
+        """The GGUF type a vocabulary table (``model.embed_tokens``, ``lm_head``) is kept packed
+        in (None: float; every other method leaves these tables 16-bit)."""
+        if self.config.method != "gguf":
+            return None
+        return self.config.checkpoint.get("tensor_types", {}).get(name)
+
     def moe(self, prefix: str, num_experts: int, projections: Sequence[str]) -> MoEMethod | None:
         """The experts' method: every expert's projections (``prefix.experts.<e>.<proj>``)
         must share one scheme. MXFP4: ``prefix.experts`` unless modules_to_not_convert names it."""

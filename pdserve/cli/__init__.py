@@ -54,9 +54,11 @@ BENCH = {
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),
     "kernels": ("bench.kernels", "each Triton kernel on the GPU against the copy bandwidth (needs CUDA)"),
     "prefix": ("bench.prefix", "KV-aware vs load-only routing on shared-prefix multi-turn chats"),
+    "multi-turn": ("bench.multi_turn", "multi-turn chats against a running gateway: TTFT and cached tokens per turn"),
     "quant-quality": ("bench.quant_quality", "KL divergence and greedy agreement of FP8 KV / W8A8 against 16 bits"),
     "spec-decode": ("bench.spec_decode", "speculative decoding against plain decoding: tokens/s, acceptance"),
     "soak": ("bench.soak", "bounded soak: many requests, some cancelled, a decode server killed; no leaks"),
+    "local": ("bench.local", "one user on a CPU: TTFT, generation tok/s and peak RSS against llama.cpp on the same GGUF"),
 }
 
 

@@ -35,7 +35,9 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from engine.sampling_params import MAX_N
 from gateway.config import add_chat_args, add_migration_args, add_runtime_lora_args
+from gateway.router import HOST_HIT_CREDIT
 from prefill_service.flags import add_kv_send_args
 from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
@@ -81,6 +83,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="start a local Redis-protocol server on a free port for the index, stopped on exit")
     r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="gateway: weight of uncached prompt tokens against queued prefill work")
+    r.add_argument("--kv-host-hit-credit", type=float, default=HOST_HIT_CREDIT,
+                   help="gateway: a host-tier prefix hit's worth against a device-cache hit, in [0, 1]")
+    r.add_argument("--max-n", type=int, default=MAX_N,
+                   help="gateway: the most sequences one request may ask for (n, best_of)")
     r.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="gateway: decode servers prefill prompts missing at most this many tokens from their "
                         "prefix cache (0: never)")
@@ -209,13 +215,17 @@ class ServerOutput:
             t.join(timeout)
 
 
-def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int) -> int | None:
-    """On CPU, engine servers split the cores instead of each taking all of
-    them (which would make prefill and decode fight over every core)."""
+def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int, cpu_count: int | None = None) -> int | None:
+    """On CPU, engine servers split the cores but one, which the gateway's per-token work
+    (streaming, detokenizing) takes, instead of each taking all of them: a step's threads that
+    share a core with another busy process wait for it at every parallel region. On 2 cores a
+    decode server prefilling locally streamed one user's tokens at 24-34 ms with 2 threads and
+    23.7 ms with 1 (the packed default model; docs/benchmarks.md)."""
     import torch
 
     on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not torch.cuda.is_available())
-    return max(1, (os.cpu_count() or 1) // num_engines) if on_cpu else None
+    cores = cpu_count or os.cpu_count() or 1
+    return max(1, (cores - 1) // num_engines) if on_cpu else None
 
 
 def _http_ok(url: str) -> bool:
@@ -295,6 +305,7 @@ class Cluster:
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
+               "--kv-host-hit-credit", str(a.kv_host_hit_credit), "--max-n", str(a.max_n),
                "--local-prefill-threshold", str(a.local_prefill_threshold),
                "--migration-limit", str(a.migration_limit), "--stream-idle-timeout", str(a.stream_idle_timeout)]
         if a.disable_log_requests:

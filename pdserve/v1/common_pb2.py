@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xd7\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xe3\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08\x12\x1f\n\x17reasoning_end_token_ids\x18\x08 \x03(\x05\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf8\x02\n\x08LoadInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1d\n\x15num_requests_finished\x18\x0b \x01(\x03\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12.\n\rlora_adapters\x18\x0e \x03(\x0b\x32\x17.pdserve.v1.LoRAAdapter\x12\x11\n\tmax_loras\x18\x0f \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x10 \x01(\t\"\x84\x01\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x11\n\troot_hash\x18\x06 \x01(\x04\x12\x0f\n\x07in_slot\x18\x07 \x01(\x08\"T\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x14\n\x0cload_inplace\x18\x03 \x01(\x08\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\r\n\x0bLoadRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x8f\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x15 \x01(\x05H\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x16 \x01(\x05H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"\xe3\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08\x12\x1f\n\x17reasoning_end_token_ids\x18\x08 \x03(\x05\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf8\x02\n\x08LoadInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1d\n\x15num_requests_finished\x18\x0b \x01(\x03\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x0c \x01(\t\x12\x13\n\x0binstance_id\x18\r \x01(\t\x12.\n\rlora_adapters\x18\x0e \x03(\x0b\x32\x17.pdserve.v1.LoRAAdapter\x12\x11\n\tmax_loras\x18\x0f \x01(\x05\x12\x13\n\x0b\x64raft_model\x18\x10 \x01(\t\"\x84\x01\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x11\n\troot_hash\x18\x06 \x01(\x04\x12\x0f\n\x07in_slot\x18\x07 \x01(\x08\"T\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x14\n\x0cload_inplace\x18\x03 \x01(\x08\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\r\n\x0bLoadRequest\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=895
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=639
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=687
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=898
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1125
-  _globals['_CHOICELIST']._serialized_start=1127
-  _globals['_CHOICELIST']._serialized_end=1156
-  _globals['_TOPLOGPROB']._serialized_start=1158
-  _globals['_TOPLOGPROB']._serialized_end=1205
-  _globals['_TOKENLOGPROB']._serialized_start=1207
-  _globals['_TOKENLOGPROB']._serialized_end=1307
-  _globals['_USAGE']._serialized_start=1309
-  _globals['_USAGE']._serialized_end=1389
-  _globals['_LOADINFO']._serialized_start=1392
-  _globals['_LOADINFO']._serialized_end=1768
-  _globals['_LORAADAPTER']._serialized_start=1771
-  _globals['_LORAADAPTER']._serialized_end=1903
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1905
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1989
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1991
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2036
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2038
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2065
-  _globals['_LOADREQUEST']._serialized_start=2067
-  _globals['_LOADREQUEST']._serialized_end=2080
-  _globals['_ABORTREQUEST']._serialized_start=2082
-  _globals['_ABORTREQUEST']._serialized_end=2116
-  _globals['_ABORTRESPONSE']._serialized_start=2118
-  _globals['_ABORTRESPONSE']._serialized_end=2148
+  _globals['_SAMPLINGPARAMS']._serialized_end=951
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=677
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=725
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=954
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1181
+  _globals['_CHOICELIST']._serialized_start=1183
+  _globals['_CHOICELIST']._serialized_end=1212
+  _globals['_TOPLOGPROB']._serialized_start=1214
+  _globals['_TOPLOGPROB']._serialized_end=1261
+  _globals['_TOKENLOGPROB']._serialized_start=1263
+  _globals['_TOKENLOGPROB']._serialized_end=1363
+  _globals['_USAGE']._serialized_start=1365
+  _globals['_USAGE']._serialized_end=1445
+  _globals['_LOADINFO']._serialized_start=1448
+  _globals['_LOADINFO']._serialized_end=1824
+  _globals['_LORAADAPTER']._serialized_start=1827
+  _globals['_LORAADAPTER']._serialized_end=1959
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1961
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2045
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2047
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2092
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2094
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2121
+  _globals['_LOADREQUEST']._serialized_start=2123
+  _globals['_LOADREQUEST']._serialized_end=2136
+  _globals['_ABORTREQUEST']._serialized_start=2138
+  _globals['_ABORTREQUEST']._serialized_end=2172
+  _globals['_ABORTRESPONSE']._serialized_start=2174
+  _globals['_ABORTRESPONSE']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

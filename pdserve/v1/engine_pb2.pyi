@@ -1,11 +1,19 @@
 from pdserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class CacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_TIER_DEVICE: _ClassVar[CacheTier]
+    CACHE_TIER_HOST: _ClassVar[CacheTier]
+CACHE_TIER_DEVICE: CacheTier
+CACHE_TIER_HOST: CacheTier
 
 class KVLayout(_message.Message):
     __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_scales", "v_scales", "model_dtype", "weights", "draft", "groups", "linear_state")
@@ -212,15 +220,17 @@ class WatchCacheEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheEventBatch(_message.Message):
-    __slots__ = ("instance_id", "cache_namespace", "snapshot", "hashes", "stored")
+    __slots__ = ("instance_id", "cache_namespace", "snapshot", "hashes", "stored", "tiers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     cache_namespace: str
     snapshot: bool
     hashes: _containers.RepeatedScalarFieldContainer[int]
     stored: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, instance_id: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., snapshot: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ..., stored: _Optional[_Iterable[bool]] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[CacheTier]
+    def __init__(self, instance_id: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., snapshot: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ..., stored: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[_Union[CacheTier, str]]] = ...) -> None: ...

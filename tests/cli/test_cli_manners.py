@@ -64,3 +64,11 @@ def test_trace_piped_into_head_ends_quietly(tmp_path):
     done = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
     assert done.stdout == f"trace {'a' * 32}  request cmpl-a\n"
+
+
+@pytest.mark.parametrize("cores, engines, threads", [(2, 2, 1), (2, 1, 1), (1, 1, 1), (8, 2, 3), (16, 1, 15)])
+def test_engine_servers_on_cpu_leave_a_core_to_the_gateway(cores, engines, threads):
+    from pdserve.cli.up import cpu_threads_per_engine
+
+    args = build_parser("up").parse_args(["up", "--device", "cpu"])
+    assert cpu_threads_per_engine(args, engines, cpu_count=cores) == threads

@@ -13,6 +13,7 @@ object; bad inputs are Anthropic's errors with their statuses; no KV block stays
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import jsonschema
@@ -48,36 +49,51 @@ def oai(cluster):
     return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
+def _at_once(*calls):
+    """Each of ``calls`` (no arguments) on a thread of its own, at once (the servers batch
+    them); their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def test_text_equals_the_chat_completion(claude, oai):
-    ref = oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *ASK],
-                                      max_tokens=12, temperature=0)
-    m = claude.messages.create(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=ASK, max_tokens=12,
-                               extra_body=GREEDY)
+    def streamed():
+        with claude.messages.stream(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=12,
+                                    extra_body=GREEDY) as stream:
+            return list(stream.text_stream), stream.get_final_message()
+
+    ref, m, (pieces, final) = _at_once(
+        lambda: oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *ASK],
+                                            max_tokens=12, temperature=0),
+        lambda: claude.messages.create(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=ASK,
+                                       max_tokens=12, extra_body=GREEDY),
+        streamed)
     (block,) = m.content
     assert block.type == "text" and block.text == ref.choices[0].message.content, (m, ref)
     assert m.id.startswith("msg_") and m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
         ref.choices[0].finish_reason]
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == ref.usage.prompt_tokens
     assert m.usage.output_tokens == ref.usage.completion_tokens
-    with claude.messages.stream(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=12, extra_body=GREEDY) as stream:
-        pieces = list(stream.text_stream)
-        final = stream.get_final_message()
     assert "".join(pieces) == block.text == final.content[0].text and len(pieces) > 1
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
 
 
 def test_a_forced_tool_call_is_schema_valid_and_its_result_renders(claude, oai):
     ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
-    m = claude.messages.create(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=40, extra_body=GREEDY,
-                               tool_choice={"type": "tool", "name": "get_weather"})
+
+    def streamed():
+        with claude.messages.stream(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=40, extra_body=GREEDY,
+                                    tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+            return [e.partial_json for e in stream if e.type == "input_json" and e.partial_json], \
+                stream.get_final_message()
+
+    m, (pieces, final) = _at_once(
+        lambda: claude.messages.create(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=40, extra_body=GREEDY,
+                                       tool_choice={"type": "tool", "name": "get_weather"}), streamed)
     (call,) = m.content
     assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_"), m
     jsonschema.validate(call.input, WEATHER["input_schema"])
     assert m.stop_reason == "tool_use" and m.stop_sequence is None
-    with claude.messages.stream(model=MODEL, messages=ask, tools=[WEATHER], max_tokens=40, extra_body=GREEDY,
-                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
-        pieces = [e.partial_json for e in stream if e.type == "input_json" and e.partial_json]
-        final = stream.get_final_message()
     assert final.content[0].input == call.input and final.stop_reason == "tool_use"
     assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input
 
@@ -85,14 +101,16 @@ def test_a_forced_tool_call_is_schema_valid_and_its_result_renders(claude, oai):
     result = f"{call.input['city']}: sunny, 21 degrees"
     conversation = [*ask, {"role": "assistant", "content": [call.model_dump(include={"type", "id", "name", "input"})]},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}]
-    answer = claude.messages.create(model=MODEL, messages=conversation, tools=[WEATHER], max_tokens=8,
-                                    extra_body=GREEDY, tool_choice={"type": "auto"})
     tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                "parameters": WEATHER["input_schema"]}}]
-    ref = oai.chat.completions.create(model=MODEL, tools=tools, max_tokens=8, temperature=0, messages=[
-        *ask, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": result}])
+    answer, ref = _at_once(
+        lambda: claude.messages.create(model=MODEL, messages=conversation, tools=[WEATHER], max_tokens=8,
+                                       extra_body=GREEDY, tool_choice={"type": "auto"}),
+        lambda: oai.chat.completions.create(model=MODEL, tools=tools, max_tokens=8, temperature=0, messages=[
+            *ask, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": result}]))
     assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == ref.usage.prompt_tokens
     assert "".join(b.text for b in answer.content if b.type == "text") == (ref.choices[0].message.content or "")
 

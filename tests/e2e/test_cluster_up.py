@@ -2,13 +2,15 @@
 every server's output prefixed with its name and one ready banner after all
 of them; 16 concurrent gRPC streams all complete with the offline engine's
 exact greedy tokens, requests spread over both servers of each tier, no KV
-block stays held; Ctrl-C with streams in flight lets each of them finish and
-stops every process."""
+block stays held; a second engine server or `pdserve up` on its ports exits
+naming them (tests/e2e/test_port_exclusive.py: why) and it goes on serving;
+Ctrl-C with streams in flight lets each of them finish and stops every process."""
 from __future__ import annotations
 
 import os
 import queue
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.processes import ServiceProcess, free_ports
+from rpc.health_probe import is_serving
+from tests.processes import ServiceProcess, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +33,9 @@ SERVERS = ("prefill-0", "prefill-1", "decode-0", "decode-1", "gateway")
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
              "Say hello in Spanish.", "What do bees make?", "Which planet is red?",
              "Write one word about the sea.", "What is the opposite of hot?"]
+# The second servers' flags (tests/e2e/test_port_exclusive.py's too).
+ENGINE = ["--kv-cache-memory", "64MiB", "--max-model-len", "512"]
+EXIT_TIMEOUT_S = 90.0  # a server that wrongly starts loads its model and serves: it never exits by itself
 
 
 def _port_base(count: int) -> int:
@@ -121,7 +127,8 @@ def test_16_concurrent_streams_exact_and_spread(cluster):
 
     llm = LLM(None, kv_cache_memory="64MiB", max_model_len=MAX_MODEL_LEN)
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    expected = {q: llm.chat([{"role": "user", "content": q}], sp)[0].outputs[0].token_ids for q in QUESTIONS}
+    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], sp)  # one batch
+    expected = {q: o.outputs[0].token_ids for q, o in zip(QUESTIONS, outs)}
     del llm
 
     address = f"127.0.0.1:{ports['grpc']}"
@@ -170,6 +177,94 @@ def test_output_is_prefixed_and_the_banner_comes_once_after_every_server(cluster
     assert sum(line.startswith("gateway   | ") and "gateway ready: http://" in line for line in log) == 1
     for name in SERVERS:  # every server's log lines carry its name
         assert any(line.startswith(f"{name:<9} | ") for line in log), name
+
+
+def _exit_code(proc: ServiceProcess, timeout: float = EXIT_TIMEOUT_S) -> int:
+    """The exit code; a process still running after ``timeout`` (it started where it should
+    not have) is stopped and the test fails."""
+    try:
+        return proc.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.proc.kill()
+        proc.proc.wait()
+        pytest.fail(f"{proc.name} did not exit within {timeout:.0f}s: it started on a port in use\n{proc.logs()}")
+
+
+def _last_line(proc: ServiceProcess) -> str:
+    lines = [line for line in proc.log_text().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _still_serves(up: UpProcess, ports: dict[str, int]) -> None:
+    """The first cluster: alive, its first engine server of each tier SERVING, and a completion through it."""
+    assert up.proc.poll() is None, up.logs()
+    for role in ("prefill", "decode"):
+        assert is_serving(f"127.0.0.1:{ports[role]}", timeout=5.0), role
+    r = httpx.post(f"http://127.0.0.1:{ports['http']}/v1/completions", timeout=120,
+                   json={"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                         "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_a_second_engine_server_on_a_served_grpc_port_exits(cluster):
+    up, ports = cluster
+    port = ports["decode"]
+    # Metrics off: only the gRPC port is shared (its default, gRPC + 1000, is taken too).
+    second = ServiceProcess("second-decode", "decode_service.server",
+                            ["--port", str(port), "--metrics-port", "0", *ENGINE], "decode server ready",
+                            env={"OMP_NUM_THREADS": "1"})
+    assert _exit_code(second) == 1, second.logs()
+    assert _last_line(second) == (
+        f"pdserve decode: error: cannot serve gRPC on 127.0.0.1:{port}: the port is already in use "
+        "(another server listens on it); choose another port with --port"), second.logs()
+    _still_serves(up, ports)
+
+
+def test_a_second_engine_server_on_a_served_metrics_port_exits(cluster):
+    up, ports = cluster
+    metrics_port = ports["decode"] + 1000  # the cluster's decode server serves /metrics there
+    second = ServiceProcess("second-decode-metrics", "decode_service.server",
+                            ["--port", str(free_port()), "--metrics-port", str(metrics_port), *ENGINE],
+                            "decode server ready", env={"OMP_NUM_THREADS": "1"})
+    assert _exit_code(second) == 1, second.logs()
+    assert _last_line(second) == (
+        f"pdserve decode: error: cannot serve metrics on 127.0.0.1:{metrics_port}: the port is already in use "
+        "(another server listens on it); choose another port with --metrics-port (0 turns the metrics "
+        "endpoint off)"), second.logs()
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert 'pdserve:num_requests_running{model_name="SmolLM2-135M-Instruct",role="decode"}' in text
+    _still_serves(up, ports)
+
+
+def test_a_second_pdserve_up_names_the_taken_ports_and_starts_nothing(cluster):
+    up, ports = cluster
+    first_servers = sorted(_children(up.proc.pid))
+    http, grpc_port = free_ports(1), free_ports(1)  # only the gateway's ports differ
+    second = UpProcess("up-second", "pdserve.cli", [
+        "up", "--prefill", "1", "--decode", "1", "--http-port", str(http), "--grpc-port", str(grpc_port),
+        "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]), *ENGINE],
+        "pdserve ready", env={"OMP_NUM_THREADS": "1"})
+    started: set[int] = set()
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while second.proc.poll() is None:  # watch for any process it starts
+        started.update(_children(second.proc.pid))
+        if time.monotonic() > deadline:
+            second.proc.kill()
+            pytest.fail(f"the second pdserve up did not exit\n{second.logs()}")
+        time.sleep(0.02)
+    assert second.proc.returncode == 1, second.logs()
+    assert not started, f"the second pdserve up started processes {started}\n{second.logs()}"
+    p, d = ports["prefill"], ports["decode"]
+    assert second.log_text().strip().splitlines() == [
+        "pdserve: error: cannot listen on these ports of 127.0.0.1 (nothing was started):",
+        f"  {p:<5}  prefill-0 gRPC: in use; change --prefill-port",
+        f"  {p + 1000:<5}  prefill-0 metrics: in use; change --prefill-port",
+        f"  {d:<5}  decode-0 gRPC: in use; change --decode-port",
+        f"  {d + 1000:<5}  decode-0 metrics: in use; change --decode-port",
+        "  (an engine server's metrics port is its gRPC port + 1000)"], second.logs()
+    assert second.rest_of_stdout() == []  # not even the traces file line: it exited before
+    assert sorted(_children(up.proc.pid)) == first_servers
+    _still_serves(up, ports)
 
 
 def _stream(address: str, question: str, first: threading.Event, outcomes: queue.Queue,

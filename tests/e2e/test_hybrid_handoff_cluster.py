@@ -5,9 +5,12 @@ linear-attention state (every linear layer's conv and ssm slot) moved to the dec
 reserved slot, layer by layer or after prefill, and the streamed tokens exactly
 transformers' float32 greedy ones. A second wave shares a prefix with the first: the prefill
 server restores the state from a snapshot of its prefix cache and computes the rest, and what
-it sends is still the state after the whole prompt."""
+it sends is still the state after the whole prompt. The decode server, which holds the first
+wave's blocks but no state snapshot of them, takes their prefix from its cache anyway (the
+state comes whole) and the prefill server leaves those blocks out of the send."""
 from __future__ import annotations
 
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,8 +68,14 @@ def test_hybrid_tokens_through_prefill_transfer_decode_are_transformers(cluster)
         with ThreadPoolExecutor(len(wave)) as pool:  # one decode batch
             got = list(pool.map(lambda p: _generate(address, p), wave))
         assert_greedy_match(m, wave, want, [tokens for tokens, _ in got])
-    # the second wave's prompts came in part from the prefill server's prefix cache: its state from
-    # the snapshot at token 40, the last boundary before the shared prefix's end
-    assert [cached for _, cached in got] == [40, 40]
+    # The second wave's prompts came in part from the prefill server's prefix cache (its state from
+    # the snapshot at token 40, the last boundary before the shared prefix's end) and in part from the
+    # decode server's: the 11 whole blocks of 4 of the 45 shared tokens it received in the first wave
+    # (no snapshot there: the state arrives whole). The usage reports the larger.
+    assert [cached for _, cached in got] == [44, 44]
     metrics = httpx.get(f"http://127.0.0.1:{ports['decode'] + 1000}/metrics", timeout=10).text
     assert 'pdserve:kv_transfer_bytes_total{' in metrics
+    # the decode server's reservations took those 2 x 44 tokens (so the gateway asked the prefill
+    # server to skip 11 blocks of each, and the hand-off into the rest went through)
+    hits = re.search(r"^pdserve:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", metrics, re.M)
+    assert hits is not None and float(hits.group(1)) == 88

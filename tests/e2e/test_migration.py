@@ -1,11 +1,13 @@
 """Migration end to end (real processes, the default model).
 
-- A decode server SIGKILLed under seven streams in flight (greedy, seeded with penalties, a
+- A decode server SIGKILLed under eight streams in flight (greedy, seeded with penalties, a
   stop string, JSON-constrained through ``response_format``, logprobs, one non-streamed, one
-  seeded over gRPC) and an eighth request whose prompt the prefill server is computing into
-  that server's blocks costs none of them. Each finishes with no error and exactly the text,
-  token ids, usage and finish reason of the same request served without a kill; the survivor
-  holds no KV block afterwards and ``pdserve:gateway_migrations_total`` counts the migrations.
+  seeded over gRPC, the same one under a LoRA adapter) and a ninth request whose prompt the
+  prefill server is computing into that server's blocks costs none of them. Each finishes with
+  no error and exactly the text, token ids, usage and finish reason of the same request served
+  without a kill (the LoRA one's under its adapter, whose tokens are not the base model's); the
+  survivor holds no KV block afterwards and ``pdserve:gateway_migrations_total`` counts the
+  migrations.
 - A decode server SIGSTOPped (hung, its connections open) under two seeded streams: they
   migrate after ``--stream-idle-timeout`` and finish exactly while it is still stopped (its
   late output is never read); once SIGCONTed it frees their blocks. ``pdserve trace`` shows
@@ -35,12 +37,14 @@ import pytest
 
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from pdserve.cli.trace_model import find_request, load_file
+from tests.engine.lora_adapters import make_adapter
 from tests.processes import REPO, EngineServer, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
-ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+LORA = "smol"  # the adapter every engine server serves (--lora-modules)
+ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN), "--enable-lora"]
 GW_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN)]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                            "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 40}},
@@ -77,10 +81,10 @@ def _requests(stop: str | None) -> dict[str, tuple[list[dict], dict, bool]]:
 GRPC_PROMPT = "Count slowly from one to twenty:"
 
 
-def _grpc_request() -> gateway_pb2.GenerateRequest:
+def _grpc_request(model: str = "") -> gateway_pb2.GenerateRequest:
     # Seeded: its draws are an exponential race on (seed, k) noise, which the last bits that
     # differ between a prefill-computed and a decode-computed logit do not move (engine/sampler.py).
-    return gateway_pb2.GenerateRequest(text=GRPC_PROMPT, sampling=common_pb2.SamplingParams(
+    return gateway_pb2.GenerateRequest(text=GRPC_PROMPT, model=model, sampling=common_pb2.SamplingParams(
         temperature=0.8, seed=4321, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.1))
 
 
@@ -138,10 +142,10 @@ def _run_chat(oai: openai.OpenAI, messages, kwargs, streamed: bool, ids: list | 
     return run
 
 
-def _run_grpc(stub):
+def _run_grpc(stub, model: str = ""):
     def run(pieces: list) -> dict:
         ids, text, finish, usage = [], "", None, None
-        for d in stub.Generate(_grpc_request(), timeout=120):
+        for d in stub.Generate(_grpc_request(model), timeout=120):
             ids += d.token_ids
             pieces.extend(d.token_ids)
             text += d.text
@@ -184,13 +188,15 @@ STALL_S = 3.0  # the stalling gateway's --stream-idle-timeout
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, default_model_dir):
     """One prefill server; decode servers a, b (the kill test's gateway ``gw``) and c, d (the
-    SIGSTOP test's gateway ``stall`` and the limit test's ``limited``); every process writes
-    its spans to one traces file."""
+    SIGSTOP test's gateway ``stall`` and the limit test's ``limited``); every engine server
+    serves the LoRA adapter ``LORA``, and every process writes its spans to one traces file."""
     env = {"PDSERVE_TRACES_FILE": str(tmp_path_factory.mktemp("traces") / "traces.jsonl")}
-    prefill = EngineServer("prefill", ENGINE_FLAGS, env=env)
-    decodes = [EngineServer("decode", ENGINE_FLAGS, env=env) for _ in range(4)]
+    adapter = make_adapter(default_model_dir, tmp_path_factory.mktemp("lora") / LORA, seed=5, r=8, alpha=16, scale=0.5)
+    flags = [*ENGINE_FLAGS, "--lora-modules", f"{LORA}={adapter}"]
+    prefill = EngineServer("prefill", flags, env=env)
+    decodes = [EngineServer("decode", flags, env=env) for _ in range(4)]
     # No idle deadline on the kill test's gateway: a decode server's first structured-output
     # request waits for its grammar compiler, which on a loaded 2-core machine was seen to take
     # over a minute; the deadline would move that stream, and the count of migrations with it.
@@ -225,7 +231,9 @@ def test_streams_survive_their_decode_server_being_killed(cluster):
     with ThreadPoolExecutor(8) as pool:
         futures = {name: pool.submit(_run_chat(oai, *r), []) for name, r in reqs.items()}
         futures["grpc"] = pool.submit(_run_grpc(stub), [])
+        futures["lora"] = pool.submit(_run_grpc(stub, LORA), [])
         want = {name: f.result(timeout=120) for name, f in futures.items()}
+    assert want["lora"]["tokens"] != want["grpc"]["tokens"]  # the adapter changes the tokens
     greedy = want["greedy"]["text"]
     stop = greedy[len(greedy) * 2 // 3:][:6]
     assert stop.strip() and greedy.index(stop) > len(greedy) // 3, greedy
@@ -238,11 +246,12 @@ def test_streams_survive_their_decode_server_being_killed(cluster):
     before = _metric(gw, "pdserve:gateway_migrations_total")
     streams = {name: Stream(_run_chat(oai, *r)) for name, r in reqs.items()}
     streams["grpc"] = Stream(_run_grpc(stub))
+    streams["lora"] = Stream(_run_grpc(stub, LORA))
     _wait(lambda: a.load().num_running == len(streams), 30, "every stream running on a")
     streamed = [s for name, s in streams.items() if name != "unstreamed"]
     _wait(lambda: all(len([p for p in s.pieces if p]) >= 3 for s in streamed), 60,
           "every stream produced a few tokens")
-    # The eighth: killed before its first token, while the prefill server computes it into a.
+    # The ninth: killed before its first token, while the prefill server computes it into a.
     long_ids: list = []
     streams["long"] = Stream(_run_chat(oai, *LONG, ids=long_ids))
     _wait(lambda: prefill.load().num_running == 1, 30, "the long prompt being prefilled for a")
@@ -257,7 +266,7 @@ def test_streams_survive_their_decode_server_being_killed(cluster):
     for name in got:
         assert got[name] == want[name], name
     json.loads(got["json"]["text"])
-    assert len(got["grpc"]["tokens"]) == MAX_TOKENS and got["grpc"]["finish"] == "length"
+    assert all(len(got[n]["tokens"]) == MAX_TOKENS and got[n]["finish"] == "length" for n in ("grpc", "lora"))
     after = _metric(gw, "pdserve:gateway_migrations_total")
     assert sum(after.values()) - sum(before.values()) == len(streams), after
     b.wait_idle()

@@ -7,6 +7,7 @@ greedy completions equal one rank's (the offline engine's, which a one-rank
 server's equal)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,12 +22,18 @@ PROMPTS = [list(range(100, 140)), list(range(7, 30)), [5, 9, 31, 7, 2, 8] * 9]
 
 
 def _greedy(gw: GatewayProcess) -> list[list[int]]:
+    """PROMPTS' tokens, the requests sent at once (one decode batch)."""
     with grpc.insecure_channel(gw.grpc_address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         sp = common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        return [[t for d in stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=p),
-                                                                      sampling=sp), timeout=180)
-                 for t in d.token_ids] for p in PROMPTS]
+
+        def generate(p: list[int]) -> list[int]:
+            return [t for d in stub.Generate(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=p),
+                                                                         sampling=sp), timeout=180)
+                    for t in d.token_ids]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            return list(pool.map(generate, PROMPTS))
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """End to end on loopback: one real prefill server, one real decode server and
 the gateway as separate processes on the default model, driven through the
-official ``openai`` client and gRPC ``Gateway.Generate``. Greedy (and seeded)
+official ``openai`` client and gRPC ``Gateway.Generate``; a test's independent
+requests go at once (the servers batch them). Greedy (and seeded)
 outputs must equal the offline ``engine.LLM`` token for token, and no KV block
-may stay allocated afterwards. The module runs twice: as the servers start on
+may stay allocated afterwards. The module runs twice (over one prefill server): as the servers start on
 CPU, and with the decode server's steps overlapped (``--async-scheduling``
 over the decode-graph path run eagerly, the hidden ``--graphs-without-capture``), where
 stop strings and disconnects end requests whose next step is already queued."""
@@ -35,15 +36,28 @@ def EngineProcess(role: str, flags: list[str] = ()) -> EngineServer:
     return EngineServer(role, [*ENGINE_FLAGS, *flags], name=role, metrics_port=free_port())
 
 
+@pytest.fixture(scope="module")
+def prefill_server():
+    """The prefill server of both kinds of decode server's clusters."""
+    prefill = EngineProcess("prefill")
+    try:
+        prefill.wait_ready()
+        yield prefill
+    except BaseException:
+        prefill.kill()
+        raise
+    assert prefill.stop() == 0, prefill.logs()
+
+
 @pytest.fixture(scope="module", params=["one-step", "overlapped"])
-def servers(request):
+def servers(request, prefill_server):
     overlapped = ["--graphs-without-capture"] if request.param == "overlapped" else None
-    prefill, decode = EngineProcess("prefill"), EngineProcess("decode", overlapped or [])
-    gw = GatewayProcess("e2e", ["--prefill", prefill.address, "--decode", decode.address, "--api-key", API_KEY,
-                                "--max-model-len", str(MAX_MODEL_LEN)])
+    decode = EngineProcess("decode", overlapped or [])
+    gw = GatewayProcess("e2e", ["--prefill", prefill_server.address, "--decode", decode.address,
+                                "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN)])
     gw.decode_address = decode.address  # type: ignore[attr-defined]
     gw.overlapped = overlapped is not None  # type: ignore[attr-defined]
-    with running_cluster([prefill, decode], gw, api_key=API_KEY):
+    with running_cluster([decode], gw, api_key=API_KEY):
         yield gw
 
 
@@ -92,33 +106,55 @@ def _assert_no_blocks_held(gw: GatewayProcess) -> None:
     assert all(i["healthy"] for i in instances)
 
 
+def _concurrently(*calls):
+    """Each of ``calls`` (no arguments) on a thread of its own, at once: the decode server
+    batches them (each answer must still be its own, token for token). Their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def test_greedy_completions_match_offline_engine(servers, refs, oai):
+    if servers.overlapped:
+        pytest.skip("the overlapped decode server's HTTP answers: test_chat_and_stop_strings_match")
     model = oai.models.list().data[0].id
-    for prompt, ref in zip(PROMPTS, refs["greedy"]):
+
+    def whole(prompt: str):
+        return oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+
+    def streamed(prompt: str) -> list:
+        return list(oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True))
+
+    got = _concurrently(*[lambda p=p: whole(p) for p in PROMPTS], *[lambda p=p: streamed(p) for p in PROMPTS])
+    for ref, c, chunks in zip(refs["greedy"], got[:len(PROMPTS)], got[len(PROMPTS):]):
         out = ref.outputs[0]
-        c = oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert c.choices[0].text == out.text
         assert c.choices[0].finish_reason == out.finish_reason
         assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ref.prompt_token_ids), len(out.token_ids))
-        streamed = list(oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                               stream=True))
-        assert "".join(ch.choices[0].text for ch in streamed) == out.text
+        assert "".join(ch.choices[0].text for ch in chunks) == out.text
     _assert_no_blocks_held(servers)
 
 
 def test_grpc_generate_matches_token_for_token(servers, refs):
+    if servers.overlapped:
+        pytest.skip("the overlapped decode server's greedy and seeded gRPC streams: "
+                    "test_concurrent_streams_match_token_for_token")
+    cases = [("greedy", common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
+             ("seeded", common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
+    work = [(sp, proto, prompt, ref) for sp, proto in cases for prompt, ref in zip(PROMPTS, refs[sp])]
     with grpc.insecure_channel(servers.grpc_address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        cases = [("greedy", common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)),
-                 ("seeded", common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS))]
-        for sp, proto in cases:
-            for prompt, ref in zip(PROMPTS, refs[sp]):
-                msgs = list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120,
-                                          metadata=[("authorization", f"Bearer {API_KEY}")]))
-                assert list(msgs[0].prompt_token_ids) == ref.prompt_token_ids
-                assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids, (prompt, sp)
-                assert "".join(m.text for m in msgs) == ref.outputs[0].text
-                assert msgs[-1].finish_reason == ref.outputs[0].finish_reason
+
+        def generate(prompt: str, proto: common_pb2.SamplingParams) -> list:
+            return list(stub.Generate(gateway_pb2.GenerateRequest(text=prompt, sampling=proto), timeout=120,
+                                      metadata=[("authorization", f"Bearer {API_KEY}")]))
+
+        got = _concurrently(*[lambda w=w: generate(w[2], w[1]) for w in work])
+    for (sp, _, prompt, ref), msgs in zip(work, got):
+        assert list(msgs[0].prompt_token_ids) == ref.prompt_token_ids
+        assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids, (prompt, sp)
+        assert "".join(m.text for m in msgs) == ref.outputs[0].text
+        assert msgs[-1].finish_reason == ref.outputs[0].finish_reason
     _assert_no_blocks_held(servers)
 
 
@@ -160,26 +196,27 @@ def test_chat_and_stop_strings_match(servers, refs, oai):
     messages = CHAT
     model = oai.models.list().data[0].id
     ref = refs["chat"]
-    chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-    assert chat.choices[0].message.content == ref.text
-    stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                         stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
-    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
-
     # Unstopped, the answer runs on past a newline within MAX_TOKENS; with stop=["\n"] it ends there.
     full, stopped = refs["greedy"][1].outputs[0], refs["stopped"]
     assert "\n" in full.text and stopped.finish_reason == "stop"
     assert stopped.text == full.text[:full.text.index("\n")] and stopped.text
-    c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=["\n"])
+    chat, chunks, c, stop_chunks = _concurrently(
+        lambda: oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0),
+        lambda: list(oai.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True})),
+        lambda: oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       stop=["\n"]),
+        lambda: list(oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                            stop=["\n"], stream=True)))
+    assert chat.choices[0].message.content == ref.text
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
     assert c.choices[0].text == stopped.text
     assert c.choices[0].finish_reason == "stop"
     assert c.usage.completion_tokens < len(full.token_ids)
-    chunks = list(oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                                         stop=["\n"], stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks) == stopped.text
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in stop_chunks) == stopped.text
+    assert stop_chunks[-1].choices[0].finish_reason == "stop"
     _assert_no_blocks_held(servers)
 
 
@@ -195,25 +232,31 @@ def test_logit_bias_and_allowed_token_ids_match_offline_engine(servers, refs, ll
     first = refs["greedy"][0].outputs[0].token_ids[0]
     allowed = sorted(set(refs["greedy"][2].outputs[0].token_ids))[:6]
     cases = [dict(logit_bias={1000: 100.0}), dict(logit_bias={first: -100.0}), dict(allowed_token_ids=allowed)]
-    for case in cases:
-        want = llm.generate(PROMPTS[0], _greedy(**case))[0].outputs[0]
+    wants = [o.outputs[0] for o in llm.generate([PROMPTS[0]] * len(cases), [_greedy(**case) for case in cases])]
+
+    def http(case: dict):
         extra = {"allowed_token_ids": case["allowed_token_ids"]} if "allowed_token_ids" in case else {}
         bias = {str(t): b for t, b in case.get("logit_bias", {}).items()} or None
-        c = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                   logit_bias=bias, extra_body=extra)
-        assert c.choices[0].text == want.text, case
+        return oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                      logit_bias=bias, extra_body=extra)
+
+    def grpc_tokens(case: dict) -> list[int]:
         with grpc.insecure_channel(servers.grpc_address) as ch:
             sampling = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                  logit_bias=case.get("logit_bias", {}),
                                                  allowed_token_ids=case.get("allowed_token_ids", []))
             req = gateway_pb2.GenerateRequest(text=PROMPTS[0], sampling=sampling)
-            got = [t for d in gateway_pb2_grpc.GatewayStub(ch).Generate(
+            return [t for d in gateway_pb2_grpc.GatewayStub(ch).Generate(
                 req, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=120) for t in d.token_ids]
-        assert got == want.token_ids, case
-    assert want.token_ids and set(want.token_ids) <= set(allowed)
-    forced = llm.generate(PROMPTS[0], _greedy(logit_bias={1000: 100.0}))[0].outputs[0].token_ids
+
+    got = _concurrently(*[lambda c=c: http(c) for c in cases], *[lambda c=c: grpc_tokens(c) for c in cases])
+    for case, want, c, tokens in zip(cases, wants, got[:len(cases)], got[len(cases):]):
+        assert c.choices[0].text == want.text, case
+        assert tokens == want.token_ids, case
+    forced, banned, kept = (w.token_ids for w in wants)
     assert forced == [1000] * MAX_TOKENS
-    assert llm.generate(PROMPTS[0], _greedy(logit_bias={first: -100.0}))[0].outputs[0].token_ids[0] != first
+    assert banned[0] != first
+    assert kept and set(kept) <= set(allowed)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, logit_bias={"10000000": 5})
     _assert_no_blocks_held(servers)

@@ -235,7 +235,7 @@ def _redis_outage(gw, redis, prefills, holder, reference) -> set:
     assert len(_cluster(gw)["instances"]) == 3
     log = gw.log_text()
     warnings = [line for line in log.splitlines() if " WARNING " in line and "redis" in line.lower()]
-    assert len(warnings) == 1, warnings  # one outage, one line (the index's and discovery's)
+    assert len(warnings) == 1, "\n".join(warnings)  # one outage, one line (the index's and discovery's)
     assert len(re.findall(r"Redis at \S+ answers again", log)) == 1, log[-3000:]
     return {holder} | {p for p, b in zip(prefills, before) if _finished(p) > b}
 

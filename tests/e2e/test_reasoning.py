@@ -1,6 +1,7 @@
 """Thinking models end to end: a real decode server on the default model (SmolLM2; it
 prefills too: the reasoning's end token ids travel to it in the request's sampling
-parameters, as they would to a prefill server) behind two gateways, one with
+parameters, as they would to a prefill server; the session's ``hermes_cluster``'s decode
+server) behind two gateways of this module's, one with
 ``--reasoning-parser qwen3``, one with ``deepseek_r1``, driven through the official
 ``openai`` client and gRPC.
 
@@ -32,12 +33,11 @@ import openai
 import pytest
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.processes import EngineServer, GatewayProcess, running_cluster
+from tests.processes import GatewayProcess
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512
-ENGINE_FLAGS = ["--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN)]
 MODEL = "SmolLM2-135M-Instruct"
 END, START = "</think>", "<think>"
 RENAMED = {"Ġbecause": END, "ĠAntim": START}  # byte-level BPE: Ġ is the space
@@ -78,23 +78,26 @@ def thinking_tokenizer(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
+def cluster(default_model_dir, tmp_path_factory, hermes_cluster):
     think = thinking_tokenizer(default_model_dir, tmp_path_factory.mktemp("thinking") / "model")
     common = ["--model", str(think), "--served-model-name", MODEL, "--chat-template", str(think / "think.jinja"),
               "--max-model-len", str(MAX_MODEL_LEN)]
-    decode = EngineServer("decode", ENGINE_FLAGS)
+    decode = hermes_cluster.decode
     qwen3 = GatewayProcess("qwen3", ["--decode", decode.address, *common,
                                      "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
                                      "--enable-auto-tool-choice"])
     r1 = GatewayProcess("r1", ["--decode", decode.address, *common, "--reasoning-parser", "deepseek_r1"])
-    with running_cluster([decode], qwen3):
-        try:
-            r1.wait_ready()
-            r1.wait_healthy()
-            yield {"qwen3": qwen3, "deepseek_r1": r1}
-        finally:
-            assert r1.stop() == 0, r1.logs()
-        decode.wait_idle()
+    try:
+        for gw in (qwen3, r1):
+            gw.wait_ready()
+            gw.wait_healthy()
+        yield {"qwen3": qwen3, "deepseek_r1": r1}
+    except BaseException:
+        qwen3.kill()
+        r1.kill()
+        raise
+    assert [qwen3.stop(), r1.stop()] == [0, 0], [qwen3.logs(), r1.logs()]
+    decode.wait_idle()
 
 
 def _client(gw: GatewayProcess) -> openai.OpenAI:

@@ -14,6 +14,7 @@ tests/e2e/test_reasoning.py."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -37,6 +38,13 @@ def oai(hermes_cluster):
     return openai.OpenAI(base_url=hermes_cluster.http_url + "/v1", api_key=HERMES_API_KEY, max_retries=0)
 
 
+def _at_once(*calls):
+    """Each of ``calls`` (no arguments) on a thread of its own, at once (the servers batch
+    them); their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def _chat_text(oai, messages, max_tokens, **kw):
     r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
     return r.choices[0].message.content, r.usage, r.choices[0].finish_reason
@@ -44,10 +52,23 @@ def _chat_text(oai, messages, max_tokens, **kw):
 
 def test_text_equals_chat_completions_streamed_and_not(oai):
     messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": ASK}]
-    text, usage, finish = _chat_text(oai, messages, 16)
+    # The client's stream helper, items as input, and max_output_tokens cutting the answer short.
+    items = [{"type": "message", "role": "developer", "content": messages[0]["content"]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}]
+
+    def helper_stream():
+        with oai.responses.stream(model=MODEL, input=items, max_output_tokens=16, temperature=0) as stream:
+            return [e.delta for e in stream if e.type == "response.output_text.delta"], stream.get_final_response()
+
+    (text, usage, finish), r, events, (streamed, final), cut = _at_once(
+        lambda: _chat_text(oai, messages, 16),
+        lambda: oai.responses.create(model=MODEL, instructions=messages[0]["content"], input=ASK,
+                                     max_output_tokens=16, temperature=0, metadata={"case": "text"}),
+        lambda: list(oai.responses.create(model=MODEL, instructions=messages[0]["content"], input=ASK,
+                                          max_output_tokens=16, temperature=0, stream=True)),
+        helper_stream,
+        lambda: oai.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0))
     assert finish == "stop" and "Paris" in text, text
-    r = oai.responses.create(model=MODEL, instructions=messages[0]["content"], input=ASK, max_output_tokens=16,
-                             temperature=0, metadata={"case": "text"})
     assert (r.object, r.status, r.model, r.store, r.metadata) == ("response", "completed", MODEL, False, {"case": "text"})
     assert r.id.startswith("resp_") and r.output_text == text
     message, = r.output
@@ -55,8 +76,6 @@ def test_text_equals_chat_completions_streamed_and_not(oai):
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == \
         (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
 
-    events = list(oai.responses.create(model=MODEL, instructions=messages[0]["content"], input=ASK,
-                                       max_output_tokens=16, temperature=0, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:4]] == ["response.created", "response.in_progress",
                                              "response.output_item.added", "response.content_part.added"]
@@ -64,14 +83,7 @@ def test_text_equals_chat_completions_streamed_and_not(oai):
     assert len(deltas) > 1 and "".join(deltas) == text
     assert events[-1].type == "response.completed" and events[-1].response.output_text == text
 
-    # The client's stream helper, items as input, and max_output_tokens cutting the answer short.
-    items = [{"type": "message", "role": "developer", "content": messages[0]["content"]},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}]
-    with oai.responses.stream(model=MODEL, input=items, max_output_tokens=16, temperature=0) as stream:
-        streamed = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
     assert final.output_text == "".join(streamed) == text
-    cut = oai.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0)
     assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete",
                                                                                    "max_output_tokens", 3)
     assert cut.output[0].status == "incomplete" and text.startswith(cut.output_text) and cut.output_text
@@ -80,31 +92,36 @@ def test_text_equals_chat_completions_streamed_and_not(oai):
 def test_a_forced_function_call_and_its_result(oai):
     ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
     forced = {"type": "function", "name": "get_weather"}
-    r = oai.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=forced, max_output_tokens=40,
-                             temperature=0)
+
+    def streamed_call():
+        with oai.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=forced, max_output_tokens=40,
+                                  temperature=0) as stream:
+            return [e.delta for e in stream if e.type == "response.function_call_arguments.delta"], \
+                stream.get_final_response()
+
+    r, (pieces, final) = _at_once(
+        lambda: oai.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=forced,
+                                     max_output_tokens=40, temperature=0), streamed_call)
     call, = r.output
     assert (r.status, call.type, call.name, call.status) == ("completed", "function_call", "get_weather", "completed")
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
-    with oai.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=forced, max_output_tokens=40,
-                              temperature=0) as stream:
-        pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
-        final = stream.get_final_response()
     streamed, = final.output
     assert len(pieces) > 1 and "".join(pieces) == streamed.arguments == call.arguments
     assert streamed.name == "get_weather"
 
     # The result goes back as a function_call_output item: the same prompt as chat's tool message.
     result = '{"temperature": 21, "sky": "clear"}'
-    answer = oai.responses.create(model=MODEL, input=[*ask, *r.output, {"type": "function_call_output",
-                                                                       "call_id": call.call_id, "output": result}],
-                                  tools=[WEATHER], tool_choice="none", max_output_tokens=8, temperature=0)
     chat_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    text, usage, _ = _chat_text(oai, [*ask, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
-                                      {"role": "tool", "tool_call_id": call.call_id, "content": result}], 8,
-                                tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items()
-                                                                         if k != "type"}}], tool_choice="none")
+    answer, (text, usage, _) = _at_once(
+        lambda: oai.responses.create(model=MODEL, input=[*ask, *r.output, {"type": "function_call_output",
+                                                                          "call_id": call.call_id, "output": result}],
+                                     tools=[WEATHER], tool_choice="none", max_output_tokens=8, temperature=0),
+        lambda: _chat_text(oai, [*ask, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+                                 {"role": "tool", "tool_call_id": call.call_id, "content": result}], 8,
+                           tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                                    if k != "type"}}], tool_choice="none"))
     assert answer.output_text == text and answer.usage.input_tokens == usage.prompt_tokens
 
 

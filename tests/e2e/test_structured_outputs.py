@@ -1,8 +1,10 @@
 """Structured outputs and tool calls end to end: one real prefill server, one real decode
 server and a gateway on the default model (SmolLM2, ChatML) started with the shipped
-Hermes tool template and parser, plus a second gateway in front of the same decode
+Hermes tool template and parser (the session's ``hermes_cluster``, shared with the
+Responses and Messages API tests), plus a second gateway in front of the same decode
 server with no prefill server (the decode server prefills: the local path). Driven
-through the official ``openai`` client, raw HTTP and gRPC.
+through the official ``openai`` client, raw HTTP and gRPC; the requests of a test go
+at once where they are independent (the servers batch them; each answer is checked).
 
 What it proves: ``.parse(response_format=Model)`` returns the parsed object for several
 models; JSON mode, regex, choice and grammar hold through the prefill -> decode hand-off
@@ -18,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,40 +36,47 @@ from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel, Field
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.processes import REPO, EngineServer, GatewayProcess, running_cluster
+from tests.e2e.conftest import HERMES_API_KEY, HERMES_MAX_MODEL_LEN
+from tests.processes import REPO, GatewayProcess
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 1024
-ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+MAX_MODEL_LEN = HERMES_MAX_MODEL_LEN
 TEMPLATE = REPO / "deploy" / "chat_templates" / "hermes_tools.jinja"
+# Every gateway here takes the shared cluster's key.
+AUTH = {"Authorization": f"Bearer {HERMES_API_KEY}"}
+GRPC_AUTH = [("authorization", f"Bearer {HERMES_API_KEY}")]
 TOOL_FLAGS = ["--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
-              "--max-model-len", str(MAX_MODEL_LEN)]
+              "--max-model-len", str(MAX_MODEL_LEN), "--api-key", HERMES_API_KEY]
 ASK = [{"role": "user", "content": "Describe a person as JSON with a name, an age and a city."}]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    prefill, decode = EngineServer("prefill", ENGINE_FLAGS), EngineServer("decode", ENGINE_FLAGS)
-    gw = GatewayProcess("so", ["--prefill", prefill.address, "--decode", decode.address, *TOOL_FLAGS])
-    with running_cluster([prefill, decode], gw):
-        local = GatewayProcess("so-local", ["--decode", decode.address, *TOOL_FLAGS])
-        try:
-            local.wait_ready()
-            local.wait_healthy()
-            gw.local = local  # type: ignore[attr-defined]
-            gw.prefill_address = prefill.address  # type: ignore[attr-defined]
-            gw.decode_address = decode.address  # type: ignore[attr-defined]
-            yield gw
-        finally:
-            assert local.stop() == 0, local.logs()
-        decode.wait_idle()
-        prefill.wait_idle()
+def cluster(hermes_cluster):
+    """The shared cluster's gateway (``http_url``, ``grpc_address``, ``log``, and the addresses
+    of its two servers) and ``local``: a gateway of this module's in front of its decode server
+    alone."""
+    address = {"prefill": hermes_cluster.prefill.address, "decode": hermes_cluster.decode.address}
+    local = GatewayProcess("so-local", ["--decode", address["decode"], *TOOL_FLAGS])
+    try:
+        local.wait_ready()
+        local.wait_healthy(api_key=HERMES_API_KEY)
+        yield types.SimpleNamespace(http_url=hermes_cluster.http_url, grpc_address=hermes_cluster.grpc_address,
+                                    log=hermes_cluster.log, local=local, prefill_address=address["prefill"],
+                                    decode_address=address["decode"])
+    finally:
+        assert local.stop() == 0, local.logs()
 
 
 @pytest.fixture(scope="module")
 def oai(cluster):
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=HERMES_API_KEY, max_retries=0)
+
+
+def _at_once(*calls):
+    """Each of ``calls`` (no arguments) on a thread of its own, at once; their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 def _both(cluster) -> list[tuple[str, str]]:
@@ -74,14 +84,15 @@ def _both(cluster) -> list[tuple[str, str]]:
     return [("disaggregated", cluster.http_url), ("local", cluster.local.http_url)]
 
 
-def _log(gw: GatewayProcess) -> str:
+def _log(gw) -> str:
     """The gateway's whole log so far (its request lines)."""
     gw.log.flush()
     return Path(gw.log.name).read_text()
 
 
 def _chat(url: str, **body: Any) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "temperature": 0, **body}, timeout=120)
+    return httpx.post(url + "/v1/chat/completions", json={"messages": ASK, "temperature": 0, **body}, headers=AUTH,
+                      timeout=120)
 
 
 # ---- response_format through the official client --------------------------------------------------------------
@@ -148,31 +159,45 @@ KINDS = [
 
 
 def test_every_kind_of_constraint_through_both_paths(cluster):
-    for path, url in _both(cluster):
-        # Every kind across the hand-off; on the local path (one engine, its own first token)
-        # a JSON schema and a structural tag.
-        for spec, holds in KINDS if path == "disaggregated" else [KINDS[0], KINDS[-1]]:
-            r = _chat(url, max_tokens=80, structured_outputs=spec)
-            choice = r.json()["choices"][0]
-            assert r.status_code == 200 and choice["finish_reason"] == "stop", (path, spec, r.text)
-            assert holds(choice["message"]["content"]), (path, spec, choice)
-        # max_tokens 1: the first token alone, under the grammar; a grammar complete after
-        # one token ends there, with "stop".
-        cut = _chat(url, max_tokens=1, structured_outputs={"json": PERSON}).json()["choices"][0]
-        assert (cut["message"]["content"], cut["finish_reason"]) == ("{", "length"), (path, cut)
-        one = _chat(url, max_tokens=8, structured_outputs={"choice": ["A", "B", "C"]}).json()
-        assert one["choices"][0]["finish_reason"] == "stop" and one["choices"][0]["message"]["content"] in "ABC"
-        assert one["usage"]["completion_tokens"] == 1, (path, one)
-        if path == "local":
-            continue
-        streamed = httpx.post(url + "/v1/completions", timeout=120, json={
+    def streamed_city(url: str) -> list[dict]:
+        r = httpx.post(url + "/v1/completions", timeout=120, headers=AUTH, json={
             "prompt": "The capital of Italy is", "max_tokens": 20, "temperature": 0, "stream": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
                 "type": "object", "properties": {"city": {"enum": ["Rome", "Milan"]}}, "required": ["city"],
                 "additionalProperties": False}}}})
-        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
-        assert json.loads("".join(e["choices"][0]["text"] for e in events))["city"] in ("Rome", "Milan")
-        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    calls, checks = [], []
+    for path, url in _both(cluster):
+        # Every kind across the hand-off; on the local path (one engine, its own first token)
+        # a JSON schema and a structural tag.
+        for spec, holds in KINDS if path == "disaggregated" else [KINDS[0], KINDS[-1]]:
+            calls.append(lambda url=url, spec=spec: _chat(url, max_tokens=80, structured_outputs=spec))
+            checks.append((path, spec, holds))
+        # max_tokens 1: the first token alone, under the grammar; a grammar complete after
+        # one token ends there, with "stop".
+        calls.append(lambda url=url: _chat(url, max_tokens=1, structured_outputs={"json": PERSON}))
+        checks.append((path, "cut", None))
+        calls.append(lambda url=url: _chat(url, max_tokens=8, structured_outputs={"choice": ["A", "B", "C"]}))
+        checks.append((path, "one", None))
+        if path == "disaggregated":
+            calls.append(lambda url=url: streamed_city(url))
+            checks.append((path, "streamed", None))
+    for (path, spec, holds), r in zip(checks, _at_once(*calls)):
+        if spec == "cut":
+            cut = r.json()["choices"][0]
+            assert (cut["message"]["content"], cut["finish_reason"]) == ("{", "length"), (path, cut)
+        elif spec == "one":
+            one = r.json()
+            assert one["choices"][0]["finish_reason"] == "stop" and one["choices"][0]["message"]["content"] in "ABC"
+            assert one["usage"]["completion_tokens"] == 1, (path, one)
+        elif spec == "streamed":
+            assert json.loads("".join(e["choices"][0]["text"] for e in r))["city"] in ("Rome", "Milan")
+            assert r[-1]["choices"][0]["finish_reason"] == "stop"
+        else:
+            choice = r.json()["choices"][0]
+            assert r.status_code == 200 and choice["finish_reason"] == "stop", (path, spec, r.text)
+            assert holds(choice["message"]["content"]), (path, spec, choice)
 
 
 def test_grpc_takes_structured_outputs(cluster):
@@ -181,19 +206,22 @@ def test_grpc_takes_structured_outputs(cluster):
         chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="A phone number?")])
         phone = common_pb2.StructuredOutputs(regex=r"\+1-[0-9]{3}-[0-9]{4}")
         sampling = common_pb2.SamplingParams(temperature=0, max_tokens=40, structured_outputs=phone)
-        msgs = list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+        msgs = list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120,
+                                  metadata=GRPC_AUTH))
         assert re.fullmatch(r"\+1-[0-9]{3}-[0-9]{4}", "".join(m.text for m in msgs))
         assert msgs[-1].finish_reason == "stop"
         for bad, named in [(common_pb2.StructuredOutputs(regex="(unclosed"), "invalid regex"),
                            (common_pb2.StructuredOutputs(grammar=""), "structured_outputs.grammar")]:
             sampling = common_pb2.SamplingParams(max_tokens=4, structured_outputs=bad)
             with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+                list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120,
+                                   metadata=GRPC_AUTH))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), e.value
         # No token meets the constraint at the second output token: the decode server's finish.
         sampling = common_pb2.SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[5431, 50],
                                              structured_outputs=common_pb2.StructuredOutputs(regex="AB"))
-        msgs = list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+        msgs = list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120,
+                                  metadata=GRPC_AUTH))
         assert msgs[-1].finish_reason == "error" and "no token meets" in msgs[-1].finish_message, msgs[-1]
 
 
@@ -211,7 +239,7 @@ def test_no_token_meeting_the_constraint_finishes_with_error(cluster, body, text
         choice = r.json()["choices"][0]
         assert r.status_code == 200 and choice["finish_reason"] == "error", (path, r.text)
         assert choice["message"]["content"] == text and "no token meets" in choice["stop_reason"], (path, choice)
-        chunks = httpx.post(url + "/v1/chat/completions", timeout=120,
+        chunks = httpx.post(url + "/v1/chat/completions", timeout=120, headers=AUTH,
                             json={"messages": ASK, "temperature": 0, "max_tokens": 8, "stream": True, **body})
         last = [json.loads(line[6:]) for line in chunks.text.splitlines() if line.startswith("data: {")][-1]
         assert last["choices"][0]["finish_reason"] == "error" and "no token meets" in last["choices"][0]["stop_reason"]
@@ -245,7 +273,7 @@ def test_bad_constraints_are_400_naming_the_problem(cluster, body, named):
 def test_an_invalid_constraint_is_not_retried(cluster):
     """A prefill server that refuses a constraint is not asked again, nor is the decode
     server asked to prefill it: the request log line names the prefill server."""
-    r = httpx.post(cluster.http_url + "/v1/chat/completions", headers={"X-Request-Id": "unclosed-regex"}, timeout=120,
+    r = httpx.post(cluster.http_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "unclosed-regex"}, timeout=120,
                    json={"messages": ASK, "max_tokens": 4, "structured_outputs": {"regex": "(still unclosed"}})
     assert r.status_code == 400 and "prefill server" in r.json()["error"]["message"], r.text
     line = next(x for x in _log(cluster).splitlines() if "request unclosed-regex " in x and "finish=" in x)
@@ -267,21 +295,21 @@ TOOLS = [openai.pydantic_function_tool(GetWeather, name="get_weather", descripti
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
-def test_required_tool_calls_are_parsed_by_the_client(oai):
-    r = oai.chat.completions.parse(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS,
-                                   tool_choice="required", max_tokens=150, temperature=0)
+def test_required_tool_calls_are_parsed_by_the_client_whole_and_streamed(oai):
+    def streamed():
+        with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
+                                         temperature=0, tool_choice="required") as stream:
+            return stream.get_final_completion()
+
+    r, final = _at_once(lambda: oai.chat.completions.parse(model="SmolLM2-135M-Instruct", messages=WEATHER,
+                                                           tools=TOOLS, tool_choice="required", max_tokens=150,
+                                                           temperature=0), streamed)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
     calls = choice.message.tool_calls
     assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
     assert all(isinstance(c.function.parsed_arguments, GetWeather if c.function.name == "get_weather" else GetTime)
                for c in calls), calls
-
-
-def test_required_tool_calls_stream_for_the_client(oai):
-    with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
-                                     temperature=0, tool_choice="required") as stream:
-        final = stream.get_final_completion()
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
     assert all(isinstance(c.function.parsed_arguments, GetWeather if c.function.name == "get_weather" else GetTime)
@@ -305,25 +333,30 @@ def test_required_and_named_calls_need_no_tool_call_parser(cluster):
     server): required and named calls are forced in vLLM's JSON form and come back as
     tool_calls, streamed and not; auto still needs a parser."""
     gw = GatewayProcess("so-noparser", ["--decode", cluster.decode_address, "--chat-template", str(TEMPLATE),
-                                        "--max-model-len", str(MAX_MODEL_LEN)])
+                                        "--max-model-len", str(MAX_MODEL_LEN), "--api-key", HERMES_API_KEY])
     try:
         gw.wait_ready()
-        gw.wait_healthy()
-        oai = openai.OpenAI(base_url=gw.http_url + "/v1", api_key="unused", max_retries=0)
-        r = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS,
-                                        tool_choice="required", max_tokens=150, temperature=0)
+        gw.wait_healthy(api_key=HERMES_API_KEY)
+        oai = openai.OpenAI(base_url=gw.http_url + "/v1", api_key=HERMES_API_KEY, max_retries=0)
+
+        def named():
+            with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS,
+                                             max_tokens=150, temperature=0,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}}
+                                             ) as stream:
+                return stream.get_final_completion()
+
+        r, final, auto = _at_once(
+            lambda: oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS,
+                                                tool_choice="required", max_tokens=150, temperature=0),
+            named, lambda: _chat(gw.http_url, messages=WEATHER, tools=TOOLS, tool_choice="auto", max_tokens=8))
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         for call in choice.message.tool_calls:
             (GetTime if call.function.name == "get_time" else GetWeather).model_validate_json(call.function.arguments)
-        with oai.chat.completions.stream(model="SmolLM2-135M-Instruct", messages=WEATHER, tools=TOOLS, max_tokens=150,
-                                         temperature=0, tool_choice={"type": "function",
-                                                                     "function": {"name": "get_time"}}) as stream:
-            final = stream.get_final_completion()
         call, = final.choices[0].message.tool_calls
         assert call.function.name == "get_time" and final.choices[0].finish_reason == "tool_calls", final
         GetTime.model_validate_json(call.function.arguments)
-        auto = _chat(gw.http_url, messages=WEATHER, tools=TOOLS, tool_choice="auto", max_tokens=8)
         assert auto.status_code == 400 and "--tool-call-parser" in auto.text, auto.text
     finally:
         assert gw.stop() == 0, gw.logs()
@@ -337,21 +370,22 @@ def test_auto_parses_the_block_the_model_wrote(cluster):
         "content": {"type": "json_schema", "json_schema": GetTime.model_json_schema()}, "end": "}\n</tool_call>"}}}
     body = {"messages": WEATHER, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 150,
             "structured_outputs": force}
-    r = _chat(cluster.http_url, **body).json()
+    r, chunks, plain = _at_once(
+        lambda: _chat(cluster.http_url, **body).json(),
+        lambda: httpx.post(cluster.http_url + "/v1/chat/completions", timeout=120, headers=AUTH,
+                           json={**body, "temperature": 0, "stream": True}).text,
+        # With tool_choice none the tools are neither shown nor parsed: the same text is content.
+        lambda: _chat(cluster.http_url, **{**body, "tool_choice": "none", "max_tokens": 8}).json()["choices"][0])
     message = r["choices"][0]["message"]
     assert r["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None, r
     call, = message["tool_calls"]
     assert call["function"]["name"] == "get_time"
     GetTime.model_validate_json(call["function"]["arguments"])
-    chunks = httpx.post(cluster.http_url + "/v1/chat/completions", timeout=120,
-                        json={**body, "temperature": 0, "stream": True}).text
     deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in chunks.splitlines() if line.startswith("data: {")]
     parts = [c for d in deltas for c in d.get("tool_calls", [])]
     assert parts[0]["id"].startswith("call_") and parts[0]["function"]["name"] == "get_time"
     assert all("id" not in p and set(p["function"]) == {"arguments"} for p in parts[1:])
     assert "".join(p["function"]["arguments"] for p in parts) == call["function"]["arguments"]
-    # With tool_choice none the tools are neither shown nor parsed: the same text is content.
-    plain = _chat(cluster.http_url, **{**body, "tool_choice": "none", "max_tokens": 8}).json()["choices"][0]
     assert plain["message"]["content"].startswith("<tool") and "tool_calls" not in plain["message"], plain
 
 
@@ -374,14 +408,14 @@ def test_grpc_tool_calls(cluster, mode):
 
         def generate(**chat: Any) -> list:
             chat = gateway_pb2.ChatMessages(messages=chat.pop("messages", messages), tools=_grpc_tools(), **chat)
-            return list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+            return list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120,
+                                      metadata=GRPC_AUTH))
 
         choices = [{"tool_choice": "required"}, {"tool_choice_function": "get_time"},
                    {"tool_choice": "required", "parallel_tool_calls": False}]
         if mode == "local":  # the same gateway code: one case shows the decode server's prefill keeps it
             choices = choices[1:2]
-        for choice in choices:
-            msgs = generate(**choice)
+        for choice, msgs in zip(choices, _at_once(*[lambda c=c: generate(**c) for c in choices])):
             assert msgs[-1].finish_reason == "tool_calls" and not "".join(m.text for m in msgs), (choice, msgs[-1])
             pieces = [c for m in msgs for c in m.tool_calls]
             starts = [p for p in pieces if p.id]
@@ -412,7 +446,8 @@ def test_grpc_tool_calls(cluster, mode):
         chat = gateway_pb2.ChatMessages(messages=messages, tool_choice="required",
                                         tools=[gateway_pb2.FunctionTool(name="f", parameters_json="{not json")])
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+            list(stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120,
+                               metadata=GRPC_AUTH))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].parameters_json" in e.value.details()
 
 

@@ -33,7 +33,10 @@ def test_packed_conversion_is_the_float_conversion_dequantized(packed_dir: Path)
     config = json.loads((packed_dir / "config.json").read_text())
     types = config["quantization_config"]["tensor_types"]
     assert config["quantization_config"]["quant_method"] == "gguf"
-    assert len(types) == 30 * 7 and set(types.values()) == {"Q4_1"}
+    # the 30 blocks' 7 linear layers in Q4_1, the token embedding (tied to the LM head) in Q8_0
+    assert len(types) == 30 * 7 + 1 and types.pop("model.embed_tokens") == "Q8_0"
+    assert set(types.values()) == {"Q4_1"}
+    types["model.embed_tokens"] = "Q8_0"
     float_dir = ensure_default_model()
     with safe_open(str(packed_dir / "model.safetensors"), "pt") as q, \
             safe_open(str(float_dir / "model.safetensors"), "pt") as f:
@@ -47,7 +50,7 @@ def test_packed_conversion_is_the_float_conversion_dequantized(packed_dir: Path)
                 packed_bytes += got.numel()
                 got = gguf_reference.dequantize(got, types[layer], want.shape[1])
             assert torch.equal(got, want), name  # q/k rows un-permuted as transformers does
-    assert packed_bytes < 70 * 2**20  # the linear layers: ~66 MB packed instead of ~425 MB float32
+    assert packed_bytes < 100 * 2**20  # ~66 MB of linear layers and ~29 MB of table, instead of ~538 MB float32
 
 
 def test_quantization_config_rules() -> None:
@@ -61,6 +64,28 @@ def test_quantization_config_rules() -> None:
                                                             "tensor_types": {"a": "Q6_K"}}}, "auto")
     with pytest.raises(ValueError, match="needs a checkpoint"):
         resolve_quantization("gguf", {}, "auto")
+
+
+def test_a_packed_vocabulary_table_equals_its_dequantized_one() -> None:
+    """The embedding looks up packed rows and the head multiplies by the packed table: the
+    same rows and logits (up to float32 summation order) as the dequantized float table."""
+    from engine.layers.embedding import LMHead, VocabEmbedding
+    from engine.parallel import Shard
+
+    vocab, hidden = 100, 64
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(vocab, hidden, generator=g)
+    packed = gguf_reference.quantize(table, "Q8_0")
+    shard = Shard(0, 1, 1, 1, vocab)
+    q = VocabEmbedding(vocab, hidden, shard, None, qtype="Q8_0")
+    q.weight.data.copy_(packed)
+    f = VocabEmbedding(vocab, hidden, shard, None)
+    f.weight.data.copy_(gguf_reference.dequantize(packed, "Q8_0", hidden))
+    ids = torch.tensor([0, 5, 99, 5])
+    assert torch.equal(q(ids), f(ids))
+    h = torch.randn(3, hidden, generator=g)
+    got, want = LMHead(vocab, hidden, shard, None, tied=q)(h), LMHead(vocab, hidden, shard, None, tied=f)(h)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_stacked_parts_must_share_a_type() -> None:
@@ -94,6 +119,8 @@ def test_served_quantized_equals_its_dequantized_reference(packed_dir: Path) -> 
             gguf_layers = [m for m in llm.engine.runner.model.modules()
                            if isinstance(getattr(m, "method", None), GgufLinearMethod)]
             assert len(gguf_layers) == 30 * 4 and all(m.weight.dtype == torch.uint8 for m in gguf_layers)
+            model_ = llm.engine.runner.model  # the tied table read packed by the embedding and the head
+            assert model_.model.embed_tokens.weight.dtype == torch.uint8 and model_.lm_head.qtype == "Q8_0"
         outputs[model] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
         del llm
     assert all(len(ids) == 20 for ids in outputs[GGUF_MODEL])

@@ -169,3 +169,57 @@ def test_every_groups_hits_are_taken_before_any_new_block():
     table = kv.get_block_table("b")
     assert len(set(table[0]) | set(table[1])) == 6  # no block in two places
     assert all(blk.ref_cnt == 1 for g in kv.groups for blk in g.req_blocks["b"])
+
+
+def test_what_a_send_leaves_out_of_each_groups_table():
+    """A decode server's prefix hit is whole blocks of every group (blocks of 4 and of 8 tokens
+    here: layers of two KV shapes); a transfer into it leaves out each group's blocks of that
+    prefix, windowed groups alike (the decode server holds them as cached blocks, and registers
+    every block it receives: none may arrive empty)."""
+    layout = build_layout(["sliding_attention", "full_attention", "sliding_attention"], [WINDOW, None, WINDOW], 4,
+                          kv_shapes=[(2, 16), (2, 32), (2, 16)])
+    assert [(g.kind, g.block_size) for g in layout.groups] == [(FULL, 4), (SLIDING, 8), (SLIDING, 8)]
+    kv = KVCacheManager(64, 4, True, layout=layout)
+    assert kv.hit_unit == 8
+    r = _req("r", 37)
+    kv.allocate_slots(r, 37)  # full: 10 blocks of 4, each windowed group: 5 of 8
+    full, w1, w2 = kv.get_block_table("r")
+    flat = kv.get_block_ids("r")
+    assert flat == full + w1 + w2 and (len(full), len(w1), len(w2)) == (10, 5, 5)
+    for skip in (0, 8, 16, 32):
+        want = full[skip // 4:] + w1[skip // 8:] + w2[skip // 8:]
+        assert kv.get_block_ids("r", skip) == layout.blocks_past(flat, 37, skip) == want
+        assert kv.skipped_tokens("r", want) == skip
+    assert kv.skipped_tokens("r", full[2:] + w1 + w2) is None  # one group's prefix only
+    assert kv.skipped_tokens("r", flat + [60]) is None
+    for bad in (4, 12, 40, -8):  # not whole blocks of every group, or past the prompt
+        with pytest.raises(ValueError, match="whole number of every cache group's blocks"):
+            layout.blocks_past(flat, 37, bad)
+    with pytest.raises(ValueError, match=r"20 block ids, but the cache groups' tables of 41 tokens hold 11 \+ 6 \+ 6"):
+        layout.blocks_past(flat, 41, 8)
+    kv.skip_on_send(r, 16)
+    assert kv.send_block_ids("r") == full[4:] + w1[2:] + w2[2:]
+    with pytest.raises(ValueError, match="request r: the decode server's cached prefix: a prefix of 12 tokens"):
+        kv.skip_on_send(r, 12)
+    kv.forget(r)
+    assert not kv.send_skip and kv.num_used_blocks == 0
+
+
+def test_a_reservation_takes_a_hybrid_prefix_without_a_state_snapshot():
+    """A hybrid model's hit on a computing request restores the linear state from a snapshot,
+    so it stops at the last boundary that has one (here: none). A decode tier's reservation
+    receives the state after the whole prompt with the KV: its hit is the attention blocks,
+    and it restores no snapshot."""
+    layout = build_layout(["linear_attention", "full_attention"], [None, None], 4)
+    kv = KVCacheManager(64, 4, True, layout=layout, num_state_slots=4, num_state_snapshots=2, snapshot_interval=16)
+    a = _req("a", 14)
+    kv.allocate_slots(a, 14)
+    a.num_computed_tokens = 14
+    kv.cache_blocks(a, 14)  # three full blocks cached; no chunk ended on a boundary: no snapshot
+    kv.forget(a)
+    b = _req("b", 20)
+    assert kv.get_computed_blocks(b) == ([[]], 0)
+    hits, n = kv.get_computed_blocks(b, with_state=False)
+    assert n == 12 and len(hits[0]) == 3 and kv.take_restore(b) is None
+    kv.allocate_slots(b, 8, hits)
+    assert kv.state_slot("b") >= 0  # where the state will land

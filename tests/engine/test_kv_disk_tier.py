@@ -9,6 +9,8 @@ import errno
 import logging
 import itertools
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine import kv_disk_tier
+from engine.block_hash import leading_run
 from engine.config import EngineArgs
 from engine.kv_disk_tier import DiskKVTier
+from engine.request import RequestStatus
 from kv_transfer.layout import engine_layout
 from rpc.engine_metrics import _SchedulerCollector
 from tests.engine.families import make_family_model, random_prompts
@@ -80,6 +84,9 @@ def _push_to_disk(llm: LLM, prompt: list[int], n: int, seed: int = 11) -> tuple[
 
 def _assert_no_leaks(llm: LLM) -> None:
     kv, host = llm.engine.scheduler.kv, llm.engine.host_kv
+    host.drain_reads()  # (reads a request stopped waiting for end as cached host blocks)
+    assert host.num_reads_in_flight == 0
+    assert not llm.engine.scheduler._disk_waits
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert not kv._host_hits
     host.check()
@@ -122,6 +129,21 @@ def test_spilled_prefix_reloads_from_disk_exactly(model, tmp_path, engines):
     assert flat["pdserve:kv_offload_disk_written_bytes"][0].value == disk.written_bytes_total
     assert {x.labels["cause"]: x.value for x in flat["pdserve:kv_offload_disk_errors"]} == \
         {c: 0 for c in kv_disk_tier.CAUSES}
+    # The hit by source: all 36 tokens from disk, none from host memory or the device cache.
+    assert s.prefix_hits_by_source == {"device": 0, "host": 0, "disk": 36}
+    assert {x.labels["source"]: x.value for x in flat["pdserve:prompt_tokens_cached_by_source"]} == \
+        {"device": 0, "host": 0, "disk": 36}
+    assert flat["pdserve:external_prefix_cache_hits"][0].value == 36
+    assert flat["pdserve:prefix_cache_hits"][0].value == 0
+    # Once read, the blocks are host blocks: a prompt sharing them, after some left the device
+    # again, hits host memory for those still there (a block read from disk is a disk hit once).
+    _greedy(llm, random_prompts([40], seed=12))
+    on_device = leading_run(hashes, kv.pool.cached)
+    in_host = leading_run(hashes[on_device:], host)
+    assert on_device < 9 and in_host > 0
+    assert _greedy(llm, [prompt[:36] + [5] * 8])[0].num_cached_tokens == 36
+    assert llm.engine.stats().prefix_hits_by_source == {
+        "device": BS * on_device, "host": BS * in_host, "disk": 36 + BS * (9 - on_device - in_host)}
     _assert_no_leaks(llm)
 
 
@@ -364,6 +386,10 @@ def test_a_block_on_disk_and_back_in_the_host_tier_is_a_host_hit(tmp_path):
         slot = host._take_slot()
         host.buffer[slot].copy_(blocks[22])
         host._lru[22] = slot  # 22 is back in the host tier
+        assert host.find([11, 22, 33]) == 0  # (11 and 33 are being read, off this thread)
+        assert host.reading(11) is not None and host.reading(22) is None and host.reading(33) is not None
+        host.check()
+        host.drain_reads()
         assert host.find([11, 22, 33]) == 3
         host.check()
         assert host._lru[22] == slot
@@ -371,3 +397,237 @@ def test_a_block_on_disk_and_back_in_the_host_tier_is_a_host_hit(tmp_path):
             assert torch.equal(host.buffer[host._lru[h]], block)
     finally:
         disk.close()
+
+
+# ---- reads off the step ------------------------------------------------------------------
+class _SlowDisk:
+    """Opening a KV block file for reading waits at a gate until ``release`` (the builtin
+    ``open`` as the disk tier's module sees it: the OS call, not our code); ``fail``: the
+    open then fails with EIO, ``die``: it raises SystemExit (which ends the calling thread)."""
+
+    def __init__(self, monkeypatch, fail: bool = False, die: bool = False, limit_s: float = 20.0) -> None:
+        self.gate = threading.Event()
+        self.opened: list[str] = []
+        self.threads: set[str] = set()
+        real_open = open
+
+        def slow_open(file, mode="r", *args, **kw):
+            if "r" in mode and str(file).endswith(".kv"):
+                self.opened.append(Path(file).name)
+                self.threads.add(threading.current_thread().name)
+                if not self.gate.wait(limit_s):
+                    raise OSError(errno.ETIMEDOUT, "the test's gate was never opened", str(file))
+                if die:
+                    raise SystemExit("the reader dies")
+                if fail:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO), str(file))
+            return real_open(file, mode, *args, **kw)
+
+        monkeypatch.setattr(kv_disk_tier, "open", slow_open, raising=False)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _until_done(llm: LLM, requests) -> None:
+    deadline = time.monotonic() + 60
+    while not all(r.is_finished for r in requests):
+        assert time.monotonic() < deadline
+        if not llm.engine.step().did_work:
+            llm.engine.wait_for_background(0.05)
+
+
+def test_other_requests_step_while_a_prefix_is_read_from_disk(model, tmp_path, engines, monkeypatch):
+    """A prompt whose prefix is on disk, its reads slowed down at the OS: it waits in the queue
+    (WAITING_FOR_DISK_KV) while a request running before it keeps decoding a token a step and
+    one arriving after it is admitted and decodes too; the steps never block on the files.
+    Once read, the prompt takes them as disk hits and its tokens and KV are the uncached run's."""
+    llm = _llm(engines, model, tmp_path, device_blocks=32)  # (room for all three: no preemption)
+    prompt = random_prompts([40], seed=7)[0]
+    want, fresh = _push_to_disk(llm, prompt, 9)
+    engine, host, disk = llm.engine, llm.engine.host_kv, _disk(llm)
+    before = dict(engine.stats().prefix_hits_by_source)
+    slow = _SlowDisk(monkeypatch)
+    running = engine.add_request("running", random_prompts([12], seed=30)[0], _params(40))
+    for _ in range(3):
+        engine.step()
+    assert running.num_output_tokens == 3
+    waiting = engine.add_request("from-disk", prompt, _params(6))
+    later = engine.add_request("later", random_prompts([12], seed=31)[0], _params(20))
+    steps = 0
+    started = time.monotonic()
+    while steps < 12:
+        t = time.monotonic()
+        engine.step()
+        assert time.monotonic() - t < 5.0  # (a step that read the files would wait at the gate)
+        steps += 1
+    assert slow.opened and slow.threads == {"kv-disk-reader"}
+    assert waiting.status == RequestStatus.WAITING_FOR_DISK_KV and waiting.num_computed_tokens == 0
+    assert waiting in engine.scheduler.waiting and waiting not in engine.scheduler.running
+    assert host.num_reads_in_flight > 0 and disk.loaded_blocks_total == 0
+    assert running.num_output_tokens == 3 + steps  # one token every step the reads were in flight
+    assert later.status == RequestStatus.RUNNING and later.num_output_tokens >= steps - 1
+    assert time.monotonic() - started < 30
+    host.check()
+    slow.release()
+    _until_done(llm, [running, waiting, later])
+    assert waiting.output_token_ids == want
+    assert waiting.num_cached_tokens == 36
+    kv = engine.scheduler.kv
+    for h, block in zip(_hashes(llm, prompt, 9), fresh):
+        assert torch.equal(engine.runner.kv_cache[:, kv.pool.cached[h].block_id], block)
+    assert disk.loaded_blocks_total == 9
+    after = engine.stats().prefix_hits_by_source
+    assert after["disk"] - before["disk"] == 36 and after["host"] == before["host"]
+    _assert_no_leaks(llm)
+
+
+def test_aborting_a_request_mid_read_leaks_nothing(model, tmp_path, engines, monkeypatch):
+    """The request waiting for its prefix's reads is aborted while they are in flight: it ends
+    at once, the host blocks being read stay reserved until the reads end and then are ordinary
+    cached host blocks (a later request takes them as disk hits); no block of any tier is lost."""
+    llm = _llm(engines, model, tmp_path)
+    prompt = random_prompts([40], seed=16)[0]
+    want, _ = _push_to_disk(llm, prompt, 9)
+    engine, host, disk = llm.engine, llm.engine.host_kv, _disk(llm)
+    slow = _SlowDisk(monkeypatch)
+    req = engine.add_request("aborted", prompt, _params(4))
+    engine.step()
+    assert req.status == RequestStatus.WAITING_FOR_DISK_KV
+    in_flight = host.num_reads_in_flight
+    assert 0 < in_flight <= host.max_reads
+    engine.abort_request(req.request_id)
+    assert req.status == RequestStatus.FINISHED_ABORTED
+    assert not engine.scheduler.requests and not engine.scheduler._disk_waits
+    host.check()  # (the blocks read into: reserved, neither free nor cached)
+    assert host.num_reads_in_flight == in_flight
+    while engine.has_unfinished_requests():
+        engine.step()
+    slow.release()
+    host.drain_reads()
+    hashes = _hashes(llm, prompt, 9)
+    assert leading_run(hashes, host) == in_flight  # read, and cached here
+    _assert_no_leaks(llm)
+    before = engine.stats().prefix_hits_by_source["disk"]
+    out = _greedy(llm, [prompt])[0]
+    assert out.num_cached_tokens == 36 and out.outputs[0].token_ids == want
+    assert engine.stats().prefix_hits_by_source["disk"] - before == 36  # each block read is one disk hit
+    _assert_no_leaks(llm)
+
+
+def test_a_failed_read_is_recomputed(model, tmp_path, engines, monkeypatch, caplog):
+    """Every read fails at the OS (EIO): counted under "read", the files are kept, the request
+    waits only for the failed reads and computes its whole prompt, exactly."""
+    llm = _llm(engines, model, tmp_path)
+    prompt = random_prompts([40], seed=17)[0]
+    want, _ = _push_to_disk(llm, prompt, 9)
+    slow = _SlowDisk(monkeypatch, fail=True)
+    slow.release()
+    caplog.set_level(logging.WARNING, logger="engine.kv_disk_tier")
+    out = _greedy(llm, [prompt])[0]
+    disk = _disk(llm)
+    assert slow.opened and out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
+    assert disk.errors["read"] >= 1 and disk.loaded_blocks_total == 0
+    assert all(disk.file_of(h).is_file() for h in _hashes(llm, prompt, 9))  # (an I/O error removes nothing)
+    assert any("EIO" in r.getMessage() for r in caplog.records)
+    _assert_no_leaks(llm)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the reader's death)
+def test_a_dead_reader_or_a_hung_read_never_keeps_a_request_waiting(model, tmp_path, engines, monkeypatch,
+                                                                     caplog):
+    """The reader thread dies mid-read: the waiting request is recomputed at once, the blocks
+    reserved for the lost reads are free again, and no read starts any more. A read that hangs
+    keeps its request waiting no longer than max_read_wait_s."""
+    llm = _llm(engines, model, tmp_path)
+    prompt = random_prompts([40], seed=18)[0]
+    want, _ = _push_to_disk(llm, prompt, 9)
+    host = llm.engine.host_kv
+    slow = _SlowDisk(monkeypatch, die=True)
+    slow.release()
+    caplog.set_level(logging.ERROR, logger="engine.kv_offload")
+    t = time.monotonic()
+    out = _greedy(llm, [prompt])[0]
+    assert time.monotonic() - t < host.max_read_wait_s
+    assert slow.opened and out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
+    assert not _disk(llm).reader_alive and host._reads_off
+    assert any("reader thread died" in r.getMessage() for r in caplog.records)
+    _assert_no_leaks(llm)
+    assert _greedy(llm, [prompt])[0].num_cached_tokens == 36  # (computed again: on the device now)
+
+    llm = _llm(engines, model, tmp_path / "hung")
+    want, _ = _push_to_disk(llm, prompt, 9)
+    host = llm.engine.host_kv
+    host.max_read_wait_s = 0.3
+    slow = _SlowDisk(monkeypatch)
+    t = time.monotonic()
+    out = _greedy(llm, [prompt])[0]
+    assert 0.3 <= time.monotonic() - t < 10
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
+    assert host.num_reads_in_flight > 0  # (still hung: their blocks stay reserved)
+    host.check()
+    slow.release()
+    _assert_no_leaks(llm)
+
+
+def test_the_engine_loop_wakes_when_reads_end(model, tmp_path, engines, monkeypatch):
+    """A server's engine loop, idle while the only request waits for its prefix's reads, is
+    woken by their end (not by a command): the request finishes soon after, exactly."""
+    from engine.engine_loop import EngineLoop
+
+    llm = _llm(engines, model, tmp_path)
+    prompt = random_prompts([40], seed=19)[0]
+    want, _ = _push_to_disk(llm, prompt, 9)
+    slow = _SlowDisk(monkeypatch)
+    done = threading.Event()
+    loop = EngineLoop(llm.engine, lambda out: any(r.is_finished for r in out.updated) and done.set())
+    loop.start()
+    try:
+        req = loop.submit(lambda e: e.add_request("served", prompt, _params(6))).result(10)
+        deadline = time.monotonic() + 10
+        while not slow.opened:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert req.status == RequestStatus.WAITING_FOR_DISK_KV
+        slow.release()
+        assert done.wait(20)
+    finally:
+        loop.stop()
+    assert req.output_token_ids == want and req.num_cached_tokens == 36
+    _assert_no_leaks(llm)
+
+
+def test_a_decode_reservation_waits_for_its_prefix_off_the_step(model, tmp_path, engines, monkeypatch):
+    """The decode tier's reservation of a prompt whose prefix is on disk: it stays
+    WAITING_FOR_BLOCKS while the blocks are read (a reservation queued after it is reserved
+    meanwhile), then is reserved with the prefix as its cached tokens (the sender skips them)."""
+    llm = _llm(engines, model, tmp_path)
+    prompt = random_prompts([40], seed=20)[0]
+    _push_to_disk(llm, prompt, 9)
+    engine = llm.engine
+    slow = _SlowDisk(monkeypatch)
+    first = engine.reserve("r-disk", prompt, _params(4))
+    second = engine.reserve("r-other", random_prompts([12], seed=32)[0], _params(4))
+    reserved = engine.step().reserved
+    assert reserved == [second] and first.status == RequestStatus.WAITING_FOR_BLOCKS
+    assert list(engine.scheduler.block_waiting) == [first]
+    slow.release()
+    rounds = 0
+    while first.status == RequestStatus.WAITING_FOR_BLOCKS:  # (two rounds: at most 6 blocks read at once)
+        engine.host_kv.drain_reads()
+        reserved = engine.step().reserved
+        rounds += 1
+        assert rounds <= 3
+    assert reserved == [first] and rounds == 2
+    assert first.status == RequestStatus.WAITING_FOR_KV and first.num_cached_tokens == 36
+    assert engine.stats().prefix_hits_by_source["disk"] == 36
+    for r in (first, second):
+        engine.abort_request(r.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_no_leaks(llm)

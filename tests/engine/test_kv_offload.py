@@ -83,8 +83,16 @@ def test_evicted_prefix_reloads_from_host_exactly(model):
     assert (s.host_kv_loaded_total, s.host_kv_hit_tokens_total) == (9, 36)
     assert s.host_kv_stored_total == host.stored_blocks_total > 0
     assert s.prefix_hits_total == 36
-    metrics = {m.name: m.samples[0].value for m in _SchedulerCollector(llm.engine, {"role": "t"}).collect()}
+    assert s.prefix_hits_by_source == {"device": 0, "host": 36, "disk": 0}
+    families = list(_SchedulerCollector(llm.engine, {"role": "t"}).collect())
+    metrics = {m.name: m.samples[0].value for m in families}
     assert metrics["pdserve:kv_offload_loaded_blocks"] == 9
+    # vLLM's names: the device cache's hits, the tiers behind it (its connectors'), all, per source.
+    assert (metrics["pdserve:prefix_cache_hits"], metrics["pdserve:external_prefix_cache_hits"],
+            metrics["pdserve:prompt_tokens_cached"]) == (0, 36, 36)
+    assert metrics["pdserve:external_prefix_cache_queries"] == metrics["pdserve:prefix_cache_queries"] == 5 * 40
+    by_source = next(m for m in families if m.name == "pdserve:prompt_tokens_cached_by_source")
+    assert {x.labels["source"]: x.value for x in by_source.samples} == {"device": 0, "host": 36, "disk": 0}
     assert metrics["pdserve:kv_offload_stored_blocks"] == host.stored_blocks_total
     assert metrics["pdserve:kv_offload_host_usage_perc"] == host.num_used_blocks / 64
     _assert_no_leaks(llm)
@@ -128,7 +136,10 @@ def test_off_by_default(model):
     _greedy(llm, random_prompts([20] * 4, seed=5))
     s = llm.engine.stats()
     assert (s.host_kv_blocks_total, s.host_kv_stored_total, s.host_kv_loaded_total) == (0, 0, 0)
-    assert not any("kv_offload" in m.name for m in _SchedulerCollector(llm.engine, {"role": "t"}).collect())
+    families = {m.name: m for m in _SchedulerCollector(llm.engine, {"role": "t"}).collect()}
+    assert not any("kv_offload" in name or "external_prefix_cache" in name for name in families)
+    by_source = {x.labels["source"]: x.value for x in families["pdserve:prompt_tokens_cached_by_source"].samples}
+    assert by_source == {"device": s.prefix_hits_total, "host": 0, "disk": 0}
     _assert_no_leaks(llm)
     ns = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--model", "m", "--kv-offloading-size", "2.5"])
@@ -180,3 +191,32 @@ def test_stores_of_an_allocation_never_take_its_host_hits():
     assert all(torch.equal(cache[:, b.block_id], stored[s]) for s, b in zip(a_slots, new))
     kv.free(a2)
     assert kv.pool.num_free_blocks == 4
+
+
+def test_a_prefill_tier_request_takes_its_prefix_from_the_host_tier(model):
+    """The prefill tier's path (``add_prefill_request``: compute the prompt, hold its blocks for
+    the KV send): a prompt whose prefix went to the host tier loads it back instead of
+    computing it, and the blocks held for the send are those of a fresh computation, bit for bit."""
+    llm = _llm(model, device_blocks=16, host_blocks=64)
+    engine = llm.engine
+    prompt, *others = random_prompts([40, 40, 40, 40], seed=12)
+
+    def prefill(rid: str):
+        req = engine.add_prefill_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
+        while req.request_id not in engine.scheduler.held:
+            engine.step()
+        kv = engine.runner.kv_cache[:, engine.get_block_ids(rid)].clone()
+        engine.release_after_send(rid)
+        return req, kv
+
+    first, fresh = prefill("p0")
+    assert first.num_cached_tokens == 0
+    for p in others:  # the prompt's blocks leave the device cache for the host tier
+        _greedy(llm, [p])
+    again, loaded = prefill("p1")
+    assert again.num_cached_tokens == 36 and engine.host_kv.loaded_blocks_total == 9
+    assert again.output_token_ids == first.output_token_ids
+    assert torch.equal(loaded[:, :9], fresh[:, :9])  # the prefix's blocks, as computed the first time
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_no_leaks(llm)

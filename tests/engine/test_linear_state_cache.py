@@ -78,9 +78,14 @@ def test_chunks_end_on_snapshot_boundaries():
     assert snaps.chunk_end(0, 20, 41) == 16  # a middle chunk ends on the last boundary it reaches
     assert snaps.chunk_end(3, 4, 41) == 4  # reaches none
     assert snaps.chunk_end(41, 1, 41) == 1  # decoding
-    a, b, c = snaps.take(11), snaps.take(22), snaps.take(33)  # the third evicts the oldest
-    assert (a, b) == (5, 6) and c == 5 and snaps.find(11) is None and snaps.find(22) == 6
-    assert snaps.take(22) is None  # kept already
+    # prefixes as block hashes, the boundary's last: b shares a's first block
+    a, b, c = snaps.take([10, 11]), snaps.take([10, 20, 22]), snaps.take([30, 33])  # the third evicts the oldest
+    assert (a.slot, b.slot) == (5, 6) and c.slot == 5 and snaps.find(11) is None and snaps.find(22) == 6
+    # what a kept snapshot covers: a block another kept prefix holds stays covered when one goes
+    assert (a.covered, a.uncovered) == ([10, 11], []) and (b.covered, b.uncovered) == ([20, 22], [])
+    assert (c.covered, c.uncovered) == ([30, 33], [11])
+    assert [h for h in (10, 11, 20, 22, 30, 33) if snaps.covers(h)] == [10, 20, 22, 30, 33]
+    assert snaps.take([10, 20, 22]) == (None, [], [])  # kept already
 
 
 def test_what_a_hybrid_model_refuses_or_keeps(qwen3_next):
@@ -120,3 +125,34 @@ def test_the_prefix_index_hears_of_blocks_up_to_a_snapshot(qwen3_next):
     assert not lost and len(stored) == 8  # 32 tokens' blocks
     again = llm.generate([prompt + [7]], short)[0]
     assert again.num_cached_tokens == 32
+
+
+def test_the_prefix_index_drops_blocks_whose_snapshot_was_evicted(qwen3_next):
+    """One snapshot slot: a second prompt's snapshot evicts the first's, and with it the first
+    prompt's blocks leave the prefix index (they stay cached: no hit restores their state any
+    more, and none is taken); computed again, its snapshot comes back and so do they."""
+    d, _ = qwen3_next
+    llm = LLM(str(d), block_size=4, max_num_batched_tokens=64, linear_state_snapshot_interval=16,
+              linear_state_snapshots=1)
+    kv = llm.engine.scheduler.kv
+    assert kv.cache_snapshot() == []
+    a, b = random_prompts([41, 41], seed=6)  # one chunk to 32 (a boundary: a snapshot), then 9 tokens
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    def run(prompt: list[int]) -> tuple[set[int], set[int], int]:
+        """(hashes published, hashes withdrawn, tokens of its prefix hit)."""
+        out = llm.generate([prompt], short)[0]
+        events, lost = kv.take_cache_events()
+        assert not lost
+        return {h for s, h in events if s}, {h for s, h in events if not s}, out.num_cached_tokens
+
+    stored_a, dropped, _ = run(a)
+    assert len(stored_a) == 8 and not dropped  # 32 tokens' blocks, under a's snapshot
+    stored_b, dropped, _ = run(b)
+    assert len(stored_b) == 8 and dropped == stored_a  # b's snapshot took a's slot
+    assert all(kv.pool.get_cached_block(h) is not None for h in stored_a)  # still cached, unpublished
+    assert set(kv.cache_snapshot()) == stored_b  # what the index now holds: what a hit restores
+    again, dropped, hit = run(a + [7])
+    assert hit == 0  # as the index said: no snapshot, no hit
+    assert again == stored_a and dropped == stored_b  # a's snapshot is back, b's went
+    assert run(a + [9])[2] == 32

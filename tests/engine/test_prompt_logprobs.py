@@ -140,3 +140,33 @@ def test_steps_computing_prompt_logprobs_run_eagerly_and_are_read_at_once():
 def test_prompt_logprobs_is_checked(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("bfloat16", 0.15)])
+def test_prompt_logprobs_on_cuda_at_a_large_vocabulary(tmp_path, dtype, tol):
+    """On CUDA, a 152k vocabulary and 2,048-token chunks (a [2048, 152k] float32 table per
+    chunk, about 1.2 GB): float32 within float32 rounding of transformers' float32 on the same
+    GPU, bf16 within bf16 rounding of transformers' bf16 there; the logits of one chunk at a time
+    are held, not the prompt's."""
+    vocab = 151936
+    path = make_tiny_model(tmp_path / "m", vocab_size=vocab, max_position_embeddings=4096)
+    p = random_prompts([3000], vocab=vocab, seed=11)[0]
+    hf = hf_model(path, getattr(torch, dtype), "cuda")
+    with torch.no_grad():
+        logits = hf(torch.tensor([p], device="cuda")).logits[0, :-1].float()
+    want = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(p[1:], device="cuda").unsqueeze(1))[:, 0].cpu()
+    del hf, logits
+    torch.cuda.empty_cache()
+    llm = LLM(str(path), dtype=dtype, device="cuda", block_size=16, kv_cache_memory="256MiB",
+              max_num_batched_tokens=2048, max_model_len=4096)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))[0]
+    peak = torch.cuda.max_memory_allocated() - base
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    assert [lp.token_id for lp in out.prompt_logprobs[1:]] == p[1:]
+    diff = (got - want).abs()
+    assert diff.max() < tol, (diff.max(), diff.mean())
+    assert peak < 4 * 2048 * vocab * 4, peak / 2**30  # a few chunk-sized tables at most

@@ -92,6 +92,7 @@ class Knobs:
     queue_full: bool = False  # Decode.Generate -> RESOURCE_EXHAUSTED
     prefill_error: grpc.StatusCode | None = None
     prefill_delay: float = 0.0
+    get_load_delay: float = 0.0  # GetLoad answers this late (a busy server; polls run past their deadline)
     num_cached_tokens: int = 0
     fail_after_deltas: int | None = None  # Decode.Generate fails (INTERNAL) after this many deltas
     # Set: Decode.Generate sends its first delta, then waits for this event before the rest.
@@ -188,6 +189,7 @@ class FakeDecode(engine_pb2_grpc.DecodeServicer):
             s.kv_arrived.pop(req.request_id, None)
 
     async def GetLoad(self, req: Any, context: Any) -> common_pb2.LoadInfo:
+        await asyncio.sleep(self.s.knobs.get_load_delay)
         return common_pb2.LoadInfo(role="decode", address=self.address, metrics_url="http://fake/metrics",
                                    num_running=len(self.s.active), kv_blocks_used=len(self.s.active),
                                    kv_blocks_total=1000, block_size=BLOCK_SIZE, model="fake",
@@ -231,6 +233,7 @@ class FakePrefill(engine_pb2_grpc.PrefillServicer):
         return engine_pb2.PrefillResponse(first_token=first, logprob=lp, num_cached_tokens=s.knobs.num_cached_tokens)
 
     async def GetLoad(self, req: Any, context: Any) -> common_pb2.LoadInfo:
+        await asyncio.sleep(self.s.knobs.get_load_delay)
         return common_pb2.LoadInfo(role="prefill", address=self.address, kv_blocks_total=1000,
                                    block_size=BLOCK_SIZE, model="fake", **self.s.lora["prefill"].load_info())
 

@@ -128,6 +128,22 @@ def test_one_rate_writes_the_json_it_always_wrote(cluster, tmp_path):
     assert result["args"]["request_rate"] == 50.0 and result["completed"] == 3
 
 
+def test_multi_turn_mode_runs_the_chats(cluster, tmp_path):
+    """`bench serve --multi-turn` is `bench multi-turn` under serve's flags: each chat's turns
+    in order, each prompt the history so far (so it grows), the per-turn table in the JSON."""
+    out = tmp_path / "mt.json"
+    assert cli.main(["bench", "serve", "--multi-turn", "--base-url", cluster.main.http_url, "--api-key", API_KEY,
+                     "--conversations", "2", "--turns", "3", "--think-time", "0", "--stagger", "0",
+                     "--system-words", "20", "--user-words", "5", "--output-len", "2",
+                     "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert [t["turn"] for t in result["per_turn"]] == [1, 2, 3]
+    for c in (0, 1):
+        prompts = [t["prompt_tokens"] for t in result["turns"] if t["conversation"] == c]
+        assert len(prompts) == 3 and prompts == sorted(prompts) and prompts[0] < prompts[2], prompts
+
+
 def test_plot_without_matplotlib_fails_before_any_request(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     code = cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1,2",

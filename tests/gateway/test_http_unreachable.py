@@ -51,8 +51,8 @@ def test_validation_happens_before_routing(client):
                                      "requested 9001 tokens (1 in the messages, 9000 in the completion).")
     err = _error(client.post("/v1/completions", json={"prompt": "hi", "model": "nope"}), 404)
     assert err["code"] == "model_not_found"
-    err = _error(client.post("/v1/completions", json={"prompt": "hi", "n": 3}), 400)
-    assert err["type"] == "invalid_request_error" and "n must be 1" in err["message"]
+    err = _error(client.post("/v1/completions", json={"prompt": "hi", "n": 3, "best_of": 2}), 400)
+    assert err["type"] == "invalid_request_error" and "best_of must be greater than or equal to n" in err["message"]
     _error(client.post("/v1/completions", json={"prompt": "hi", "suffix": "there"}), 400)
     _error(client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
     _error(client.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct"}), 400)

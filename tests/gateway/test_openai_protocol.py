@@ -49,12 +49,14 @@ def test_chat_content_parts_are_joined():
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"prompt": "x", "n": 2}, "n must be 1"),
+    ({"prompt": "x", "n": 129}, "n must be in [1, 128]"),
+    ({"prompt": "x", "n": 0}, "n must be in [1, 128]"),
     ({"prompt": "x", "suffix": "y"}, "fill-in-the-middle template"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of must be greater than or equal to n, got n=3 and best_of=2"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "cannot be streamed"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

@@ -213,6 +213,9 @@ def test_flags_and_defaults(monkeypatch):
     assert cfg.decode == ("a:1", "b:2") and cfg.prefill == ()
     assert (cfg.host, cfg.http_port, cfg.grpc_port, cfg.request_timeout) == ("127.0.0.1", 8000, 50051, 600.0)
     assert cfg.api_key is None and cfg.log_requests and cfg.max_model_len is None
+    assert (cfg.kv_host_hit_credit, cfg.max_n) == (0.99, 128)
+    assert (_parse("--decode", "a:1", "--kv-host-hit-credit", "0.8").kv_host_hit_credit, _parse(
+        "--decode", "a:1", "--max-n", "4").max_n) == (0.8, 4)
     monkeypatch.setenv("PDSERVE_API_KEY", "k")
     assert _parse("--decode", "a:1").api_key == "k"
     assert _parse("--decode", "a:1", "--api-key", "x").api_key == "x"
@@ -225,6 +228,8 @@ def test_flags_and_defaults(monkeypatch):
     (("--decode", "a:1", "--request-timeout", "0"), "--request-timeout"),
     (("--decode", "a:1", "--http-port", "9", "--grpc-port", "9"), "must differ"),
     (("--decode", "a:1", "--enable-auto-tool-choice"), "needs --tool-call-parser"),
+    (("--decode", "a:1", "--kv-host-hit-credit", "1.5"), "--kv-host-hit-credit must be within"),
+    (("--decode", "a:1", "--max-n", "0"), "--max-n must be in"),
 ])
 def test_bad_flags(argv, fragment, monkeypatch):
     with pytest.raises(ValueError, match=fragment):
@@ -281,3 +286,12 @@ def test_a_busy_server_is_not_dropped_for_one_late_poll():
         assert not inst.is_healthy
         await reg.close()
     asyncio.run(go())
+
+
+def test_routing_and_choice_flags_reach_the_gateway_through_pdserve_up():
+    from pdserve.cli import build_parser
+    from pdserve.cli.up import Cluster
+
+    argv = Cluster(build_parser("up").parse_args(["up", "--kv-host-hit-credit", "0.5", "--max-n", "4"])).gateway_argv()
+    cfg = _parse(*argv[1:])
+    assert (cfg.kv_host_hit_credit, cfg.max_n) == (0.5, 4)

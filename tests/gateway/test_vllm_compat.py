@@ -145,7 +145,12 @@ def fake():
 
 
 def _run(fake: FakeEngine, tokenizer, allow: bool, body):
-    """``body(http, grpc_stub)`` against a gateway service in front of ``fake`` (in-process)."""
+    """``body(http, grpc_stub)`` against a gateway service in front of ``fake`` (in-process),
+    whose servers start with no adapter and no call recorded."""
+    for lora in fake.state.lora.values():
+        lora.adapters.clear()
+        lora.calls.clear()
+
     async def go():
         reg = InstanceRegistry([fake.prefill_address], [fake.decode_address], poll_timeout=0.5)
         await reg.poll_once()
@@ -183,6 +188,29 @@ def test_runtime_lora_updates_are_off_unless_allowed(fake, tokenizer):
     assert (rpc_error.code(), rpc_error.details()) == (grpc.StatusCode.NOT_FOUND,
                                                        OFF.format(method="load_lora_adapter"))
     assert fake.state.lora["decode"].calls == [] and fake.state.lora["prefill"].calls == []
+
+
+def test_a_load_counts_at_once_though_the_poll_after_it_is_late(fake, tokenizer):
+    """A busy server answers the poll that follows a load past its deadline: the
+    load's own answer already lists the adapter, and the unload's removes it."""
+    async def body(http, stub):
+        fake.state.knobs.get_load_delay = 1.0  # above the registry's 0.5 s poll timeout
+        try:
+            sql = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+            first = await http.post("/v1/load_lora_adapter", json=sql)
+            again = await http.post("/v1/load_lora_adapter", json=sql)
+            models = await http.get("/v1/models")
+            unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            after = await http.get("/v1/models")
+        finally:
+            fake.state.knobs.get_load_delay = 0.0
+        return first, again, models, unload, after
+    first, again, models, unload, after = _run(fake, tokenizer, True, body)
+    assert first.status_code == 200, first.text
+    assert (again.status_code, again.json()["error"]["code"]) == (400, "lora_adapter_already_loaded")
+    assert "sql" in [m["id"] for m in models.json()["data"]]
+    assert unload.status_code == 200, unload.text
+    assert "sql" not in [m["id"] for m in after.json()["data"]]
 
 
 def test_loading_a_loaded_name_needs_load_inplace(fake, tokenizer):

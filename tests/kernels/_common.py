@@ -1,6 +1,8 @@
 """Device, dtypes and tolerances shared by the kernel tests."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,3 +24,9 @@ TOLERANCES = {
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (3e-2, 3e-2),
 }
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler (``$CXX``, else ``c++``) is on PATH: the CPU extensions can build."""
+    cxx = os.environ.get("CXX", "c++").split()[0]
+    return any(os.access(os.path.join(d, cxx), os.X_OK) for d in os.get_exec_path())

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from tests.kernels._common import TOLERANCES
+from tests.kernels._common import TOLERANCES, has_compiler
 
 from kernels import cpu_attention, reference
 
@@ -27,14 +27,9 @@ FP8 = torch.float8_e4m3fn
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _compiler() -> bool:
-    cxx = os.environ.get("CXX", "c++").split()[0]
-    return any(os.access(os.path.join(d, cxx), os.X_OK) for d in os.get_exec_path())
-
-
 @pytest.fixture(scope="module")
 def ext():
-    if not _compiler():
+    if not has_compiler():
         pytest.skip("no C++ compiler: the CPU attention runs the reference (tested below)")
     module = cpu_attention.extension()
     assert module is not None, f"the compiled CPU attention did not build: {cpu_attention.unavailable_reason()}"
@@ -206,7 +201,8 @@ def test_without_a_build_it_runs_the_reference_and_says_why_once(tmp_path, broke
         env["CXX"] = str(tmp_path / "no-such-compiler")
     else:  # a compiler that fails on the source (torch asks the real one for its version)
         fake = tmp_path / "cxx"
-        fake.write_text("#!/bin/sh\ncase \"$*\" in *paged_attention.cpp*)\n"
+        # (both of the library's sources: ninja waits for a compile under way when another fails)
+        fake.write_text("#!/bin/sh\ncase \"$*\" in *paged_attention.cpp*|*elementwise.cpp*)\n"
                         "  echo 'paged_attention.cpp:1:1: error: broken on purpose' >&2; exit 1;;\n"
                         "esac\nexec c++ \"$@\"\n")
         fake.chmod(0o755)

@@ -229,12 +229,14 @@ def test_warm_up_runs_once_per_compile_choice(monkeypatch):
     calls = []
     real = fm.fused_moe
     monkeypatch.setattr(fm, "fused_moe", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
-    # 2 slots, E=4: the align chunk holds next_pow2(2T) >= 16 pairs (new at T = 9,
-    # 17, 33), and the default float32 tiles grow past 16 pairs per expert (T = 33).
+    # 2 slots, E=4: up to PAIR_GEMV_MAX_TOKENS the pair GEMV (one compile); then the align chunk
+    # holds next_pow2(2T) >= 16 pairs (new at T = 9, 17, 33), and the default float32 tiles grow
+    # past 16 pairs per expert (T = 33).
+    monkeypatch.setattr(fm, "PAIR_GEMV_MAX_TOKENS", 2)
     assert fm.warm_up(inp.w13, inp.w2, 2, 40, ids_dtypes=(torch.int32,)) == len(calls)
-    assert calls == [1, 9, 17, 33]
+    assert calls == [1, 3, 9, 17, 33]
     calls.clear()
-    assert fm.warm_up(inp.w13, inp.w2, 2, 8) == 2 and calls == [1, 1]  # int32 and int64 ids
+    assert fm.warm_up(inp.w13, inp.w2, 2, 8) == 4 and calls == [1, 1, 3, 3]  # int32 and int64 ids
 
 
 def test_tuning_picks_the_fastest_candidate_and_skips_failures(monkeypatch):

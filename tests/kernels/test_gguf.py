@@ -55,10 +55,39 @@ def ext():
     return module
 
 
-def test_avx512_path_is_built_where_the_cpu_has_it(ext) -> None:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        has = " avx512f " in next((ln for ln in f if ln.startswith("flags")), "") + " "
-    assert ext.avx512() == has
+        return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+
+
+def test_the_widest_vector_path_serves_where_the_cpu_has_it(ext) -> None:
+    flags = _cpu_flags()
+    want = ["avx512"] if "avx512f" in flags else []
+    want += ["avx2"] if {"avx2", "fma"} <= flags else []
+    assert ext.paths() == [*want, "portable"]
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("t", [1, 3, 8, 11])
+def test_the_narrower_paths_equal_the_reference_linear(ext, path: str, qtype: str, t: int) -> None:
+    """The AVX2 loop (a laptop without AVX-512 serves with it) and the portable one, asked for
+    by name where the widest serves."""
+    if path not in ext.paths():
+        pytest.skip(f"no {path} path on this CPU")
+    k, n = 576, 37
+    packed = random_packed(qtype, n, k, seed=t + 7)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=g)
+    bias = torch.randn(n, generator=g) if t % 2 else None
+    want = R.linear(x, packed, qtype, bias)
+    got = ext.gguf_linear(x, packed, cpu_gemm.GGUF_QTYPES[qtype], bias, path=path)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5 * float(want.abs().max()))
+
+
+def test_an_unknown_path_is_refused(ext) -> None:
+    with pytest.raises(RuntimeError, match="no path neon"):
+        ext.gguf_linear(torch.zeros(1, 32), random_packed("Q8_0", 2, 32), 2, None, path="neon")
 
 
 @pytest.mark.parametrize("qtype", TYPES)

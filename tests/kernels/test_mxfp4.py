@@ -270,8 +270,10 @@ def test_mxfp4_warm_up_and_tuning_loop(monkeypatch):
     q = mxfp4_experts(inp.w13, inp.w2)
     with pytest.raises(ValueError, match="x_dtype is required"):
         fm.warm_up(q["w13"], q["w2"], 2, 4, w13_scale=q["w13_scale"], w2_scale=q["w2_scale"])
+    # the pair GEMV (1 and 2 tokens) and one grouped-GEMM config (3 and 4)
+    monkeypatch.setattr(fm, "PAIR_GEMV_MAX_TOKENS", 2)
     assert fm.warm_up(q["w13"], q["w2"], 2, 4, x_dtype=torch.float32, ids_dtypes=(torch.int32,),
-                      w13_scale=q["w13_scale"], w2_scale=q["w2_scale"]) == 1
+                      w13_scale=q["w13_scale"], w2_scale=q["w2_scale"]) == 2
     # the tuning loop on CPU with a stand-in timer: every candidate runs, the first wins ties
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
     entry = fm._tune_one(inp.x, q["w13"], q["w2"], 2, torch.Generator(device=DEVICE), 1, 2,
@@ -281,3 +283,35 @@ def test_mxfp4_warm_up_and_tuning_loop(monkeypatch):
     args = (inp.x, q["w13"], q["w2"], inp.topk_weights, inp.topk_ids)
     kw = dict(w13_scale=q["w13_scale"], w2_scale=q["w2_scale"])
     assert_close(kernels.fused_moe(*args, config={3: entry}, **kw), reference.fused_moe(*args, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "16bit"])
+def test_the_pair_gemv_matches_the_grouped_gemms_and_the_reference(monkeypatch, dtype, mxfp4):
+    """A few tokens take the pair GEMV (no align step, no dot): the same result as the grouped
+    GEMMs within their rounding, with biases, a foreign expert id and K not a multiple of BLOCK_K."""
+    t, e, k, h, i = 3, 5, 2, 96, 160  # 96 and 160: BLOCK_K 64 takes masked last steps
+    inp = make_inputs(t, e, k, h, i, dtype, seed=11)
+    inp.topk_ids[1, 0] = e  # another rank's expert: contributes nothing
+    gen = torch.Generator().manual_seed(3)
+    kw = dict(activation="swigluoai", swiglu_limit=2.0,
+              w13_bias=torch.randn(e, 2 * i, generator=gen).to(dtype).to(DEVICE),
+              w2_bias=torch.randn(e, h, generator=gen).to(dtype).to(DEVICE))
+    if mxfp4:
+        q = mxfp4_experts(inp.w13, inp.w2)
+        w13, w2 = q["w13"], q["w2"]
+        kw.update(w13_scale=q["w13_scale"], w2_scale=q["w2_scale"])
+    else:
+        w13, w2 = inp.w13, inp.w2
+    args = (inp.x, w13, w2, inp.topk_weights, inp.topk_ids)
+    want = reference.fused_moe(*args, **kw)
+    monkeypatch.setattr(fm, "PAIR_GEMV_MAX_TOKENS", t)
+    assert fm.gemv_tiles(t, w13, inp.x) is not None
+    gemv = kernels.fused_moe(*args, **kw)
+    monkeypatch.setattr(fm, "PAIR_GEMV_MAX_TOKENS", 0)
+    assert fm.gemv_tiles(t, w13, inp.x) is None
+    grouped = kernels.fused_moe(*args, **kw)
+    assert_close(gemv, want, dtype)
+    assert_close(gemv, grouped, dtype)
+    if dtype == torch.float32:  # the same exact products, summed in another order
+        torch.testing.assert_close(gemv, grouped, atol=1e-5, rtol=1e-5)

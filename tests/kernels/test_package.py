@@ -89,6 +89,11 @@ def test_describe_kernels_names_what_serves_a_step():
             == f"attention {attention}, GEMMs torch's F.linear, {rest}")
     assert (kernels.reference.describe_kernels(torch.device("cuda", 0), torch.bfloat16)
             == "PyTorch references (kernels.reference), GEMMs torch's")
+    from kernels import cpu_ops  # what a CPU step runs ("auto"): its norms and RoPE compiled
+
+    glue = ("norms and RoPE compiled (kernels/cpu_ops.py), activations PyTorch" if cpu_attention.extension() is not None
+            else rest)
+    assert cpu_ops.describe_kernels(cpu, torch.float32) == f"attention {attention}, GEMMs {gemms}, {glue}"
     assert kernels.describe_kernels(torch.device("cuda", 0), torch.bfloat16) == (
         "Triton (attention, norms, RoPE, activations, MoE, FP8 and int4 GEMMs; kernels/), 16-bit and float32 GEMMs "
         "torch's (cuBLAS)")

@@ -5,6 +5,7 @@ prefill side, a KVSender) driven over a pipe, while the test process is the deco
 NCCL (two GPUs)."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -55,7 +56,9 @@ SLACK_S = 5.0
 # --------------------------------------------------------------------------- peer process
 
 def _peer_main(conn: Any) -> None:
-    """Prefill side. Commands: (name, *args); replies ("ok", value) or ("err", type, message)."""
+    """Prefill side. Commands: (name, *args); replies ("ok", value) or ("err", type, message).
+    SIGUSR1 prints its threads' stacks (for a hung transfer)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     senders: dict[str, KVSender] = {}
     caches: dict[str, torch.Tensor] = {}
     drafts: dict[str, torch.Tensor | None] = {}  # a draft model's cache, sent beside the pair's
@@ -192,7 +195,12 @@ class Pair:
             if self.draft is not None:
                 expected_draft = self.draft.clone()
                 expected_draft[:, dst] = self.draft_sent[:, src]
-            got_rid, got_dst, stats, meta = self.receiver.recv(self.cache, timeout=20.0, draft_cache=self.draft)
+            try:
+                got_rid, got_dst, stats, meta = self.receiver.recv(self.cache, timeout=20.0, draft_cache=self.draft)
+            except KVTransferError:
+                if self.peer.conn.poll(0):  # the sender failed first: its error is the one to see
+                    self.peer.reply(0)
+                raise
             assert (got_rid, got_dst) == (rid, dst)
             assert meta == {"first_token": len(src)}  # the header's meta travels with the blocks
             assert torch.equal(self.whole, expected)  # the dst blocks' heads exactly, nothing else touched
@@ -219,6 +227,22 @@ def assert_broken_after_death(pair: Pair, doomed: Peer) -> None:
     assert time.monotonic() - start < SLACK_S
     doomed.proc.join(10)
     assert doomed.proc.exitcode == -signal.SIGKILL
+
+
+def receive_in_background(receiver: KVReceiver, into: torch.Tensor, key: str = "r", **kw: Any
+                          ) -> tuple[dict, threading.Thread]:
+    """``receiver.recv(into, **kw)`` on a started thread: its result lands in ``got[key]``, or its
+    exception in ``got["error"]`` (checked by the caller after joining the thread)."""
+    got: dict = {}
+
+    def recv() -> None:
+        try:
+            got[key] = receiver.recv(into, **kw)
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            got["error"] = e
+    t = threading.Thread(target=recv)
+    t.start()
+    return got, t
 
 
 def finish_on_decode(prefill, decode, request_id: str, first_token: int, request, reference) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -19,12 +18,12 @@ from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kv_transfer import (ChannelRequest, KVLayout, KVReceiveScheduler, KVReceiveWorker, KVReceiver, KVSender,
-                         KVSendWorker, KVTransferError, check_compatible, engine_layout)
+                         KVSendScheduler, KVSendWorker, KVTransferError, check_compatible, engine_layout)
 from kv_transfer.pair import _settle
 from kv_transfer.protocol import PROTOCOL_VERSION, StateMove, describe_state, state_nbytes, state_specs
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_qwen3_next import make_checkpoint
-from tests.kv_transfer.pairs import finish_on_decode
+from tests.kv_transfer.pairs import finish_on_decode, receive_in_background
 
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -122,16 +121,8 @@ def test_the_state_lands_bit_for_bit_in_the_reserved_slot_and_no_other(hybrid_di
     sender = KVSender.connect("127.0.0.1", port, layout, timeout=20)
     try:
         def transfer(to_slot: int):
-            got: dict = {}
-
-            def recv() -> None:
-                try:
-                    got["r"] = receiver.recv(decode.kv_cache, validate=decode.begin_kv_receive, timeout=20,
-                                             linear_states=decode.linear_states)
-                except Exception as e:  # noqa: BLE001 - checked by the caller
-                    got["error"] = e
-            t = threading.Thread(target=recv)
-            t.start()
+            got, t = receive_in_background(receiver, decode.kv_cache, validate=decode.begin_kv_receive, timeout=20,
+                                            linear_states=decode.linear_states)
             stats = sender.send("r", src, dst, prefill.kv_cache, meta={"first_token": p.output_token_ids[0]},
                                 state=StateMove(prefill.linear_states, src_slot, to_slot))
             t.join(30)
@@ -178,3 +169,65 @@ def test_a_channel_that_needs_the_state_in_parts_is_refused_at_open(hybrid_dir) 
                                               r"rank\(s\), decode 1"):
         senders.pair("d:1")
     assert not asked
+
+
+def test_a_prefix_the_decode_engine_holds_needs_no_state_snapshot_there(hybrid_dir) -> None:
+    """The decode engine computed a prompt sharing 26 tokens with this one. A computing request
+    could not take them (its linear state would come from a snapshot, and there is none below
+    the first boundary, 256), but a reservation can: the state after the whole prompt arrives
+    with the KV. So it takes the attention blocks of 24 tokens, the layer-wise send leaves them
+    out, the state lands in the reserved slot, and the tokens are a colocated engine's."""
+    from pdserve.v1 import engine_pb2
+    from prefill_service.servicer import _skipped
+
+    prefill, decode, colocated = _engine(hybrid_dir), _engine(hybrid_dir), _engine(hybrid_dir)
+    shared = _prompt(4, 26)
+    prompt = shared + _prompt(5, 9)
+    ref = colocated.add_request("r", prompt, SP)
+    while colocated.has_unfinished_requests():
+        colocated.step()
+    assert ref.num_cached_tokens == 0
+    decode.add_request("earlier", shared + _prompt(6, 3), SP)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert not decode.scheduler.kv.snapshots.by_hash  # no snapshot: a computing request would hit nothing
+
+    r = decode.reserve("r", prompt, SP)
+    decode.step()
+    assert r.num_cached_tokens == 24
+    dst, dst_slot = decode.get_block_ids("r"), decode.state_slot("r")
+    assert len(dst) == 9  # 35 tokens, one attention group
+    asked = engine_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, dst_block_ids=dst, num_skip_blocks=6)
+    skip_tokens, sent_to = _skipped(prefill, asked, len(prompt))
+    assert skip_tokens == 24 and sent_to == dst[6:]
+
+    layout = engine_layout(prefill)
+    senders = KVSendWorker(prefill.kv_cache, layout, "prefill-0:1", 20, linear_states=prefill.linear_states)
+    receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
+    senders._senders[("decode-0:1", 0)] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
+    sends = KVSendScheduler(senders, layout.num_layers, pairs_per_decode=1, state_slot=prefill.state_slot)
+    prefill.layerwise_sink = sends
+    got, t = receive_in_background(receiver, decode.kv_cache, validate=decode.begin_kv_receive, timeout=20,
+                                    linear_states=decode.linear_states)
+    try:
+        sends.expect("r", "decode-0:1", sent_to, 0, dst_state_slot=dst_slot)
+        p = prefill.add_prefill_request("r", prompt, SP, kv_skip_tokens=skip_tokens)
+        while p.status != RequestStatus.HELD_FOR_SEND:
+            prefill.step()
+        sent_state = _slot(prefill, prefill.state_slot("r"))
+        send = sends.first_token("r", {"first_token": p.output_token_ids[0]})
+        assert send is not None  # layer by layer
+        stats = send.result(timeout=30)
+        t.join(30)
+        assert "error" not in got, got
+        src = prefill.scheduler.kv.send_block_ids("r")
+        assert stats.num_blocks == len(src) == 3 and r.kv_skipped_blocks == 6
+        assert stats.num_bytes == 3 * prefill.kv_cache[:, 0].numel() * 4 + state_nbytes(layout.linear_state)
+        assert torch.equal(decode.kv_cache[:, sent_to], prefill.kv_cache[:, src])
+        assert all(torch.equal(a, b) for a, b in zip(_slot(decode, dst_slot), sent_state))
+    finally:
+        sends.close()
+        receiver.close()
+    finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], r, ref)
+    kv = decode.scheduler.kv
+    assert kv.num_used_blocks == 0 and not kv.states.slot_of

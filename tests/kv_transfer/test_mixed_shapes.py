@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 
 import pytest
@@ -26,7 +25,7 @@ from kv_transfer.protocol import group_shapes
 from kv_transfer.tp_parts import check_page_split
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_gemma4 import BASE, VARIANTS, make_gemma4
-from tests.kv_transfer.pairs import finish_on_decode
+from tests.kv_transfer.pairs import finish_on_decode, receive_in_background
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DECODE = "decode-0:1"
@@ -202,15 +201,7 @@ def test_layers_leave_during_prefill_land_bit_exact_and_decode_as_colocated(gemm
     senders._senders[(DECODE, 0)] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
     sends = KVSendScheduler(senders, layout.num_layers, pairs_per_decode=1)
     prefill.layerwise_sink = Recording(prefill, sends)
-    got: dict = {}
-
-    def recv() -> None:
-        try:
-            got["r"] = receiver.recv(decode.kv_cache, validate=decode.begin_kv_receive, timeout=20)
-        except Exception as e:  # noqa: BLE001 - checked below
-            got["error"] = e
-    t = threading.Thread(target=recv)
-    t.start()
+    got, t = receive_in_background(receiver, decode.kv_cache, validate=decode.begin_kv_receive, timeout=20)
     try:
         sends.expect("r", DECODE, dst, skip=0)
         p = prefill.add_prefill_request("r", _prompt(2, 37), SP)
@@ -237,3 +228,67 @@ def test_an_fp8_cache_of_layers_of_different_shapes_names_the_way_out(gemma4) ->
         engine_layout(engine)
     assert str(e.value) == ("--kv-cache-dtype fp8 with KV cache groups is not sent between tiers yet: serve this model "
                             "with the model's KV dtype on both tiers, or colocated (pdserve serve)")
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "after-prefill"])
+def test_a_prefix_the_decode_engine_holds_stays_out_of_the_send_in_every_group(gemma4, layerwise) -> None:
+    """The decode engine computed a prompt that shares 33 tokens with this one: its reservation
+    takes the first 32 from its cache in every group (blocks of 4 in the full group, of 8 in the
+    two windowed ones, whose early blocks it had released behind the window and kept cached), the
+    prefill service's translation of ``num_skip_blocks`` leaves each group's blocks of them out of
+    the send, and the decode engine continues as a colocated one (no skip anywhere)."""
+    from pdserve.v1 import engine_pb2
+    from prefill_service.servicer import _skipped
+
+    d = gemma4["two-slots"]
+    prefill, decode, colocated = _engine(d), _engine(d), _engine(d)
+    shared = _prompt(4, 33)
+    prompt = shared + _prompt(5, 12)
+    ref = colocated.add_request("r", prompt, SP)
+    while colocated.has_unfinished_requests():
+        colocated.step()
+    decode.add_request("earlier", shared + _prompt(6, 4), SP)
+    while decode.has_unfinished_requests():
+        decode.step()
+
+    r = decode.reserve("r", prompt, SP)
+    decode.step()
+    assert r.num_cached_tokens == 32
+    dst = decode.get_block_ids("r")
+    full, w1, w2 = decode.scheduler.kv.get_block_table("r")
+    assert (len(full), len(w1), len(w2)) == (12, 6, 6)  # 45 tokens
+    # what the gateway sends: the hit in blocks of --block-size (4)
+    asked = engine_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, dst_block_ids=dst, num_skip_blocks=8)
+    skip_tokens, sent_to = _skipped(prefill, asked, len(prompt))
+    assert skip_tokens == 32 and sent_to == full[8:] + w1[4:] + w2[4:]
+
+    layout = engine_layout(prefill)
+    senders = KVSendWorker(prefill.kv_cache, layout, "prefill-0:1", timeout=20)
+    receiver, port = KVReceiver.listen("127.0.0.1", layout, timeout=20)
+    senders._senders[(DECODE, 0)] = KVSender.connect("127.0.0.1", port, layout, timeout=20)
+    sends = KVSendScheduler(senders, layout.num_layers, pairs_per_decode=1, layerwise=layerwise)
+    if layerwise:
+        prefill.layerwise_sink = sends
+    got, t = receive_in_background(receiver, decode.kv_cache, validate=decode.begin_kv_receive, timeout=20)
+    try:
+        sends.expect("r", DECODE, sent_to, 0)
+        p = prefill.add_prefill_request("r", prompt, SP, kv_skip_tokens=skip_tokens)
+        while p.status != RequestStatus.HELD_FOR_SEND:
+            prefill.step()
+        meta = {"first_token": p.output_token_ids[0]}
+        send = sends.first_token("r", meta)
+        assert (send is not None) == layerwise
+        if send is None:
+            send = sends.send_after_prefill("r", prefill.begin_send("r"))
+        stats = send.result(timeout=30)
+        t.join(30)
+        assert "error" not in got, got
+        src = prefill.scheduler.kv.send_block_ids("r")
+        assert stats.num_blocks == len(src) == len(sent_to) == 4 + 2 + 2  # of 24
+        assert r.kv_skipped_blocks == 16
+        assert torch.equal(decode.kv_cache[:, sent_to], prefill.kv_cache[:, src])
+    finally:
+        sends.close()
+        receiver.close()
+    finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], r, ref)
+    assert decode.scheduler.kv.num_used_blocks == 0

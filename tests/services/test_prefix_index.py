@@ -178,3 +178,19 @@ async def _poll(match, want, timeout: float = 20.0):
     while (got := await match()) != want and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return got
+
+
+def test_a_started_redis_index_has_connected_and_loaded_its_script(redis_server):
+    """The first request after a gateway starts finds the match script already in Redis: it
+    does not pay loading it (and connecting) inside its own 10 ms bound, and miss it."""
+    sync = sync_redis.Redis.from_url(redis_server.url)
+    sync.script_flush()
+
+    async def start_and_look():
+        index = RedisPrefixIndex(redis_server.url)  # the gateway's default bound
+        try:
+            await index.start()
+            return sync.script_exists(index._match.sha)
+        finally:
+            await index.close()
+    assert asyncio.run(start_and_look()) == [True]
