@@ -47,14 +47,18 @@ def _run(name: str, reference_fn: Any, x: torch.Tensor, *args: Any) -> Any:
     return reference_fn(*args)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``kernels.reference.rms_norm``, compiled."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """``kernels.reference.rms_norm``, compiled (the offset form is the reference's)."""
+    if offset:
+        return reference.rms_norm(x, weight, eps, offset=True)
     return _run("rms_norm", reference.rms_norm, x, x, weight, eps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.reference.fused_add_rms_norm``, compiled."""
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.fused_add_rms_norm``, compiled (the offset form is the reference's)."""
+    if offset:
+        return reference.fused_add_rms_norm(x, residual, weight, eps, offset=True)
     return _run("fused_add_rms_norm", reference.fused_add_rms_norm, x, x, residual, weight, eps)
 
 

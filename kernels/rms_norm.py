@@ -28,10 +28,12 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
     # One program per token row. The steps and their dtypes follow
     # HF LlamaRMSNorm: add in the input dtype, normalise in float32, cast
-    # back, then scale by the weight in the input dtype.
+    # back, then scale by the weight in the input dtype. OFFSET (Gemma's
+    # form): scale by 1 + weight in float32, then cast back.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < HIDDEN
@@ -42,7 +44,10 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0)
-    y = (h * inv_rms).to(x.dtype) * w
+    if OFFSET:
+        y = (h * inv_rms * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        y = (h * inv_rms).to(x.dtype) * w
     tl.store(out_ptr + row * stride_ot + cols, y, mask=ok)
 
 
@@ -66,7 +71,7 @@ def _check(where: str, x: torch.Tensor, weight: torch.Tensor, **others: torch.Te
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
@@ -83,33 +88,35 @@ def _launch(
         HIDDEN=hidden,
         BLOCK_H=block_h,
         ADD_RESIDUAL=residual is not None,
+        OFFSET=offset,
         num_warps=min(16, max(1, block_h // 512)),
     )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the norm in float32.
+    ``offset``: Gemma's form, (1 + weight) * the norm in float32, cast back once.
 
     x: [num_tokens, hidden_size] (any row stride), weight: [hidden_size] in x's dtype.
     Returns a new contiguous [num_tokens, hidden_size] tensor in x's dtype.
     Modifies nothing.
     """
     _check("rms_norm", x, weight)
-    out, _ = _launch(x, None, weight, eps)
+    out, _ = _launch(x, None, weight, eps, offset)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual_out = x + residual; out = rms_norm(residual_out, weight, eps).
+    """residual_out = x + residual; out = rms_norm(residual_out, weight, eps, offset).
 
     x, residual: [num_tokens, hidden_size] in one dtype; weight: [hidden_size].
     Returns new contiguous (out, residual_out); the add runs in the input
     dtype as in HF's decoder layer. Modifies neither x nor residual.
     """
     _check("fused_add_rms_norm", x, weight, residual=residual)
-    out, residual_out = _launch(x, residual, weight, eps)
+    out, residual_out = _launch(x, residual, weight, eps, offset)
     assert residual_out is not None
     return out, residual_out

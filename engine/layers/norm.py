@@ -1,9 +1,12 @@
 """RMSNorm, in the two forms the supported families use.
 
     plain    Llama's: normalise in float32, cast back, multiply by ``w`` in the model
-             dtype (the ``kernels`` launchers; fused with the residual add)
+             dtype
     offset   Gemma's: multiply by ``(1 + w)`` in float32, then cast back; the weight is
              stored as ``w`` (checkpoint values), norms start at zero
+
+Both are one call of the step's kernel module (``ops.rms_norm``, fused with the residual add
+in ``ops.fused_add_rms_norm``).
 """
 from __future__ import annotations
 
@@ -23,15 +26,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
-        if not self.offset:
-            if residual is None:
-                return self.ops.rms_norm(x, self.weight, self.eps), x
-            return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = x + residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype), x
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, offset=self.offset), x
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """norm(x) alone (no residual to carry)."""

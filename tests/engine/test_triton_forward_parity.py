@@ -84,7 +84,8 @@ def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
 
 @pytest.mark.parametrize("family, kernels_run", [
     ("qwen3-moe", {"moe_route", "fused_moe", "paged_attention", "rms_norm"}),  # routing, experts, q/k norms
-    ("gemma3", {"paged_attention", "store_kv_cache", "rotary_embedding"}),  # windowed and full layers
+    ("gemma3", {"paged_attention", "store_kv_cache", "rotary_embedding",  # windowed and full layers,
+                "rms_norm", "fused_add_rms_norm"}),  # and the (1 + w) norms
 ])
 def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, kernels_run):
     from tests.engine.families import hf_greedy, hf_model, make_family_model, random_prompts

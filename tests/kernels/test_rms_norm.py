@@ -34,25 +34,41 @@ def test_reference_matches_hf(dtype):
     torch.testing.assert_close(reference.rms_norm(x, weight, EPS), want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("offset_form", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_offset_reference_matches_hf(dtype, offset_form):
+    """The offset form (1 + w, in float32) against Gemma3RMSNorm and Qwen3NextRMSNorm."""
+    module = pytest.importorskip(f"transformers.models.{offset_form}.modeling_{offset_form}")
+    cls = {"gemma3": "Gemma3RMSNorm", "qwen3_next": "Qwen3NextRMSNorm"}[offset_form]
+    x, _, weight = make_inputs(17, 257, dtype)
+    hf = getattr(module, cls)(257, eps=EPS).to(dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(weight - 1.0)  # checkpoint values sit around zero
+        want = hf(x)
+    torch.testing.assert_close(reference.rms_norm(x, weight - 1.0, EPS, offset=True), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("offset", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm(shape, dtype):
+def test_rms_norm(shape, dtype, offset):
     x, _, weight = make_inputs(*shape, dtype)
     x_before = x.clone()
-    got = kernels.rms_norm(x, weight, EPS)
+    got = kernels.rms_norm(x, weight, EPS, offset=offset)
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(got, reference.rms_norm(x, weight, EPS), atol=atol, rtol=rtol)
+    torch.testing.assert_close(got, reference.rms_norm(x, weight, EPS, offset=offset), atol=atol, rtol=rtol)
     assert got.is_contiguous() and got.dtype == dtype
     assert torch.equal(x, x_before)
 
 
+@pytest.mark.parametrize("offset", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_add_rms_norm(shape, dtype):
+def test_fused_add_rms_norm(shape, dtype, offset):
     x, residual, weight = make_inputs(*shape, dtype)
     x_before, residual_before = x.clone(), residual.clone()
-    out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS)
-    want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS)
+    out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS, offset=offset)
+    want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS, offset=offset)
     assert torch.equal(residual_out, want_residual)  # one add in the input dtype: exact
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out, want_out, atol=atol, rtol=rtol)
