@@ -13,7 +13,7 @@ from kernels.activation import silu_and_mul
 from kernels.causal_conv1d import causal_conv1d
 from kernels.fp8_gemm import fp8_gemm, fp8_quantize
 from kernels.fused_moe import fused_moe
-from kernels.gated_delta import gated_delta_rule, gated_rms_norm
+from kernels.gated_delta import gated_delta_rule, gated_rms_norm, gdn_gating
 from kernels.int4_gemm import int4_gemm
 from kernels.kv_cache import store_kv_cache
 from kernels.lora import lora_expand, lora_group, lora_shrink
@@ -41,6 +41,7 @@ __all__ = [
     "fused_moe",
     "gated_delta_rule",
     "gated_rms_norm",
+    "gdn_gating",
     "int4_gemm",
     "lora_expand",
     "lora_group",

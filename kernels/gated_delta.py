@@ -581,3 +581,55 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
             num_warps=4,
         )
     return out.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# the decay and write strength (g, beta) from in_proj_ba's outputs
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gdn_gating_kernel(
+    g_ptr, beta_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, num_rows, stride_ar, stride_br,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    a = tl.load(a_ptr + rows[:, None] * stride_ar + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+    decay = tl.exp(tl.load(a_log_ptr + cols, mask=col_ok, other=0.0).to(tl.float32))
+    tl.store(g_ptr + rows[:, None] * H + cols[None, :], -decay[None, :] * softplus, mask=mask)
+    b = tl.load(b_ptr + rows[:, None] * stride_br + cols[None, :], mask=mask, other=0.0)
+    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+    tl.store(beta_ptr + rows[:, None] * H + cols[None, :], beta.to(b.dtype), mask=mask)
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's (g, beta) in one launch (the contract of
+    ``kernels.linear_reference.gdn_gating``). a, b: [T, Hv] (rows may be strided, last dim
+    contiguous); A_log, dt_bias: [Hv]. Returns new contiguous g (float32) and beta (b's dtype)."""
+    where = "gdn_gating"
+    check_runnable(where, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    require(a.dim() == 2 and b.shape == a.shape, where,
+            f"a {tuple(a.shape)} and b {tuple(b.shape)} must be one [T, Hv] shape")
+    T, H = a.shape
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        require(t.shape == (H,) and t.is_contiguous(), where, f"{name} must be a contiguous [{H}], got {tuple(t.shape)}")
+    for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        check_dtype(where, name, t, FLOAT_DTYPES)
+    check_inner_contiguous(where, "a", a)
+    check_inner_contiguous(where, "b", b)
+    g = torch.empty((T, H), dtype=torch.float32, device=a.device)
+    beta = torch.empty((T, H), dtype=b.dtype, device=b.device)
+    if T:
+        block_h = next_pow2(H)
+        block_r = max(1, min(64, 2048 // block_h))
+        _gdn_gating_kernel[(triton.cdiv(T, block_r),)](
+            g, beta, a, b, A_log, dt_bias, T, a.stride(0), b.stride(0),
+            H=H, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4,
+        )
+    return g, beta

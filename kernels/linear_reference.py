@@ -17,6 +17,8 @@ row) starts from zeros and writes no state. The state tensors are updated in pla
   the rest the token loop (``gated_delta_rule_recurrent``), all sequences' i-th tokens at once.
 - ``gated_rms_norm``: ``Qwen3NextRMSNormGated`` / ``Qwen3_5RMSNormGated`` (the two forwards
   are the same code in transformers 5.23).
+- ``gdn_gating``: the layer's decay ``g`` and write strength ``beta`` from ``in_proj_ba``'s
+  outputs, as the two families' ``GatedDeltaNet.forward`` computes them.
 """
 from __future__ import annotations
 
@@ -280,3 +282,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     h = weight * h.to(dtype)
     h = h * F.silu(gate.float())
     return h.to(dtype)
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b: [T, Hv]; A_log, dt_bias: [Hv]. Returns (g, beta): g = -exp(A_log) * softplus(a +
+    dt_bias) in float32 (torch's softplus: the identity above 20), beta = sigmoid(b) in b's
+    dtype."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()

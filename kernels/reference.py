@@ -20,7 +20,7 @@ from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quant
 from kernels.int4_reference import dequantize_int4, int4_gemm  # noqa: F401
 from kernels.mxfp4_reference import dequantize_mxfp4, dequantize_mxfp4_packed, quantize_mxfp4  # noqa: F401
 from kernels.lora_reference import lora_expand, lora_group, lora_shrink  # noqa: F401
-from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_norm  # noqa: F401
+from kernels.linear_reference import causal_conv1d, gated_delta_rule, gated_rms_norm, gdn_gating  # noqa: F401
 
 
 def describe_kernels(device: torch.device, dtype: torch.dtype,

@@ -31,7 +31,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -118,8 +117,7 @@ class GatedDeltaNet(nn.Module):
         mixed = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, state.conv, slots, qsl, has_state,
                                   activation="silu")
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32 log-decay, as transformers
+        g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # float32 log-decay, as transformers
         o = ops.gated_delta_rule(q.reshape(t, self.num_k_heads, self.head_k_dim),
                                  k.reshape(t, self.num_k_heads, self.head_k_dim),
                                  v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, state.ssm, slots, qsl,

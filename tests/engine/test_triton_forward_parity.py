@@ -31,14 +31,15 @@ from engine import LLM, SamplingParams
 model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 calls = {}
 for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-             "silu_and_mul", "moe_route", "fused_moe"):
+             "silu_and_mul", "moe_route", "fused_moe", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
+             "gdn_gating"):
     def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
         calls[_name] = calls.get(_name, 0) + 1
         return _fn(*args, **kwargs)
     setattr(kernels, name, counted)
 # A budget of 8 tokens splits the 19-token prompt into chunks that share steps with decodes.
 llm = LLM(model_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8,
-          kv_cache_memory="1MiB")
+          kv_cache_memory="4MiB")
 out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 print(json.dumps({"ops": llm.engine.runner.ops.__name__, "calls": calls,
                   "tokens": [o.outputs[0].token_ids for o in out]}))
@@ -95,6 +96,21 @@ def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, ker
     prompts = random_prompts([1, 6, 19], seed=4)  # 19 > the window of 8
     result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels" and kernels_run <= set(result["calls"])
+    assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
+
+
+def test_triton_kernels_in_a_hybrid_model_match_transformers(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers (conv, delta rule, gated norm, gating) and its (1 + w)
+    norms through the Triton kernels, chunked prefill beside decodes."""
+    from tests.engine.families import hf_greedy, hf_model, random_prompts
+    from tests.engine.test_qwen3_next import make_checkpoint
+
+    model_dir = make_checkpoint(tmp_path / "qwen3.5", "qwen3.5", seed=5)
+    prompts = random_prompts([1, 6, 19], seed=4)
+    result = _run_interpreted(model_dir, prompts)
+    assert result["ops"] == "kernels"
+    assert {"causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating", "rms_norm",
+            "fused_add_rms_norm", "paged_attention"} <= set(result["calls"])
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 

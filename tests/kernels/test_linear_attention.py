@@ -463,11 +463,52 @@ def test_triton_gated_rms_norm(dtype, weight_float32):
                                atol=atol, rtol=rtol)
 
 
+# ---------------------------------------------------------------------------------------------
+# gdn_gating
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gdn_gating_reference_is_the_layers_formula_in_float64():
+    """g = -exp(A_log) * softplus(a + dt_bias) (identity above 20), beta = sigmoid(b)."""
+    gen = _gen(16)
+    a = torch.randn(11, 6, generator=gen) * 12  # past the softplus threshold both ways
+    a[0, :2] = torch.tensor([100.0, -100.0])  # exp would overflow / underflow
+    b, a_log, dt = (torch.randn(11, 6, generator=gen), torch.randn(6, generator=gen), torch.randn(6, generator=gen))
+    g, beta = ref.gdn_gating(a, b, a_log, dt)
+    x = a.double() + dt.double()
+    softplus = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    torch.testing.assert_close(g.double(), -a_log.double().exp() * softplus, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta.double(), torch.sigmoid(b.double()), atol=1e-6, rtol=1e-6)
+    assert g.dtype == torch.float32 and beta.dtype == b.dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, heads", [(1, 32), (5, 6), (70, 48)])
+def test_triton_gdn_gating(dtype, rows, heads):
+    gen = _gen(17)
+    ba = torch.randn(rows, 2 * heads + 3, generator=gen) * 8
+    ba[0, heads:heads + 2] = torch.tensor([100.0, -100.0])  # a far past the softplus threshold both ways
+    ba = ba.to(dtype).to(DEVICE)  # strided rows
+    b, a = ba[:, :heads], ba[:, heads:2 * heads]
+    a_log = torch.randn(heads, generator=gen).to(DEVICE)  # float32, as checkpoints keep it
+    dt = torch.randn(heads, generator=gen).to(dtype).to(DEVICE)
+    g, beta = delta_kernels.gdn_gating(a, b, a_log, dt)
+    want_g, want_beta = ref.gdn_gating(a, b, a_log, dt)
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.is_contiguous() and beta.is_contiguous()
+    torch.testing.assert_close(g, want_g, atol=2e-5, rtol=2e-5)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(beta, want_beta, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="one \\[T, Hv\\] shape"):
+        delta_kernels.gdn_gating(a, b[:, :-1], a_log, dt)
+
+
 def test_namespaces():
     """The model calls ops.<name>: Triton launchers in kernels, references in kernels.reference."""
     assert kernels.causal_conv1d is conv_kernels.causal_conv1d
     assert kernels.gated_delta_rule is delta_kernels.gated_delta_rule
     assert kernels.gated_rms_norm is delta_kernels.gated_rms_norm
+    assert kernels.gdn_gating is delta_kernels.gdn_gating
     assert kernels.reference.causal_conv1d is ref.causal_conv1d
     assert kernels.reference.gated_delta_rule is ref.gated_delta_rule
     assert kernels.reference.gated_rms_norm is ref.gated_rms_norm
+    assert kernels.reference.gdn_gating is ref.gdn_gating

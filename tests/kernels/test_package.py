@@ -67,7 +67,7 @@ def test_public_api():
     launchers = {
         "store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
         "fused_moe", "moe_route", "int4_gemm", "fp8_gemm", "fp8_quantize", "lora_group", "lora_shrink", "lora_expand",
-        "causal_conv1d", "gated_delta_rule", "gated_rms_norm",  # Gated DeltaNet (kernels/gated_delta.py)
+        "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating",  # Gated DeltaNet (kernels/gated_delta.py)
     }
     assert launchers | {"reference", "describe_kernels"} == set(kernels.__all__)
     for name in [*launchers, "describe_kernels"]:
