@@ -8,8 +8,8 @@
 # profile20: the gpt-oss-20b shape's batch-1 step under the profiler
 # tiers:     the host and disk KV tier tests on CUDA (the engine's auto device), and what a host hit
 #            costs against recomputing it (bench/host_hit_cost.py)
-# groups:    the cache-group tests on CUDA (sliding window, hybrid linear state, shared KV) and the
-#            KV hand-off tests that carry several groups
+# groups:    the RMSNorm and linear-attention kernel tests, and the cache-group engine tests on CUDA
+#            (Qwen3-Next, Qwen3.5, Gemma 3 against transformers; carry .whl: transformers 5.23)
 source "$(dirname "$0")/gpu_common.sh"
 sections=("$@")
 for section in "${sections[@]}"; do
@@ -37,8 +37,9 @@ for section in "${sections[@]}"; do
       run 240 $py -m pytest -q -p no:cacheprovider tests/engine/test_kv_offload.py tests/engine/test_kv_disk_tier.py 2>&1 | tail -8
       run 120 $py -m bench.host_hit_cost --trials 5 2>&1 | grep -vE "^(WARNING|INFO)" | tail -15 ;;
     groups)
-      run 240 $py -m pytest -q -p no:cacheprovider tests/engine/test_cache_groups_gpu.py tests/engine/test_kv_cache_groups.py \
-        tests/kv_transfer/test_mixed_shapes.py tests/kv_transfer/test_linear_state.py 2>&1 | tail -8 ;;
+      run 100 $py -m pytest -q -p no:cacheprovider tests/kernels/test_rms_norm.py tests/kernels/test_linear_attention.py \
+        2>&1 | tail -4
+      run 200 $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cache_groups_gpu.py 2>&1 | tail -8 ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done

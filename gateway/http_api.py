@@ -343,6 +343,14 @@ def _auth_dependency(api_key: str | None) -> Any:
     return check
 
 
+# An over-limit body of up to this many bytes is read and dropped before its 413 goes out (for at
+# most _DRAIN_SECONDS): a server that closes its socket on unread bytes resets the connection, and
+# a client still sending its body then loses the answer (httpx: "Connection reset by peer"). A
+# longer body is answered at once: reading it would cost more than the client's clear error.
+_DRAIN_BYTES = 64 * 2**20
+_DRAIN_SECONDS = 10.0
+
+
 class _BodyLimit:
     """ASGI middleware: a body over ``max_bytes`` (by Content-Length, or
     counted as it arrives) is answered 413 before the app parses it; a body
@@ -357,6 +365,8 @@ class _BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
+            if int(declared) <= _DRAIN_BYTES:
+                await _drain(receive)
             await self._too_large(scope, receive, send, int(declared))
             return
         chunks, size = [], 0
@@ -367,6 +377,8 @@ class _BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive)
                 await self._too_large(scope, receive, send, None)
                 return
             chunks.append(chunk)
@@ -388,8 +400,25 @@ class _BodyLimit:
         error = GatewayError(ErrorKind.PAYLOAD_TOO_LARGE, f"the request body is {got}; the limit is "
                              f"{self.max_bytes} bytes (--max-request-body)", code="request_too_large")
         self.on_error(error)
-        # Connection: close, so the server does not read the rest of the body.
+        # Connection: close: the connection ends with this answer (the body was drained, or is too long to).
         await JSONResponse(_error_json(scope.get("path"), error), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+
+async def _drain(receive: Any) -> None:
+    """Read and drop the rest of a request body: up to _DRAIN_BYTES, for up to _DRAIN_SECONDS."""
+    async def read() -> None:
+        seen = 0
+        while seen <= _DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+    try:
+        await asyncio.wait_for(read(), _DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        pass
 
 
 # The Content-Type a POST came with, where _AnyContentType replaced it (None: it had none).

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import grpc
 import httpx
@@ -209,6 +211,26 @@ GRPC_CASES = [
     ("no API key", _req(text="hi"), [], OK.UNAUTHENTICATED, "API key"),
     ("wrong API key", _req(text="hi"), [("authorization", "Bearer nope")], OK.UNAUTHENTICATED, "API key"),
 ]
+
+
+def test_an_over_limit_body_sent_after_its_headers_still_gets_the_413(gateway):
+    """A client sends its headers, then its body (as every client does): the gateway, which
+    answers from the declared Content-Length, reads and drops the body before it closes. Closing
+    on unread bytes resets the connection, and the client loses the answer."""
+    body = _json(prompt="x" * (MAX_BODY + 10))
+    url = urlparse(gateway.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        time.sleep(0.5)  # the gateway has its answer by now
+        s.sendall(body)
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    head, _, text = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert "--max-request-body" in json.loads(text)["error"]["message"]
+    _serves(gateway)
 
 
 @pytest.mark.parametrize("name, data, metadata, code, fragment", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
