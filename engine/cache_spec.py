@@ -4,6 +4,7 @@ their bytes, and makes them (and the dummy metadata the memory profile and warm-
 from __future__ import annotations
 
 import math
+import mmap
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,13 +114,14 @@ def dummy_metadata(query_lens: Sequence[int], device: torch.device, block_sizes:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed tensor. On CPU its pages are zeroed lazily by the kernel (numpy's calloc maps
-    them): a cache is resident only as far as it has been written, so a 1 GiB KV cache costs a
-    single-stream local user the memory of the blocks it uses, not 1 GiB (``torch.zeros`` would
-    write every page)."""
+    """A zeroed tensor. On CPU its memory is an anonymous mapping whose pages the kernel zeroes
+    on first touch: a cache is resident only as far as it has been written, so a large KV cache
+    costs a single-stream local user the memory of the blocks it uses (``torch.zeros`` would
+    write every page; numpy's zeros asks for 2 MiB huge pages, and a block written in each
+    layer's part of the cache then makes 2 MiB resident per layer)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

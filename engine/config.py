@@ -654,7 +654,8 @@ class EngineArgs:
                             "it must be free when the engine starts (memory of other processes is not counted "
                             "on)")
         g.add_argument("--kv-cache-memory", default=None,
-                       help="KV cache size in bytes, e.g. 2GiB (default on CPU: 1GiB)")
+                       help="KV cache size in bytes, e.g. 2GiB (default on CPU: the blocks of max(--max-model-len, "
+                            "8192) tokens, at most 1GiB; on GPU: what --gpu-memory-utilization leaves)")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of KV blocks (testing)")
         g.add_argument("--kv-offloading-size", type=float, default=0.0,
@@ -781,8 +782,6 @@ class EngineArgs:
 
             check_fp8_support(device, torch.cuda.get_device_capability(device), "--kv-cache-dtype fp8")
         kv_mem = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
-        if kv_mem is None and device == "cpu":
-            kv_mem = parse_size("1GiB")
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_memory=kv_mem,
                             num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -7,7 +7,13 @@ cache gets what the others leave:
     KV budget = total * utilization - (weights + activation peak of a prefill of
                 max_num_batched_tokens) - graphs (their activation pool, logits, buffers)
 
-``--kv-cache-memory`` (the default on CPU) or ``--num-gpu-blocks-override`` set it instead.
+On CPU, without ``--kv-cache-memory``, the cache is sized for the model's context and a few
+sequences, not for the machine: blocks for ``max(--max-model-len, CPU_KV_TOKENS)`` tokens in
+every group, at most ``CPU_KV_MAX_BYTES`` (``cpu_default_blocks``). A CPU cache is resident as
+it is written, and the prefix cache hands out blocks not used lately first: a server's memory
+grows to the whole cache over its requests, so its size is what a laptop user pays.
+
+``--kv-cache-memory`` or ``--num-gpu-blocks-override`` set it instead.
 The forward passes measured here run on dummy inputs (``engine.cache_spec.dummy_metadata``) over a scratch
 cache, never on the real one.
 """
@@ -26,6 +32,9 @@ if TYPE_CHECKING:
     from engine.runner_parts import RunnerParts
 
 logger = logging.getLogger(__name__)
+
+CPU_KV_TOKENS = 8192  # the CPU default's least context: one long sequence, or a few chats
+CPU_KV_MAX_BYTES = 2 ** 30
 
 
 def check_free_memory(free: int, total: int, utilization: float, device: str) -> None:
@@ -51,6 +60,8 @@ def determine_num_blocks(runner: RunnerParts, with_graphs: bool) -> int:
     if cc.num_gpu_blocks_override is not None:
         return cc.num_gpu_blocks_override
     state_bytes = runner.cache_spec.state_bytes  # allocated already: the CUDA profile's peak counts them
+    if cc.kv_cache_memory is None and runner.device.type == "cpu":
+        return cpu_default_blocks(runner)
     if cc.kv_cache_memory is not None:
         budget = cc.kv_cache_memory - state_bytes  # the flag's bytes hold the blocks and the state slots
     else:  # CUDA: total * utilization - (weights + activation peak of a full-budget step) - graphs
@@ -67,6 +78,21 @@ def determine_num_blocks(runner: RunnerParts, with_graphs: bool) -> int:
     if num_blocks < 1:
         raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
                          f"{runner.block_bytes}); raise --gpu-memory-utilization or --kv-cache-memory")
+    return int(num_blocks)
+
+
+def cpu_default_blocks(runner: RunnerParts) -> int:
+    """The CPU default: the blocks one sequence of ``max(max_model_len, CPU_KV_TOKENS)`` tokens
+    holds in every group (a windowed group its window's), within ``CPU_KV_MAX_BYTES`` with the
+    linear-attention state slots."""
+    tokens = max(runner.config.scheduler.max_model_len, CPU_KV_TOKENS)
+    blocks = sum(g.blocks_needed(tokens if g.sliding_window is None else min(tokens, g.sliding_window + g.block_size))
+                 for g in runner.layout.groups)
+    per_block = runner.block_bytes + runner.extra_block_bytes
+    fit = (CPU_KV_MAX_BYTES - runner.cache_spec.state_bytes) // per_block
+    num_blocks = max(1, min(blocks, fit))
+    logger.info("KV cache on CPU: %d blocks (%.0f MiB) for %d tokens of context (--kv-cache-memory sets "
+                "another size)", num_blocks, num_blocks * per_block / 2**20, tokens)
     return int(num_blocks)
 
 

@@ -18,7 +18,7 @@ head that joins the softmax's denominator and nothing else,
     out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m)),  m = max(max_j s_j, sink_h),
 
 which every attention path takes as an optional argument (None: no sink, the code that
-ran before). ``check_sinks`` is the launchers' (and the references') argument check; the
+ran before). ``check_sinks`` (kernels/_checks.py) is the launchers' (and the references') argument check; the
 kernels fold the sink in once, after the key loop (or in the split-K combine), as a key
 whose value is zero.
 """
@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
-
-from kernels._checks import require
 
 # Finite stand-in for -inf as the running max's start: a row that has seen
 # only masked keys (score -inf) keeps it, and then p = exp2(-inf - _NEG_BIG)
@@ -66,18 +63,6 @@ def _locate_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tok0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     return seq, q_start, q_len, tok0
-
-
-def check_sinks(where: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
-    """``sinks``: None, or float32 [num_q_heads] (q.shape[1]) with stride 1, on q's device."""
-    if sinks is None:
-        return
-    require(isinstance(sinks, torch.Tensor), where, f"sinks must be a tensor or None, got {type(sinks).__name__}")
-    require(sinks.dtype == torch.float32, where, f"sinks must have dtype torch.float32, got {sinks.dtype}")
-    require(sinks.dim() == 1 and sinks.shape[0] == q.shape[1], where,
-            f"sinks must be [num_q_heads] = [{q.shape[1]}], got {list(sinks.shape)}")
-    require(sinks.stride(0) == 1 or sinks.shape[0] <= 1, where, "sinks must have stride 1")
-    require(sinks.device == q.device, where, f"sinks are on {sinks.device}, q on {q.device}")
 
 
 @triton.jit

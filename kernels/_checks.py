@@ -104,3 +104,15 @@ def check_kv_cache_dtype(where: str, name: str, cache: torch.Tensor, model_dtype
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def check_sinks(where: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``sinks``: None, or float32 [num_q_heads] (q.shape[1]) with stride 1, on q's device."""
+    if sinks is None:
+        return
+    require(isinstance(sinks, torch.Tensor), where, f"sinks must be a tensor or None, got {type(sinks).__name__}")
+    require(sinks.dtype == torch.float32, where, f"sinks must have dtype torch.float32, got {sinks.dtype}")
+    require(sinks.dim() == 1 and sinks.shape[0] == q.shape[1], where,
+            f"sinks must be [num_q_heads] = [{q.shape[1]}], got {list(sinks.shape)}")
+    require(sinks.stride(0) == 1 or sinks.shape[0] <= 1, where, "sinks must have stride 1")
+    require(sinks.device == q.device, where, f"sinks are on {sinks.device}, q on {q.device}")

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from kernels import cpu_extension, reference
-from kernels._attention_common import check_sinks
+from kernels._checks import check_sinks
 from kernels._checks import FP8_KV_DTYPE, check_window
 
 logger = logging.getLogger(__name__)

@@ -88,7 +88,6 @@ from kernels._attention_common import (
     _NEG_BIG,
     _fold_sink,
     _locate_tile,
-    check_sinks,
 )
 from kernels._checks import (
     FLOAT_DTYPES,
@@ -99,6 +98,7 @@ from kernels._checks import (
     check_inner_contiguous,
     check_kv_cache_dtype,
     check_runnable,
+    check_sinks,
     check_window,
     next_pow2,
     require,

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import next_pow2, require
+from kernels._checks import check_sinks, next_pow2, require
 from kernels._attention_common import (
     _INTERPRETED,
     _LOG2E,
@@ -76,7 +76,6 @@ from kernels._attention_common import (
     _NEG_BIG,
     _fold_sink,
     _locate_tile,
-    check_sinks,
 )
 
 try:  # host-side TMA descriptors (Triton >= 3.4)

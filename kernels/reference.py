@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels._attention_common import check_sinks
+from kernels._checks import check_sinks
 from kernels._checks import FP8_E4M3_MAX, FP8_KV_DTYPE, check_window  # an FP8 KV cache: e4m3, per-tensor scales
 # The quantized GEMMs and multi-LoRA keep their references in their own modules (the layouts are documented there).
 from kernels.fp8_reference import FP8_DTYPE, dequantize_fp8, fp8_gemm, fp8_quantize  # noqa: F401

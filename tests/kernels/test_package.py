@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kernels"
 PROJECT_PACKAGES = {"engine", "gateway", "prefill_service", "decode_service", "pdserve", "bench", "tests"}
 ALLOWED_IMPORTS = {"__future__", "torch", "triton", "kernels", "os", "functools", "math", "typing", "dataclasses",
-                   "logging", "threading", "time", "fcntl", "sys", "argparse", "hashlib"}
+                   "logging", "threading", "time", "fcntl", "sys", "argparse", "hashlib", "importlib", "types"}
 
 
 def test_import_pulls_in_no_project_package():

@@ -1,0 +1,67 @@
+"""What a CPU engine costs in memory: its KV cache sized for the model's context (not a fixed
+1 GiB), resident only as it is written (4 KiB pages, not 2 MiB huge pages), and no Triton
+loaded for a CPU step."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine import memory_profile
+from engine.cache_spec import zeroed
+from tests.conftest import make_tiny_model
+from tests.processes import REPO
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("cpu-memory") / "tiny", seed=1, max_position_embeddings=16384)
+
+
+def _blocks(llm: LLM) -> int:
+    return llm.engine.runner.num_blocks
+
+
+def test_the_default_cpu_kv_cache_holds_the_context_and_a_few_sequences(tiny, monkeypatch):
+    short = LLM(str(tiny), device="cpu", max_model_len=256)
+    assert _blocks(short) == memory_profile.CPU_KV_TOKENS // short.engine.config.cache.block_size  # 8,192 tokens
+    long = LLM(str(tiny), device="cpu", max_model_len=16384)
+    assert _blocks(long) == 16384 // long.engine.config.cache.block_size
+    # at most CPU_KV_MAX_BYTES, for a model whose context would need more
+    per_block = long.engine.runner.block_bytes
+    monkeypatch.setattr(memory_profile, "CPU_KV_MAX_BYTES", 100 * per_block + 5)
+    capped = LLM(str(tiny), device="cpu", max_model_len=16384)
+    assert _blocks(capped) == 100
+    # --kv-cache-memory still decides when given
+    assert _blocks(LLM(str(tiny), device="cpu", kv_cache_memory=str(40 * per_block))) == 40
+
+
+def test_a_written_block_makes_only_its_own_pages_resident():
+    """One block written in each of 30 layers' parts of a 512-block cache: about 30 x 12 KiB
+    become resident (2 MiB huge pages would make 60 MiB of it resident)."""
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    cache = zeroed((30, 512, 2, 16, 2, 64), torch.float32, "cpu")  # 240 MiB
+    before = resident()
+    cache[:, 7] = 1.0
+    grown = resident() - before
+    assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB resident for 30 blocks of 16 KiB"
+    assert float(cache[:, 7].sum()) == cache[:, 7].numel() and float(cache[:, 8].abs().sum()) == 0.0
+
+
+def test_a_cpu_step_imports_no_triton(tiny):
+    """Triton (about 60 MiB resident, 0.15 s to import) serves CUDA steps only."""
+    code = ("import json, sys\n"
+            "from engine import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny)!r}, device='cpu', max_model_len=256)\n"
+            "llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+            "print(json.dumps('triton' in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) is False
