@@ -50,7 +50,7 @@ def _llm(made: list[LLM], model, path: Path | None, device_blocks: int = 16, hos
          disk_gib: float = 1.0, **kw) -> LLM:
     extra = dict(kv_offloading_path=str(path), kv_offloading_disk_size=disk_gib) if path is not None else {}
     llm = LLM(str(model), block_size=BS, num_gpu_blocks_override=device_blocks, max_num_batched_tokens=64,
-              kv_offloading_size=host_blocks * BLOCK_BYTES / 2**30, **extra, **kw)
+              kv_offloading_size=host_blocks * BLOCK_BYTES / 2**30, dtype="float32", **extra, **kw)
     made.append(llm)
     return llm
 
@@ -73,7 +73,7 @@ def _push_to_disk(llm: LLM, prompt: list[int], n: int, seed: int = 11) -> tuple[
     assert first.num_cached_tokens == 0
     kv, host, disk = llm.engine.scheduler.kv, llm.engine.host_kv, _disk(llm)
     hashes = _hashes(llm, prompt, n)
-    fresh = [llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].clone() for h in hashes]
+    fresh = [llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].to("cpu", copy=True) for h in hashes]
     for p in random_prompts([40] * 5, seed=seed):  # 5 x 11 blocks through 16 device + 12 host ones
         _greedy(llm, [p])
     disk.drain()
@@ -117,7 +117,7 @@ def test_spilled_prefix_reloads_from_disk_exactly(model, tmp_path, engines):
     assert again.outputs[0].token_ids == want
     kv = llm.engine.scheduler.kv
     for h, block in zip(hashes, fresh):
-        assert torch.equal(llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id], block)
+        assert torch.equal(llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].cpu(), block)
     assert disk.loaded_blocks_total == 9 and disk.read_bytes_total == 9 * disk.file_bytes
     s = llm.engine.stats()
     assert s.disk_kv is not None and s.disk_kv.loaded_blocks_total == 9
@@ -331,7 +331,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def storm(model, tmp_path_factory):
-    llm = LLM(str(model), block_size=BS, num_gpu_blocks_override=12, max_num_batched_tokens=32,
+    llm = LLM(str(model), block_size=BS, num_gpu_blocks_override=12, max_num_batched_tokens=32, dtype="float32",
               kv_offloading_size=4 * BLOCK_BYTES / 2**30, kv_offloading_path=str(tmp_path_factory.mktemp("storm")),
               kv_offloading_disk_size=40 * (BLOCK_BYTES + 400) / 2**30)
     yield llm
@@ -479,7 +479,7 @@ def test_other_requests_step_while_a_prefix_is_read_from_disk(model, tmp_path, e
     assert waiting.num_cached_tokens == 36
     kv = engine.scheduler.kv
     for h, block in zip(_hashes(llm, prompt, 9), fresh):
-        assert torch.equal(engine.runner.kv_cache[:, kv.pool.cached[h].block_id], block)
+        assert torch.equal(engine.runner.kv_cache[:, kv.pool.cached[h].block_id].cpu(), block)
     assert disk.loaded_blocks_total == 9
     after = engine.stats().prefix_hits_by_source
     assert after["disk"] - before["disk"] == 36 and after["host"] == before["host"]

@@ -28,7 +28,7 @@ def _llm(model, device_blocks: int, host_blocks: int = 0, **kw) -> LLM:
     block_bytes = 3 * 2 * BS * 2 * 16 * 4
     extra = dict(kv_offloading_size=host_blocks * block_bytes / 2**30) if host_blocks else {}
     return LLM(str(model), block_size=BS, num_gpu_blocks_override=device_blocks, max_num_batched_tokens=64,
-               **extra, **kw)
+               dtype="float32", **extra, **kw)  # float32 on CUDA too: the block bytes above
 
 
 def _greedy(llm: LLM, prompts, max_tokens: int = 6):
@@ -63,7 +63,7 @@ def test_evicted_prefix_reloads_from_host_exactly(model):
     assert first.num_cached_tokens == 0
     kv, host = llm.engine.scheduler.kv, llm.engine.host_kv
     hashes = _hashes(llm, prompt, 9)  # the hit covers (40 - 1) // 4 full blocks
-    fresh = [llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].clone() for h in hashes]
+    fresh = [llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].to("cpu", copy=True) for h in hashes]
     for p in others:  # each fills the device cache: the prompt's blocks are evicted to the host
         _greedy(llm, [p])
     assert not any(h in kv.pool.cached for h in hashes)
@@ -71,14 +71,14 @@ def test_evicted_prefix_reloads_from_host_exactly(model):
     assert host.stored_blocks_total >= len(hashes)
     assert host.loaded_blocks_total == 0
     for h, want in zip(hashes, fresh):  # the host copy is the device block as computed
-        assert torch.equal(host.buffer[host._lru[h]], want)
+        assert torch.equal(host.buffer[host._lru[h]].cpu(), want)
 
     again = _greedy(llm, [prompt])[0]
     assert again.num_cached_tokens == 36
     assert host.loaded_blocks_total == 9  # every hit came from the host tier
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     for h, want in zip(hashes, fresh):  # loaded back and registered as device blocks again
-        assert torch.equal(llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id], want)
+        assert torch.equal(llm.engine.runner.kv_cache[:, kv.pool.cached[h].block_id].cpu(), want)
     s = llm.engine.stats()
     assert (s.host_kv_loaded_total, s.host_kv_hit_tokens_total) == (9, 36)
     assert s.host_kv_stored_total == host.stored_blocks_total > 0
