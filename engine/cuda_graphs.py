@@ -42,6 +42,7 @@ Padded batch of a replay (``n`` real requests, size ``b``)::
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -397,7 +398,20 @@ class DecodeGraphs:
         """Warm up (compiles the Triton kernels of each shape) and capture
         every size, largest first so the smaller ones reuse its pool. The
         buffers hold padding rows only, so capture writes nothing to the KV
-        cache."""
+        cache. Python's garbage collector runs first and waits until the end:
+        a collection inside a capture can free another engine's CUDA objects
+        (pinned host buffers, events: in a process that made an engine before),
+        calls a capture does not allow, and the capture fails."""
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         t0 = time.perf_counter()
         dev = self.inputs.device
         torch.cuda.synchronize(dev)

@@ -446,7 +446,8 @@ def test_other_requests_step_while_a_prefix_is_read_from_disk(model, tmp_path, e
     (WAITING_FOR_DISK_KV) while a request running before it keeps decoding a token a step and
     one arriving after it is admitted and decodes too; the steps never block on the files.
     Once read, the prompt takes them as disk hits and its tokens and KV are the uncached run's."""
-    llm = _llm(engines, model, tmp_path, device_blocks=32)  # (room for all three: no preemption)
+    # (room for all three: no preemption; steps in order, so a step's token is counted in it, on CUDA too)
+    llm = _llm(engines, model, tmp_path, device_blocks=32, async_scheduling=False)
     prompt = random_prompts([40], seed=7)[0]
     want, fresh = _push_to_disk(llm, prompt, 9)
     engine, host, disk = llm.engine, llm.engine.host_kv, _disk(llm)
