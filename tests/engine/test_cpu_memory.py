@@ -40,17 +40,29 @@ def test_the_default_cpu_kv_cache_holds_the_context_and_a_few_sequences(tiny, mo
     assert _blocks(LLM(str(tiny), device="cpu", kv_cache_memory=str(40 * per_block))) == 40
 
 
+def _resident(t: torch.Tensor) -> int:
+    """Resident bytes of the memory mappings that hold ``t``'s storage (/proc/self/smaps: theirs
+    alone, whatever else the process allocates meanwhile; a mapping may be split in parts)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < hi and lo < end
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_a_written_block_makes_only_its_own_pages_resident():
     """One block written in each of 30 layers' parts of a 512-block cache: about 30 x 12 KiB
     become resident (2 MiB huge pages would make 60 MiB of it resident)."""
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
     cache = zeroed((30, 512, 2, 16, 2, 64), torch.float32, "cpu")  # 240 MiB
-    before = resident()
+    assert _resident(cache) < 2**20  # nothing written yet
     cache[:, 7] = 1.0
-    grown = resident() - before
+    grown = _resident(cache)
     assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB resident for 30 blocks of 16 KiB"
     assert float(cache[:, 7].sum()) == cache[:, 7].numel() and float(cache[:, 8].abs().sum()) == 0.0
 
