@@ -22,7 +22,8 @@ from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from rpc.cache_feed import CacheEventFeed
 from rpc.local_redis import LocalRedis
 from rpc.prefix_index import ALIVE_TTL_S, RedisIndexPublisher, alive_key, block_key
-from tests.processes import EngineServer, free_port
+from tests.processes import EngineServer, free_port, wait_for
+from tests.services.index_calls import index_call
 
 pytestmark = pytest.mark.slow
 
@@ -37,25 +38,7 @@ def redis_server():
 
 
 def _match(index, hashes, ns=NS) -> dict[str, int]:
-    """``index.match``; an index given as a Redis URL is opened for this one call (the
-    asyncio client belongs to one event loop)."""
-    async def match():
-        if not isinstance(index, str):
-            return await index.match(ns, hashes)
-        redis_index = RedisPrefixIndex(index, timeout_s=1.0)
-        try:
-            return await redis_index.match(ns, hashes)
-        finally:
-            await redis_index.close()
-    return asyncio.run(match())
-
-
-def _until(what, want, timeout: float = 20.0):
-    """Poll ``what()`` until it returns ``want``; the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    while (got := what()) != want and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return got
+    return index_call(index, "match", ns, hashes)
 
 
 # Who holds which of the blocks 11, 12, 13, 14 (in prompt order).
@@ -119,7 +102,7 @@ def test_a_resnapshot_after_lost_events_uncredits_what_they_evicted(tiny_llama_d
     publisher.start()
     try:
         engine_thread.submit(run, prompts[0]).result()
-        assert _until(lambda: _match(index, hashes[0], ns), {"127.0.0.1:1": 4}) == {"127.0.0.1:1": 4}
+        wait_for(lambda: _match(index, hashes[0], ns) == {"127.0.0.1:1": 4}, "the index to hold 4 blocks", 20.0)
 
         def lose_events():  # the buffer holds one event from now on: every step overflows it
             engine.scheduler.kv.pool._max_events = 1
@@ -129,7 +112,7 @@ def test_a_resnapshot_after_lost_events_uncredits_what_they_evicted(tiny_llama_d
             return set(engine.scheduler.kv.pool.cached)
         cached = engine_thread.submit(lose_events).result()
         assert not set(hashes[0]) & cached and set(hashes[2]) <= cached  # prompt 0's blocks were evicted
-        assert _until(lambda: _match(index, hashes[2], ns), {"127.0.0.1:1": 4}) == {"127.0.0.1:1": 4}
+        wait_for(lambda: _match(index, hashes[2], ns) == {"127.0.0.1:1": 4}, "the index to hold 4 blocks", 20.0)
         assert _match(index, hashes[0], ns) == {}
     finally:
         publisher.stop()
@@ -167,7 +150,7 @@ def test_a_killed_server_is_credited_with_nothing(tiny_llama_dir, redis_server):
         assert [i.decode().split("#")[0] for i in listed] == [server.address]  # its entries stay in Redis...
         redis_index = redis_server.url
         # ... and stop counting once its last heartbeat is older than the cutoff.
-        assert _until(lambda: _match(redis_index, hashes, ns), {}, timeout=ALIVE_TTL_S + 10) == {}
+        wait_for(lambda: _match(redis_index, hashes, ns) == {}, "the index to forget the instance", ALIVE_TTL_S + 10)
     finally:
         if server.proc.poll() is None:
             server.stop()

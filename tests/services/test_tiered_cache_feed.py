@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from gateway.instances import InstanceRegistry
 from gateway.metrics import GatewayMetrics
-from gateway.prefix_index import MemoryPrefixIndex, RedisPrefixIndex, TierMatch, prompt_block_hashes
+from gateway.prefix_index import MemoryPrefixIndex, TierMatch, prompt_block_hashes
 from gateway.router import Router
 from gateway.service import GatewayService
 from gateway.tokenization import InputProcessor
@@ -28,7 +28,8 @@ from rpc.cache_feed import CacheEventFeed
 from rpc.engine_metrics import _SchedulerCollector
 from rpc.local_redis import LocalRedis
 from rpc.prefix_index import RedisIndexPublisher
-from tests.processes import free_port
+from tests.processes import free_port, wait_for
+from tests.services.index_calls import index_call
 
 ADDR = "127.0.0.1:1"
 # The tiny model's block: 3 layers x K,V x 16 tokens x 2 KV heads x 16 x 4 bytes.
@@ -36,22 +37,7 @@ BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4
 
 
 def _tiers(index, ns, hashes) -> dict[str, TierMatch]:
-    async def go():
-        if not isinstance(index, str):
-            return await index.match_tiers(ns, hashes)
-        redis_index = RedisPrefixIndex(index, timeout_s=1.0)
-        try:
-            return await redis_index.match_tiers(ns, hashes)
-        finally:
-            await redis_index.close()
-    return asyncio.run(go())
-
-
-def _until(what, want, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while (got := what()) != want and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return got
+    return index_call(index, "match_tiers", ns, hashes)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +106,7 @@ def test_a_prefix_moves_device_host_device_in_both_indexes(tiny_llama_dir, defau
     try:
         def stage(want: TierMatch) -> None:
             assert _tiers(memory, ns, a) == {ADDR: want}
-            assert _until(lambda: _tiers(redis_url, ns, a), {ADDR: want}) == {ADDR: want}
+            wait_for(lambda: _tiers(redis_url, ns, a) == {ADDR: want}, f"Redis to hold {want}", 20.0)
 
         assert _gateway_metrics(service.metrics.render().decode()) == {"device": 0, "host": 0}
         assert engine_thread.submit(run, prompts[0]).result() == 0
