@@ -245,12 +245,20 @@ def receive_in_background(receiver: KVReceiver, into: torch.Tensor, key: str = "
     return got, t
 
 
+def run_to_end(engine) -> None:
+    """Step ``engine`` until every request it has is finished."""
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def finish_on_decode(prefill, decode, request_id: str, first_token: int, request, reference) -> None:
     """After a transfer of ``request_id``: the prefill engine lets its blocks go, the decode
     engine takes the KV with ``first_token`` and runs ``request`` to its end, whose tokens must be
-    ``reference``'s (the same request computed in one engine)."""
+    ``reference``'s (the same request computed in one engine); then the decode engine holds no
+    block and no linear-state slot."""
     prefill.release_after_send(request_id)
     decode.kv_received(request_id, first_token)
-    while decode.has_unfinished_requests():
-        decode.step()
+    run_to_end(decode)
     assert request.output_token_ids == reference.output_token_ids
+    kv = decode.scheduler.kv
+    assert kv.num_used_blocks == 0 and (kv.states is None or not kv.states.slot_of)

@@ -23,7 +23,7 @@ from kv_transfer.pair import _settle
 from kv_transfer.protocol import PROTOCOL_VERSION, StateMove, describe_state, state_nbytes, state_specs
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_qwen3_next import make_checkpoint
-from tests.kv_transfer.pairs import finish_on_decode, receive_in_background
+from tests.kv_transfer.pairs import finish_on_decode, receive_in_background, run_to_end
 
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -99,8 +99,7 @@ def test_the_state_lands_bit_for_bit_in_the_reserved_slot_and_no_other(hybrid_di
     layout = engine_layout(prefill)
     assert layout == engine_layout(decode) and [s[0] for s in state_specs(layout.linear_state)] == [(80, 3)] * 3
     ref = colocated.add_request("r", _prompt(1), SP)
-    while colocated.has_unfinished_requests():
-        colocated.step()
+    run_to_end(colocated)
 
     p = prefill.add_prefill_request("r", _prompt(1), SP)  # 29 tokens in chunks of 8: the state carried over 4 steps
     while p.status != RequestStatus.HELD_FOR_SEND:
@@ -145,8 +144,6 @@ def test_the_state_lands_bit_for_bit_in_the_reserved_slot_and_no_other(hybrid_di
         sender.close()
         receiver.close()
     finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], d, ref)
-    kv = decode.scheduler.kv
-    assert kv.num_used_blocks == 0 and not kv.states.slot_of
 
 
 def test_a_channel_that_needs_the_state_in_parts_is_refused_at_open(hybrid_dir) -> None:
@@ -184,12 +181,10 @@ def test_a_prefix_the_decode_engine_holds_needs_no_state_snapshot_there(hybrid_d
     shared = _prompt(4, 26)
     prompt = shared + _prompt(5, 9)
     ref = colocated.add_request("r", prompt, SP)
-    while colocated.has_unfinished_requests():
-        colocated.step()
+    run_to_end(colocated)
     assert ref.num_cached_tokens == 0
     decode.add_request("earlier", shared + _prompt(6, 3), SP)
-    while decode.has_unfinished_requests():
-        decode.step()
+    run_to_end(decode)
     assert not decode.scheduler.kv.snapshots.by_hash  # no snapshot: a computing request would hit nothing
 
     r = decode.reserve("r", prompt, SP)
@@ -229,5 +224,3 @@ def test_a_prefix_the_decode_engine_holds_needs_no_state_snapshot_there(hybrid_d
         sends.close()
         receiver.close()
     finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], r, ref)
-    kv = decode.scheduler.kv
-    assert kv.num_used_blocks == 0 and not kv.states.slot_of

