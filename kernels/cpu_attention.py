@@ -14,7 +14,8 @@ it (``make install`` builds it ahead: ``python -m kernels.cpu_attention``),
 into torch's extension cache (``~/.cache/torch_extensions``, or
 ``$TORCH_EXTENSIONS_DIR``), named after the torch version and a hash of where this
 source and that torch are (ninja's build file records both paths: two checkouts or two
-virtualenvs sharing one folder would rebuild over each other at every load); later
+virtualenvs sharing one folder would rebuild over each other at every load) and of this
+CPU's feature flags (it is built for the machine: -march=native, ``cpu_extension.build_name``); later
 processes load the cached library after ninja's up-to-date check. The engine's model
 runner loads it at start-up on CPU (a build inside a step would hold the
 step). Needs a C++ compiler (``$CXX``, else ``c++``) and ninja. Where either
@@ -34,7 +35,6 @@ nor e4m3, a head dim over 512) go to the reference too.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -51,9 +51,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_attention.cpp")
 # Built into the same library: the per-layer elementwise glue (kernels/cpu_ops.py calls it).
 _ELEMENTWISE_SOURCE = os.path.join(os.path.dirname(_SOURCE), "elementwise.cpp")
-_NAME = ("pdserve_cpu_attention_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
-         + hashlib.sha256(f"{_SOURCE}\0{_ELEMENTWISE_SOURCE}\0{os.path.dirname(torch.__file__)}".encode())
-         .hexdigest()[:12])
+_NAME = cpu_extension.build_name("pdserve_cpu_attention", [_SOURCE, _ELEMENTWISE_SOURCE], cpu_extension.DEFAULT_CFLAGS)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 

@@ -17,6 +17,7 @@ cannot tell), with a log line.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -35,7 +36,29 @@ DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy core
 logger = logging.getLogger(__name__)
 
 STALE_LOCK_AGE_S = 600.0  # where no /proc shows who holds torch's lock: older than this is stale
-DEFAULT_CFLAGS = ("-O3", "-fopenmp")
+# Built for the machine that runs them: the vector loops take the CPU's own width (AVX-512, AVX2,
+# or narrower), so a build is named after the CPU's feature flags too (``build_name``).
+DEFAULT_CFLAGS = ("-O3", "-fopenmp", "-march=native")
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them (the machine's name for its processor
+    where there is no /proc)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return os.uname().machine
+
+
+def build_name(prefix: str, sources: Sequence[str], cflags: Sequence[str]) -> str:
+    """The extension's name in torch's cache: ``prefix``, the torch version and a hash of the
+    sources' paths, that torch's folder, this CPU's flags and the compiler flags. Two checkouts or
+    environments never rebuild over each other (ninja's build file records the paths), and a
+    cache shared by machines of other CPUs keeps a build for each."""
+    key = "\0".join([*sources, os.path.dirname(torch.__file__), cpu_flags(), " ".join(cflags)])
+    return (prefix + "_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
+            + hashlib.sha256(key.encode()).hexdigest()[:12])
 
 
 def _on_path(program: str) -> bool:

@@ -14,7 +14,6 @@ through the C++ extension ``cpu/gguf_gemm.cpp`` (see the section at the end).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -75,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # GGUF blocks (Q4_0, Q4_1, Q8_0; uint8 [N, K / 32 * block bytes]) and dequantized in registers, activations
 # float32. The C++ extension is built and loaded like the compiled CPU attention (kernels/cpu_extension.py:
 # torch's extension cache, one build at a time, a bounded wait: $PDSERVE_CPU_ATTENTION_BUILD_TIMEOUT, default
-# 900 s), with -march=native, so its name also hashes this CPU's feature flags. Where it cannot be built, or
+# 900 s), built for this CPU (-march=native; its name hashes the CPU's feature flags). Where it cannot be built, or
 # for tensors it does not take (not CPU, a K not a multiple of 32), the reference runs (one log line).
 
 _GGUF_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "gguf_gemm.cpp")
@@ -84,18 +83,10 @@ GGUF_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-ffp-contract=off")  # also 
 _gguf_state: dict = {}  # "module": the loaded extension or None; "reason": why None
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:  # no /proc: the machine's name for its processor
-        return os.uname().machine
-
-
 def _gguf_name() -> str:
-    key = f"{_GGUF_SOURCE}\0{os.path.dirname(torch.__file__)}\0{_cpu_flags()}\0{' '.join(GGUF_CFLAGS)}"
-    return ("pdserve_cpu_gguf_gemm_torch_" + "".join(c if c.isalnum() else "_" for c in torch.__version__) + "_"
-            + hashlib.sha256(key.encode()).hexdigest()[:12])
+    from kernels import cpu_extension
+
+    return cpu_extension.build_name("pdserve_cpu_gguf_gemm", [_GGUF_SOURCE], GGUF_CFLAGS)
 
 
 def gguf_extension(build_timeout: float | None = None) -> Any:

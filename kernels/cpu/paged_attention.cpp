@@ -14,10 +14,10 @@
 //
 // One work item is (sequence, up to QT of its queries, its kv heads; one kv
 // head where too few sequences would leave a thread idle). It walks the cache
-// blocks holding the keys its queries see, in tiles of up to 16 keys, with an
+// blocks holding the keys its queries see, in tiles of up to kLanes keys, with an
 // online softmax (running max and sum per query row): nothing is copied out of
 // a float32 cache, and 16-bit and FP8 caches are widened one tile at a time.
-// A query row (query, head) gets a tile's 16 scores as one vector (16 dot
+// A query row (query, head) gets a tile's scores as one vector (kLanes dot
 // products, their lanes summed together) and adds the tile's weighted values
 // with the row's output held in registers. Items run over the torch intra-op
 // threads, longest first, each thread taking the next item.
@@ -37,15 +37,11 @@
 #include <optional>
 #include <vector>
 
-// The hot loops are compiled for AVX-512, AVX2+FMA and the baseline, and the
-// loader picks one for the machine it runs on: the cached build is not tied to
-// the CPU that compiled it.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PDSERVE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PDSERVE_CLONES
-#endif
-// What the clones call is inlined into each, so it is compiled for the clone's ISA too.
+// Built for the machine that runs it (-march=native; kernels/cpu_attention.py names the build
+// after the CPU's feature flags): the vectors are the machine's own width (kLanes floats: 16 under
+// AVX-512, 8 under AVX or AVX2, 4 otherwise). A vector wider than the machine's has no register
+// of its own, and GCC then keeps it in memory and works on it piece by piece: an AVX2 build of
+// 16-float vectors spent most of a decode step's attention storing and reloading them.
 #define PDSERVE_INLINE inline __attribute__((always_inline))
 
 namespace {
@@ -60,10 +56,16 @@ PDSERVE_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
 PDSERVE_INLINE float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 PDSERVE_INLINE float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 
-// 16 floats: a zmm register under AVX-512, two ymm under AVX2, four xmm otherwise.
+// One register of floats: a tile of kLanes keys, a head dim in chunks of kLanes.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
@@ -74,19 +76,34 @@ PDSERVE_INLINE vf load(const float* p) {
 }
 PDSERVE_INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 PDSERVE_INLINE vf splat(float x) { return vf{} + x; }
+PDSERVE_INLINE float hsum4(vf4 c) { return (c[0] + c[2]) + (c[1] + c[3]); }
 PDSERVE_INLINE float hsum(vf a) {
+#if defined(__AVX512F__)
   const vf8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
+  return hsum4(__builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7));
+#elif defined(__AVX__)
+  return hsum4(__builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7));
+#else
+  return hsum4(a);
+#endif
 }
 PDSERVE_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 PDSERVE_INLINE float hmax(vf a) {
-  const vf b = vmax(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  const vf c = vmax(b, __builtin_shufflevector(b, b, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  const vf e = vmax(c, __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  const vf f = vmax(e, __builtin_shufflevector(e, e, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return f[0];
+#if defined(__AVX512F__)
+  a = vmax(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  a = vmax(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif defined(__AVX__)
+  a = vmax(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3));
+  a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5));
+  a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+  a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1));
+  a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2));
+#endif
+  return a[0];
 }
 
 // exp(x) for x <= 0, lane by lane, in plain arithmetic: 2^(x log2 e) split into
@@ -111,10 +128,11 @@ PDSERVE_INLINE vf exp_nonpositive(vf x) {
 }
 PDSERVE_INLINE float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
-// out[j] = the sum of a[j]'s lanes, for 16 vectors at once: four rounds of
-// pairing halves (lanes of two vectors interleaved, then added), then one
-// permutation back to key order. 46 vector ops where 16 horizontal sums take ~160.
-PDSERVE_INLINE vf sum_lanes_16(const vf* a) {
+// out[j] = the sum of a[j]'s lanes, for kLanes vectors at once: rounds of pairing halves (lanes
+// of two vectors interleaved, then added), then one permutation back to key order. Under AVX-512
+// 46 vector ops where 16 horizontal sums take ~160.
+#if defined(__AVX512F__)
+PDSERVE_INLINE vf sum_lanes(const vf* a) {
   vf b[8], c[4], e[2];
   for (int k = 0; k < 8; ++k) {
     const vf x = a[2 * k], y = a[2 * k + 1];
@@ -136,6 +154,25 @@ PDSERVE_INLINE vf sum_lanes_16(const vf* a) {
   // f: lane 2i holds a[perm[i]], lane 2i + 1 a[8 + perm[i]], perm = {0, 4, 2, 6, 1, 5, 3, 7}
   return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#elif defined(__AVX__)
+PDSERVE_INLINE vf sum_lanes(const vf* a) {
+  vf b[4], c[2];
+  for (int k = 0; k < 4; ++k) {
+    const vf x = a[2 * k], y = a[2 * k + 1];
+    b[k] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+  }  // b[k]: lanes 0-3 partial sums of a[2k], 4-7 of a[2k+1]
+  for (int k = 0; k < 2; ++k) {
+    const vf x = b[2 * k], y = b[2 * k + 1];
+    c[k] = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  }  // c[k]: lane pairs of a[4k], a[4k+2], a[4k+1], a[4k+3]
+  const vf e = __builtin_shufflevector(c[0], c[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  // e: lanes hold a[0], a[4], a[2], a[6], a[1], a[5], a[3], a[7]
+  return __builtin_shufflevector(e, e, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+#else
+PDSERVE_INLINE vf sum_lanes(const vf* a) { return vf{hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3])}; }
+#endif
 
 struct Item {
   int32_t seq;
@@ -175,8 +212,8 @@ struct Scratch {
   }
 };
 
-// One query row over a tile of up to 16 keys (the head dim DC * 16, or DC == 0:
-// d, a multiple of 16, given at run time). k[j], v[j]: key j's vectors (past
+// One query row over a tile of up to kLanes keys (the head dim DC * kLanes, or DC == 0:
+// d, a multiple of kLanes, given at run time). k[j], v[j]: key j's vectors (past
 // the tile's keys, k[j] points at zeros). The row sees keys [lo, hi) of the tile (lo < hi).
 // Online softmax: m, l the row's running max and sum, acc its unnormalised output.
 template <int DC>
@@ -189,9 +226,10 @@ PDSERVE_INLINE void row_over_tile(const float* __restrict q, float* __restrict a
     const vf qc = load(q + c * kLanes);
     for (int j = 0; j < kLanes; ++j) a[j] += qc * load(k[j] + c * kLanes);
   }
-  static const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vi lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
   const vi visible = (lane >= static_cast<int32_t>(lo)) & (lane < static_cast<int32_t>(hi));
-  const vf s = visible ? sum_lanes_16(a) * scale : splat(kNegInf);
+  const vf s = visible ? sum_lanes(a) * scale : splat(kNegInf);
   const float m_new = std::max(*m, hmax(s));
   const float alpha = exp_nonpositive(*m - m_new);  // 0 on the row's first tile (m = -inf)
   const vf p = exp_nonpositive(s - m_new);
@@ -216,7 +254,7 @@ PDSERVE_INLINE void row_over_tile(const float* __restrict q, float* __restrict a
   }
 }
 
-// The same for any head dim, scalar loops (head dims that are not a multiple of 16).
+// The same for any head dim, scalar loops (head dims that are not a multiple of kLanes).
 PDSERVE_INLINE void row_over_tile_any(const float* __restrict q, float* __restrict acc, float* m, float* l,
                                       const float* const* k, const float* const* v, int64_t lo, int64_t hi,
                                       float scale, int64_t d) {
@@ -244,7 +282,7 @@ PDSERVE_INLINE void row_over_tile_any(const float* __restrict q, float* __restri
 
 // Rows [0, rows) of one kv head over one tile; row r sees keys [lo[r], hi[r]).
 template <int DC>
-PDSERVE_CLONES void rows_over_tile(int64_t rows, const float* q, float* acc, float* m, float* l,
+void rows_over_tile(int64_t rows, const float* q, float* acc, float* m, float* l,
                                    const float* const* k, const float* const* v, const int64_t* lo,
                                    const int64_t* hi, float scale, int64_t d) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -259,7 +297,7 @@ PDSERVE_CLONES void rows_over_tile(int64_t rows, const float* q, float* acc, flo
 // Keys j in [0, n) of a block as float32 rows: the cache itself for a float32
 // cache, else converted (times the FP8 scale) into buf. Returns the rows' stride.
 template <typename cache_t>
-PDSERVE_CLONES const float* block_as_float(const cache_t* src, int64_t stride, int64_t n, int64_t d, float mult,
+const float* block_as_float(const cache_t* src, int64_t stride, int64_t n, int64_t d, float mult,
                                            float* buf, int64_t* out_stride) {
   if constexpr (std::is_same<cache_t, float>::value) {
     *out_stride = stride;
@@ -313,7 +351,7 @@ void attend(const Item& it, const Geometry& g, const scalar_t* __restrict q_ptr,
   for (int64_t blk = k_lo / bs; blk * bs < k_hi; ++blk) {
     const int64_t id = table[blk];  // in [0, num_blocks): checked before the parallel region
     const int64_t first = std::max(k_lo, blk * bs), last = std::min(k_hi, (blk + 1) * bs);  // keys [first, last)
-    for (int64_t t0 = first; t0 < last; t0 += kLanes) {  // tiles of up to 16 keys
+    for (int64_t t0 = first; t0 < last; t0 += kLanes) {  // tiles of up to kLanes keys
       const int64_t n = std::min<int64_t>(kLanes, last - t0), slot = t0 - blk * bs;
       // Row (i, j) sees the tile's keys [lo, hi), relative to t0, whatever its kv head.
       int64_t busy = 0;  // the first row that sees any of them: rows before it are skipped
@@ -482,8 +520,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: the cache holds q's dtype or float8_e4m3fn");
   // The head dims most models use get their own loops (the queries then stay in registers).
 #define PDSERVE_RUN(S, C)                                                               \
-  (g.head_dim == 64    ? run<S, C, 4>(q, k_cache, v_cache, block_tables, starts, lens, items, g, out, work) \
-   : g.head_dim == 128 ? run<S, C, 8>(q, k_cache, v_cache, block_tables, starts, lens, items, g, out, work) \
+  (g.head_dim == 64    ? run<S, C, 64 / kLanes>(q, k_cache, v_cache, block_tables, starts, lens, items, g, out, work) \
+   : g.head_dim == 128 ? run<S, C, 128 / kLanes>(q, k_cache, v_cache, block_tables, starts, lens, items, g, out, work) \
                        : run<S, C, 0>(q, k_cache, v_cache, block_tables, starts, lens, items, g, out, work))
   const bool fp8 = cd == at::kFloat8_e4m3fn;
   switch (qd) {
