@@ -53,7 +53,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged
 _ELEMENTWISE_SOURCE = os.path.join(os.path.dirname(_SOURCE), "elementwise.cpp")
 _NAME = cpu_extension.build_name("pdserve_cpu_attention", [_SOURCE, _ELEMENTWISE_SOURCE], cpu_extension.DEFAULT_CFLAGS)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
+MAX_HEAD_DIM = 512  # the extension's kMaxHeadDim
 
 # A build or load waits at most this long (torch's lock file included), then the references run.
 # The engine passes its RuntimeConfig's value (read from this variable by engine/runtime_config.py;
@@ -96,7 +96,7 @@ def _covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     for c in (k_cache, v_cache):
         if c.device.type != "cpu" or c.dtype != k_cache.dtype or c.dim() != 4 or c.stride(3) != 1:
             return False
-    return k_cache.dtype in (q.dtype, FP8_KV_DTYPE) and k_cache.shape[3] <= _MAX_HEAD_DIM
+    return k_cache.dtype in (q.dtype, FP8_KV_DTYPE) and k_cache.shape[3] <= MAX_HEAD_DIM
 
 
 def store_kv_cache(

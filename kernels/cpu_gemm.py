@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,17 @@ def _onednn_ok() -> bool:
                 logger.info("oneDNN float32 GEMM unavailable (%s); CPU linear layers use F.linear", reason)
             _state["ok"] = reason is None
     return _state["ok"]
+
+
+def linear_call(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``linear(x, weight)`` for x float32 [T, K] contiguous, as one direct call of oneDNN's GEMM
+    (no checks a call), for a float32 CPU ``weight`` [N, K]; None where ``linear`` would not
+    run oneDNN's for it. The same op ``linear`` runs: the same result."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
+            or not weight.is_contiguous() or not _onednn_ok()):
+        return None
+    op = torch.ops.mkldnn._linear_pointwise.default
+    return lambda x: op(x, weight, None, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,6 +122,17 @@ def gguf_extension(build_timeout: float | None = None) -> Any:
 def gguf_unavailable_reason() -> str | None:
     """Why ``gguf_extension()`` is None (None while it is loaded or not yet tried)."""
     return _gguf_state.get("reason")
+
+
+def gguf_linear_call(packed: torch.Tensor, qtype: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``gguf_linear(x, packed, qtype)`` for x float32 [T, K] contiguous, as one direct call of the
+    compiled kernel (no checks a call); None where ``gguf_linear`` would run the reference."""
+    code = GGUF_QTYPES.get(qtype)
+    ext = gguf_extension() if packed.device.type == "cpu" else None
+    if ext is None or code is None or packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
+        return None
+    run = ext.gguf_linear
+    return lambda x: run(x, packed, code, None)
 
 
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ quantized method converts to the layout its kernel reads there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -186,6 +186,14 @@ class LinearMethod:
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_gemm.linear(x, layer.weight, bias)  # F.linear; oneDNN's for float32 on CPU
+
+    def direct(self, layer: LinearBase) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``apply(layer, x, None)`` for x [T, in] contiguous in the model dtype as one direct kernel
+        call, the same one ``apply`` makes (engine/models/llama_cpu.py); None where there is none
+        (here: a method that applies its weight its own way and says nothing of a direct call)."""
+        if type(self).apply is not LinearMethod.apply:
+            return None
+        return cpu_gemm.linear_call(layer.weight)
 
     def warm_up_key(self, layer: LinearBase) -> tuple | None:
         """What decides the kernels ``apply`` compiles (layers with the same key share one

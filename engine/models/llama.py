@@ -51,8 +51,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = mlp
+        # The same layer as direct kernel calls on a CPU (engine/models/llama_cpu.py), where set.
+        self.fused = None
 
     def forward(self, positions, h, residual, kv, meta):
+        if self.fused is not None:
+            return self.fused(positions, h, residual, kv, meta)
         h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, kv, meta)
         h, residual = self.post_attention_layernorm(h, residual)

@@ -49,6 +49,10 @@ class GgufLinearMethod(LinearMethod):
             y = gguf_reference.linear(x, layer.weight, self.qtype, bias)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def direct(self, layer: LinearBase):
+        """The compiled GEMM's call on this layer's blocks (float32 activations), where it runs."""
+        return cpu_gemm.gguf_linear_call(layer.weight, self.qtype)
+
     def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
         """The float32 weight [out, in] the layer computes with."""
         return gguf_reference.dequantize(layer.weight.data, self.qtype, layer.in_size)
