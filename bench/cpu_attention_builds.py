@@ -8,7 +8,6 @@ reference, then all are timed alternately at each context length, best of ``--ro
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 
 import torch
@@ -24,17 +23,11 @@ def main() -> None:
     p.add_argument("--contexts", default="64,256,1024,4096")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
-    from torch.utils.cpp_extension import load
-
+    from bench.kernel_builds import load_builds
     from kernels import reference
     from kernels.cpu_extension import DEFAULT_CFLAGS
 
-    mods = {}
-    for build in args.builds:
-        src, _, flags = build.partition(":")
-        name = "cpu_attention_builds_" + hashlib.sha256(build.encode()).hexdigest()[:10]
-        mods[build] = load(name=name, sources=[src], extra_cflags=[*DEFAULT_CFLAGS, *flags.split()],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+    mods = load_builds(args.builds, "cpu_attention_builds", DEFAULT_CFLAGS)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     b = args.batch

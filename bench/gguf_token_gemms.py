@@ -10,7 +10,6 @@ all are timed alternately, best of ``--rounds``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import time
 
 import torch
@@ -26,16 +25,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1, help="rows of x (1: a decode step of one sequence)")
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
-    from torch.utils.cpp_extension import load
-
+    from bench.kernel_builds import load_builds
     from kernels import gguf_reference as ref
     from kernels.cpu_gemm import GGUF_CFLAGS
 
-    mods = {}
-    for build in args.builds:
-        src, _, flags = build.partition(":")
-        name = "gguf_token_gemms_" + hashlib.sha256(build.encode()).hexdigest()[:10]
-        mods[build] = load(name=name, sources=[src], extra_cflags=[*GGUF_CFLAGS, *flags.split()], verbose=False)
+    mods = load_builds(args.builds, "gguf_token_gemms", GGUF_CFLAGS)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
 
