@@ -4,8 +4,8 @@ A decode step of a small model on a CPU is mostly host work: each of its 30 laye
 modules (norms, projections, rotary, attention, MLP), and each module call goes through
 ``nn.Module.__call__``, the layer's method, and the kernel wrapper's checks before the compiled
 kernel runs for a few microseconds. Measured on the default model's packed GGUF weights (2-core
-AVX2 machine, one sequence): 16.5 ms a step through the modules, 12.1 ms with the same kernels
-called directly (docs/benchmarks.md).
+AVX2 machine, one sequence): 16.8-18.1 ms a step through the modules, 12.9-13.1 ms with the same
+kernels called directly (docs/benchmarks.md).
 
 ``fused_layer(layer, ops)`` returns the layer's forward as those direct calls, or None where the
 layer is not one it covers; ``DecoderLayer.forward`` (engine/models/llama.py) runs it when set,
