@@ -17,7 +17,10 @@
 // The loop is written once over a vector type: 16 floats (AVX-512) and 8 (AVX2 with FMA, what
 // laptops without AVX-512 have), each compiled where the compiler targets it (-march=native), and
 // a portable loop the compiler vectorises as it can. The widest compiled serves; paths() lists
-// them and gguf_linear(..., path=NAME) runs a narrower one (the tests check each).
+// them and gguf_linear(..., path=NAME) runs a narrower one (the tests check each). A Q4 block's 16
+// bytes are widened to 32-bit lanes a vector of bytes at a time and both nibbles taken there,
+// where widening each nibble vector apart took twice the byte shuffles (1.25x the decode GEMMs'
+// time on an AVX2 machine).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -68,6 +71,12 @@ struct Vec16 {  // 16 floats
   static float sum(T a) { return _mm512_reduce_add_ps(a); }
   static T from_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }  // 16 int8
   static T from_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+  using I = __m512i;  // 16 int32 lanes
+  static I widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I and15(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F)); }
+  static I shr4(I v) { return _mm512_srli_epi32(v, 4); }
+  static I sub8(I v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
+  static T to_float(I v) { return _mm512_cvtepi32_ps(v); }
 };
 #endif
 
@@ -90,6 +99,12 @@ struct Vec8 {  // 8 floats (AVX2 and FMA: most laptops' x86 cores)
   }
   static T from_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }  // the low 8 int8
   static T from_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+  using I = __m256i;  // 8 int32 lanes
+  static I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I and15(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0F)); }
+  static I shr4(I v) { return _mm256_srli_epi32(v, 4); }
+  static I sub8(I v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
+  static T to_float(I v) { return _mm256_cvtepi32_ps(v); }
 };
 #endif
 
@@ -119,16 +134,16 @@ inline void quants(const uint8_t* b, typename V::T* q) {
     widen<V, true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), q);
     widen<V, true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)), q + half);
   } else {
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == 1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i ql = _mm_and_si128(qs, mask), qh = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    if constexpr (QT == 0) {
-      const __m128i eight = _mm_set1_epi8(8);
-      widen<V, true>(_mm_sub_epi8(ql, eight), q);
-      widen<V, true>(_mm_sub_epi8(qh, eight), q + half);
-    } else {
-      widen<V, false>(ql, q);
-      widen<V, false>(qh, q + half);
+    // Byte i holds weights i (low nibble) and i + 16 (high): each byte widened to a 32-bit lane
+    // once, then its two nibbles taken there (one widening a vector of bytes, not one a nibble).
+    const uint8_t* qs = b + (QT == 1 ? 4 : 2);
+    constexpr int kGroups = 16 / V::kLanes;  // byte groups of one vector each
+    for (int g = 0; g < kGroups; ++g) {
+      const typename V::I v = V::widen_u8(qs + g * V::kLanes);
+      typename V::I lo = V::and15(v), hi = V::shr4(v);
+      if constexpr (QT == 0) lo = V::sub8(lo), hi = V::sub8(hi);
+      q[g] = V::to_float(lo);
+      q[half + g] = V::to_float(hi);
     }
   }
 }
