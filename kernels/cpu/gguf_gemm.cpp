@@ -69,10 +69,9 @@ struct Vec16 {  // 16 floats
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static float sum(T a) { return _mm512_reduce_add_ps(a); }
-  static T from_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }  // 16 int8
-  static T from_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
   using I = __m512i;  // 16 int32 lanes
   static I widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I and15(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F)); }
   static I shr4(I v) { return _mm512_srli_epi32(v, 4); }
   static I sub8(I v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
@@ -97,10 +96,9 @@ struct Vec8 {  // 8 floats (AVX2 and FMA: most laptops' x86 cores)
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  static T from_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }  // the low 8 int8
-  static T from_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
   using I = __m256i;  // 8 int32 lanes
   static I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I and15(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0F)); }
   static I shr4(I v) { return _mm256_srli_epi32(v, 4); }
   static I sub8(I v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
@@ -115,24 +113,13 @@ struct Portable {  // no vector type: the loop the compiler vectorises as it can
 
 #if defined(GGUF_HAS_VEC16) || defined(GGUF_HAS_VEC8)
 
-// 16 bytes -> 16 / kLanes vectors (in order)
-template <typename V, bool kSigned>
-inline void widen(__m128i v, typename V::T* out) {
-  out[0] = kSigned ? V::from_i8(v) : V::from_u8(v);
-  if constexpr (V::kLanes == 8) {
-    const __m128i h = _mm_srli_si128(v, 8);
-    out[1] = kSigned ? V::from_i8(h) : V::from_u8(h);
-  }
-}
-
-// One block's quants as floats, weights 0..31 in order: Q4_0's q - 8 (exact in int8 before the
-// conversion), Q4_1's q, Q8_0's q.
+// One block's quants as floats, weights 0..31 in order: Q4_0's q - 8 (exact in int32 before the
+// conversion), Q4_1's q, Q8_0's q; each vector's bytes widened straight from memory.
 template <typename V, int QT>
 inline void quants(const uint8_t* b, typename V::T* q) {
   constexpr int half = kBlock / V::kLanes / 2;
   if constexpr (QT == 2) {
-    widen<V, true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), q);
-    widen<V, true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)), q + half);
+    for (int v = 0; v < 2 * half; ++v) q[v] = V::to_float(V::widen_i8(b + 2 + v * V::kLanes));
   } else {
     // Byte i holds weights i (low nibble) and i + 16 (high): each byte widened to a 32-bit lane
     // once, then its two nibbles taken there (one widening a vector of bytes, not one a nibble).
