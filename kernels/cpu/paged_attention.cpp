@@ -56,6 +56,16 @@ PDSERVE_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
 PDSERVE_INLINE float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 PDSERVE_INLINE float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 
+// Every e4m3 byte's value, for widening an FP8 cache's tiles: a table read, where converting each
+// element's bits took 1.58 ms a layer of decode attention at 1.8k keys (0.42 ms from float32).
+struct E4M3Table {
+  float v[256];
+  E4M3Table() {
+    for (int i = 0; i < 256; ++i) v[i] = to_float(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const E4M3Table kE4M3;
+
 // One register of floats: a tile of kLanes keys, a head dim in chunks of kLanes.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -303,11 +313,15 @@ const float* block_as_float(const cache_t* src, int64_t stride, int64_t n, int64
     *out_stride = stride;
     return src;
   } else {
-    const bool fp8 = std::is_same<cache_t, c10::Float8_e4m3fn>::value;
     for (int64_t j = 0; j < n; ++j) {
       const cache_t* row = src + j * stride;
       float* dst = buf + j * d;
-      for (int64_t x = 0; x < d; ++x) dst[x] = fp8 ? to_float(row[x]) * mult : to_float(row[x]);
+      if constexpr (std::is_same<cache_t, c10::Float8_e4m3fn>::value) {
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+        for (int64_t x = 0; x < d; ++x) dst[x] = kE4M3.v[bytes[x]] * mult;
+      } else {
+        for (int64_t x = 0; x < d; ++x) dst[x] = to_float(row[x]);
+      }
     }
     *out_stride = d;
     return buf;
