@@ -120,6 +120,18 @@ def store_kv_cache(
                        float(k_scale), float(v_scale))
 
 
+def step_index(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               step_cache: dict | None) -> list[torch.Tensor]:
+    """The step's index tensors as the extension reads them (contiguous int32): made once per step
+    and cache group, kept in ``step_cache`` for the step's other layers (None: not kept)."""
+    meta = step_cache.get("cpu_int32") if step_cache is not None else None
+    if meta is None:
+        meta = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
+        if step_cache is not None:
+            step_cache["cpu_int32"] = meta
+    return meta
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -148,12 +160,7 @@ def paged_attention(
                                          sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
                                          sinks=sinks)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    # The step's index tensors as the extension reads them: once per step and cache group, not per layer.
-    meta = step_cache.get("cpu_int32") if step_cache is not None else None
-    if meta is None:
-        meta = [t.to(torch.int32).contiguous() for t in (block_tables, query_start_loc, seq_lens)]
-        if step_cache is not None:
-            step_cache["cpu_int32"] = meta
+    meta = step_index(block_tables, query_start_loc, seq_lens, step_cache)
     return ext.paged_attention(q, k_cache, v_cache, *meta, float(scale),
                                0 if sliding_window is None else sliding_window, float(k_scale), float(v_scale),
                                sinks)

@@ -23,10 +23,9 @@ from types import ModuleType
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.llama import DecoderLayer, GatedMLP
-from kernels import cpu_attention
+from kernels import cpu_attention, reference
 
 FusedForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -58,7 +57,7 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
     w1, w2, eps1, eps2 = n1.weight, n2.weight, n1.eps, n2.eps
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     sizes, q_size = [attn.q_size, attn.kv_size, attn.kv_size], attn.q_size
-    cos_sin, scale, group, inter = attn.rope.cos_sin, float(attn.scale), attn.kv_group, mlp.down_proj.in_size
+    cos_sin, scale, group = attn.rope.cos_sin, float(attn.scale), attn.kv_group
 
     def forward(positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv: torch.Tensor,
                 meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,17 +68,13 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
             x, residual = glue.fused_add_rms_norm(h, residual, w1, eps1)
         q, k, v = qkv(x).split(sizes, dim=-1)
         q, k = glue.rotary_embedding(positions, q.reshape(t, heads, d), k.reshape(t, kv_heads, d), cos_sin)
-        step = meta.step_cache.setdefault(group, {})
-        index = step.get("cpu_int32")  # what the step's other layers (and the attention wrapper) share
-        if index is None:
-            index = step["cpu_int32"] = [a.to(torch.int32).contiguous()
-                                         for a in (meta.block_tables[group], meta.query_start_loc, meta.seq_lens)]
+        index = cpu_attention.step_index(meta.block_tables[group], meta.query_start_loc, meta.seq_lens,
+                                         meta.step_cache.setdefault(group, {}))
         k_cache, v_cache = kv[:, 0], kv[:, 1]
         ext.store_kv_cache(k, v.reshape(t, kv_heads, d), k_cache, v_cache, meta.slot_mapping[group], 1.0, 1.0)
         o = ext.paged_attention(q, k_cache, v_cache, *index, scale, 0, 1.0, 1.0, None)
         x, residual = glue.fused_add_rms_norm(o_proj(o.reshape(t, q_size)), residual, w2, eps2)
-        gu = gate_up(x)
-        return down(F.silu(gu[:, :inter]).mul_(gu[:, inter:])), residual
+        return down(reference.silu_and_mul(gate_up(x))), residual
 
     return forward
 
