@@ -343,8 +343,8 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x's dtype."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)  # in place: one [T, I] temporary, not two
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]).mul_(x[..., inter:])  # in place: one [T, I] temporary, not two
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
