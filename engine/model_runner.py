@@ -194,11 +194,11 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters' slots beside every linear layer
         if config.lora is not None:
             self.lora = self._make_lora(config.lora)
-        elif tp is None:  # CPU: decoder layers as direct kernel calls where they can be (llama_cpu.py)
-            fused = fuse_layers(self.model, self.ops, self.kv_dtype)
-            if fused and log:
-                logger.info("%d of %d decoder layers run as direct kernel calls (CPU)", fused,
-                            len(self.model.model.layers))
+        # CPU: decoder layers as direct kernel calls where llama_cpu.py covers them (no LoRA, one rank)
+        fused = fuse_layers(self.model, self.ops, self.kv_dtype)
+        if fused and log:
+            logger.info("%d of %d decoder layers run as direct kernel calls (CPU)", fused,
+                        len(self.model.model.layers))
         graphs_eager = self.runtime.graphs_without_capture
         if graphs_eager:
             logger.warning("graphs_without_capture: CUDA graphs are off; steps run the graph path eagerly "
