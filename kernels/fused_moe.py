@@ -813,6 +813,8 @@ def fused_moe(
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if config is not None:  # refused whichever path serves this count
+        _parse_config(config)
     if num_tokens == 0:
         return out
     gemv = gemv_tiles(num_tokens, w13, x)
