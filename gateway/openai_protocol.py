@@ -412,9 +412,6 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
         raise invalid(f'tool_choice "auto"{default} needs a gateway started with --enable-auto-tool-choice '
                       'and --tool-call-parser; send tool_choice "required", a named function or "none"',
                       param="tool_choice")
-    if choice != "auto" and parser is not None and parser.name == "openai":
-        raise invalid(f'tool_choice {"a named function" if function is not None else choice!r} is not supported '
-                      'with gpt-oss (harmony) tool calls; send tool_choice "auto" or "none"', param="tool_choice")
     if choice != "auto":  # constrained: each schema the grammar enforces must be enforceable
         for i, tool in enumerate(functions):
             if function in (None, tool.name):

@@ -29,7 +29,9 @@ Tool calls (``--tool-call-parser``) are parsed from the content only, never from
 reasoning. Structured outputs constrain the content only: a request with a constraint
 carries the reasoning's end token sequence (``StructuredOutputsParams.
 reasoning_end_token_ids``), and the engine's grammar starts after it (engine/grammar.py);
-a prompt that already ended the reasoning sends none.
+a prompt that already ended the reasoning sends none. gpt-oss's forced tool calls
+(``tool_choice`` required or a named function) are the exception: their constraint is
+harmony's whole output, the analysis message included (gateway/tool_parsers/json_formats.py).
 
 gpt_oss renders chats with the openai-harmony library (system message with today's date,
 a developer message with the system/developer instructions and the tools, the
@@ -244,7 +246,9 @@ class HarmonyReasoningParser(ReasoningParser):
     def chat_stream(self, prompt_token_ids: Sequence[int], template_kwargs: Mapping[str, Any],
                     tools: ToolPlan | None) -> tuple[ChatStream, tuple[int, ...]]:
         parallel = tools is None or (tools.parallel and tools.choice != "function")
-        return HarmonyChatStream(self.encoding, parallel), self.end_ids
+        # forced calls: their structural tag spans the analysis too (HarmonyToolParser)
+        forced = tools is not None and tools.choice != "auto"
+        return HarmonyChatStream(self.encoding, parallel), () if forced else self.end_ids
 
     def render_chat(self, _tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any]) -> list[int]:

@@ -1,15 +1,16 @@
 """Formats whose calls are JSON objects naming the function first: Hermes' tagged blocks,
 Llama 3's bare objects, and the JSON list that required and named calls use without a
 parser of the model's own (vLLM's form). gpt-oss's harmony calls are here too: they are
-parsed from tokens elsewhere and only need a name."""
+parsed from tokens elsewhere, and forced by a structural tag over harmony's messages."""
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engine.structured_outputs import StructuredOutputsParams
-from gateway.tool_parsers.base import (FunctionTool, ToolParser, _Split, hold_back, read_call_object, skip_ws,
-                                       value_end)
+from gateway.tool_parsers.base import (_ARGUMENTS_MAX_WHITESPACE, FunctionTool, ToolParser, _Split, hold_back,
+                                       read_call_object, skip_ws, value_end)
 
 
 class HermesToolParser(ToolParser):
@@ -128,13 +129,40 @@ class JsonCallsToolParser(ToolParser):
 
 class HarmonyToolParser(ToolParser):
     """gpt-oss's calls: harmony messages, parsed from the output tokens by the gpt_oss
-    reasoning parser (``HarmonyChatStream``), not from text; no constraint forces them."""
+    reasoning parser (``HarmonyChatStream``), not from text.
+
+    Forced calls (``required``, a named function) are one structural tag over the whole
+    output, harmony's control tokens matched as tokens (never spelt out in text): an optional
+    analysis message (the reasoning, any tokens but the control ones), then one call
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>``
+    of an allowed function, its arguments under the function's schema. A harmony turn holds
+    one call (``<|call|>`` ends it), so parallel calls change nothing. The gpt_oss reasoning
+    parser starts this grammar at the first output token, not at the final channel."""
 
     name = "openai"
+    CONTROL_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>",
+                      "<|return|>")
 
     def constraint(self, tools: Sequence[FunctionTool], parallel: bool) -> StructuredOutputsParams:
-        raise ValueError("tool_choice required or a named function is not supported for gpt-oss (harmony) "
-                         'tool calls; send tool_choice "auto" or "none"')
+        def token(s: str) -> dict[str, Any]:
+            return {"type": "token", "token": s}
+
+        def text(s: str) -> dict[str, Any]:
+            return {"type": "const_string", "value": s}
+
+        analysis = [token("<|channel|>"), text("analysis"), token("<|message|>"),
+                    {"type": "any_tokens", "exclude_tokens": list(self.CONTROL_TOKENS)},
+                    token("<|end|>"), token("<|start|>"), text("assistant")]
+        calls = [{"type": "sequence", "elements": [
+            token("<|channel|>"), text(f"commentary to=functions.{t.name} "), token("<|constrain|>"), text("json"),
+            token("<|message|>"), {"type": "json_schema", "json_schema": t.parameters, "style": "json",
+                                   "max_whitespace_cnt": _ARGUMENTS_MAX_WHITESPACE},
+            token("<|call|>")]} for t in tools]
+        call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        whole = {"type": "sequence", "elements": [
+            {"type": "optional", "content": {"type": "sequence", "elements": analysis}}, call]}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": whole},
+                                                                 ensure_ascii=False))
 
     def split(self, text: str, final: bool, tools: Mapping[str, FunctionTool] | None = None) -> _Split:
         return _Split(text)  # (HarmonyChatStream parses the calls)

@@ -195,11 +195,81 @@ def _byte_level_chars() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def served(harmony, vocab_dir, tmp_path_factory):
+def model_dir(tmp_path_factory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny", _o200k_ranks())
+
+
+# ---- forced tool calls: the constraint over harmony's tokens ------------------------------------------
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL_ONLY = CALL.removeprefix("<|start|>assistant")
+
+
+def _forced(choice: str, function: str | None = None) -> str:
+    from gateway.openai_protocol import tool_plan
+    from gateway.tool_parsers import get_parser
+
+    tool_choice = {"type": "function", "function": {"name": function}} if function else choice
+    plan = tool_plan([WEATHER, TIME], tool_choice, True, get_parser("openai"), True)
+    return plan.structured_outputs().structural_tag
+
+
+@pytest.fixture(scope="module")
+def compiler(model_dir):
+    """xgrammar over the gpt-oss vocabulary, as an engine builds it (engine/grammar.py)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE,
+                                                                  stop_token_ids=[200002]))
+
+
+def _takes(compiler, harmony, structural_tag: str, text: str) -> bool:
+    """The grammar takes the tokens of ``text`` one by one and is then complete."""
+    return _takes_ids(compiler, structural_tag, _ids(harmony, text))
+
+
+def _takes_ids(compiler, structural_tag: str, ids: list[int]) -> bool:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(structural_tag))
+    if not all(matcher.accept_token(t) for t in ids):
+        return False
+    return matcher.is_terminated() or matcher.accept_token(200002)  # may end here (<|return|>: a stop token)
+
+
+def test_forced_calls_are_one_call_after_an_optional_analysis(compiler, harmony):
+    """tool_choice required: harmony's analysis message may come first, then exactly one call of
+    a given function with arguments under its schema, the control tokens as tokens; nothing else
+    (a final answer, another function, arguments off the schema). A named function: only it."""
+    required = _forced("required")
+    assert _takes(compiler, harmony, required, ANALYSIS + CALL)
+    assert _takes(compiler, harmony, required, CALL_ONLY)
+    assert _takes(compiler, harmony, required, CALL_ONLY.replace("get_weather", "get_time").replace(
+        '{"city": "Paris"}', "{}"))
+    assert not _takes(compiler, harmony, required, ANALYSIS + FINAL)
+    assert not _takes(compiler, harmony, required, FINAL.removeprefix("<|start|>assistant"))
+    assert not _takes(compiler, harmony, required, CALL_ONLY.replace("get_weather", "set_alarm"))
+    assert not _takes(compiler, harmony, required, CALL_ONLY.replace('"city"', '"town"'))
+    assert not _takes(compiler, harmony, required, CALL_ONLY.removesuffix("<|call|>"))  # the call must end
+    # the control tokens are tokens: the same characters as text are refused
+    spelt = [t for i in _ids(harmony, CALL_ONLY) for t in (
+        list(harmony.encoding.encode(harmony.encoding.decode([i]), disallowed_special=())) if i >= 200000 else [i])]
+    assert len(spelt) > len(_ids(harmony, CALL_ONLY))
+    assert not _takes_ids(compiler, required, spelt)
+    named = _forced("function", "get_time")
+    assert _takes(compiler, harmony, named, ANALYSIS + CALL.replace("get_weather", "get_time").replace(
+        '{"city": "Paris"}', "{}"))
+    assert not _takes(compiler, harmony, named, ANALYSIS + CALL)
+
+
+@pytest.fixture(scope="module")
+def served(harmony, vocab_dir, model_dir):
     from tests.gateway.fake_engine import FakeEngine
     from tests.processes import GatewayProcess
 
-    model = _model_dir(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny", _o200k_ranks())
+    model = model_dir
     fake = FakeEngine().start()
     fake.state.eos = 199999
     gw = GatewayProcess("gpt-oss", ["--model", str(model), "--prefill", fake.prefill_address, "--decode",
@@ -262,9 +332,34 @@ def test_a_tool_call_over_http_and_grpc(served, harmony):
     assert {c.index for c in pieces} == {0} and pieces[0].name == "get_weather" and pieces[0].id
     assert "".join(c.arguments for c in pieces) == '{"city": "Paris"}'
     assert msgs[-1].finish_reason == "tool_calls" and not "".join(m.text for m in msgs)
-    with pytest.raises(openai.BadRequestError, match="not supported"):  # harmony calls are not forced
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_reach_the_engine_as_a_constraint_from_the_first_token(served, harmony, tool_choice):
+    """A forced call's request carries the harmony constraint (the one the test above checks)
+    with no reasoning end to wait for: it spans the analysis message too. Streamed and not."""
+    gw, fake = served
+    fake.state.script = _ids(harmony, ANALYSIS + CALL)
+    for stream in (False, True):
+        r = _client(gw).chat.completions.create(model="gpt-oss-tiny", messages=ASK, tools=[WEATHER, TIME],
+                                                tool_choice=tool_choice, stream=stream)
+        if stream:
+            chunks = list(r)
+            calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+            assert (calls[0].function.name, "".join(c.function.arguments for c in calls)) == (
+                "get_weather", '{"city": "Paris"}')
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        else:
+            (call,) = r.choices[0].message.tool_calls
+            assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+            assert r.choices[0].message.reasoning_content == "The user greets. Answer briefly."
+        so = fake.state.decode_requests[-1].sampling.structured_outputs
+        function = tool_choice if isinstance(tool_choice, str) else "function"
+        assert so.structural_tag == _forced(function, None if function == "required" else "get_weather")
+        assert list(so.reasoning_end_token_ids) == []
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
         _client(gw).chat.completions.create(model="gpt-oss-tiny", messages=ASK, tools=[WEATHER],
-                                            tool_choice="required")
+                                            tool_choice="required", response_format={"type": "json_object"})
 
 
 def test_structured_outputs_wait_for_the_final_channel(served, harmony):
