@@ -554,10 +554,13 @@ class GemvTiles:
 
 
 # The pair GEMV serves at most this many tokens (each pair reads its expert's rows on its own: a few
-# tokens sharing an expert read them again from L2) for MXFP4 and 16-bit experts; 0: the grouped
-# GEMMs serve every count. Off until `python -m bench.moe_small_batch` has timed it on a GPU against
-# the tuned grouped GEMMs (docs/benchmarks.md); the tests run it on CPU under Triton's interpreter.
-PAIR_GEMV_MAX_TOKENS = 0
+# tokens sharing an expert read them again) for MXFP4 and 16-bit experts; 0: the grouped GEMMs serve
+# every count. 1: on an H100 one MoE layer's GEMMs alone favour it up to 4 tokens (1.4x at 1, 1.02-1.13x
+# at 4: `python -m bench.moe_small_batch`), but the gpt-oss-20b decode step with it up to 4 tokens took
+# 6.43 / 10.58 ms at batch 2 / 4 against 5.72 / 6.21 without (its random router sends the batch's
+# tokens to the same experts, which the pair GEMV then reads once a pair); at 1 token 4.5 against
+# 5.6 ms (docs/benchmarks.md).
+PAIR_GEMV_MAX_TOKENS = 1
 
 
 def gemv_tiles(num_tokens: int, w: torch.Tensor, x: torch.Tensor) -> GemvTiles | None:

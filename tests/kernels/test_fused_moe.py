@@ -218,6 +218,16 @@ def test_bad_arguments_raise_value_error(name, change):
         kernels.fused_moe(*args.values(), **kwargs)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_a_bad_config_is_refused_whichever_path_serves(monkeypatch, num_tokens):
+    """The pair GEMV (up to PAIR_GEMV_MAX_TOKENS tokens) takes no tiles from the config; a bad one is
+    refused all the same."""
+    monkeypatch.setattr(fm, "PAIR_GEMV_MAX_TOKENS", 2)
+    inp = make_inputs(num_tokens, 3, 2, 24, 20, torch.float32)
+    with pytest.raises(ValueError, match="fused_moe: .*config"):
+        kernels.fused_moe(*inp.args(), config={1: {"block_m": 24}})
+
+
 def test_reference_rejects_unknown_activation():
     inp = make_inputs(2, 3, 2, 8, 8, torch.float32, device="cpu")
     with pytest.raises(ValueError, match="activation"):
