@@ -53,6 +53,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                    help="an interpreter with llama-cpp-python (default: this one, where it is installed)")
     p.add_argument("--skip-llama-cpp", action="store_true", help="measure pdserve alone")
+    p.add_argument("--gguf-activations", default="float32", metavar="LIST",
+                   help="pdserve's --gguf-activations, comma-separated to measure several side by side "
+                        "(float32,q8_0)")
     p.add_argument("--output-json", default=None, help="default: bench/results/local-<time>.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: "pdserve" | "llama.cpp"
     p.add_argument("--prompt-ids", default=None, help=argparse.SUPPRESS)  # a child's prompt, JSON
@@ -77,12 +80,13 @@ def _timed(tokens) -> dict:
             "num_tokens": n, "token_ids": ids}
 
 
-def measure_pdserve(model: str, prompt_ids: list[int], output_len: int, batch: int = 0) -> dict:
+def measure_pdserve(model: str, prompt_ids: list[int], output_len: int, batch: int = 0,
+                    gguf_activations: str = "float32") -> dict:
     from engine import LLM
     from engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, device="cpu", dtype="float32")
+    llm = LLM(model, device="cpu", dtype="float32", gguf_activations=gguf_activations)
     load_s = time.perf_counter() - t0
     engine = llm.engine
 
@@ -138,7 +142,7 @@ def _child(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        result = measure_pdserve(args.model, prompt_ids, args.output_len, args.batch)
+        result = measure_pdserve(args.model, prompt_ids, args.output_len, args.batch, args.gguf_activations)
     else:
         result = measure_llama_cpp(args.gguf_file, prompt_ids, args.output_len, args.threads, args.batch)
     result["peak_rss_mib"] = _peak_rss_mib()
@@ -153,13 +157,14 @@ def _llama_cpp_python(args: argparse.Namespace) -> str | None:
     return python if probe.returncode == 0 else None
 
 
-def _run_child(python: str, engine: str, args: argparse.Namespace, prompt_ids: list[int]) -> dict:
+def _run_child(python: str, engine: str, args: argparse.Namespace, prompt_ids: list[int],
+               activations: str = "float32") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else repo
     out = subprocess.run([python, "-m", "bench.local", "--one", engine, "--model", args.model, "--gguf-file",
                           args.gguf_file, "--output-len", str(args.output_len), "--threads", str(args.threads),
-                          "--batch", str(args.batch),
+                          "--batch", str(args.batch), "--gguf-activations", activations,
                           "--prompt-ids", json.dumps(prompt_ids)],
                          capture_output=True, text=True, env=env, cwd=repo)
     if out.returncode != 0:
@@ -182,20 +187,22 @@ def main(args: argparse.Namespace) -> int:
     args.gguf_file = args.gguf_file or str(find_default_gguf())
     tokenizer = load_tokenizer(Path(args.model))
     prompt_ids = apply_chat_template(tokenizer, [{"role": "user", "content": args.prompt}])
-    engines = {"pdserve": sys.executable}
+    # name -> (interpreter, the child's engine, its --gguf-activations)
+    engines = {"pdserve" if act == "float32" else f"pdserve {act}": (sys.executable, "pdserve", act)
+               for act in args.gguf_activations.split(",")}
     if not args.skip_llama_cpp:
         python = _llama_cpp_python(args)
         if python is None:
             print("llama-cpp-python is not installed here (see `pdserve bench local --help`); measuring pdserve "
                   "alone", file=sys.stderr)
         else:
-            engines["llama.cpp"] = python
+            engines["llama.cpp"] = (python, "llama.cpp", "float32")
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for i in range(args.repeats):
-        for name, python in engines.items():
-            r = _run_child(python, name, args, prompt_ids)
+        for name, (python, engine, act) in engines.items():
+            r = _run_child(python, engine, args, prompt_ids, act)
             runs[name].append(r)
-            print(f"run {i + 1}/{args.repeats} {name:<9}  TTFT {r['ttft_s'] * 1e3:6.1f} ms  "
+            print(f"run {i + 1}/{args.repeats} {name:<13}  TTFT {r['ttft_s'] * 1e3:6.1f} ms  "
                   f"generation {r['gen_tok_s']:6.1f} tok/s  peak RSS {r['peak_rss_mib']:5.0f} MiB", flush=True)
     summary = {name: {"ttft_ms": 1e3 * _median(rs, "ttft_s"), "gen_tok_s": _median(rs, "gen_tok_s"),
                       "peak_rss_mib": _median(rs, "peak_rss_mib"), "load_s": _median(rs, "load_s"),
@@ -205,14 +212,15 @@ def main(args: argparse.Namespace) -> int:
           f"{args.threads} threads ({Path(args.model).name} / {Path(args.gguf_file).name})")
     for name, s in summary.items():
         batch = f"  {args.batch} sequences {s['batch_tok_s']:6.1f} tok/s" if args.batch else ""
-        print(f"  {name:<9}  TTFT {s['ttft_ms']:6.1f} ms  generation {s['gen_tok_s']:6.1f} tok/s  "
+        print(f"  {name:<13}  TTFT {s['ttft_ms']:6.1f} ms  generation {s['gen_tok_s']:6.1f} tok/s  "
               f"peak RSS {s['peak_rss_mib']:5.0f} MiB  load {s['load_s']:.2f} s{batch}")
-    if "llama.cpp" in summary:
-        a, b = summary["pdserve"], summary["llama.cpp"]
-        print(f"  pdserve / llama.cpp: generation {a['gen_tok_s'] / b['gen_tok_s']:.2f}x, "
-              f"TTFT {a['ttft_ms'] / b['ttft_ms']:.2f}x, peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
-        same = runs["pdserve"][0]["token_ids"] == runs["llama.cpp"][0]["token_ids"]
-        print(f"  greedy tokens {'identical' if same else 'differ'} between the two")
+    b = summary.get("llama.cpp")
+    for name in (n for n in summary if b is not None and n != "llama.cpp"):
+        a = summary[name]
+        same = runs[name][0]["token_ids"] == runs["llama.cpp"][0]["token_ids"]
+        print(f"  {name} / llama.cpp: generation {a['gen_tok_s'] / b['gen_tok_s']:.2f}x, "
+              f"TTFT {a['ttft_ms'] / b['ttft_ms']:.2f}x, peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x; "
+              f"greedy tokens {'identical' if same else 'differ'}")
     write_result({"kind": "local", "model": args.model, "gguf_file": args.gguf_file, "threads": args.threads,
                   "prompt_tokens": len(prompt_ids), "output_len": args.output_len, "summary": summary,
                   "runs": runs, "default_model": args.model.endswith(GGUF_MODEL)}, "local", args.output_json)

@@ -23,7 +23,8 @@ from engine.kv_cache_dtype import (FP8_E4M3, KV_CACHE_DTYPES, check_fp8_support,
 from engine.lora.config import LoRAConfig, parse_lora_module
 from engine.speculative import SpeculativeConfig
 from engine.runtime_config import RuntimeConfig
-from engine.quantization.config import QUANTIZATION_CHOICES, QuantizationConfig, resolve_quantization, uses_fp8
+from engine.quantization.config import (GGUF_ACTIVATIONS, QUANTIZATION_CHOICES, QuantizationConfig,
+                                       resolve_quantization, uses_fp8)
 
 logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -93,7 +94,8 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(path: Path, *, dtype: str, load_format: str, served_model_name: str,
-                 seed: int = 0, quantization: str | None = None) -> "ModelConfig":
+                 seed: int = 0, quantization: str | None = None,
+                 gguf_activations: str = "float32") -> "ModelConfig":
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -150,7 +152,7 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if num_experts else 0,
-            quantization=resolve_quantization(quantization, cfg, load_format),
+            quantization=resolve_quantization(quantization, cfg, load_format, gguf_activations),
             hf_config=cfg,
         )
         return dataclasses.replace(model, **_gemma4_fields(cfg)) if arch in GEMMA4_ARCHITECTURES else model
@@ -552,6 +554,8 @@ class EngineConfig:
     def describe(self) -> str:
         m, c, s = self.model, self.cache, self.scheduler
         quant = m.quantization.method if m.quantization is not None else None
+        if m.quantization is not None and m.quantization.gguf_activations != "float32":
+            quant += f" (activations {m.quantization.gguf_activations})"
         return (f"model={m.served_model_name} path={m.path} arch={m.architecture} dtype={m.dtype} "
                 f"quantization={quant} "
                 f"load_format={m.load_format} device={self.device} max_model_len={s.max_model_len} "
@@ -576,6 +580,7 @@ class EngineArgs:
     dtype: str = "auto"
     load_format: str = "auto"
     quantization: str | None = None
+    gguf_activations: str = "float32"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -632,6 +637,11 @@ class EngineArgs:
                             "awq, gptq or compressed-tensors), else none. fp8 on a 16-bit checkpoint quantizes "
                             "it at load (W8A8: per-channel weight scales, dynamic per-token activations; the LM "
                             "head stays 16-bit); on CUDA it needs compute capability 8.9+")
+        g.add_argument("--gguf-activations", default="float32", choices=GGUF_ACTIVATIONS,
+                       help="GGUF weights only: the activations their GEMMs take. float32 (default): the "
+                            "dequantized model's numbers. q8_0: each row quantized to int8 in blocks of 32, as "
+                            "llama.cpp does, and the products summed as integers (decode GEMMs about 1.2x faster "
+                            "on AVX2; logits change by about 0.5%% of their range)")
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None,
@@ -766,7 +776,8 @@ class EngineArgs:
         is_default = self.model in (None, DEFAULT_MODEL)
         name = self.served_model_name or (DEFAULT_MODEL if is_default else Path(self.model).name)
         model = ModelConfig.from_dir(path, dtype=dtype, load_format=self.load_format,
-                                     served_model_name=name, seed=self.seed, quantization=self.quantization)
+                                     served_model_name=name, seed=self.seed, quantization=self.quantization,
+                                     gguf_activations=self.gguf_activations)
         if device.startswith("cuda") and model.quantization is not None and uses_fp8(model.quantization):
             import torch
 

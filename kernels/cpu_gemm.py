@@ -124,32 +124,54 @@ def gguf_unavailable_reason() -> str | None:
     return _gguf_state.get("reason")
 
 
-def gguf_linear_call(packed: torch.Tensor, qtype: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``gguf_linear(x, packed, qtype)`` for x float32 [T, K] contiguous, as one direct call of the
-    compiled kernel (no checks a call); None where ``gguf_linear`` would run the reference."""
+def _check_activations(activations: str) -> None:
+    if activations not in ("float32", "q8_0"):
+        raise ValueError(f"GGUF activations must be float32 or q8_0, got {activations!r}")
+
+
+def _gguf_kernel(ext: Any, activations: str) -> Callable:
+    _check_activations(activations)
+    return ext.gguf_linear if activations == "float32" else ext.gguf_linear_q8
+
+
+def gguf_linear_call(packed: torch.Tensor, qtype: str,
+                     activations: str = "float32") -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``gguf_linear(x, packed, qtype, None, activations)`` for x float32 [T, K] contiguous, as one
+    direct call of the compiled kernel (no checks a call); None where ``gguf_linear`` would run the
+    reference."""
     code = GGUF_QTYPES.get(qtype)
     ext = gguf_extension() if packed.device.type == "cpu" else None
     if ext is None or code is None or packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
         return None
-    run = ext.gguf_linear
+    run = _gguf_kernel(ext, activations)
     return lambda x: run(x, packed, code, None)
 
 
-def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                activations: str = "float32") -> torch.Tensor:
     """y = x W^T (+ bias), x [..., K], W the packed GGUF weight uint8 [N, row bytes] of type ``qtype``;
-    float32 out. The compiled kernel on CPU, else ``kernels.gguf_reference.linear``."""
+    float32 out. ``activations``: float32 (x as it is: ``kernels.gguf_reference.linear``'s numbers)
+    or q8_0 (x's rows quantized to int8 blocks of 32 and the products summed as integers, as
+    llama.cpp does: ``kernels.gguf_reference.linear_q8``'s). The compiled kernel on CPU, else the
+    reference."""
+    _check_activations(activations)
     code = GGUF_QTYPES.get(qtype)
     ext = gguf_extension() if x.device.type == "cpu" and packed.device.type == "cpu" else None
     if ext is None or code is None or x.shape[-1] % 32 or packed.dtype != torch.uint8 or packed.dim() != 2:
         from kernels import gguf_reference
 
-        return gguf_reference.linear(x, packed, qtype, bias)
+        if activations == "float32":
+            return gguf_reference.linear(x, packed, qtype, bias)
+        shape = x.shape
+        y = gguf_reference.linear_q8(x.reshape(-1, shape[-1]).float(), packed, qtype, bias)
+        return y.reshape(*shape[:-1], packed.shape[0])
+    run = _gguf_kernel(ext, activations)
     if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-        return ext.gguf_linear(x, packed, code, None)  # a step's call: nothing to reshape or convert
+        return run(x, packed, code, None)  # a step's call: nothing to reshape or convert
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    y = ext.gguf_linear(x2, packed.contiguous(), code, b)
+    y = run(x2, packed.contiguous(), code, b)
     return y.reshape(*shape[:-1], packed.shape[0])
 
 

@@ -84,6 +84,43 @@ def linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor
     return y if bias is None else y + bias.to(torch.float32)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [T, K] -> its Q8 blocks (``linear_q8``'s activations): q int8 [T, K] and d float32
+    [T, K / 32], per block of 32 d = amax / 127 and q = x * (1 / d) rounded to nearest even (0 where
+    the block is all zeros); d stays float32 (llama.cpp's Q8_0 rounds it to fp16)."""
+    t, k = x.shape
+    b = x.to(torch.float32).reshape(t, k // 32, 32)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None]).to(torch.int8)  # torch.round: half to even
+    return q.reshape(t, k), d
+
+
+def linear_q8(x: torch.Tensor, packed: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of the int8-activation GEMM (``gguf_linear_q8``): x [T, K] quantized by
+    ``quantize_activations``, each block's products of integer quants summed exactly, then
+    y = sum over blocks of d_w * d_x * that (+ Q4_1's m * d_x * the block's sum of q), in float64,
+    rounded to float32 once."""
+    block, size = check_type(qtype)
+    t, k = x.shape
+    n = packed.shape[0]
+    q, dx = quantize_activations(x)
+    qx = q.reshape(t, k // block, block).double()
+    blocks = packed.reshape(n, k // block, size)
+    dw = _fp16(blocks, 0)[..., 0].double()  # [N, nb]
+    if qtype == "Q8_0":
+        qw = blocks[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qw = _nibbles(blocks[..., 2 if qtype == "Q4_0" else 4:]).double() - (8 if qtype == "Q4_0" else 0)
+    # the block dot products: sums of 32 integer products below 2^14 each, exact in float64
+    dots = torch.einsum("tbi,nbi->tnb", qx, qw)
+    y = (dots * dw[None] * dx.double()[:, None, :]).sum(-1)
+    if qtype == "Q4_1":
+        y += (_fp16(blocks, 2)[..., 0].double()[None] * (dx.double() * qx.sum(-1).double())[:, None, :]).sum(-1)
+    y = y.to(torch.float32)
+    return y if bias is None else y + bias.to(torch.float32)
+
+
 def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
     """float [N, K] -> packed uint8, by round to nearest (ggml's ``quantize_row_*_ref`` up to ties);
     for tests and benchmarks that need realistic packed weights (any bytes are valid input to

@@ -74,11 +74,13 @@ class LMHead(nn.Module):
     ``softcap``: logits = softcap * tanh(logits / softcap) (Gemma's final soft-capping)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: Shard, tp: TPGroup | None,
-                 tied: VocabEmbedding | None = None, softcap: float | None = None, qtype: str | None = None) -> None:
-        """``qtype``: an untied head's GGUF type (a tied head takes its embedding's)."""
+                 tied: VocabEmbedding | None = None, softcap: float | None = None, qtype: str | None = None,
+                 activations: str = "float32") -> None:
+        """``qtype``: an untied head's GGUF type (a tied head takes its embedding's);
+        ``activations``: a packed head's (``kernels.cpu_gemm.gguf_linear``)."""
         super().__init__()
         lo, hi = shard.vocab
-        self.vocab_size, self.tp, self.softcap = vocab_size, tp, softcap
+        self.vocab_size, self.tp, self.softcap, self.activations = vocab_size, tp, softcap, activations
         if tied is not None:
             self.weight, self.qtype = tied.weight, tied.qtype
         else:
@@ -86,8 +88,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
-            run = cpu_gemm.gguf_linear if hidden.device.type == "cpu" else gguf_reference.linear
-            logits = run(hidden.float(), self.weight, self.qtype)
+            logits = cpu_gemm.gguf_linear(hidden.float(), self.weight, self.qtype, None, self.activations)
         else:
             logits = cpu_gemm.linear(hidden, self.weight).float()  # F.linear; oneDNN's for float32 on CPU
         if self.tp is not None:

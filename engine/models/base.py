@@ -67,7 +67,8 @@ class CausalLM(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset=self.norm_offset)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.shard, tp,
                               tied=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-                              softcap=cfg.hf_config.get("final_logit_softcapping"), qtype=vocab_type("lm_head"))
+                              softcap=cfg.hf_config.get("final_logit_softcapping"), qtype=vocab_type("lm_head"),
+                              activations=cfg.quantization.gguf_activations if cfg.quantization else "float32")
         moe = self.moe_layers()
         # the decoder layer each row of expert_load belongs to
         self.moe_layer_indices = [i for i, layer in enumerate(self.model.layers)

@@ -53,6 +53,9 @@ class QuantizationConfig:
     method: str
     online: bool
     checkpoint: dict[str, Any] = field(default_factory=dict, compare=False)
+    # GGUF only (--gguf-activations): float32 (the dequantized model's numbers) or q8_0 (activations
+    # quantized to int8 blocks as llama.cpp does; kernels/cpu_gemm.gguf_linear)
+    gguf_activations: str = "float32"
 
     def describe(self) -> str:
         how = "quantized at load" if self.online else "pre-quantized checkpoint"
@@ -72,8 +75,18 @@ def quant_method_of(hf_config: dict[str, Any]) -> str | None:
     return method or "(none)"
 
 
-def resolve_quantization(flag: str | None, hf_config: dict[str, Any], load_format: str) -> QuantizationConfig | None:
-    """``--quantization`` against the checkpoint; ValueError for every combination not served."""
+GGUF_ACTIVATIONS = ("float32", "q8_0")
+
+
+def resolve_quantization(flag: str | None, hf_config: dict[str, Any], load_format: str,
+                         gguf_activations: str = "float32") -> QuantizationConfig | None:
+    """``--quantization`` (and ``--gguf-activations``) against the checkpoint; ValueError for every
+    combination not served."""
+    if gguf_activations not in GGUF_ACTIVATIONS:
+        raise ValueError(f"--gguf-activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got {gguf_activations!r}")
+    if gguf_activations != "float32" and quant_method_of(hf_config) != "gguf":
+        raise ValueError(f"--gguf-activations {gguf_activations} applies to GGUF weights (a checkpoint whose "
+                         "quantization_config.quant_method is gguf), and this model has none; leave it out")
     if flag is not None:
         flag = _ALIASES.get(flag, flag)
         if flag not in QUANTIZATION_CHOICES:
@@ -90,7 +103,8 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any], load_forma
         if flag is not None and flag != method:
             raise ValueError(f"the checkpoint is quantized with {method}; --quantization {flag} does not apply "
                              f"(leave it out, or pass --quantization {method})")
-        qc = QuantizationConfig(method, online=dummy, checkpoint=dict(hf_config["quantization_config"]))
+        qc = QuantizationConfig(method, online=dummy, checkpoint=dict(hf_config["quantization_config"]),
+                                gguf_activations=gguf_activations)
     elif flag is None:
         return None
     elif flag == "fp8":

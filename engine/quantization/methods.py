@@ -108,7 +108,8 @@ class QuantMethods:
             return None
         from engine.quantization.gguf import GgufLinearMethod
 
-        return GgufLinearMethod(qtype, prefix=f"{prefix}.{module}", ops=self.ops)
+        return GgufLinearMethod(qtype, prefix=f"{prefix}.{module}", ops=self.ops,
+                                activations=self.config.gguf_activations)
 
     def vocab_type(self, name: str) -> str | None:
         """The GGUF type a vocabulary table (``model.embed_tokens``, ``lm_head``) is kept packed

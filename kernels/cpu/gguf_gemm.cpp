@@ -25,10 +25,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -281,6 +284,174 @@ void run_path(int64_t qtype, const float* x, int64_t T, int64_t K, const uint8_t
   else run<V, 2>(x, T, K, w, rb, y, N, bias);
 }
 
+// ---- int8 activations (gguf_linear_q8, opt-in) ------------------------------------------------------
+// x's rows are quantized in blocks of 32 as Q8 (what llama.cpp does to its activations): d = amax / 127
+// (float32, kept in float32), q = x * (1 / d) rounded to nearest even, int8; s = the block's sum of q.
+// A block's products are then integers, summed exactly in int32: sum (q_w - 8) q_x for Q4_0, q_w q_x
+// for Q8_0 (both as |w| times x with w's sign, AVX2's u8 x s8 multiply-add), sum q_w q_x for Q4_1 plus
+// its min term m * d_x * s. y = sum over blocks of d_w * d_x * that (float32). This changes the result
+// (x is rounded to 8 bits a block): kernels/gguf_reference.linear_q8 is its reference, equal up to the
+// float32 summation order.
+
+struct QuantizedRows {
+  std::vector<int8_t> q;   // [T, K]
+  std::vector<float> d;    // [T, K / 32]
+  std::vector<int32_t> s;  // [T, K / 32]
+};
+
+void quantize_rows(const float* x, int64_t T, int64_t K, QuantizedRows& out) {
+  const int64_t nb = K / kBlock;
+  out.q.resize(T * K), out.d.resize(T * nb), out.s.resize(T * nb);
+  for (int64_t i = 0; i < T * nb; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * id));  // the default rounding: to nearest even
+      out.q[i * kBlock + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[i] = d, out.s[i] = sum;
+  }
+}
+
+#ifdef GGUF_HAS_VEC8  // AVX2 and FMA
+#define GGUF_HAS_Q8_AVX2 1
+// One weight block's 32 quants as bytes in order (Q4_0: q - 8 signed; Q4_1: q unsigned; Q8_0: signed)
+template <int QT>
+inline __m256i block_bytes_avx2(const uint8_t* b) {
+  if constexpr (QT == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == 1 ? 4 : 2)));
+  __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  if constexpr (QT == 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+  return q;
+}
+
+// The block's products in 8 int32 lanes (their sum: the block's integer dot product)
+template <int QT>
+inline __m256i block_dot_avx2(__m256i w, __m256i x) {
+  __m256i p16;
+  if constexpr (QT == 1) p16 = _mm256_maddubs_epi16(w, x);  // w in 0..15: unsigned as it is
+  else p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // |w| x (x w's sign)
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+template <int QT, int TT, int RN>
+inline void rows_q8(const QuantizedRows& xq, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t N,
+                    int64_t t0, int64_t n, const float* bias) {
+  const int bb = block_bytes(QT);
+  const int64_t nb = K / kBlock;
+  __m256 acc[RN][TT];
+  float macc[RN][TT];
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.0f;
+  const uint8_t* ahead = n + (kPrefetchGroups + 1) * RN <= N ? w + (n + kPrefetchGroups * RN) * rb : nullptr;
+  for (int64_t j = 0; j < nb; ++j) {
+    if (ahead != nullptr)
+      for (int o = 0; o < RN * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * RN * bb + o), _MM_HINT_T0);
+    const int8_t* xb = xq.q.data() + t0 * K + j * kBlock;  // x's rows' block j, K apart
+    const float* dx = xq.d.data() + t0 * nb + j;            // their scales, nb apart
+    for (int r = 0; r < RN; ++r) {
+      const uint8_t* b = w + (n + r) * rb + j * bb;
+      const __m256i wv = block_bytes_avx2<QT>(b);
+      const float dw = fp16_at(b);
+      for (int t = 0; t < TT; ++t) {  // x read from L1 each time: TT vectors held would spill at TT = 8
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + t * K));
+        const __m256 p = _mm256_cvtepi32_ps(block_dot_avx2<QT>(wv, xv));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[t * nb]), p, acc[r][t]);
+      }
+      if constexpr (QT == 1) {
+        const float m = fp16_at(b + 2);
+        for (int t = 0; t < TT; ++t)
+          macc[r][t] += m * dx[t * nb] * static_cast<float>(xq.s[(t0 + t) * nb + j]);
+      }
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < TT; ++t) {
+      const float s = Vec8::sum(acc[r][t]) + macc[r][t];
+      y[(t0 + t) * N + n + r] = bias ? s + bias[n + r] : s;
+    }
+}
+#endif
+
+// One weight block's 32 quants as integers (Q4_0: q - 8), for the portable path
+template <int QT>
+inline void block_ints(const uint8_t* b, int32_t* q) {
+  if constexpr (QT == 2) {
+    for (int i = 0; i < kBlock; ++i) q[i] = reinterpret_cast<const int8_t*>(b + 2)[i];
+  } else {
+    const uint8_t* qs = b + (QT == 1 ? 4 : 2);
+    for (int i = 0; i < kBlock / 2; ++i) {
+      q[i] = (qs[i] & 0x0F) - (QT == 0 ? 8 : 0);
+      q[i + 16] = (qs[i] >> 4) - (QT == 0 ? 8 : 0);
+    }
+  }
+}
+
+template <int QT, int TT>
+void tile_q8(bool vector, const QuantizedRows& xq, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t N,
+             int64_t t0, int64_t n0, int64_t n1, const float* bias) {
+#ifdef GGUF_HAS_Q8_AVX2
+  if (vector) {
+    constexpr int RN = TT == 1 ? 4 : TT <= 3 ? 2 : 1;
+    int64_t n = n0;
+    for (; n + RN <= n1; n += RN) rows_q8<QT, TT, RN>(xq, K, w, rb, y, N, t0, n, bias);
+    for (; n < n1; ++n) rows_q8<QT, TT, 1>(xq, K, w, rb, y, N, t0, n, bias);
+    return;
+  }
+#endif
+  const int bb = block_bytes(QT);
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[TT] = {};
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* b = w + n * rb + j * bb;
+      int32_t q[kBlock];
+      block_ints<QT>(b, q);
+      const float dw = fp16_at(b);
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xb = xq.q.data() + (t0 + t) * K + j * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) dot += q[i] * xb[i];
+        const float dx = xq.d[(t0 + t) * nb + j];
+        acc[t] += dw * dx * static_cast<float>(dot);
+        if constexpr (QT == 1) acc[t] += fp16_at(b + 2) * dx * static_cast<float>(xq.s[(t0 + t) * nb + j]);
+      }
+    }
+    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + n] = bias ? acc[t] + bias[n] : acc[t];
+  }
+}
+
+template <int QT>
+void run_q8(bool vector, const QuantizedRows& xq, int64_t T, int64_t K, const uint8_t* w, int64_t rb, float* y,
+            int64_t N, const float* bias) {
+  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads() + 1)));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t t0 = 0;
+    for (; t0 + kTile <= T; t0 += kTile) tile_q8<QT, kTile>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias);
+    switch (T - t0) {
+      case 1: tile_q8<QT, 1>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 2: tile_q8<QT, 2>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 3: tile_q8<QT, 3>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 4: tile_q8<QT, 4>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 5: tile_q8<QT, 5>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 6: tile_q8<QT, 6>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      case 7: tile_q8<QT, 7>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
+      default: break;
+    }
+  });
+}
+
+constexpr const char* kQ8Paths[] = {
+#ifdef GGUF_HAS_Q8_AVX2
+    "avx2",
+#endif
+    Portable::kName};
+
 // The paths compiled, widest first: the first serves; the others can be asked for by name.
 constexpr const char* kPaths[] = {
 #ifdef GGUF_HAS_VEC16
@@ -293,23 +464,27 @@ constexpr const char* kPaths[] = {
 
 std::vector<std::string> paths() { return {std::begin(kPaths), std::end(kPaths)}; }
 
+// x [T, K] float32 and w [N, row bytes] checked against each other; the bias's data (or null)
+const float* check_args(const char* where, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(qtype >= 0 && qtype <= 2, where, ": qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              where, ": x must be a contiguous float32 CPU tensor [T, K]");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              where, ": w must be a contiguous uint8 CPU tensor [N, row bytes]");
+  const int64_t K = x.size(1), rb = w.size(1);
+  TORCH_CHECK(K % kBlock == 0 && rb == K / kBlock * block_bytes(qtype), where, ": w's rows are ", rb,
+              " bytes, not the ", K / kBlock * block_bytes(qtype), " of ", K, " weights");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
+              where, ": bias must be a contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
+
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
                           const std::string& path) {
-  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_linear: qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "gguf_linear: x must be a contiguous float32 CPU tensor [T, K]");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "gguf_linear: w must be a contiguous uint8 CPU tensor [N, row bytes]");
+  const float* b = check_args("gguf_linear", x, w, qtype, bias);
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
-  TORCH_CHECK(K % kBlock == 0 && rb == K / kBlock * block_bytes(qtype),
-              "gguf_linear: w's rows are ", rb, " bytes, not the ", K / kBlock * block_bytes(qtype), " of ", K,
-              " weights");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "gguf_linear: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
   auto y = torch::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -328,11 +503,51 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
   return y;
 }
 
+torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
+                             const std::string& path) {
+  const float* b = check_args("gguf_linear_q8", x, w, qtype, bias);
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
+  auto y = torch::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return y;
+  const char* chosen = path.empty() ? kQ8Paths[0] : path.c_str();
+  const bool vector = std::strcmp(chosen, Portable::kName) != 0;
+  TORCH_CHECK(!vector || std::strcmp(chosen, kQ8Paths[0]) == 0, "gguf_linear_q8: no path ", chosen,
+              " here (compiled: ", kQ8Paths[0], ")");
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), T, K, xq);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (qtype == 0) run_q8<0>(vector, xq, T, K, wp, rb, yp, N, b);
+  else if (qtype == 1) run_q8<1>(vector, xq, T, K, wp, rb, yp, N, b);
+  else run_q8<2>(vector, xq, T, K, wp, rb, yp, N, b);
+  return y;
+}
+
+// x's Q8 blocks, as gguf_linear_q8 takes them: (q int8 [T, K], d float32 [T, K / 32])
+std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+              x.size(1) % kBlock == 0, "quantize_q8: x must be a contiguous float32 CPU tensor [T, K], K % 32 == 0");
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), xq);
+  auto q = torch::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar));
+  auto d = torch::empty({x.size(0), x.size(1) / kBlock}, x.options());
+  std::memcpy(q.data_ptr<int8_t>(), xq.q.data(), xq.q.size());
+  std::memcpy(d.data_ptr<float>(), xq.d.data(), xq.d.size() * sizeof(float));
+  return {q, d};
+}
+
+std::vector<std::string> q8_paths() { return {std::begin(kQ8Paths), std::end(kQ8Paths)}; }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "y = x W^T, W in GGUF Q4_0 / Q4_1 / Q8_0 blocks (float32 activations)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("path") = "");
+  m.def("gguf_linear_q8", &gguf_linear_q8, "y = x W^T with x quantized to Q8 blocks (int8 products, int32 sums)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("path") = "");
+  m.def("quantize_q8", &quantize_q8, "x's Q8 blocks as gguf_linear_q8 takes them: (q int8 [T, K], d [T, K / 32])");
+  m.def("q8_paths", &q8_paths, "gguf_linear_q8's paths compiled (avx2, portable): path= picks one");
   m.def("paths", &paths, "the paths compiled, widest first (avx512, avx2 with FMA, portable): path= picks one");
 }

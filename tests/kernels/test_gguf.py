@@ -125,23 +125,72 @@ def test_kernel_takes_leading_dims_and_other_dtypes(ext) -> None:
     torch.testing.assert_close(cpu_gemm.gguf_linear(xb, packed, "Q4_1"), R.linear(xb, packed, "Q4_1"))
 
 
-def test_every_byte_of_a_block_reaches_the_output(ext) -> None:
+@pytest.mark.parametrize("activations", ["float32", "q8_0"])
+def test_every_byte_of_a_block_reaches_the_output(ext, activations: str) -> None:
     """A kernel that skipped or misplaced part of a block (a nibble half, the min, a scale byte)
     would still match on some inputs; flipping each byte of one row changes that row's output."""
+    reference = R.linear if activations == "float32" else R.linear_q8
+    g = torch.Generator().manual_seed(5)
     for qtype in TYPES:
         packed = random_packed(qtype, 3, 32, seed=5)
-        x = torch.randn(1, 32)
-        base = cpu_gemm.gguf_linear(x, packed, qtype)
+        # every weight's input far from 0 (int8 activations round |x| < amax / 254 to 0)
+        x = (torch.rand(1, 32, generator=g) + 1) * (torch.randint(0, 2, (1, 32), generator=g) * 2 - 1)
+        base = cpu_gemm.gguf_linear(x, packed, qtype, None, activations)
         for byte in range(packed.shape[1]):
             changed = packed.clone()
             changed[1, byte] ^= 0x11 if byte >= 2 else 0x01
-            got = cpu_gemm.gguf_linear(x, changed, qtype)
-            torch.testing.assert_close(got, R.linear(x, changed, qtype), rtol=1e-5, atol=1e-5)
+            got = cpu_gemm.gguf_linear(x, changed, qtype, None, activations)
+            torch.testing.assert_close(got, reference(x, changed, qtype), rtol=1e-5, atol=1e-5)
             assert torch.equal(got[:, [0, 2]], base[:, [0, 2]]) and not torch.equal(got[:, 1], base[:, 1]), (qtype, byte)
 
 
-def test_without_the_extension_the_reference_serves(monkeypatch) -> None:
+@pytest.mark.parametrize("activations", ["float32", "q8_0"])
+def test_without_the_extension_the_reference_serves(monkeypatch, activations: str) -> None:
     monkeypatch.setitem(cpu_gemm._gguf_state, "module", None)
     packed = random_packed("Q8_0", 5, 64)
-    x = torch.randn(2, 64)
-    assert torch.equal(cpu_gemm.gguf_linear(x, packed, "Q8_0"), R.linear(x, packed, "Q8_0"))
+    x = torch.randn(2, 3, 64)
+    want = (R.linear(x, packed, "Q8_0") if activations == "float32"
+            else R.linear_q8(x.reshape(6, 64), packed, "Q8_0").reshape(2, 3, 5))
+    assert torch.equal(cpu_gemm.gguf_linear(x, packed, "Q8_0", None, activations), want)
+    with pytest.raises(ValueError, match="float32 or q8_0"):
+        cpu_gemm.gguf_linear(x, packed, "Q8_0", None, "int4")
+
+
+# ---- int8 activations (--gguf-activations q8_0) ---------------------------------------------------------
+
+def test_activations_quantize_as_the_reference(ext) -> None:
+    """Per block of 32: d = amax / 127 and q = x / d rounded to nearest even, both exactly the
+    reference's (an all-zero block gives d 0 and q 0)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g) * 3
+    x[1, 32:64] = 0
+    x[2, :32] = 0
+    x[2, :6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5])  # d = 1: ties
+    q, d = ext.quantize_q8(x)
+    rq, rd = R.quantize_activations(x)
+    assert q.dtype == torch.int8 and torch.equal(q, rq) and torch.equal(d, rd)
+    assert q[2, 1:6].tolist() == [2, -4, 0, 0, 2] and d[1, 1] == 0 and not q[1, 32:64].any()
+
+
+def test_the_int8_paths_compiled(ext) -> None:
+    assert ext.q8_paths() == (["avx2"] if {"avx2", "fma"} <= _cpu_flags() else []) + ["portable"]
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("t", [1, 3, 8, 11])
+def test_int8_activations_equal_their_reference(ext, path: str, qtype: str, t: int) -> None:
+    """Each path's products are the reference's integers; only the float32 sum over blocks
+    differs in order. They are not the float32 activations' numbers (x was rounded)."""
+    if path not in ext.q8_paths():
+        pytest.skip(f"no {path} path on this CPU")
+    k, n = 576, 37
+    packed = random_packed(qtype, n, k, seed=t + 17)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=g)
+    bias = torch.randn(n, generator=g) if t % 2 else None
+    want = R.linear_q8(x, packed, qtype, bias)
+    got = ext.gguf_linear_q8(x, packed, cpu_gemm.GGUF_QTYPES[qtype], bias, path=path)
+    tol = 1e-5 * k ** 0.5 * float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=tol)
+    assert (got - R.linear(x, packed, qtype, bias)).abs().max() > 10 * tol
