@@ -104,7 +104,11 @@ class CausalLM(nn.Module):
         slot s is layer s; see ``slot_done``)."""
         h, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(positions, h, residual, self.layer_kv(kv_cache, i), meta)
+            fused = layer.__dict__.get("fused")  # a CPU layer as direct kernel calls (llama_cpu.py)
+            if fused is not None:
+                h, residual = fused(positions, h, residual, self.layer_kv(kv_cache, i), meta)
+            else:
+                h, residual = layer(positions, h, residual, self.layer_kv(kv_cache, i), meta)
             if on_layer is not None:
                 self.slot_done(i, on_layer)
         h, _ = self.model.norm(h, residual)

@@ -10,8 +10,10 @@ kernels called directly (docs/benchmarks.md).
 ``fused_layer(layer, ops)`` returns the layer's forward as those direct calls, or None where the
 layer is not one it covers; ``DecoderLayer.forward`` (engine/models/llama.py) runs it when set,
 and the model runner sets it once the model is loaded (``fuse_layers``).
-The calls are the modules' own, on the same tensors, in the same order: the outputs are the
-same bits (tests/engine/test_cpu_fused.py). Covered: the compiled CPU kernels serving
+The calls are the modules' own, on the same tensors, in the same order (the split of q|k|v and
+their rotation are one call, ``rotary_qkv``, rotating as ``rotary_embedding`` does; the cache's K
+and V halves are taken once, not every step): the outputs are the same bits
+(tests/engine/test_cpu_fused.py). The model's forward calls a layer's ``fused`` directly. Covered: the compiled CPU kernels serving
 (``kernels.cpu_ops``, both extensions built), a float32 model, one rank, no LoRA, a plain (not
 offset) RMSNorm, attention without q/k/v norms, sinks or a sliding window, writing its own K/V
 into a float32 cache (so no FP8 scales), full rotary, SiLU-gated dense MLP, and every projection one
@@ -56,8 +58,9 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
     glue = torch.ops.pdserve_cpu
     w1, w2, eps1, eps2 = n1.weight, n2.weight, n1.eps, n2.eps
     heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    sizes, q_size = [attn.q_size, attn.kv_size, attn.kv_size], attn.q_size
+    q_size = attn.q_size
     cos_sin, scale, group = attn.rope.cos_sin, float(attn.scale), attn.kv_group
+    caches: list = [None, None, None]  # the layer's KV tensor's address, its K and V halves
 
     def forward(positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv: torch.Tensor,
                 meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +69,13 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
             x, residual = glue.rms_norm(h, w1, eps1), h
         else:
             x, residual = glue.fused_add_rms_norm(h, residual, w1, eps1)
-        q, k, v = qkv(x).split(sizes, dim=-1)
-        q, k = glue.rotary_embedding(positions, q.reshape(t, heads, d), k.reshape(t, kv_heads, d), cos_sin)
+        q, k, v = glue.rotary_qkv(positions, qkv(x), cos_sin, heads, kv_heads)
         index = cpu_attention.step_index(meta.block_tables[group], meta.query_start_loc, meta.seq_lens,
                                          meta.step_cache.setdefault(group, {}))
-        k_cache, v_cache = kv[:, 0], kv[:, 1]
-        ext.store_kv_cache(k, v.reshape(t, kv_heads, d), k_cache, v_cache, meta.slot_mapping[group], 1.0, 1.0)
+        if caches[0] != kv.data_ptr():  # the same cache every step: its halves taken once
+            caches[:] = kv.data_ptr(), kv[:, 0], kv[:, 1]
+        k_cache, v_cache = caches[1], caches[2]
+        ext.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping[group], 1.0, 1.0)
         o = ext.paged_attention(q, k_cache, v_cache, *index, scale, 0, 1.0, 1.0, None)
         x, residual = glue.fused_add_rms_norm(o_proj(o.reshape(t, q_size)), residual, w2, eps2)
         return down(reference.silu_and_mul(gate_up(x))), residual

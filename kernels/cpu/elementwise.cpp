@@ -9,6 +9,7 @@
 //   rms_norm(x [T, H], w [H], eps) -> [T, H]                          w * (x * rsqrt(mean(x^2) + eps))
 //   fused_add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
 //   rotary_embedding(positions [T], q [T, Hq, D], k [T, Hk, D], cos_sin [P, D] float32) -> (q', k')
+//   rotary_qkv(positions, qkv [T, (Hq + 2 Hk) D], cos_sin, Hq, Hk) -> (q', k', v: a view of qkv)
 //
 // x, q, k: float32, float64, float16 or bfloat16, the last dim contiguous (any other strides); w in
 // x's dtype; positions int32 or int64; outputs are new contiguous tensors. Anything else raises. Rows are split over threads (at::parallel_for).
@@ -153,6 +154,25 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   return {rotate(pos, q, table), rotate(pos, k, table)};
 }
 
+// The qkv projection's output [T, (Hq + 2 Hk) D]: q and k rotated as rotary_embedding rotates them
+// (new tensors), v its part of the row as a view [T, Hk, D]; one call where a split, three reshapes
+// and rotary_embedding were five.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& positions, const at::Tensor& qkv,
+                                                          const at::Tensor& cos_sin, int64_t q_heads,
+                                                          int64_t kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU [T, (Hq + 2 Hk) D] "
+              "tensor with its last dim contiguous");
+  const int64_t t = qkv.size(0), heads = q_heads + 2 * kv_heads;
+  TORCH_CHECK(q_heads > 0 && kv_heads > 0 && qkv.size(1) % heads == 0, "qkv's row of ", qkv.size(1),
+              " is not (", q_heads, " + 2 x ", kv_heads, ") heads");
+  const int64_t d = qkv.size(1) / heads, s0 = qkv.stride(0);
+  const at::Tensor q = qkv.as_strided({t, q_heads, d}, {s0, d, 1});
+  const at::Tensor k = qkv.as_strided({t, kv_heads, d}, {s0, d, 1}, qkv.storage_offset() + q_heads * d);
+  const at::Tensor v = qkv.as_strided({t, kv_heads, d}, {s0, d, 1}, qkv.storage_offset() + (q_heads + kv_heads) * d);
+  auto [q2, k2] = rotary_embedding(positions, q, k, cos_sin);
+  return {q2, k2, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -161,4 +181,6 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         &fused_add_rms_norm);
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin) -> (Tensor, Tensor)",
         &rotary_embedding);
+  m.def("rotary_qkv(Tensor positions, Tensor qkv, Tensor cos_sin, int q_heads, int kv_heads) -> "
+        "(Tensor, Tensor, Tensor)", &rotary_qkv);
 }

@@ -59,6 +59,13 @@ def test_the_rotary_embedding_is_the_references_bit_for_bit(ops, dtype, rows, he
         want = reference.rotary_embedding(positions, q, k, table)
         for g, w in zip(got, want):
             assert g.dtype == dtype and g.is_contiguous() and torch.equal(g, w)
+        # the fused layers' form: q|k|v in one row, v handed back as its view
+        q2, k2, v2 = ops.rotary_qkv(positions, qkv, table, heads, kv_heads)
+        assert torch.equal(q2, want[0]) and torch.equal(k2, want[1])
+        assert torch.equal(v2, qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim))
+        assert v2.data_ptr() == qkv.data_ptr() + (heads + kv_heads) * dim * qkv.element_size()
+    with pytest.raises(RuntimeError):  # a head count that does not split the row (or not at the table's width)
+        ops.rotary_qkv(positions, qkv, table, heads + 1, kv_heads)
 
 
 def test_calls_it_does_not_cover_go_to_the_reference(ops):
