@@ -37,7 +37,7 @@ import urllib.request
 from engine.config import EngineArgs
 from engine.sampling_params import MAX_N
 from gateway.config import add_chat_args, add_migration_args, add_runtime_lora_args
-from gateway.router import HOST_HIT_CREDIT
+from gateway.router import GPU_HOST_HIT_CREDIT, HOST_HIT_CREDIT
 from prefill_service.flags import add_kv_send_args
 from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
@@ -83,8 +83,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="start a local Redis-protocol server on a free port for the index, stopped on exit")
     r.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="gateway: weight of uncached prompt tokens against queued prefill work")
-    r.add_argument("--kv-host-hit-credit", type=float, default=HOST_HIT_CREDIT,
-                   help="gateway: a host-tier prefix hit's worth against a device-cache hit, in [0, 1]")
+    r.add_argument("--kv-host-hit-credit", type=float, default=None,
+                   help="gateway: a host-tier prefix hit's worth against a device-cache hit, in [0, 1] (default: "
+                        f"{GPU_HOST_HIT_CREDIT} when the engine servers run on CUDA, {HOST_HIT_CREDIT} on CPU: "
+                        "measured by bench/host_hit_cost.py)")
     r.add_argument("--max-n", type=int, default=MAX_N,
                    help="gateway: the most sequences one request may ask for (n, best_of)")
     r.add_argument("--local-prefill-threshold", type=int, default=0,
@@ -228,6 +230,18 @@ def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int, cpu_count
     return max(1, (cores - 1) // num_engines) if on_cpu else None
 
 
+def host_hit_credit(args: argparse.Namespace) -> float:
+    """The gateway's --kv-host-hit-credit: the flag's, else the measured credit of the engine
+    servers' device (their --device, or --devices when given: any CUDA device counts as GPU)."""
+    if args.kv_host_hit_credit is not None:
+        return args.kv_host_hit_credit
+    import torch
+
+    devices = args.devices.split(",") if args.devices else [args.device]
+    on_gpu = any(d.startswith("cuda") or (d == "auto" and torch.cuda.is_available()) for d in devices)
+    return GPU_HOST_HIT_CREDIT if on_gpu else HOST_HIT_CREDIT
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
@@ -305,7 +319,7 @@ class Cluster:
         if self.redis_url:
             gw += ["--redis-url", self.redis_url]
         gw += ["--kv-overlap-score-weight", str(a.kv_overlap_score_weight),
-               "--kv-host-hit-credit", str(a.kv_host_hit_credit), "--max-n", str(a.max_n),
+               "--kv-host-hit-credit", str(host_hit_credit(a)), "--max-n", str(a.max_n),
                "--local-prefill-threshold", str(a.local_prefill_threshold),
                "--migration-limit", str(a.migration_limit), "--stream-idle-timeout", str(a.stream_idle_timeout)]
         if a.disable_log_requests:

@@ -295,3 +295,19 @@ def test_routing_and_choice_flags_reach_the_gateway_through_pdserve_up():
     argv = Cluster(build_parser("up").parse_args(["up", "--kv-host-hit-credit", "0.5", "--max-n", "4"])).gateway_argv()
     cfg = _parse(*argv[1:])
     assert (cfg.kv_host_hit_credit, cfg.max_n) == (0.5, 4)
+
+
+@pytest.mark.parametrize("flags, credit", [
+    (["--device", "cpu"], 0.99),
+    (["--device", "cuda"], 0.79),
+    (["--devices", "cuda:0,cuda:1"], 0.79),
+    (["--device", "cuda:1", "--kv-host-hit-credit", "0.3"], 0.3),
+])
+def test_pdserve_up_credits_host_hits_by_its_servers_device(flags, credit):
+    """A host-tier hit is worth 0.99 of a device hit on CPU and 0.79 on a GPU (measured:
+    bench/host_hit_cost.py); the gateway gets the credit of the device its servers run on."""
+    from pdserve.cli import build_parser
+    from pdserve.cli.up import Cluster
+
+    argv = Cluster(build_parser("up").parse_args(["up", *flags])).gateway_argv()
+    assert _parse(*argv[1:]).kv_host_hit_credit == credit
