@@ -43,28 +43,44 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
             for _ in range(args.num_prompts)]
 
 
-def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    from engine import LLM, SamplingParams
+def load_pdserve(args: argparse.Namespace):
+    """The offline engine the flags describe, and the seconds it took to load."""
+    from engine import LLM
 
     eargs = EngineArgs.from_cli_args(args)
     kw = {k: v for k, v in vars(eargs).items() if k not in ("model", "extra")}
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
-    load_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    return llm, time.perf_counter() - t0
+
+
+def time_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """All of ``prompts`` submitted at once, each generating exactly ``output_len`` tokens
+    (greedy, ignore_eos), after a two-token warm-up and with an empty prefix cache."""
+    from engine import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
     llm.engine.scheduler.kv.pool.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=True)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    cfg = llm.engine.config
     return {"seconds": dt, "requests_per_s": len(prompts) / dt, "output_tokens_per_s": n_out / dt,
-            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt, "output_tokens": n_out,
-            "load_seconds": load_s, "kv_cache_blocks": llm.engine.num_blocks,
+            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt, "output_tokens": n_out}
+
+
+def describe_engine(llm) -> dict:
+    cfg = llm.engine.config
+    return {"kv_cache_blocks": llm.engine.num_blocks,
             "kv_cache_bytes": llm.engine.num_blocks * llm.engine.runner.block_bytes,
             "config": cfg.describe(), "model_dir": str(cfg.model.path),
             "dtype": cfg.model.dtype, "device": cfg.device}
+
+
+def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    llm, load_s = load_pdserve(args)
+    return {**time_generate(llm, prompts, args.output_len), "load_seconds": load_s, **describe_engine(llm)}
 
 
 def run_transformers(args: argparse.Namespace, model_dir: str, dtype: str, device: str,

@@ -2,7 +2,7 @@
 
     pdserve up                 the whole topology on this machine
     pdserve gateway|prefill|decode
-    pdserve bench offline|serve
+    pdserve bench offline|throughput|serve
     pdserve trace REQUEST_ID | --slowest N   where a request's time went
 
 Every command takes ``--config FILE`` (YAML keyed by long flag names; the
@@ -49,6 +49,8 @@ SUBCOMMANDS = {
 }
 BENCH = {
     "offline": ("bench.offline", "offline throughput vs transformers generate()"),
+    "throughput": ("bench.throughput", "offline throughput at fixed ISL/OSL, trtllm-bench's workload; "
+                   "TensorRT-LLM's published Llama-3.1-8B rows with --trtllm-table"),
     "serve": ("bench.serve", "serving benchmark against a running gateway"),
     "disagg": ("bench.disagg", "disaggregated vs colocated on fresh local clusters, KV share, gateway overhead"),
     "decode-step": ("bench.decode_step", "time one decode step at several batch sizes"),

@@ -1,0 +1,33 @@
+"""`pdserve bench throughput` runs end to end on CPU: fixed-length requests submitted at once, each
+generating exactly its output length; TensorRT-LLM's rows picked and scaled, with no comparison
+where the device is not one it publishes figures for."""
+from __future__ import annotations
+
+import json
+
+from pdserve.cli import main
+
+
+def test_fixed_lengths_all_at_once(default_model_dir, tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", str(default_model_dir), "--device", "cpu",
+                 "--kv-cache-memory", "32MiB", "--input-len", "24", "--output-len", "5", "--num-prompts", "6",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (row["input_len"], row["output_len"], row["num_prompts"], row["output_tokens"]) == (24, 5, 6, 30)
+    assert row["output_tokens_per_s"] > 0 and result["gpu"] is None and "ratio_to_trtllm" not in row
+
+
+def test_the_trtllm_rows_scaled(default_model_dir, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", str(default_model_dir), "--device", "cpu",
+                 "--kv-cache-memory", "32MiB", "--trtllm-table", "--rows", "128/128", "--num-prompts-scale",
+                 "0.00004", "--output-json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["input_len"], row["output_len"], row["num_prompts"], row["trtllm_requests"]) == (128, 128, 1, 30000)
+    assert row["output_tokens"] == 128 and row["trtllm"] == {"H200": 28447, "H100": 27569}
+    assert "no TensorRT-LLM figure for cpu" in capsys.readouterr().out
+    # a row it does not publish: refused before any engine loads
+    assert main(["bench", "throughput", "--model", str(default_model_dir), "--trtllm-table", "--rows", "100/100"]) == 2
+    assert "not in TensorRT-LLM's table" in capsys.readouterr().err
