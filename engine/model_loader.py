@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.mapped_checkpoint import MappedSafetensors, adopted
 from engine.models import model_class
 from engine.models.base import CausalLM
 from engine.parallel import TPGroup
@@ -18,17 +19,27 @@ from engine.parallel import TPGroup
 logger = logging.getLogger(__name__)
 
 
-def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | None] = lambda name: None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, part: Callable[[str], tuple[int, int, int] | None] = lambda name: None,
+                     mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint; ``part(name)`` = (dim, start, stop) reads only that
-    range of it from the file (a tensor-parallel rank's shard), None the whole tensor."""
+    range of it from the file (a tensor-parallel rank's shard), None the whole tensor.
+    ``mapped`` (CPU weights): whole tensors are views of the file mapped private
+    (``engine.mapped_checkpoint``): a parameter may take one as it is; one copied instead is
+    dropped from the mapping when the consumer asks for the next tensor."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path} (use --load-format dummy for random weights)")
     for f in files:
+        mapping = MappedSafetensors(f) if mapped else None
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 where = part(name)
+                view = mapping.view(name) if mapping is not None and where is None else None
+                if view is not None:
+                    yield name, view
+                    if not adopted(view):
+                        mapping.release(view)
+                    continue
                 if where is None:
                     yield name, fh.get_tensor(name)
                     continue
@@ -47,7 +58,7 @@ def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGr
         model.load_weights(model.dummy_weights(cfg.seed, cfg.torch_dtype, device))
         logger.info("loaded random (dummy) weights")
     else:
-        model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice))
+        model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice, mapped=device.type == "cpu"))
     model.process_weights_after_loading()
     if cfg.quantization is not None and (tp is None or tp.rank == 0):
         logger.info("quantization: %s", cfg.quantization.describe())

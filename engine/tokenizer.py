@@ -13,10 +13,26 @@ def load_tokenizer(path: Path):
     if (Path(path) / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    _give_back_free_heap()
+    return tokenizer
+
+
+def _give_back_free_heap() -> None:
+    """Loading parses tokenizer.json into Python objects and frees them; glibc keeps the freed
+    heap (about 35 MiB for the default model's 3.5 MB file). ``malloc_trim`` returns it to the
+    system: a server's or a local engine's resident memory stays what it uses. A no-op where
+    the C library has no malloc_trim."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def apply_chat_template(tokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -23,6 +23,9 @@ def _vocab_loader(param: nn.Parameter, vocab: int, hidden: int, lo: int, hi: int
     load = param.weight_loader
 
     def weight_loader(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
+        if part.size == p.shape[0]:  # no rows past the vocabulary: the parameter whole
+            load(p, src, shard_id)
+            return
         p.data.zero_()  # rows past the vocabulary stay zero
         load(p.data[:part.size], src, shard_id)
 

@@ -19,6 +19,8 @@ split and gives each parameter what the checkpoint loader
     param.shard_ids                     the checkpoint parts it is stacked from ((None,): one)
     param.weight_loader(param, t, sid)  copy checkpoint tensor ``t`` (part ``sid``, or the
                                         whole stacked tensor when sid is None) into the shard
+                                        (a whole parameter takes a file-mapped ``t`` itself:
+                                        ``engine.mapped_checkpoint.fill``)
     param.checkpoint_slice(sid)         (dim, start, stop) of this rank's range of that
                                         checkpoint tensor, or None (read it whole)
 
@@ -36,6 +38,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
+from engine.mapped_checkpoint import fill
 from engine.parallel import TPGroup
 from kernels import cpu_gemm
 
@@ -122,7 +125,7 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
                 raise ValueError(f"the stacked parts {sorted(map(str, loaded))} and {shard_id} of one layer hold "
                                  "different values for a tensor they must share")
             loaded.add(shard_id)
-            p.data.copy_(src)
+            fill(p, src)
             return
         which = None if shard_id is None else ids.index(shard_id)
         rows = {sum(q.full for q in parts), sum(q.size for q in parts)} if which is None else \
@@ -133,6 +136,9 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
             want[dim] = " or ".join(map(str, sorted(rows)))
             raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} where [{', '.join(want)}] is expected"
                              + ("" if shard_id is None else f" (part {shard_id})"))
+        if which is None and tuple(src.shape) == tuple(p.shape):  # every part whole, stacked as stored
+            fill(p, src)
+            return
         copy_rows(p.data, src, parts, dim, which)
 
     def checkpoint_slice(shard_id=None) -> tuple[int, int, int] | None:

@@ -31,6 +31,7 @@ from engine.layers.linear_state import LinearState, LinearStateShape
 from engine.layers.moe import FusedMoE, MoEMethod
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.mapped_checkpoint import fill
 from engine.parallel import Shard, TPGroup
 from engine.quantization.methods import QuantMethods
 
@@ -231,7 +232,7 @@ class CausalLM(nn.Module):
             elif tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             else:
-                param.data.copy_(tensor)
+                fill(param, tensor)
             loaded.add((pname, shard_id))
         missing = [f"{n}" + ("" if s is None else f"[{s}]")
                    for n, p in params.items() if (n, None) not in loaded

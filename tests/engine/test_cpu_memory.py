@@ -1,6 +1,6 @@
-"""What a CPU engine costs in memory: its KV cache sized for the model's context (not a fixed
-1 GiB), resident only as it is written (4 KiB pages, not 2 MiB huge pages), and no Triton
-loaded for a CPU step."""
+"""What a CPU engine costs in memory: its weights the checkpoint file's pages where stored whole,
+its KV cache sized for the model's context (not a fixed 1 GiB), resident only as it is written
+(4 KiB pages, not 2 MiB huge pages), and no Triton loaded for a CPU step."""
 from __future__ import annotations
 
 import json
@@ -77,3 +77,54 @@ def test_a_cpu_step_imports_no_triton(tiny):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) is False
+
+
+def _mapping_of(path) -> tuple[list[tuple[int, int]], int]:
+    """The address ranges at which this process maps ``path``, and their resident bytes."""
+    ranges, resident, inside = [], 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = line.rstrip().endswith(str(path))
+                if inside:
+                    ranges.append(tuple(int(x, 16) for x in head.split("-")))
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1]) * 1024
+    return ranges, resident
+
+
+def test_cpu_weights_are_the_checkpoint_files_pages(tmp_path):
+    """On CPU a parameter stored whole in the checkpoint is a view of the file mapped private (no
+    anonymous copy; its pages the page cache's, shared by every process mapping the file); the
+    stacked ones (q|k|v, gate|up) are copies, and the pages they were copied from are given back.
+    A write into a mapped parameter never reaches the file."""
+    model = make_tiny_model(tmp_path / "m", seed=3, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2)
+    file = model / "model.safetensors"
+    before = file.read_bytes()
+    llm = LLM(str(model), device="cpu", max_model_len=256)
+    outputs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    ranges, resident = _mapping_of(file)
+    assert ranges, "the checkpoint file is not mapped"
+
+    def mapped(p: torch.Tensor) -> bool:
+        return any(lo <= p.data_ptr() < hi for lo, hi in ranges)
+
+    params = dict(llm.engine.runner.model.named_parameters())
+    taken = {n for n, p in params.items() if mapped(p)}
+    stacked = {n for n in params if "qkv_proj" in n or "gate_up_proj" in n}
+    assert stacked and not taken & stacked
+    assert taken == set(params) - stacked, sorted(set(params) - stacked - taken)
+    # resident: the mapped parameters' pages (read by the steps), not the stacked parts' sources
+    taken_bytes = sum(params[n].numel() * params[n].element_size() for n in taken)
+    stacked_bytes = sum(params[n].numel() * params[n].element_size() for n in stacked)
+    slack = 2 * 4096 * (len(params) + 8)  # the pages at each tensor's ends
+    assert resident <= taken_bytes + slack, (resident, taken_bytes, stacked_bytes)
+
+    o_proj = params["model.layers.0.self_attn.o_proj.weight"]
+    o_proj.data.add_(1.0)  # copy-on-write: this process's pages only
+    assert file.read_bytes() == before
+    again = LLM(str(model), device="cpu", max_model_len=256)  # reads the file's values, not the written ones
+    assert again.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0] \
+        .outputs[0].token_ids == outputs[0].outputs[0].token_ids
