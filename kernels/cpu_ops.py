@@ -12,8 +12,8 @@ A call the compiled code does not cover (a tensor not on the CPU, a dtype other 
 float64, float16 or bfloat16, a weight in another dtype than x, a last dim that is not contiguous:
 its own checks raise), or a process where the library could not be built (no compiler: one log
 line), goes to the reference. Results equal the references' up to the order of a row's sum of
-squares (RMSNorm); the rotary embedding is bit-exact. SiLU-and-mul stays the reference's (its
-vectorized exp beats a scalar loop).
+squares (RMSNorm); the rotary embedding is bit-exact, and SiLU-and-mul calls ATen's own silu and
+multiply as the reference does (its vectorized exp beats a scalar loop), in one call.
 """
 from __future__ import annotations
 
@@ -68,13 +68,18 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return _run("rotary_embedding", reference.rotary_embedding, q, positions, q, k, cos_sin_cache)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``kernels.reference.silu_and_mul`` in one compiled call (ATen's same kernels: bit-exact)."""
+    return _run("silu_and_mul", reference.silu_and_mul, x, x)
+
+
 def describe_kernels(device: torch.device, dtype: torch.dtype, cpu_attention_build_timeout: float | None = None
                      ) -> str:
     """The runner's start-up line: the reference's, with the norms and RoPE this module compiles."""
     if device.type != "cpu" or _compiled() is None:
         return reference.describe_kernels(device, dtype, cpu_attention_build_timeout)
     return reference.describe_kernels(device, dtype, cpu_attention_build_timeout,
-                                      glue="norms and RoPE compiled (kernels/cpu_ops.py), activations PyTorch")
+                                      glue="norms, RoPE and SiLU-and-mul compiled (kernels/cpu_ops.py)")
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from engine.models.llama import DecoderLayer, GatedMLP
-from kernels import cpu_attention, reference
+from kernels import cpu_attention
 
 FusedForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -78,7 +78,7 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
         ext.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping[group], 1.0, 1.0)
         o = ext.paged_attention(q, k_cache, v_cache, *index, scale, 0, 1.0, 1.0, None)
         x, residual = glue.fused_add_rms_norm(o_proj(o.reshape(t, q_size)), residual, w2, eps2)
-        return down(reference.silu_and_mul(gate_up(x))), residual
+        return down(glue.silu_and_mul(gate_up(x))), residual
 
     return forward
 

@@ -1,6 +1,6 @@
-// The per-layer elementwise glue of a CPU step, one call each: RMSNorm (with the residual add) and
-// the neox-style rotary embedding. kernels/cpu_ops.py calls them; the references are
-// kernels/reference.py's rms_norm, fused_add_rms_norm and rotary_embedding, and each function here
+// The per-layer elementwise glue of a CPU step, one call each: RMSNorm (with the residual add), the
+// neox-style rotary embedding and SiLU-and-mul. kernels/cpu_ops.py calls them; the references are
+// kernels/reference.py's rms_norm, fused_add_rms_norm, rotary_embedding and silu_and_mul, and each function here
 // rounds where its reference does (a float32 product or sum, a cast to the model dtype), so only
 // the order of a row's sum of squares differs (the rotary embedding is bit-exact). Built into
 // the compiled CPU attention's extension (kernels/cpu_attention.py) and registered as
@@ -10,6 +10,7 @@
 //   fused_add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
 //   rotary_embedding(positions [T], q [T, Hq, D], k [T, Hk, D], cos_sin [P, D] float32) -> (q', k')
 //   rotary_qkv(positions, qkv [T, (Hq + 2 Hk) D], cos_sin, Hq, Hk) -> (q', k', v: a view of qkv)
+//   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]            ATen's kernels: bit-exact
 //
 // x, q, k: float32, float64, float16 or bfloat16, the last dim contiguous (any other strides); w in
 // x's dtype; positions int32 or int64; outputs are new contiguous tensors. Anything else raises. Rows are split over threads (at::parallel_for).
@@ -173,6 +174,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& posi
   return {q2, k2, v};
 }
 
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I]: ATen's own silu and multiply, as the reference calls them
+// (the same kernels, so the same bits), in one call where the reference's two slices and two ops
+// were four crossings of the Python binding.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "x must be a CPU [..., 2I] tensor");
+  const int64_t inter = x.size(-1) / 2;
+  at::Tensor out = at::silu(x.narrow(-1, 0, inter));
+  out.mul_(x.narrow(-1, inter, inter));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -183,4 +196,5 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         &rotary_embedding);
   m.def("rotary_qkv(Tensor positions, Tensor qkv, Tensor cos_sin, int q_heads, int kv_heads) -> "
         "(Tensor, Tensor, Tensor)", &rotary_qkv);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
 }

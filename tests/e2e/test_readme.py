@@ -266,7 +266,7 @@ def test_start_up_logs_wait_quietly_and_name_the_kernels(cluster):
     attention = ("compiled (kernels/cpu_attention.py)" if cpu_attention.extension() is not None
                  else f"PyTorch reference ({cpu_attention.unavailable_reason()})")
     gemms = "oneDNN's" if cpu_gemm.onednn_available() else "torch's F.linear"
-    glue = ("norms and RoPE compiled (kernels/cpu_ops.py), activations PyTorch" if cpu_attention.extension() is not None
+    glue = ("norms, RoPE and SiLU-and-mul compiled (kernels/cpu_ops.py)" if cpu_attention.extension() is not None
             else "norms, RoPE and activations PyTorch (kernels.reference)")
     line = f"kernels: attention {attention}, GEMMs {gemms}, {glue}"
     assert log.count(line) == 2, log  # the prefill and the decode server

@@ -1,6 +1,7 @@
 """The CPU step's kernel module (kernels/cpu_ops.py): its compiled RMSNorm (with and without the
-residual add) and rotary embedding against the references on fresh random inputs, in every float
-dtype, with strided views as the layers pass them; the rotary embedding bit for bit; the calls the
+residual add), rotary embedding and SiLU-and-mul against the references on fresh random inputs, in
+every float dtype, with strided views as the layers pass them; the rotary embedding and SiLU-and-mul
+bit for bit; the calls the
 compiled code does not cover going to the reference; the engine choosing the module on CPU."""
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def test_the_rotary_embedding_is_the_references_bit_for_bit(ops, dtype, rows, he
         ops.rotary_qkv(positions, qkv, table, heads + 1, kv_heads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 128), (33, 2 * 1000), (2, 3, 64)])
+def test_silu_and_mul_is_the_references_bit_for_bit(ops, dtype, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 4).to(dtype)
+    got, want = ops.silu_and_mul(x), reference.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1) if x.dim() == 2 else x  # rows not contiguous
+    assert torch.equal(ops.silu_and_mul(strided), reference.silu_and_mul(strided))
+
+
 def test_calls_it_does_not_cover_go_to_the_reference(ops):
     x, weight = torch.randn(3, 16), torch.randn(16, dtype=torch.float64)  # a weight in another dtype
     assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
@@ -79,7 +90,7 @@ def test_calls_it_does_not_cover_go_to_the_reference(ops):
     q = torch.randn(2, 2, 8)
     with pytest.raises(IndexError):  # a position past the table: the reference's own error
         cpu_ops.rotary_embedding(torch.tensor([0, 40]), q, q, torch.randn(10, 8))
-    assert cpu_ops.silu_and_mul is reference.silu_and_mul  # every other name is the reference's
+    assert cpu_ops.swigluoai is reference.swigluoai  # every other name is the reference's
     assert cpu_ops.paged_attention is cpu_attention.paged_attention
 
 

@@ -91,7 +91,7 @@ def test_describe_kernels_names_what_serves_a_step():
             == "PyTorch references (kernels.reference), GEMMs torch's")
     from kernels import cpu_ops  # what a CPU step runs ("auto"): its norms and RoPE compiled
 
-    glue = ("norms and RoPE compiled (kernels/cpu_ops.py), activations PyTorch" if cpu_attention.extension() is not None
+    glue = ("norms, RoPE and SiLU-and-mul compiled (kernels/cpu_ops.py)" if cpu_attention.extension() is not None
             else rest)
     assert cpu_ops.describe_kernels(cpu, torch.float32) == f"attention {attention}, GEMMs {gemms}, {glue}"
     assert kernels.describe_kernels(torch.device("cuda", 0), torch.bfloat16) == (
