@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import functools
 import os
 import signal
 import subprocess
@@ -223,9 +224,7 @@ def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int, cpu_count
     share a core with another busy process wait for it at every parallel region. On 2 cores a
     decode server prefilling locally streamed one user's tokens at 24-34 ms with 2 threads and
     23.7 ms with 1 (the packed default model; docs/benchmarks.md)."""
-    import torch
-
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not torch.cuda.is_available())
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not cuda_available())
     cores = cpu_count or os.cpu_count() or 1
     return max(1, (cores - 1) // num_engines) if on_cpu else None
 
@@ -235,11 +234,20 @@ def host_hit_credit(args: argparse.Namespace) -> float:
     servers' device (their --device, or --devices when given: any CUDA device counts as GPU)."""
     if args.kv_host_hit_credit is not None:
         return args.kv_host_hit_credit
-    import torch
-
     devices = args.devices.split(",") if args.devices else [args.device]
-    on_gpu = any(d.startswith("cuda") or (d == "auto" and torch.cuda.is_available()) for d in devices)
+    on_gpu = any(d.startswith("cuda") or (d == "auto" and cuda_available()) for d in devices)
     return GPU_HOST_HIT_CREDIT if on_gpu else HOST_HIT_CREDIT
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked of a child process: the supervisor never imports
+    torch, whose ~240 MiB would stay resident for the cluster's life beside the servers'."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise RuntimeError(f"could not import torch to look for a GPU:\n{probe.stderr[-2000:]}")
+    return probe.stdout.strip().splitlines()[-1] == "True"
 
 
 def _http_ok(url: str) -> bool:

@@ -179,6 +179,15 @@ def test_output_is_prefixed_and_the_banner_comes_once_after_every_server(cluster
         assert any(line.startswith(f"{name:<9} | ") for line in log), name
 
 
+def test_the_supervisor_holds_no_pytorch(cluster):
+    """pdserve up starts and watches its servers: PyTorch (~240 MiB resident) is theirs alone; the
+    supervisor asks a child process whether there is a GPU (--device auto, as here)."""
+    up, _ = cluster
+    maps = Path(f"/proc/{up.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
+    assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in _children(up.proc.pid))
+
+
 def _exit_code(proc: ServiceProcess, timeout: float = EXIT_TIMEOUT_S) -> int:
     """The exit code; a process still running after ``timeout`` (it started where it should
     not have) is stopped and the test fails."""
