@@ -464,9 +464,18 @@ constexpr const char* kPaths[] = {
 
 std::vector<std::string> paths() { return {std::begin(kPaths), std::end(kPaths)}; }
 
-// x [T, K] float32 and w [N, row bytes] checked against each other; the bias's data (or null)
-const float* check_args(const char* where, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
-                        const c10::optional<torch::Tensor>& bias) {
+// One call's arguments checked: its sizes, the bias's data (or null) and the output y [T, N]
+struct Call {
+  const float* bias;
+  int64_t T, K, N, rb;
+  torch::Tensor y;
+};
+
+const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+
+// x [T, K] float32 and w [N, row bytes] checked against each other
+Call check_args(const char* where, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(qtype >= 0 && qtype <= 2, where, ": qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               where, ": x must be a contiguous float32 CPU tensor [T, K]");
@@ -475,6 +484,10 @@ const float* check_args(const char* where, const torch::Tensor& x, const torch::
   const int64_t K = x.size(1), rb = w.size(1);
   TORCH_CHECK(K % kBlock == 0 && rb == K / kBlock * block_bytes(qtype), where, ": w's rows are ", rb,
               " bytes, not the ", K / kBlock * block_bytes(qtype), " of ", K, " weights");
+  return {check_bias(where, w, bias), x.size(0), K, w.size(0), rb, torch::empty({x.size(0), w.size(0)}, x.options())};
+}
+
+const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
               where, ": bias must be a contiguous float32 [N]");
@@ -483,9 +496,7 @@ const float* check_args(const char* where, const torch::Tensor& x, const torch::
 
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
                           const std::string& path) {
-  const float* b = check_args("gguf_linear", x, w, qtype, bias);
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
-  auto y = torch::empty({T, N}, x.options());
+  const auto [b, T, K, N, rb, y] = check_args("gguf_linear", x, w, qtype, bias);
   if (T == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -505,9 +516,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
 
 torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
                              const std::string& path) {
-  const float* b = check_args("gguf_linear_q8", x, w, qtype, bias);
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0), rb = w.size(1);
-  auto y = torch::empty({T, N}, x.options());
+  const auto [b, T, K, N, rb, y] = check_args("gguf_linear_q8", x, w, qtype, bias);
   if (T == 0 || N == 0) return y;
   const char* chosen = path.empty() ? kQ8Paths[0] : path.c_str();
   const bool vector = std::strcmp(chosen, Portable::kName) != 0;

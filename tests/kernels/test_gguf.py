@@ -79,6 +79,14 @@ def test_the_widest_vector_path_serves_where_the_cpu_has_it(ext) -> None:
     assert ext.paths() == [*want, "portable"]
 
 
+def _linear_case(qtype: str, t: int, seed: int, k: int = 576, n: int = 37):
+    """(k, packed [n, k] weights, x [t, k], a bias on odd t) drawn afresh for one GEMM case."""
+    packed = random_packed(qtype, n, k, seed=seed)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=g)
+    return k, packed, x, torch.randn(n, generator=g) if t % 2 else None
+
+
 @pytest.mark.parametrize("path", ["avx2", "portable"])
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("t", [1, 3, 8, 11])
@@ -87,11 +95,7 @@ def test_the_narrower_paths_equal_the_reference_linear(ext, path: str, qtype: st
     by name where the widest serves."""
     if path not in ext.paths():
         pytest.skip(f"no {path} path on this CPU")
-    k, n = 576, 37
-    packed = random_packed(qtype, n, k, seed=t + 7)
-    g = torch.Generator().manual_seed(t)
-    x = torch.randn(t, k, generator=g)
-    bias = torch.randn(n, generator=g) if t % 2 else None
+    k, packed, x, bias = _linear_case(qtype, t, seed=t + 7)
     want = R.linear(x, packed, qtype, bias)
     got = ext.gguf_linear(x, packed, cpu_gemm.GGUF_QTYPES[qtype], bias, path=path)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5 * float(want.abs().max()))
@@ -184,11 +188,7 @@ def test_int8_activations_equal_their_reference(ext, path: str, qtype: str, t: i
     differs in order. They are not the float32 activations' numbers (x was rounded)."""
     if path not in ext.q8_paths():
         pytest.skip(f"no {path} path on this CPU")
-    k, n = 576, 37
-    packed = random_packed(qtype, n, k, seed=t + 17)
-    g = torch.Generator().manual_seed(t)
-    x = torch.randn(t, k, generator=g)
-    bias = torch.randn(n, generator=g) if t % 2 else None
+    k, packed, x, bias = _linear_case(qtype, t, seed=t + 17)
     want = R.linear_q8(x, packed, qtype, bias)
     got = ext.gguf_linear_q8(x, packed, cpu_gemm.GGUF_QTYPES[qtype], bias, path=path)
     tol = 1e-5 * k ** 0.5 * float(want.abs().max())
