@@ -760,6 +760,7 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: float = SWIGLU_LIMIT,
+    float32_weights: bool = False,
 ) -> torch.Tensor:
     """Mixture-of-experts MLP over the experts each token picked.
 
@@ -777,6 +778,9 @@ def fused_moe(
         added to the gate and up sums (float32) before the activation
     w2_bias: None or [E, H] in x's dtype, stride 1 in H: added to each expert's down projection
         before the routing weight multiplies it (gpt-oss: ``(gated @ down + bias) * weight``)
+    float32_weights: the reference's choice between the routing weight rounded to x's dtype
+        before its product (Mixtral, Qwen) and a float32 product (Gemma 4); this kernel always
+        multiplies in its float32 epilogue, so it takes the flag and changes nothing
     config: None (tiles from shapes) or {token count: tiles} as ``tune`` (and
         engine.moe_configs) returns: the entry of the smallest count >= T, else the largest
     w13_scale, w2_scale, block_size: e4m3 weights only (W8A8), float32 scales, any strides:
@@ -980,7 +984,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, *,
             x_dtype: torch.dtype | None = None, w13_scale: torch.Tensor | None = None,
             w2_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
             w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-            swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> int:
+            swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+            float32_weights: bool = False) -> int:
     """Compile every kernel variant ``fused_moe`` can meet for 1..max_tokens tokens
     with these weights and config (a compile met while serving stalls a step for
     about a second): one call per distinct set of compile-time choices (the

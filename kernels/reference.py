@@ -391,6 +391,7 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: float = SWIGLU_LIMIT,
+    float32_weights: bool = False,
 ) -> torch.Tensor:
     """Mixture-of-experts MLP, HF transformers 5's ``Qwen3MoeExperts.forward`` step for step
     (``GptOssExperts.forward`` with biases and "swigluoai").
@@ -412,6 +413,9 @@ def fused_moe(
     activation and the product in x's dtype, the down projection (then its bias) times the
     routing weight cast to x's dtype, then ``index_add_`` into the output.
     The same order of operations as HF, so float32 results are equal bit for bit.
+    ``float32_weights`` (Gemma 4, whose experts multiply by the float32 weight): each expert's
+    output times the float32 routing weight in float32, rounded once to x's dtype, as
+    transformers' ``Gemma4TextExperts`` does (16-bit results then equal its bit for bit too).
 
     float8_e4m3fn weights (W8A8; w13 and w2 both, with float32 scales as for
     ``kernels.fused_moe``: per channel w13_scale [E, 2I], w2_scale [E, H]; with
@@ -487,7 +491,10 @@ def fused_moe(
             y = F.linear(_gated(h, activation, swiglu_alpha, swiglu_limit), w2_e)
         if w2_bias is not None:
             y = y + w2_bias[expert]
-        out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+        if float32_weights:  # Gemma 4: the product in float32, rounded once
+            out.index_add_(0, token_idx, (y * topk_weights[token_idx, slot, None]).to(x.dtype))
+        else:
+            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
     return out
 
 

@@ -102,6 +102,10 @@ class MoEMethod:
 
 
 class FusedMoE(nn.Module):
+    # Whether the routing weight multiplies each expert's output in float32 (transformers'
+    # Gemma 4) rather than rounded to the model dtype first (Mixtral, Qwen, gpt-oss)
+    float32_weights: bool = False
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, activation: str, ops: ModuleType, tp: TPGroup | None,
                  expert_parallel: bool = False, method: MoEMethod | None = None,
@@ -180,6 +184,8 @@ class FusedMoE(nn.Module):
         activation, and the biases and swiglu constants where the layer has them (a layer
         without either passes what it passed before they existed)."""
         args: dict = {"activation": self.activation}
+        if self.float32_weights:
+            args["float32_weights"] = True
         if self.activation == "swigluoai":
             args.update(swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         if self.has_bias:

@@ -82,7 +82,10 @@ class Gemma4Norm(nn.Module):
 class Gemma4MoE(FusedMoE):
     """The experts beside a layer's MLP. Routed from the residual stream h (not the MLP's
     normed input): logits = W_r (norm(h) * router_scale / sqrt(hidden)), softmax in float32,
-    top-k, renormalised, each weight times its expert's ``per_expert_scale``."""
+    top-k, renormalised, each weight times its expert's ``per_expert_scale``. The float32 weight
+    multiplies each expert's output in float32 (``Gemma4TextExperts``)."""
+
+    float32_weights = True
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, tp: TPGroup | None, expert_parallel: bool,
                  method: MoEMethod | None) -> None:

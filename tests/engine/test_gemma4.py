@@ -131,6 +131,26 @@ def test_forward_matches_transformers_logits(models, name):
     assert_grouped_logits_match(models[name], torch.tensor(random_prompts([37], seed=5)[0]), (5, 6, 19, 37))
 
 
+def test_experts_in_bf16_are_transformers_bit_for_bit(models):
+    """A layer's experts in bf16, routed and combined as transformers' Gemma4TextRouter and
+    Gemma4TextExperts do (its eager loop; its default for a loaded model, grouped_mm, rounds
+    otherwise): the float32 routing weight multiplies each expert's bf16 output in float32,
+    rounded once (a weight rounded to bf16 first moves outputs by an ulp)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(models["moe"]), dtype=torch.bfloat16,
+                                              experts_implementation="eager").eval().model.layers
+    llm = LLM(str(models["moe"]), device="cpu", dtype="bfloat16", max_model_len=256)
+    ours = llm.engine.runner.model.model.layers
+    h = (torch.randn(29, BASE["hidden_size"], generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    for mine, theirs in zip(ours, hf):
+        with torch.no_grad():
+            _, weights, ids = theirs.router(h)
+            want = theirs.experts(theirs.pre_feedforward_layernorm_2(h), ids, weights)
+            got = mine.moe(mine.pre_feedforward_layernorm_2(h), None, routed=h)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_matches_transformers(models, references, name):
     """Through the offline API: chunks of 16 tokens (across the window and block edges) and
