@@ -6,12 +6,21 @@ import time
 from pathlib import Path
 
 
-def write_result(result: dict, kind: str, path: str | None) -> Path:
-    """Write ``result`` to ``path`` (default bench/results/<kind>-<time>.json)."""
-    out = Path(path or f"bench/results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+def result_path(kind: str, path: str | None) -> Path:
+    """``path``, or bench/results/<kind>-<time>.json."""
+    return Path(path or f"bench/results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def write_result(result: dict, kind: str, path: str | Path | None, quiet: bool = False) -> Path:
+    """Write ``result`` to ``path`` (default ``result_path(kind, None)``), whole: the file is
+    replaced, never left half written (a run killed while writing keeps the previous one)."""
+    out = Path(path) if path else result_path(kind, None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2, default=str))
+    partial.replace(out)
+    if not quiet:
+        print(f"wrote {out}")
     return out
 
 

@@ -7,7 +7,8 @@ output tokens/s is the figure.
 perf-overview: ISL/OSL and request counts, PyTorch backend, TP 1) on one engine, each against the
 figure published for the GPU found (H200 or H100; no comparison elsewhere). ``--rows`` picks some
 of them, ``--num-prompts-scale`` runs a fraction of each row's requests (said in the output: fewer
-requests weigh the ramp-up and the tail more).
+requests weigh the ramp-up and the tail more). The results file is rewritten after each row: a run
+cut off (a time limit) keeps the rows it finished.
 
     pdserve bench throughput --model-shape llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 \\
         --max-num-seqs 512 --max-num-batched-tokens 8192 --trtllm-table --rows 1000/1000,2048/128
@@ -19,7 +20,7 @@ import argparse
 import random
 
 from bench.offline import describe_engine, load_pdserve, time_generate
-from bench.results import write_result
+from bench.results import result_path, write_result
 from engine.config import EngineArgs
 
 # TensorRT-LLM's Llama-3.1-8B FP8 rows (docs/source/developer-guide/perf-overview.md,
@@ -89,6 +90,10 @@ def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.workload_seed)
     lo = min(100, vocab // 2)  # past the special tokens at the start of the vocabulary
     print(f"pdserve: {engine['config']}")
+    out = result_path("throughput", args.output_json)
+    result = {"kind": "throughput", "gpu": gpu, "load_seconds": load_s, "engine": engine, "rows": [],
+              "num_prompts_scale": args.num_prompts_scale if args.trtllm_table else None,
+              "workload_seed": args.workload_seed}
     for row in rows:
         prompts = [[rng.randrange(lo, vocab) for _ in range(row["input_len"])] for _ in range(row["num_prompts"])]
         row.update(time_generate(llm, prompts, row["output_len"]))
@@ -99,10 +104,10 @@ def main(args: argparse.Namespace) -> int:
             row["ratio_to_trtllm"] = row["output_tokens_per_s"] / published
             line += (f"  TensorRT-LLM {gpu}: {published} ({row['trtllm_requests']} requests)  "
                      f"{row['ratio_to_trtllm']:.2f}x")
+        result["rows"].append(row)
+        write_result(result, "throughput", out, quiet=True)  # each row kept before it is shown
         print(line, flush=True)
     if args.trtllm_table and gpu is None:
         print(f"(no TensorRT-LLM figure for {engine['device']}: it publishes H200 and H100 rows)")
-    write_result({"kind": "throughput", "gpu": gpu, "load_seconds": load_s, "engine": engine, "rows": rows,
-                  "num_prompts_scale": args.num_prompts_scale if args.trtllm_table else None,
-                  "workload_seed": args.workload_seed}, "throughput", args.output_json)
+    write_result(result, "throughput", out)
     return 0

@@ -4,8 +4,12 @@ where the device is not one it publishes figures for."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 from pdserve.cli import main
+from tests.processes import REPO
 
 
 def test_fixed_lengths_all_at_once(default_model_dir, tmp_path):
@@ -31,3 +35,24 @@ def test_the_trtllm_rows_scaled(default_model_dir, tmp_path, capsys):
     # a row it does not publish: refused before any engine loads
     assert main(["bench", "throughput", "--model", str(default_model_dir), "--trtllm-table", "--rows", "100/100"]) == 2
     assert "not in TensorRT-LLM's table" in capsys.readouterr().err
+
+
+def test_a_run_cut_off_keeps_the_rows_it_finished(default_model_dir, tmp_path):
+    """Killed in its second row (as a device's time limit kills it), the results file holds the first."""
+    out = tmp_path / "t.json"
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "throughput", "--model",
+                             str(default_model_dir), "--device", "cpu", "--kv-cache-memory", "32MiB", "--trtllm-table",
+                             "--rows", "128/128,128/2048", "--num-prompts-scale", "0.00004", "--output-json", str(out)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("ISL   128 OSL   128"):
+                break
+        else:
+            raise AssertionError(f"no first row (exit {proc.wait()})")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["input_len"], row["output_len"], row["output_tokens"]) == (128, 128, 128)
