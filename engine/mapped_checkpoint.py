@@ -30,6 +30,12 @@ _DTYPES = {
 }
 
 
+def supported() -> bool:
+    """Whether this platform maps files private and gives pages back (Linux, macOS; not Windows)."""
+    return all(hasattr(mmap, name) for name in ("MAP_PRIVATE", "PROT_WRITE", "MADV_DONTNEED")) and \
+        hasattr(mmap.mmap, "madvise")
+
+
 class MappedSafetensors:
     """One safetensors file mapped private: ``view(name)`` a tensor over its bytes,
     ``release(view)`` drops the pages wholly inside a view that was copied."""

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.mapped_checkpoint import MappedSafetensors, adopted
+from engine.mapped_checkpoint import MappedSafetensors, adopted, supported as mapping_supported
 from engine.models import model_class
 from engine.models.base import CausalLM
 from engine.parallel import TPGroup
@@ -58,7 +58,8 @@ def load_model(cfg: ModelConfig, device: torch.device, ops: ModuleType, tp: TPGr
         model.load_weights(model.dummy_weights(cfg.seed, cfg.torch_dtype, device))
         logger.info("loaded random (dummy) weights")
     else:
-        model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice, mapped=device.type == "cpu"))
+        model.load_weights(iter_safetensors(cfg.path, model.checkpoint_slice,
+                                            mapped=device.type == "cpu" and mapping_supported()))
     model.process_weights_after_loading()
     if cfg.quantization is not None and (tp is None or tp.rank == 0):
         logger.info("quantization: %s", cfg.quantization.describe())
