@@ -124,8 +124,9 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
             if loaded and not torch.equal(p.data, src.to(p.dtype)):
                 raise ValueError(f"the stacked parts {sorted(map(str, loaded))} and {shard_id} of one layer hold "
                                  "different values for a tensor they must share")
+            if not loaded:  # a later part holds the same values: nothing to take
+                fill(p, src)
             loaded.add(shard_id)
-            fill(p, src)
             return
         which = None if shard_id is None else ids.index(shard_id)
         rows = {sum(q.full for q in parts), sum(q.size for q in parts)} if which is None else \
