@@ -10,8 +10,10 @@ On CPU the loader (``engine.model_loader.iter_safetensors``) maps each checkpoin
   A write into such a parameter copies the page it touches (private mapping): the file is
   never changed;
 - a tensor the loader copies instead (stacked parts such as q|k|v, another dtype, a
-  tensor-parallel shard, a converted layout) is dropped from the mapping once copied: the pages
-  wholly inside it are given back (``MADV_DONTNEED``), so a load holds no second copy of it.
+  tensor-parallel shard) is dropped from the mapping once copied: the pages wholly inside it
+  are given back (``MADV_DONTNEED``), so a load holds no second copy of it. A view a parameter
+  took and a quantized method then converted to another layout (int4 checkpoints) is given back
+  the same way once the methods are done (``release_unheld``).
 
 Any dtype or alignment a view cannot take is read as before (``safe_open``'s copy).
 """
@@ -47,6 +49,7 @@ class MappedSafetensors:
             self.mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.data_start = 8 + header_len
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # holds the mapping while views live
+        self.taken: list[torch.Tensor] = []
 
     def view(self, name: str) -> torch.Tensor | None:
         """Tensor ``name`` as a view of the mapping, or None where a view cannot hold it."""
@@ -62,6 +65,25 @@ class MappedSafetensors:
         t.file_mapped = True
         return t
 
+    def keep(self, t: torch.Tensor) -> None:
+        """View ``t`` was taken by a parameter (``fill``): ``release_unheld`` looks at it again."""
+        self.taken.append(t)
+
+    def release_unheld(self, tensors: list[torch.Tensor]) -> int:
+        """After the model's methods converted their weights: give back the pages of the views
+        taken at load that none of ``tensors`` (the model's parameters and buffers) overlaps any
+        more (a quantized layer's checkpoint tensors, replaced by their converted layout). The
+        number of views given back."""
+        held = [_span(t) for t in tensors if t.device.type == "cpu"]
+        released = 0
+        for v in self.taken:
+            lo, hi = _span(v)
+            if not any(a < hi and lo < b for a, b in held):
+                self.release(v)
+                released += 1
+        self.taken.clear()
+        return released
+
     def release(self, t: torch.Tensor) -> None:
         """Give back the pages wholly inside view ``t`` (those at its ends may hold a neighbour's bytes)."""
         start = t.data_ptr() - self.bytes.data_ptr()
@@ -69,6 +91,14 @@ class MappedSafetensors:
         hi = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
             self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [lo, hi) of the bytes ``t`` reads (strides included)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def fill(param: torch.Tensor, src: torch.Tensor) -> None:

@@ -128,3 +128,24 @@ def test_cpu_weights_are_the_checkpoint_files_pages(tmp_path):
     again = LLM(str(model), device="cpu", max_model_len=256)  # reads the file's values, not the written ones
     assert again.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0] \
         .outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_a_quantized_checkpoints_converted_tensors_leave_the_mapping(tmp_path):
+    """An int4 (AWQ) checkpoint on CPU: its packed tensors are converted to the kernel's layout
+    after loading, and the pages of the originals are given back; what stays resident in the
+    mapping is what the model still holds (norms, embedding, head)."""
+    from tests.engine.quant_checkpoints import write_int4_checkpoint
+
+    model = make_tiny_model(tmp_path / "f", seed=4, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2)
+    quant, _ = write_int4_checkpoint(model, tmp_path / "q", "awq", 128)
+    llm = LLM(str(quant), device="cpu", max_model_len=256)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    ranges, resident = _mapping_of(quant / "model.safetensors")
+    m = llm.engine.runner.model
+    held = [t for t in [*m.parameters(), *m.buffers()] if any(lo <= t.data_ptr() < hi for lo, hi in ranges)]
+    assert held  # the norms and the vocabulary tables are the file's pages
+    held_bytes = sum(t.numel() * t.element_size() for t in held)
+    slack = 2 * 4096 * (len(held) + 8)
+    converted = sum(t.numel() * t.element_size() for n, t in m.named_buffers() if n.endswith("int4_qweight"))
+    assert converted > 2 * slack and resident <= held_bytes + slack, (resident, held_bytes, converted)
