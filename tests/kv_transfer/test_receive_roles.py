@@ -26,12 +26,15 @@ def _engine(model_dir, timeout: float = TIMEOUT, **kw) -> LLMEngine:
                                                  kv_transfer_timeout=timeout, **kw))
 
 
-def _serve(engine: LLMEngine, timeout: float = TIMEOUT) -> tuple[EngineBridge, KVReceiveWorker]:
-    """The engine thread, and the decode server's KV receive roles on it (``timeout``: each
-    pair's setup window)."""
+def _serve(engine: LLMEngine, timeout: float = TIMEOUT, window: float | None = None
+           ) -> tuple[EngineBridge, KVReceiveWorker]:
+    """The engine thread, and the decode server's KV receive roles on it (``timeout``: how long a
+    reserved request waits for its parts; ``window``, default ``timeout``: each pair's setup and
+    data window)."""
     bridge = EngineBridge(engine, "decode", "test")
     bridge.start()
-    return bridge, KVReceiveWorker(engine, KVReceiveScheduler(bridge.loop, timeout), "127.0.0.1", timeout)
+    return bridge, KVReceiveWorker(engine, KVReceiveScheduler(bridge.loop, timeout), "127.0.0.1",
+                                   timeout if window is None else window)
 
 
 async def _reserve(bridge: EngineBridge, rid: str):
@@ -118,14 +121,17 @@ async def _scenario(engine: LLMEngine) -> None:
 def test_parts_from_tensor_parallel_ranks_come_together(tiny_llama_dir):
     """A two-rank prefill engine's channel: a pair per rank, each into its share of the KV
     heads. A request runs once both parts landed; one whose second part never comes fails
-    after the transfer timeout, and its blocks go back."""
+    after the transfer timeout, and its blocks go back. The pairs' setup window is wider than
+    that timeout: on a loaded machine (the whole suite on 2 cores) building both pairs at once
+    took more than 2 s, and the receiver closed one pair's store under its sender; the window
+    is not what this test checks."""
     engine = _engine(tiny_llama_dir)
     asyncio.run(_parts_scenario(engine))
 
 
 async def _parts_scenario(engine: LLMEngine) -> None:
     loop = asyncio.get_running_loop()
-    bridge, receivers = _serve(engine)
+    bridge, receivers = _serve(engine, window=TP_WINDOW)
     layout = KVLayout.of(engine.kv_cache, engine.config.model.served_model_name)  # 2 KV heads
     source = torch.randn_like(engine.kv_cache)
     senders = []
