@@ -32,6 +32,7 @@
 #include <iterator>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -246,6 +247,29 @@ void tile(const float* x, const float* xs, int64_t K, const uint8_t* w, int64_t 
   }
 }
 
+// Every task of a GEMM of T rows of x by N rows of w: N split over the threads, and within a task T
+// in tiles of kTile rows, then one tile of the rest; f(tile rows as std::integral_constant, t0, n0, n1).
+template <typename F>
+void for_tiles(int64_t T, int64_t N, F&& f) {
+  static_assert(kTile == 8, "the rest's cases below are 1..7");
+  // Enough rows per task to amortise the scheduling, few enough to give every thread work.
+  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads() + 1)));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t t0 = 0;
+    for (; t0 + kTile <= T; t0 += kTile) f(std::integral_constant<int, kTile>{}, t0, n0, n1);
+    switch (T - t0) {
+      case 1: f(std::integral_constant<int, 1>{}, t0, n0, n1); break;
+      case 2: f(std::integral_constant<int, 2>{}, t0, n0, n1); break;
+      case 3: f(std::integral_constant<int, 3>{}, t0, n0, n1); break;
+      case 4: f(std::integral_constant<int, 4>{}, t0, n0, n1); break;
+      case 5: f(std::integral_constant<int, 5>{}, t0, n0, n1); break;
+      case 6: f(std::integral_constant<int, 6>{}, t0, n0, n1); break;
+      case 7: f(std::integral_constant<int, 7>{}, t0, n0, n1); break;
+      default: break;
+    }
+  });
+}
+
 template <typename V, int QT>
 void run(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t rb, float* y, int64_t N,
          const float* bias) {
@@ -258,21 +282,8 @@ void run(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t rb, flo
   }
 #endif
   const float* xs = sums.data();
-  // Enough rows per task to amortise the scheduling, few enough to give every thread work.
-  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads() + 1)));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t t0 = 0;
-    for (; t0 + kTile <= T; t0 += kTile) tile<V, QT, kTile>(x, xs, K, w, rb, y, N, t0, n0, n1, bias);
-    switch (T - t0) {
-      case 1: tile<V, QT, 1>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 2: tile<V, QT, 2>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 3: tile<V, QT, 3>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 4: tile<V, QT, 4>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 5: tile<V, QT, 5>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 6: tile<V, QT, 6>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 7: tile<V, QT, 7>(x, xs, K, w, rb, y, N, t0, n0, n1, bias); break;
-      default: break;
-    }
+  for_tiles(T, N, [&](auto tt, int64_t t0, int64_t n0, int64_t n1) {
+    tile<V, QT, decltype(tt)::value>(x, xs, K, w, rb, y, N, t0, n0, n1, bias);
   });
 }
 
@@ -429,20 +440,8 @@ void tile_q8(bool vector, const QuantizedRows& xq, int64_t K, const uint8_t* w, 
 template <int QT>
 void run_q8(bool vector, const QuantizedRows& xq, int64_t T, int64_t K, const uint8_t* w, int64_t rb, float* y,
             int64_t N, const float* bias) {
-  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads() + 1)));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t t0 = 0;
-    for (; t0 + kTile <= T; t0 += kTile) tile_q8<QT, kTile>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias);
-    switch (T - t0) {
-      case 1: tile_q8<QT, 1>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 2: tile_q8<QT, 2>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 3: tile_q8<QT, 3>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 4: tile_q8<QT, 4>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 5: tile_q8<QT, 5>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 6: tile_q8<QT, 6>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      case 7: tile_q8<QT, 7>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias); break;
-      default: break;
-    }
+  for_tiles(T, N, [&](auto tt, int64_t t0, int64_t n0, int64_t n1) {
+    tile_q8<QT, decltype(tt)::value>(vector, xq, K, w, rb, y, N, t0, n0, n1, bias);
   });
 }
 
@@ -471,7 +470,13 @@ struct Call {
   torch::Tensor y;
 };
 
-const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+// The bias's data (or null), checked against w's N rows
+const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
+              where, ": bias must be a contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
 
 // x [T, K] float32 and w [N, row bytes] checked against each other
 Call check_args(const char* where, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
@@ -487,12 +492,6 @@ Call check_args(const char* where, const torch::Tensor& x, const torch::Tensor& 
   return {check_bias(where, w, bias), x.size(0), K, w.size(0), rb, torch::empty({x.size(0), w.size(0)}, x.options())};
 }
 
-const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
-              where, ": bias must be a contiguous float32 [N]");
-  return bias->data_ptr<float>();
-}
 
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
                           const std::string& path) {
