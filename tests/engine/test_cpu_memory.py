@@ -40,20 +40,28 @@ def test_the_default_cpu_kv_cache_holds_the_context_and_a_few_sequences(tiny, mo
     assert _blocks(LLM(str(tiny), device="cpu", kv_cache_memory=str(40 * per_block))) == 40
 
 
-def _resident(t: torch.Tensor) -> int:
-    """Resident bytes of the memory mappings that hold ``t``'s storage (/proc/self/smaps: theirs
-    alone, whatever else the process allocates meanwhile; a mapping may be split in parts)."""
-    lo, hi = t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()
-    total, inside = 0, False
+def _mappings(keep) -> tuple[list[tuple[int, int]], int]:
+    """The address ranges of this process's mappings that ``keep(start, end, first line)`` picks,
+    and their resident bytes (/proc/self/smaps: theirs alone, whatever else the process
+    allocates meanwhile; a mapping may be split in parts)."""
+    ranges, resident, inside = [], 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
                 start, end = (int(x, 16) for x in head.split("-"))
-                inside = start < hi and lo < end
+                inside = keep(start, end, line.rstrip())
+                if inside:
+                    ranges.append((start, end))
             elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
+                resident += int(line.split()[1]) * 1024
+    return ranges, resident
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Resident bytes of the memory mappings that hold ``t``'s storage."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()
+    return _mappings(lambda start, end, _: start < hi and lo < end)[1]
 
 
 def test_a_written_block_makes_only_its_own_pages_resident():
@@ -81,17 +89,7 @@ def test_a_cpu_step_imports_no_triton(tiny):
 
 def _mapping_of(path) -> tuple[list[tuple[int, int]], int]:
     """The address ranges at which this process maps ``path``, and their resident bytes."""
-    ranges, resident, inside = [], 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = line.rstrip().endswith(str(path))
-                if inside:
-                    ranges.append(tuple(int(x, 16) for x in head.split("-")))
-            elif inside and head == "Rss:":
-                resident += int(line.split()[1]) * 1024
-    return ranges, resident
+    return _mappings(lambda _start, _end, line: line.endswith(str(path)))
 
 
 def test_cpu_weights_are_the_checkpoint_files_pages(tmp_path):
