@@ -21,8 +21,15 @@ from tests.processes import EngineServer, GatewayProcess, ServiceProcess
 pytestmark = pytest.mark.slow
 
 
+# Decode steps are paced (the servers' hidden --test-step-delay): a tiny model streams 400 tokens
+# in well under a second, and the mid-stream kill must find its stream still running.
+STEP_DELAY_S = 0.01
+
+
 def Engine(role: str, model) -> EngineServer:
-    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transfer-timeout", "10"])
+    paced = ["--test-step-delay", str(STEP_DELAY_S)] if role == "decode" else []
+    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transfer-timeout", "10",
+                               *paced])
 
 
 def _generate(stub, i: int, max_tokens: int = 4):

@@ -44,10 +44,15 @@ PREFIX = [5 + (i * 7) % 370 for i in range(160)]  # 10 blocks of 16
 # A dead peer is noticed within keepalive time + timeout of its last data; allow for the
 # resumed request's prefill on a loaded 2-core machine.
 DETECT_S = (rpc_server.KEEPALIVE_TIME_MS + rpc_server.KEEPALIVE_TIMEOUT_MS) / 1000
+# The decode servers' steps are paced (their hidden --test-step-delay): a tiny model streams
+# hundreds of tokens in well under a second, and a test must find a stream still running to
+# silence its server or kill its gateway under it.
+STEP_DELAY_S = 0.02
 
 
 def Engine(role: str, model, redis_url: str) -> EngineServer:
-    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", "--redis-url", redis_url])
+    paced = ["--test-step-delay", str(STEP_DELAY_S)] if role == "decode" else []
+    return EngineServer(role, ["--model", str(model), "--kv-cache-memory", "16MiB", "--redis-url", redis_url, *paced])
 
 
 def _request(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -110,8 +115,9 @@ def test_a_stream_on_a_vanished_decode_host_migrates_within_the_keepalive_deadli
         got += [t for d in stream for t in d.token_ids]
         took = time.monotonic() - silenced
         assert got == want
-        # Noticed by the keepalive ping (the stream had no deadline of its own), not later.
-        assert took < DETECT_S + 5, (took, gw.logs())
+        # Noticed by the keepalive ping (the stream had no deadline of its own), not later; the
+        # rest of the stream is then served at the paced decode servers' speed.
+        assert took < DETECT_S + 5 + 300 * STEP_DELAY_S, (took, gw.logs())
         lost_address = relays[lost].address
         health = {i["address"]: i["healthy"] for i in _cluster(gw)}
         assert health[lost_address] is False, health
