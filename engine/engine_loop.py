@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
@@ -47,6 +48,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self.step_delay = 0.0  # tests only (an engine server's hidden --test-step-delay): seconds slept after a forward pass
         # Background work that ends (a grammar compiled) wakes an idle wait at once.
         engine.on_background_done = lambda: self.submit(lambda e: None)
 
@@ -104,6 +106,8 @@ class EngineLoop:
                     idle = not out.did_work
                     if not out.is_empty:
                         self.on_step(out)
+                    if self.step_delay and out.num_batched_tokens:
+                        time.sleep(self.step_delay)
         except BaseException as exc:  # a broken step: fail every caller, never hang them
             logger.exception("engine loop failed")
             self.error = exc

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -88,7 +87,6 @@ class EngineBridge:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.num_finished = 0  # engine thread writes, others read
         self.after_step: Callable[[LLMEngine], None] | None = None  # engine thread, after each reported step
-        self.step_delay = 0.0  # tests only (an engine server's hidden --test-step-delay): seconds slept after a step
         self.instance_id = self.cache_namespace = ""
         self.loop = EngineLoop(engine, self._on_step)
         # A server's waiting queue is bounded like the decode tier's reservations (offline: unbounded).
@@ -168,8 +166,6 @@ class EngineBridge:
             self._post(self._snapshot(req))
         if self.after_step is not None:
             self.after_step(self.engine)
-        if self.step_delay and out.updated:
-            time.sleep(self.step_delay)
 
     # ---- load ------------------------------------------------------------
     def load_info(self) -> common_pb2.LoadInfo:

@@ -52,8 +52,8 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--inject-forward-fault", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
     # Tests only, and hidden: steps take the CUDA-graph path run eagerly (engine/runtime_config.py).
     g.add_argument("--graphs-without-capture", action="store_true", help=argparse.SUPPRESS)
-    # Tests only, and hidden: the engine thread sleeps this long after every step with output, so
-    # that a test can act while a short stream on a tiny model is still running (rpc/engine_bridge.py).
+    # Tests only, and hidden: the engine thread sleeps this long after every forward pass, so
+    # that a test can act while a short stream on a tiny model is still running (engine/engine_loop.py).
     g.add_argument("--test-step-delay", type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     tls.add_cli_args(parser)
     tracing.add_cli_args(parser)
@@ -205,7 +205,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     if endpoint is not None:
         logger.info("metrics on %s", endpoint.attach(metrics))
     service.attach(engine, address, metrics)
-    service.bridge.step_delay = getattr(args, "test_step_delay", 0.0)  # type: ignore[attr-defined]
+    service.bridge.loop.step_delay = getattr(args, "test_step_delay", 0.0)  # type: ignore[attr-defined]
     publisher = _start_cache_feed(service, cache_events, engine, address, getattr(args, "redis_url", None))
     await rpc.set_serving(True)
     print(f"{role} server ready on {address} (loaded in {time.time() - t0:.1f}s)", flush=True)

@@ -26,8 +26,10 @@ def Engine(role: str, model, *flags: str) -> EngineServer:
 def cluster(tiny_llama_dir):
     # Prefill: one token per step, so a 400-token prompt prefills for hundreds of steps.
     # Decode: one sequence at a time, so a second request waits for a slot.
-    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1")
-    decode = Engine("decode", tiny_llama_dir, "--max-num-seqs", "1")
+    # Both paced (their hidden --test-step-delay): unpaced, the tiny model's 400 steps take well
+    # under a second, and a cancel must find its request still prefilling or decoding.
+    prefill = Engine("prefill", tiny_llama_dir, "--max-num-batched-tokens", "1", "--test-step-delay", "0.005")
+    decode = Engine("decode", tiny_llama_dir, "--max-num-seqs", "1", "--test-step-delay", "0.01")
     gw = GatewayProcess("gw-cancel", ["--prefill", prefill.address, "--decode", decode.address,
                                       "--max-model-len", "512"])
     procs = [gw, prefill, decode]

@@ -4,6 +4,7 @@ of hanging them."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -32,7 +33,7 @@ class _StepCounter:
             raise RuntimeError("step broke")
         self.left -= 1
         self.done += 1
-        return StepOutput(updated=[self.done])  # type: ignore[list-item]
+        return StepOutput(updated=[self.done], num_batched_tokens=1)  # type: ignore[list-item]
 
 
 def test_commands_and_steps_run_in_the_engine_thread():
@@ -54,6 +55,24 @@ def test_commands_and_steps_run_in_the_engine_thread():
         with pytest.raises(ZeroDivisionError):  # a failing command fails its caller only
             loop.submit(lambda e: 1 / 0).result(5)
         assert loop.is_alive
+    finally:
+        loop.stop()
+
+
+def test_the_test_step_delay_paces_every_forward_pass():
+    """An engine server's hidden --test-step-delay: the loop sleeps after each forward pass, so
+    that a test finds a tiny model's short stream still running."""
+    eng = _StepCounter(steps=0)
+    loop = EngineLoop(eng, lambda out: None)  # type: ignore[arg-type]
+    loop.step_delay = 0.05
+    loop.start()
+    try:
+        loop.submit(lambda e: setattr(e, "left", 4)).result(5)
+        t0 = time.monotonic()
+        while loop.submit(lambda e: e.done).result(5) < 4:
+            time.sleep(0.005)
+        # Sleeps follow steps 1-3 before step 4 runs; step 1 and part of its sleep may precede t0.
+        assert time.monotonic() - t0 >= 2 * 0.05
     finally:
         loop.stop()
 
