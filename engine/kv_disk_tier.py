@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from engine.cpu_threads import serial_thread
 from engine.block_hash import leading_run
 
 if TYPE_CHECKING:
@@ -373,6 +374,7 @@ class DiskKVTier:
 
     # ---- the reader thread -----------------------------------------------
     def _read_loop(self) -> None:
+        serial_thread()
         while True:
             job = self._reads.get()
             if job is None:
@@ -399,6 +401,7 @@ class DiskKVTier:
 
     # ---- the writer thread -----------------------------------------------
     def _writer(self) -> None:
+        serial_thread()
         while True:
             try:
                 item = self._queue.get(timeout=max(0.01, self._next_scan - time.monotonic()))

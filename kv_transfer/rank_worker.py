@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from engine.cpu_threads import serial_thread
 from engine.parallel import TPGroup
 from engine.rank_calls import RankContext, call, install_on_ranks
 from kv_transfer.protocol import KVLayout, KVTransferError
@@ -120,6 +121,7 @@ class RankReceivers:
             receiver.close()
 
     def _loop(self, key: str, receiver: KVReceiver, view: torch.Tensor, num_parts: int, timeout: float) -> None:
+        serial_thread()
         try:
             receiver.wait_connected()
             while self._recv_one(key, receiver, view, num_parts, timeout):

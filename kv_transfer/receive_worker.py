@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from engine.cpu_threads import serial_thread
 from engine.llm_engine import LLMEngine
 from engine.rank_calls import RankCallError, call, serve_calls
 from kv_transfer.channel import ChannelOffer, ChannelRequest, RankEndpoint
@@ -175,6 +176,7 @@ class KVReceiveWorker:
     def _recv_loop(self, receiver: KVReceiver, peer: str, heads: torch.Tensor, num_parts: int,
                    channel: str) -> None:
         """``peer``: this pair's name; ``channel``: the prefill peer whose channel it belongs to."""
+        serial_thread()
         try:
             receiver.wait_connected()
         except KVTransferError as exc:

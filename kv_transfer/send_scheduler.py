@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.cpu_threads import serial_thread
 from engine.llm_engine import LLMEngine
 from kv_transfer.channel import OpenChannel
 from kv_transfer.layerwise import StepLayers, StreamedSend, stream_send
@@ -77,8 +78,10 @@ class KVSendScheduler:
         self.layerwise = layerwise
         self.device = worker.kv_cache.device
         self.state_slot = state_slot
-        self._streams = ThreadPoolExecutor(max_workers=_MAX_STREAMS, thread_name_prefix="kv-layerwise")
-        self._after_prefill = ThreadPoolExecutor(max_workers=_MAX_AFTER_PREFILL, thread_name_prefix="kv-send")
+        self._streams = ThreadPoolExecutor(max_workers=_MAX_STREAMS, thread_name_prefix="kv-layerwise",
+                                          initializer=serial_thread)
+        self._after_prefill = ThreadPoolExecutor(max_workers=_MAX_AFTER_PREFILL, thread_name_prefix="kv-send",
+                                                initializer=serial_thread)
         self._sends: dict[str, _Send] = {}
         self._lock = threading.Lock()
 

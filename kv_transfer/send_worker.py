@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.cpu_threads import serial_thread
 from engine.parallel import TPGroup
 from engine.rank_calls import RankCallError, call
 from kv_transfer.channel import ChannelOffer, ChannelRequest, OpenChannel
@@ -53,7 +54,8 @@ class RankPairs:
         self.local, self.store, self.remote, self.timeout = local, store, remote, timeout
         self.reason = local[0][0].reason if local else "parts sent by worker ranks"
         self._broken = False
-        self._pool = ThreadPoolExecutor(max_workers=len(local) + len(remote), thread_name_prefix="kv-part-send")
+        self._pool = ThreadPoolExecutor(max_workers=len(local) + len(remote), thread_name_prefix="kv-part-send",
+                                        initializer=serial_thread)
 
     @property
     def is_usable(self) -> bool:

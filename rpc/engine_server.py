@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import logging
 import sys
+import threading
 import time
-from typing import Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 import grpc
 
@@ -27,6 +28,7 @@ from rpc import ports, tls, tracing
 from rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def configure_logging(name: str) -> None:
@@ -134,8 +136,7 @@ class EngineServicerBase:
         if not request.lora_name or not request.lora_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadLoRAAdapter needs lora_name and lora_path")
         try:
-            info = await asyncio.get_running_loop().run_in_executor(None, lora.register, request.lora_name,
-                                                                    request.lora_path)
+            info = await _in_own_thread(lora.register, request.lora_name, request.lora_path)
         except LoRAError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return lora_to_proto(info, info.name in lora.held())
@@ -195,7 +196,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.prefill_only = role == "prefill"
-        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine.from_engine_args, engine_args)
+        engine = await _in_own_thread(LLMEngine.from_engine_args, engine_args)
     except BaseException:  # a bad flag or a failed load: stop the server inside its loop, then report
         await rpc.server.stop(grace=None)
         if endpoint is not None:
@@ -228,6 +229,28 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
         engine.close()  # tensor-parallel workers
         if endpoint is not None:
             endpoint.close()
+
+
+async def _in_own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread that ends with it: a thread that ran CPU ops keeps its OpenMP
+    team while it lives, and a second live team slows every step of the engine thread's
+    (engine/cpu_threads.py)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="engine-load", daemon=True).start()
+    return await done
 
 
 def _metrics_endpoint(args: argparse.Namespace, grpc_port: int) -> MetricsEndpoint | None:

@@ -218,15 +218,19 @@ class ServerOutput:
             t.join(timeout)
 
 
-def cpu_threads_per_engine(args: argparse.Namespace, num_engines: int, cpu_count: int | None = None) -> int | None:
-    """On CPU, engine servers split the cores but one, which the gateway's per-token work
-    (streaming, detokenizing) takes, instead of each taking all of them: a step's threads that
-    share a core with another busy process wait for it at every parallel region. On 2 cores a
-    decode server prefilling locally streamed one user's tokens at 24-34 ms with 2 threads and
-    23.7 ms with 1 (the packed default model; docs/benchmarks.md)."""
+def cpu_threads(args: argparse.Namespace, num_prefill: int, num_decode: int,
+                cpu_count: int | None = None) -> tuple[int | None, int | None]:
+    """On CPU, the threads of (each prefill server, each decode server); (None, None) on GPUs.
+    Decode servers split every core between them: they step for every token of every stream.
+    A prefill server, which computes in bursts, takes its share of the cores split between all
+    engine servers. On 2 cores, one prefill and one decode server (the packed default model, one
+    stream; docs/benchmarks.md): decode 2 threads, prefill 1, streamed at 7.8 ms a token against
+    10.5 ms for 1 + 1, and 4 streams at once 14% faster; 2 + 2 made the 4 streams 14% slower."""
     on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not cuda_available())
+    if not on_cpu:
+        return None, None
     cores = cpu_count or os.cpu_count() or 1
-    return max(1, (cores - 1) // num_engines) if on_cpu else None
+    return max(1, cores // max(1, num_prefill + num_decode)), max(1, cores // max(1, num_decode))
 
 
 def host_hit_credit(args: argparse.Namespace) -> float:
@@ -288,7 +292,7 @@ class Cluster:
         a, eng = self.args, engine_flags(self.args)
         devices = a.devices.split(",") if a.devices else []
         engines = self.prefill + self.decode
-        threads = cpu_threads_per_engine(a, len(engines))
+        threads = dict(zip(("prefill", "decode"), cpu_threads(a, len(self.prefill), len(self.decode))))
         width = max(len("gateway"), *(len(f"{r}-{n - 1}") for r, n in (("prefill", len(self.prefill)),
                                                                        ("decode", len(self.decode))) if n))
         for i, addr in enumerate(engines):
@@ -302,7 +306,7 @@ class Cluster:
                     extra += ["--tensor-parallel-size", str(a.prefill_tensor_parallel_size)]
             self._launch(f"{name} ({addr})", name, role,
                          [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *extra,
-                          *tls.tls_flags(a)], threads,
+                          *tls.tls_flags(a)], threads[role],
                          self.trace_env, width)
         gw_env = dict(self.trace_env)
         if a.api_key:  # through the environment: a command line is visible to everyone in ps

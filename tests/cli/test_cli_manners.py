@@ -66,9 +66,10 @@ def test_trace_piped_into_head_ends_quietly(tmp_path):
     assert done.stdout == f"trace {'a' * 32}  request cmpl-a\n"
 
 
-@pytest.mark.parametrize("cores, engines, threads", [(2, 2, 1), (2, 1, 1), (1, 1, 1), (8, 2, 3), (16, 1, 15)])
-def test_engine_servers_on_cpu_leave_a_core_to_the_gateway(cores, engines, threads):
-    from pdserve.cli.up import cpu_threads_per_engine
+@pytest.mark.parametrize("cores, prefill, decode, threads", [
+    (2, 1, 1, (1, 2)), (2, 0, 1, (2, 2)), (1, 1, 1, (1, 1)), (8, 1, 1, (4, 8)), (8, 2, 2, (2, 4)), (16, 0, 1, (16, 16))])
+def test_decode_servers_on_cpu_split_every_core_and_prefill_servers_a_share(cores, prefill, decode, threads):
+    from pdserve.cli.up import cpu_threads
 
     args = build_parser("up").parse_args(["up", "--device", "cpu"])
-    assert cpu_threads_per_engine(args, engines, cpu_count=cores) == threads
+    assert cpu_threads(args, prefill, decode, cpu_count=cores) == threads

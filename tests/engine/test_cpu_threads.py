@@ -1,0 +1,52 @@
+"""engine/cpu_threads.py: a thread that calls ``serial_thread`` runs its CPU ops without an
+OpenMP team of its own, and leaves the count of every other thread as it was, including one
+that runs its first parallel op afterwards (as the engine thread of a server whose KV receive
+thread ran first). Checked in a fresh process with two OpenMP threads, by the count of the
+process's OS threads: a team adds its workers as threads."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import os, threading, torch
+    from engine.cpu_threads import serial_thread
+
+    def os_threads():
+        return len(os.listdir("/proc/self/task"))
+
+    x = torch.randn(1 << 18)
+    seen = {}
+
+    def side():  # a KV receive thread: first to run a parallel op
+        serial_thread()
+        before = os_threads()
+        x.mul(2.0)
+        seen["side"] = (torch.get_num_threads(), os_threads() - before)
+
+    def engine():  # its first parallel op after the side thread's
+        before = os_threads()
+        x.mul(3.0)
+        seen["engine"] = (torch.get_num_threads(), os_threads() - before)
+
+    for target in (side, engine):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    print(seen["side"], seen["engine"])
+""")
+
+
+def test_a_serial_thread_starts_no_team_and_leaves_the_engine_thread_its_own():
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    side, engine = done.stdout.split(") (")
+    assert side == "(1, 0", done.stdout  # one thread, no worker started
+    assert engine == "2, 1)\n", done.stdout  # two threads: one worker
