@@ -5,8 +5,8 @@ calls it, and libgomp keeps a thread's team as long as the thread lives. Once a 
 more OpenMP threads than it has CPUs (two teams of two on two cores), libgomp stops letting
 idle workers spin and parks them, and every parallel region then wakes its workers through the
 kernel: on 2 cores an elementwise op went from 11 to 72 us, and a decode step of the packed
-default model from 7.6 to 13-16 ms, once a second thread of a server had run a parallel op
-(docs/benchmarks.md, "The local cluster on the packed model").
+default model from 7-8 to 13-14 ms, once a second thread of the process had run a parallel op
+(docs/benchmarks.md, "One OpenMP team per server").
 
 So a server keeps one team: the engine thread's. The thread that loads the engine ends with
 the load (rpc/engine_server.py), and the threads that move KV blocks or do other side work

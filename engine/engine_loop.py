@@ -48,7 +48,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
-        self.step_delay = 0.0  # tests only (an engine server's hidden --test-step-delay): seconds slept after a forward pass
+        self.step_delay = 0.0  # tests only (a server's hidden --test-step-delay): seconds slept after each forward pass
         # Background work that ends (a grammar compiled) wakes an idle wait at once.
         engine.on_background_done = lambda: self.submit(lambda e: None)
 

@@ -79,8 +79,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from engine.cpu_threads import serial_thread
 from engine.block_hash import leading_run
+from engine.cpu_threads import serial_thread
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
