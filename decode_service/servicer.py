@@ -64,7 +64,7 @@ class DecodeServicer(EngineServicerBase, engine_pb2_grpc.DecodeServicer):
         engine_pb2_grpc.add_DecodeServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
-        self.bridge = EngineBridge(engine, "decode", address, metrics)
+        self.bridge = EngineBridge(engine, "decode", address, metrics, thread=self.engine_thread)
         timeout = engine.config.scheduler.kv_transfer_timeout
         receives = KVReceiveScheduler(self.bridge.loop, timeout,
                                       metrics.record_checksum_mismatch if metrics else None)

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
@@ -38,31 +39,72 @@ IDLE_WAIT_S = 0.1
 MAX_PENDING_COMMANDS = 4096
 
 
+class EngineThread:
+    """One thread for an engine's whole life: it can build the engine (``submit``) and then runs
+    its loop (``EngineLoop(..., thread=)``). A server builds its engine here because the
+    tensor-parallel workers die with the thread that started them (``PR_SET_PDEATHSIG`` follows
+    the parent thread, not the process) and because this thread's OpenMP team is to be the
+    process's only one (engine/cpu_threads.py)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        """Run ``fn()`` on this thread after what was submitted before; the future holds its result."""
+        fut: Future = Future()
+
+        def job() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    fut.set_exception(exc)
+
+        self._jobs.put(job)
+        return fut
+
+    def close(self) -> None:
+        """End the thread once what was submitted has run."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
-                 max_pending: int = MAX_PENDING_COMMANDS) -> None:
+                 max_pending: int = MAX_PENDING_COMMANDS, thread: EngineThread | None = None) -> None:
+        """``thread``: the engine's thread (the one that built it), else a thread of its own."""
         self.engine = engine
         self.on_step = on_step
         self.max_pending = max_pending
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._own_thread = thread is None
+        self._thread = EngineThread() if thread is None else thread
+        self._running: Future | None = None
         self.error: BaseException | None = None
         self.step_delay = 0.0  # tests only (a server's hidden --test-step-delay): seconds slept after each forward pass
         # Background work that ends (a grammar compiled) wakes an idle wait at once.
         engine.on_background_done = lambda: self.submit(lambda e: None)
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._commands.put((lambda e: None, Future()))  # wake the thread
-        self._thread.join(timeout)
+        if self._running is not None:
+            futures.wait([self._running], timeout)
+        if self._own_thread:
+            self._thread.close()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     def submit(self, fn: Callable[[LLMEngine], T], bounded: bool = False) -> "Future[T]":
         """Run ``fn(engine)`` in the engine thread; the future holds its result.

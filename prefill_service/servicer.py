@@ -61,7 +61,8 @@ class PrefillServicer(EngineServicerBase, engine_pb2_grpc.PrefillServicer):
         engine_pb2_grpc.add_PrefillServicer_to_server(self, server)
 
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics | None = None) -> None:
-        self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True)
+        self.bridge = EngineBridge(engine, "prefill", address, metrics, post_started=True,
+                                   thread=self.engine_thread)
         self.sends = KVSendScheduler.attach(engine, address, _open_kv_channel, self.kv_send == "layerwise",
                                             self.pairs_per_decode)
         self.bridge.start()

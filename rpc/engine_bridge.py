@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, EngineThread
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.request import Request, RequestError, RequestStatus, RequestTimes
 from rpc.engine_metrics import EngineMetrics
@@ -78,7 +78,8 @@ class _DeltaQueue(asyncio.Queue):
 
 class EngineBridge:
     def __init__(self, engine: LLMEngine, role: str, address: str, metrics: EngineMetrics | None = None,
-                 post_started: bool = False) -> None:
+                 post_started: bool = False, thread: EngineThread | None = None) -> None:
+        """``thread``: the thread that built the engine, to run its loop (else one of its own)."""
         self.engine = engine
         self.role, self.address, self.metrics = role, address, metrics
         self.post_started = post_started
@@ -88,7 +89,7 @@ class EngineBridge:
         self.num_finished = 0  # engine thread writes, others read
         self.after_step: Callable[[LLMEngine], None] | None = None  # engine thread, after each reported step
         self.instance_id = self.cache_namespace = ""
-        self.loop = EngineLoop(engine, self._on_step)
+        self.loop = EngineLoop(engine, self._on_step, thread=thread)
         # A server's waiting queue is bounded like the decode tier's reservations (offline: unbounded).
         engine.limit_waiting(engine.config.scheduler.max_queued_requests)
 

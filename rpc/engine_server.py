@@ -15,6 +15,7 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.runtime_config import log_level
+from engine.engine_loop import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAError, LoRAMismatch, LoRANotLoaded
 from engine.request import RequestError
@@ -110,6 +111,7 @@ class EngineServicerBase:
 
     def __init__(self) -> None:
         self.bridge: EngineBridge | None = None
+        self.engine_thread: EngineThread | None = None  # serve_engine's: built the engine, runs its loop
         self.draining = False
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> EngineBridge:
@@ -164,6 +166,8 @@ class EngineService(Protocol):
 
     name: str  # full gRPC service name, e.g. pdserve.v1.Decode
 
+    engine_thread: EngineThread | None  # set before attach: the thread that built the engine runs its loop
+
     def register(self, server: grpc.aio.Server) -> None: ...  # before the server starts
     def attach(self, engine: LLMEngine, address: str, metrics: EngineMetrics) -> None: ...  # once loaded
     async def drain(self) -> None: ...
@@ -196,8 +200,12 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
     try:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.prefill_only = role == "prefill"
-        engine = await _in_own_thread(LLMEngine.from_engine_args, engine_args)
+        service.engine_thread = EngineThread()
+        engine = await asyncio.wrap_future(service.engine_thread.submit(
+            lambda: LLMEngine.from_engine_args(engine_args)))
     except BaseException:  # a bad flag or a failed load: stop the server inside its loop, then report
+        if service.engine_thread is not None:
+            service.engine_thread.close()
         await rpc.server.stop(grace=None)
         if endpoint is not None:
             endpoint.close()
@@ -227,6 +235,7 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
             publisher.stop()
         service.close()
         engine.close()  # tensor-parallel workers
+        service.engine_thread.close()
         if endpoint is not None:
             endpoint.close()
 

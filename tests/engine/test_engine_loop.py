@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_a_failing_step_fails_callers_and_marks_the_loop_dead():
     eng = _StepCounter(steps=5, fail_at=2)
     loop = EngineLoop(eng, lambda updated: None)  # type: ignore[arg-type]
     loop.start()
-    loop._thread.join(5)
+    futures.wait([loop._running], 5)
     assert not loop.is_alive and isinstance(loop.error, RuntimeError)
     with pytest.raises(RuntimeError, match="engine loop died"):
         loop.submit(lambda e: None).result(5)
