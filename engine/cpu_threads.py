@@ -8,9 +8,9 @@ kernel: on 2 cores an elementwise op went from 11 to 72 us, and a decode step of
 default model from 7-8 to 13-14 ms, once a second thread of the process had run a parallel op
 (docs/benchmarks.md, "One OpenMP team per server").
 
-So a server keeps one team: the engine thread's. The thread that loads the engine ends with
-the load (rpc/engine_server.py), and the threads that move KV blocks or do other side work
-call ``serial_thread`` first, which runs their ops on the thread itself.
+So a server keeps one team: the engine thread's, which builds the engine and then steps it
+(engine/engine_loop.py ``EngineThread``), and the threads that move KV blocks or do other side
+work call ``serial_thread`` first, which runs their ops on the thread itself.
 
 ``torch.set_num_threads`` would not do for them: it also sets the count every thread takes
 when it first asks for one, and each compiled extension asks again for itself (its own copy of

@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import logging
 import sys
-import threading
 import time
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -15,6 +14,7 @@ import grpc
 
 from engine.config import EngineArgs
 from engine.runtime_config import log_level
+from engine.cpu_threads import serial_thread
 from engine.engine_loop import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAError, LoRAMismatch, LoRANotLoaded
@@ -138,7 +138,8 @@ class EngineServicerBase:
         if not request.lora_name or not request.lora_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadLoRAAdapter needs lora_name and lora_path")
         try:
-            info = await _in_own_thread(lora.register, request.lora_name, request.lora_path)
+            info = await asyncio.get_running_loop().run_in_executor(None, _serially, lora.register,
+                                                                    request.lora_name, request.lora_path)
         except LoRAError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return lora_to_proto(info, info.name in lora.held())
@@ -240,26 +241,11 @@ async def serve_engine(args: argparse.Namespace, role: str, service: EngineServi
             endpoint.close()
 
 
-async def _in_own_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a thread that ends with it: a thread that ran CPU ops keeps its OpenMP
-    team while it lives, and a second live team slows every step of the engine thread's
-    (engine/cpu_threads.py)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:  # handed to the awaiting coroutine
-            result, error = None, exc
-        loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="engine-load", daemon=True).start()
-    return await done
+def _serially(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with this (executor) thread's CPU ops on itself alone: a second OpenMP team
+    in the process slows every step of the engine thread's (engine/cpu_threads.py)."""
+    serial_thread()
+    return fn(*args)
 
 
 def _metrics_endpoint(args: argparse.Namespace, grpc_port: int) -> MetricsEndpoint | None:

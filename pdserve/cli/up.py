@@ -225,7 +225,7 @@ def cpu_threads(args: argparse.Namespace, num_prefill: int, num_decode: int,
     A prefill server, which computes in bursts, takes its share of the cores split between all
     engine servers. On 2 cores, one prefill and one decode server (the packed default model;
     docs/benchmarks.md, "One OpenMP team per server"): decode 2 threads and prefill 1 streamed one
-    user's tokens at 8.99 ms against 10.99 for 1 + 1, and 4 streams at once 8-17% faster, their
+    user's tokens at 8.35 ms against 11.80 for 1 + 1, and 4 streams at once 8-17% faster, their
     first tokens later; 2 + 2 made the 4 streams 14% slower."""
     on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not cuda_available())
     if not on_cpu:
