@@ -17,37 +17,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.cluster import UpCluster
+from bench.cluster import UpCluster, server_processes
 
 INPUT_LEN, OUTPUT_LEN, PER_STREAM = 48, 128, 6
 
 
-def _cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
-    """Each child process of ``pid`` (recursively): (its command, user + system CPU seconds)."""
+def _cpu_seconds(up_pid: int) -> dict[str, float]:
+    """User + system CPU seconds of each server process of `pdserve up` ``up_pid``, by "role-pid"."""
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, int, float]] = {}  # pid: (command, parent pid, CPU seconds)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    out = {}
+    for pid, role in server_processes(up_pid).items():
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = " ".join(a.decode() for a in cmd[1:5])
-        out[int(entry.name)] = (name, int(stat[1]), (int(stat[11]) + int(stat[12])) / tick)
-    children, frontier = {}, {pid}
-    while frontier:  # walk the tree by parent pid
-        frontier = {p for p, (_, ppid, _) in out.items() if ppid in frontier}
-        children.update({p: (out[p][0], out[p][2]) for p in frontier})
-    return children
+        out[f"{role}-{pid}"] = (int(stat[11]) + int(stat[12])) / tick
+    return out
 
 
-def _serve(base_url: str, prompts: int, concurrency: int, path: str, env: dict[str, str]) -> dict:
+def _serve(base_url: str, prompts: int, concurrency: int, path: str) -> dict:
     subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", base_url,
                     "--max-concurrency", str(concurrency), "--num-prompts", str(prompts), "--input-len",
                     str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--output-json", path],
-                   env=env, check=True, capture_output=True)
+                   check=True, capture_output=True)
     return json.loads(Path(path).read_text())
 
 
@@ -64,27 +56,21 @@ def main() -> None:
     base = args.port_base
     ports = ["--http-port", str(base), "--grpc-port", str(base + 1), "--prefill-port", str(base + 2),
              "--decode-port", str(base + 3)]
-    saved = os.environ.copy()
-    os.environ.update(env)  # UpCluster's pdserve up inherits it
-    try:
-        with UpCluster(["--disable-log-requests", *ports, *flags]) as up, tempfile.TemporaryDirectory() as tmp:
-            url = f"http://127.0.0.1:{base}"
-            _serve(url, 2, 1, f"{tmp}/warm.json", env)
-            before = _cpu_seconds(up.pid)
-            result = _serve(url, PER_STREAM * args.concurrency, args.concurrency, f"{tmp}/run.json", env)
-            after = _cpu_seconds(up.pid)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with UpCluster(["--disable-log-requests", *ports, *flags], env=env) as up, tempfile.TemporaryDirectory() as tmp:
+        url = f"http://127.0.0.1:{base}"
+        _serve(url, 2, 1, f"{tmp}/warm.json")
+        before = _cpu_seconds(up.pid)
+        result = _serve(url, PER_STREAM * args.concurrency, args.concurrency, f"{tmp}/run.json")
+        after = _cpu_seconds(up.pid)
     tokens = PER_STREAM * args.concurrency * OUTPUT_LEN
-    result["cpu_ms_per_output_token"] = {name: round(1000 * (t - before.get(pid, (name, 0.0))[1]) / tokens, 3)
-                                         for pid, (name, t) in after.items()}
+    result["cpu_ms_per_output_token"] = {name: round(1000 * (t - before.get(name, 0.0)) / tokens, 3)
+                                         for name, t in after.items()}
     result["up_flags"], result["env"] = flags, args.env
     ms = {k: round(v * 1000, 2) for k, v in result["tpot"].items()}
     ttft = {k: round(v * 1000, 1) for k, v in result["ttft"].items()}
     print(f"{args.concurrency} stream(s): {result['output_tokens_per_s']:.1f} output tok/s, TPOT {ms}, TTFT {ttft}")
     for name, value in result["cpu_ms_per_output_token"].items():
-        print(f"  {name[:70]:70s} {value:7.3f} ms CPU / output token")
+        print(f"  {name:20s} {value:7.3f} ms CPU / output token")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1))
 

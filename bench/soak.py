@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.cluster import UpCluster
+from bench.cluster import UpCluster, server_processes
 from bench.results import write_result
 
 _DEFINED = {429, 503, 504}
@@ -39,22 +39,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="--kv-cache-memory 256MiB --max-model-len 1024")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
-
-
-def _children(pid: int) -> dict[int, str]:
-    """Child pid -> its pdserve role (prefill, decode, gateway)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
-                continue
-            argv = Path(f"/proc/{d}/cmdline").read_text().split("\0")
-            out[int(d)] = next(a for a in argv if a in ("prefill", "decode", "gateway"))
-        except (OSError, IndexError, ValueError, StopIteration):
-            pass
-    return out
 
 
 def _rss_mib(pid: int) -> float:
@@ -104,9 +88,9 @@ async def _drive(args: argparse.Namespace, base: int, up_pid: int) -> dict:
                 outcomes[await _one(client, rng, args, model)] += 1
             done += 1
             if done == args.num_requests // 4:
-                rss_early.update({f"{role}-{pid}": _rss_mib(pid) for pid, role in _children(up_pid).items()})
+                rss_early.update({f"{role}-{pid}": _rss_mib(pid) for pid, role in server_processes(up_pid).items()})
             if done == args.num_requests // 2 and not args.no_kill and killed is None:
-                victim = next(pid for pid, role in _children(up_pid).items() if role == "decode")
+                victim = next(pid for pid, role in server_processes(up_pid).items() if role == "decode")
                 os.kill(victim, signal.SIGKILL)
                 killed = victim
 
@@ -121,7 +105,7 @@ async def _drive(args: argparse.Namespace, base: int, up_pid: int) -> dict:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-    rss_late = {f"{role}-{pid}": _rss_mib(pid) for pid, role in _children(up_pid).items()}
+    rss_late = {f"{role}-{pid}": _rss_mib(pid) for pid, role in server_processes(up_pid).items()}
     return {"wall_seconds": wall, "outcomes": dict(outcomes), "killed_decode_pid": killed,
             "instances_after": instances, "rss_mib_quarter": rss_early, "rss_mib_end": rss_late}
 
