@@ -5,6 +5,7 @@ thread ran first). Checked in a fresh process with two OpenMP threads, by the co
 process's OS threads: a team adds its workers as threads."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import os, threading, torch
+    import json, os, threading, torch
     from engine.cpu_threads import serial_thread
 
     def os_threads():
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent("""
         t = threading.Thread(target=target)
         t.start()
         t.join()
-    print(seen["side"], seen["engine"])
+    print(json.dumps(seen))
 """)
 
 
@@ -47,6 +48,6 @@ def test_a_serial_thread_starts_no_team_and_leaves_the_engine_thread_its_own():
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    side, engine = done.stdout.split(") (")
-    assert side == "(1, 0", done.stdout  # one thread, no worker started
-    assert engine == "2, 1)\n", done.stdout  # two threads: one worker
+    seen = json.loads(done.stdout)
+    assert seen["side"] == [1, 0], seen  # one thread, no worker started
+    assert seen["engine"] == [2, 1], seen  # two threads: one worker
