@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import json, os, threading, torch
+    import json, os, threading, time, torch
     from engine.cpu_threads import serial_thread
 
     def os_threads():
@@ -39,6 +39,10 @@ SCRIPT = textwrap.dedent("""
         t = threading.Thread(target=target)
         t.start()
         t.join()
+        # join returns before the OS thread is gone: one leaving while the next thread counts
+        # would cancel out a worker it started
+        while os.path.exists(f"/proc/self/task/{t.native_id}"):
+            time.sleep(0.001)
     print(json.dumps(seen))
 """)
 
