@@ -17,6 +17,7 @@ and bench; nothing but bench and the tests imports it):
     __init__.py       the parser and ``main`` (the ``pdserve`` console script)
     __main__.py       ``python -m pdserve.cli``
     config_file.py    ``--config FILE``
+    openmp_spin.py    how long an engine server's idle OpenMP workers spin
     up.py             ``pdserve up``: the local cluster
     trace.py          ``pdserve trace``: the text waterfall and breakdown, the command
     trace_html.py     ``pdserve trace --html``: the self-contained page
@@ -31,6 +32,7 @@ import sys
 from typing import Callable
 
 from pdserve.cli.config_file import add_config_flag, command_parser, with_config_files
+from pdserve.cli.openmp_spin import bound_openmp_spin
 
 
 def _service(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
     only = first if first in SUBCOMMANDS or first == "bench" else None
+    if only in ("prefill", "decode"):
+        bound_openmp_spin()  # before torch loads libgomp
     rest = [a for a in argv if not a.startswith("-")]
     only_bench = rest[1] if only == "bench" and len(rest) > 1 and rest[1] in BENCH else None
     parser = build_parser(only, only_bench)

@@ -36,6 +36,7 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
+from pdserve.cli.openmp_spin import LIBGOMP_SPIN
 from engine.sampling_params import MAX_N
 from gateway.config import add_chat_args, add_migration_args, add_runtime_lora_args
 from gateway.router import GPU_HOST_HIT_CREDIT, HOST_HIT_CREDIT
@@ -137,12 +138,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(argv: list[str], threads: int | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def child_env(threads: int | None = None, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """A server's environment: this one's, ``extra_env``, and on CPU (``threads``) the OpenMP
+    threads it was planned, spinning as libgomp's default does (the cores are planned: a server
+    alone would bound the spin, pdserve/cli/openmp_spin.py); the user's own settings win."""
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}  # lines reach the prefixer at once
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    if threads is not None and "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        env["GOMP_SPINCOUNT"] = LIBGOMP_SPIN
+    return env
+
+
+def _spawn(argv: list[str], threads: int | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], preexec_fn=_die_with_parent,
+                            env=child_env(threads, extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, errors="replace")
 
 
 def planned_ports(args: argparse.Namespace) -> list[tuple[int, str, str]]:
@@ -234,6 +245,27 @@ def cpu_threads(args: argparse.Namespace, num_prefill: int, num_decode: int,
     return max(1, cores // max(1, num_prefill + num_decode)), max(1, cores // max(1, num_decode))
 
 
+def gpu_memory_shares(args: argparse.Namespace, num_prefill: int, num_decode: int) -> list[float | None]:
+    """Each engine server's --gpu-memory-utilization (prefill servers first), where servers share
+    a GPU: the cluster's utilization split between the servers on its busiest GPU, since each
+    server sizes its KV cache on its share of the total and they start at once (two servers at
+    0.9 of one GPU: the second fails to allocate). None where the server keeps the flag as given:
+    a GPU of its own, --kv-cache-memory set, or CPU."""
+    engines = num_prefill + num_decode
+    if args.kv_cache_memory is not None or cpu_threads(args, num_prefill, num_decode) != (None, None):
+        return [None] * engines
+    devices = args.devices.split(",") if args.devices else [args.device]
+    used = []  # the GPU indices of each server: tensor-parallel rank r on its device's index + r
+    for i in range(engines):
+        device = devices[i % len(devices)]
+        first = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+        tp = (args.prefill_tensor_parallel_size if i < num_prefill else None) or args.tensor_parallel_size
+        used.append(range(first, first + tp))
+    sharing = {gpu: sum(gpu in u for u in used) for u in used for gpu in u}
+    return [None if (n := max(sharing[gpu] for gpu in u)) == 1 else round(args.gpu_memory_utilization / n, 4)
+            for u in used]
+
+
 def host_hit_credit(args: argparse.Namespace) -> float:
     """The gateway's --kv-host-hit-credit: the flag's, else the measured credit of the engine
     servers' device (their --device, or --devices when given: any CUDA device counts as GPU)."""
@@ -294,6 +326,7 @@ class Cluster:
         devices = a.devices.split(",") if a.devices else []
         engines = self.prefill + self.decode
         threads = dict(zip(("prefill", "decode"), cpu_threads(a, len(self.prefill), len(self.decode))))
+        shares = gpu_memory_shares(a, len(self.prefill), len(self.decode))
         width = max(len("gateway"), *(len(f"{r}-{n - 1}") for r, n in (("prefill", len(self.prefill)),
                                                                        ("decode", len(self.decode))) if n))
         for i, addr in enumerate(engines):
@@ -305,6 +338,8 @@ class Cluster:
                 extra += ["--kv-send", a.kv_send, "--kv-pairs-per-decode", str(a.kv_pairs_per_decode)]
                 if a.prefill_tensor_parallel_size is not None:
                     extra += ["--tensor-parallel-size", str(a.prefill_tensor_parallel_size)]
+            if shares[i] is not None:  # after the engine flags: the last one given wins
+                extra += ["--gpu-memory-utilization", str(shares[i])]
             self._launch(f"{name} ({addr})", name, role,
                          [role, "--host", a.host, "--port", addr.rsplit(":", 1)[1], *eng, *dev, *extra,
                           *tls.tls_flags(a)], threads[role],

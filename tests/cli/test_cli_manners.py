@@ -5,6 +5,7 @@ vLLM's ``--port`` is the HTTP port of ``pdserve up`` and ``pdserve gateway``
 reader that stops early (``pdserve trace ID | head -1``) ends quietly."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,54 @@ def test_decode_servers_on_cpu_split_every_core_and_prefill_servers_a_share(core
 
     args = build_parser("up").parse_args(["up", "--device", "cpu"])
     assert cpu_threads(args, prefill, decode, cpu_count=cores) == threads
+
+
+SPIN_OF = """
+import os
+from pdserve.cli import main
+try:
+    main([{role!r}, "--help"])
+except SystemExit:
+    pass
+print("spin", os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize("role, user, spin", [("decode", None, "3000"), ("prefill", None, "3000"),
+                                              ("gateway", None, None), ("decode", "50", "50")])
+def test_engine_servers_bound_their_openmp_spin_unless_the_user_set_it(role, user, spin):
+    """Set before torch loads libgomp (tests/engine/test_cpu_threads.py shows its effect)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    if user is not None:
+        env["GOMP_SPINCOUNT"] = user
+    done = subprocess.run([sys.executable, "-c", SPIN_OF.format(role=role)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"spin {spin}"
+
+
+def test_up_gives_its_cpu_servers_libgomp_s_spin_and_leaves_the_user_s(monkeypatch):
+    from pdserve.cli.up import child_env
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert child_env(2)["GOMP_SPINCOUNT"] == "300000"
+    assert "GOMP_SPINCOUNT" not in child_env(None)  # on GPUs: each server decides
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "GOMP_SPINCOUNT" not in child_env(2)
+
+
+@pytest.mark.parametrize("flags, prefill, decode, shares", [
+    (["--device", "cuda"], 1, 1, [0.45, 0.45]),  # one GPU for both: at 0.9 each the second failed to allocate
+    (["--device", "cuda", "--gpu-memory-utilization", "0.8"], 1, 2, [0.2667, 0.2667, 0.2667]),
+    (["--device", "cuda", "--kv-cache-memory", "1GiB"], 1, 1, [None, None]),
+    (["--devices", "cuda:0,cuda:1"], 1, 1, [None, None]),
+    (["--devices", "cuda:0,cuda:1"], 1, 2, [0.45, None, 0.45]),  # round robin: decode-1 back on cuda:0
+    (["--devices", "cuda:0,cuda:1", "--prefill-tensor-parallel-size", "2"], 1, 1, [0.45, 0.45]),
+    (["--devices", "cuda:0,cuda:2", "--tensor-parallel-size", "2"], 1, 1, [None, None]),
+    (["--device", "cpu"], 1, 1, [None, None])])
+def test_up_splits_a_shared_gpu_between_its_servers(flags, prefill, decode, shares):
+    from pdserve.cli.up import gpu_memory_shares
+
+    args = build_parser("up").parse_args(["up", *flags])
+    assert gpu_memory_shares(args, prefill, decode) == shares

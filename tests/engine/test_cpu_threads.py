@@ -55,3 +55,36 @@ def test_a_serial_thread_starts_no_team_and_leaves_the_engine_thread_its_own():
     seen = json.loads(done.stdout)
     assert seen["side"] == [1, 0], seen  # one thread, no worker started
     assert seen["engine"] == [2, 1], seen  # two threads: one worker
+
+
+IDLE = textwrap.dedent("""
+    import time
+    from pdserve.cli.openmp_spin import bound_openmp_spin
+    bound_openmp_spin()  # what an engine server does first
+    import torch
+    x = torch.randn(1 << 20)
+    x.mul(2.0)
+    start = time.process_time()
+    for _ in range(20):
+        x.mul(2.0)  # a parallel region, then the team's worker idles
+        time.sleep(0.02)
+    print(time.process_time() - start)
+""")
+
+
+def _idle_cpu_seconds(**env: str) -> float:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")},
+           "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO), **env}
+    done = subprocess.run([sys.executable, "-c", IDLE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
+
+
+def test_idle_openmp_workers_of_a_pdserve_process_sleep_soon_unless_told_otherwise():
+    """A pdserve process's idle OpenMP worker spins briefly, then sleeps: it leaves the cores to
+    the host's other servers. libgomp's default spin (300,000 pauses, set here explicitly, which
+    also shows that a user's setting wins) kept the worker busy for milliseconds after every
+    parallel region."""
+    bounded = _idle_cpu_seconds()
+    default = _idle_cpu_seconds(GOMP_SPINCOUNT="300000")
+    assert bounded < default / 3, (bounded, default)
