@@ -177,6 +177,48 @@ def assert_prefix_hits_and_preemption(model_dir: Path, blocks: int, caching: boo
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def assert_bf16_within_transformers_rounding(model_dir: Path, prompts: list[list[int]], device: str,
+                                             max_tokens: int = 16, factor: float = 2.0) -> None:
+    """pdserve in bf16 (greedy, each sampled token's logprob) against transformers on the same
+    device, teacher-forced on pdserve's own tokens: at every generated position, how far
+    pdserve's logprob of its token is from transformers' float32 one, against how far
+    transformers' own bf16 is. The median and the 90th percentile of pdserve's errors must be
+    within ``factor`` of transformers' bf16 errors (plus 1e-3).
+
+    For models where bf16 rounding alone changes greedy tokens (a small random MoE, whose router
+    flips an expert on a near-tie in either implementation), comparing free-running tokens asks
+    which of two roundings chaos favours; each position here is conditioned on the same prefix,
+    so one flip costs one position, not the rest of the sequence. The decode steps are pdserve's
+    (CUDA graphs on the GPU)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", device=device, block_size=16, kv_cache_memory="64MiB",
+              max_num_batched_tokens=64, max_num_seqs=8)
+    outs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                       ignore_eos=True, logprobs=0))]
+    if device == "cuda":
+        assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
+    ours, theirs = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        m = hf_model(model_dir, dtype, device)
+        column = ours if dtype == torch.float32 else theirs
+        with torch.no_grad():
+            for p, out in zip(prompts, outs):
+                ids = torch.tensor([p + list(out.token_ids)], device=device)
+                lp = torch.log_softmax(m(ids).logits[0, len(p) - 1:-1].float(), -1)
+                column.append(lp.gather(1, ids[0, len(p):, None])[:, 0].cpu())
+        del m
+    want = torch.cat(ours)
+    got = torch.tensor([lp.logprob for out in outs for lp in out.logprobs])
+    theirs = torch.cat(theirs)
+    err, ref = (got - want).abs(), (theirs - want).abs()
+    for q in (0.5, 0.9):
+        mine, bound = float(err.quantile(q)), factor * float(ref.quantile(q)) + 1e-3
+        assert mine <= bound, (f"quantile {q} of |logprob - float32| over {len(err)} positions: {mine:.4g} against "
+                               f"transformers' bf16 {float(ref.quantile(q)):.4g} (bound {bound:.4g})\n"
+                               f"pdserve {err.tolist()}\ntransformers {ref.tolist()}")
+
+
 def assert_gpu_greedy_match(reference: Path, served: Path, prompts: list[list[int]], dtype: str, tie: float,
                             relative: float, max_tokens: int = 16):
     """pdserve on CUDA (``served``: a checkpoint of the ``reference`` model, or that model itself)

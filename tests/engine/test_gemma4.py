@@ -19,8 +19,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.kv_cache_groups import model_layout
 from engine.layers.rotary import rope_cos_sin_cache
-from tests.engine.families import (assert_gpu_greedy_match, assert_greedy_match, assert_grouped_logits_match,
-                                   assert_prefix_hits_and_preemption, greedy_references, hf_greedy, random_prompts)
+from tests.engine.families import (assert_bf16_within_transformers_rounding, assert_gpu_greedy_match,
+                                   assert_greedy_match, assert_grouped_logits_match, assert_prefix_hits_and_preemption,
+                                   greedy_references, hf_greedy, random_prompts)
 
 pytestmark = pytest.mark.slow
 WINDOW = 8
@@ -261,18 +262,34 @@ GPU_VARIANTS = {"dense": dict(global_head_dim=128),
                 "moe": dict(global_head_dim=256, moe_intermediate_size=128, num_experts=8, top_k_experts=2)}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, tie, relative", [("float32", 1e-4, 0.0), ("bfloat16", 0.02, 0.01)])
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_gemma4_on_gpu(tmp_path, quick_moe_tuning, name, dtype, tie, relative):
-    """float32 within float32 rounding of transformers; bf16 within bf16 rounding of
-    transformers' own bf16 arithmetic, up to where its bf16 tokens leave its float32 ones."""
+def _gpu_shaped(tmp_path: Path, name: str) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("gemma4_text", **{**BASE, **VARIANTS[name], **GPU_SHAPE, **GPU_VARIANTS[name]})
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path / name))
-    d = tmp_path / name
-    prompts = random_prompts([1, 7, 33, 65, 130], seed=6)
-    assert_gpu_greedy_match(d, d, prompts, dtype, tie, relative)
+    return tmp_path / name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gemma4_on_gpu_in_float32(tmp_path, quick_moe_tuning, name):
+    """Greedy tokens within float32 rounding of transformers on the same GPU."""
+    d = _gpu_shaped(tmp_path, name)
+    assert_gpu_greedy_match(d, d, random_prompts([1, 7, 33, 65, 130], seed=6), "float32", 1e-4, 0.0)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")])])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gemma4_in_bf16_within_transformers_rounding(tmp_path, quick_moe_tuning, name, device):
+    """bf16 logprobs as close to float32 as transformers' own bf16, teacher-forced on pdserve's
+    tokens (the small random MoE's greedy tokens change with bf16 rounding in either
+    implementation: a router near-tie flips an expert). On CPU a 3% error in every norm of the
+    bf16 run fails the dense case (2.3x transformers' median error); the MoE's errors vary more
+    with the sequence (1.3x for the same error)."""
+    d = _gpu_shaped(tmp_path, name)
+    assert_bf16_within_transformers_rounding(d, random_prompts([1, 7, 33, 65, 130, 17, 48, 90], seed=6), device,
+                                             max_tokens=24)
