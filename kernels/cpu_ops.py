@@ -47,18 +47,19 @@ def _run(name: str, reference_fn: Any, x: torch.Tensor, *args: Any) -> Any:
     return reference_fn(*args)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
-    """``kernels.reference.rms_norm``, compiled (the offset form is the reference's)."""
-    if offset:
-        return reference.rms_norm(x, weight, eps, offset=True)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             float32_weight: bool = False) -> torch.Tensor:
+    """``kernels.reference.rms_norm``, compiled (the Gemma forms are the reference's)."""
+    if offset or float32_weight:
+        return reference.rms_norm(x, weight, eps, offset, float32_weight)
     return _run("rms_norm", reference.rms_norm, x, x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.reference.fused_add_rms_norm``, compiled (the offset form is the reference's)."""
-    if offset:
-        return reference.fused_add_rms_norm(x, residual, weight, eps, offset=True)
+                       offset: bool = False, float32_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.fused_add_rms_norm``, compiled (the Gemma forms are the reference's)."""
+    if offset or float32_weight:
+        return reference.fused_add_rms_norm(x, residual, weight, eps, offset, float32_weight)
     return _run("fused_add_rms_norm", reference.fused_add_rms_norm, x, x, residual, weight, eps)
 
 

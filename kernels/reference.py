@@ -297,22 +297,27 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(rows, 0, index.reshape(-1)).view(*index.shape, rows.shape[1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             float32_weight: bool = False) -> torch.Tensor:
     """HF LlamaRMSNorm. x: [T, H], weight: [H] -> [T, H] in x's dtype. ``offset``: Gemma's
-    form (Gemma3RMSNorm, Qwen3NextRMSNorm): times ``1 + weight`` in float32, then cast back."""
+    form (Gemma3RMSNorm, Qwen3NextRMSNorm): times ``1 + weight`` in float32, then cast back.
+    ``float32_weight`` (Gemma4RMSNorm): times ``weight`` in float32, then cast back."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
         return (h * (1.0 + weight.float())).to(x.dtype)
+    if float32_weight:
+        return (h * weight.float()).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+    float32_weight: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = x + residual (in x's dtype); returns (rms_norm(residual_out), residual_out)."""
     residual_out = x + residual
-    return rms_norm(residual_out, weight, eps, offset), residual_out
+    return rms_norm(residual_out, weight, eps, offset, float32_weight), residual_out
 
 
 def rotary_embedding(

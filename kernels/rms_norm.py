@@ -29,11 +29,13 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
+    FLOAT32_WEIGHT: tl.constexpr,
 ):
     # One program per token row. The steps and their dtypes follow
     # HF LlamaRMSNorm: add in the input dtype, normalise in float32, cast
-    # back, then scale by the weight in the input dtype. OFFSET (Gemma's
-    # form): scale by 1 + weight in float32, then cast back.
+    # back, then scale by the weight in the input dtype. OFFSET (Gemma 3's
+    # form): scale by 1 + weight in float32, then cast back; FLOAT32_WEIGHT
+    # (Gemma 4's): by the weight in float32, then cast back.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < HIDDEN
@@ -46,6 +48,8 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0)
     if OFFSET:
         y = (h * inv_rms * (1.0 + w.to(tl.float32))).to(x.dtype)
+    elif FLOAT32_WEIGHT:
+        y = (h * inv_rms * w.to(tl.float32)).to(x.dtype)
     else:
         y = (h * inv_rms).to(x.dtype) * w
     tl.store(out_ptr + row * stride_ot + cols, y, mask=ok)
@@ -71,7 +75,8 @@ def _check(where: str, x: torch.Tensor, weight: torch.Tensor, **others: torch.Te
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool,
+    float32_weight: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
@@ -89,34 +94,38 @@ def _launch(
         BLOCK_H=block_h,
         ADD_RESIDUAL=residual is not None,
         OFFSET=offset,
+        FLOAT32_WEIGHT=float32_weight,
         num_warps=min(16, max(1, block_h // 512)),
     )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             float32_weight: bool = False) -> torch.Tensor:
     """HF LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the norm in float32.
-    ``offset``: Gemma's form, (1 + weight) * the norm in float32, cast back once.
+    ``offset``: Gemma 3's form, (1 + weight) * the norm in float32, cast back once;
+    ``float32_weight``: Gemma 4's, weight * the norm in float32, cast back once.
 
     x: [num_tokens, hidden_size] (any row stride), weight: [hidden_size] in x's dtype.
     Returns a new contiguous [num_tokens, hidden_size] tensor in x's dtype.
     Modifies nothing.
     """
     _check("rms_norm", x, weight)
-    out, _ = _launch(x, None, weight, eps, offset)
+    out, _ = _launch(x, None, weight, eps, offset, float32_weight)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+    float32_weight: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual_out = x + residual; out = rms_norm(residual_out, weight, eps, offset).
+    """residual_out = x + residual; out = rms_norm(residual_out, weight, eps, offset, float32_weight).
 
     x, residual: [num_tokens, hidden_size] in one dtype; weight: [hidden_size].
     Returns new contiguous (out, residual_out); the add runs in the input
     dtype as in HF's decoder layer. Modifies neither x nor residual.
     """
     _check("fused_add_rms_norm", x, weight, residual=residual)
-    out, residual_out = _launch(x, residual, weight, eps, offset)
+    out, residual_out = _launch(x, residual, weight, eps, offset, float32_weight)
     assert residual_out is not None
     return out, residual_out

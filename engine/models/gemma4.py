@@ -61,19 +61,23 @@ def _ones(size: int) -> nn.Parameter:
 
 class Gemma4Norm(nn.Module):
     """Gemma 4's RMSNorm over the last dim: x * (mean(x^2) + eps) ** -0.5 * w, all in float32,
-    then cast back; ``with_scale=False``: no weight (V's norm, the router's)."""
+    then cast back: one call of the step's kernel module (``rms_norm``, ``float32_weight``).
+    ``with_scale=False``: no weight (V's norm, the router's): a unit one that is no parameter."""
 
-    def __init__(self, size: int, eps: float, with_scale: bool = True) -> None:
+    def __init__(self, size: int, eps: float, ops: ModuleType, with_scale: bool = True) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = _ones(size) if with_scale else None
+        self.eps, self.ops = eps, ops
+        if with_scale:
+            self.weight = _ones(size)
+        else:
+            self.register_buffer("weight", torch.ones(size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.to(x.dtype)
+        """x: [..., size] -> the same shape."""
+        if self.weight.dtype != x.dtype:  # the unit buffer (load casts parameters only): once
+            self.weight = self.weight.to(x.dtype)
+        flat = self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, float32_weight=True)
+        return flat.view(x.shape)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
@@ -92,7 +96,7 @@ class Gemma4MoE(FusedMoE):
         super().__init__(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                          renormalize=True, activation=activation_name(cfg.hidden_act), ops=ops, tp=tp,
                          expert_parallel=expert_parallel, method=method)
-        self.router_norm = Gemma4Norm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.router_norm = Gemma4Norm(cfg.hidden_size, cfg.rms_norm_eps, ops, with_scale=False)
         self.router_scale = _ones(cfg.hidden_size)
         self.per_expert_scale = _ones(cfg.num_experts)
 
@@ -115,22 +119,22 @@ class Gemma4DecoderLayer(nn.Module):
                  per_layer_size: int) -> None:
         super().__init__()
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = Gemma4Norm(size, eps)
+        self.input_layernorm = Gemma4Norm(size, eps, ops)
         self.self_attn = attn
-        self.post_attention_layernorm = Gemma4Norm(size, eps)
-        self.pre_feedforward_layernorm = Gemma4Norm(size, eps)
+        self.post_attention_layernorm = Gemma4Norm(size, eps, ops)
+        self.pre_feedforward_layernorm = Gemma4Norm(size, eps, ops)
         self.mlp = mlp
-        self.post_feedforward_layernorm = Gemma4Norm(size, eps)
+        self.post_feedforward_layernorm = Gemma4Norm(size, eps, ops)
         self.moe = moe
         if moe is not None:
-            self.post_feedforward_layernorm_1 = Gemma4Norm(size, eps)
-            self.pre_feedforward_layernorm_2 = Gemma4Norm(size, eps)
-            self.post_feedforward_layernorm_2 = Gemma4Norm(size, eps)
+            self.post_feedforward_layernorm_1 = Gemma4Norm(size, eps, ops)
+            self.pre_feedforward_layernorm_2 = Gemma4Norm(size, eps, ops)
+            self.post_feedforward_layernorm_2 = Gemma4Norm(size, eps, ops)
         self.per_layer_size = per_layer_size
         if per_layer_size:
             self.per_layer_input_gate = ReplicatedLinear(size, per_layer_size)
             self.per_layer_projection = ReplicatedLinear(per_layer_size, size)
-            self.post_per_layer_input_norm = Gemma4Norm(size, eps)
+            self.post_per_layer_input_norm = Gemma4Norm(size, eps, ops)
         self.layer_scalar = _ones(1)
 
     def forward(self, positions, h, residual, kv, meta, per_layer_input=None):
@@ -172,14 +176,14 @@ class Gemma4ForCausalLM(CausalLM):
         if tp is not None:
             _check_tp(cfg, tp.size)
         super().__init__(cfg, ops, tp, expert_parallel)
-        self.model.norm = Gemma4Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.norm = Gemma4Norm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.per_layer_size = p = hf.get("hidden_size_per_layer_input") or 0
         if p:
             vocab = hf["vocab_size_per_layer_input"]
             self.model.embed_tokens_per_layer = VocabEmbedding(vocab, cfg.num_layers * p,
                                                                replace(self.shard, vocab_size=vocab), tp)
             self.model.per_layer_model_projection = ReplicatedLinear(cfg.hidden_size, cfg.num_layers * p)
-            self.model.per_layer_projection_norm = Gemma4Norm(p, cfg.rms_norm_eps)
+            self.model.per_layer_projection_norm = Gemma4Norm(p, cfg.rms_norm_eps, ops)
 
     def rope_for(self, index: int) -> RotaryEmbedding:
         """The table of the layer's type at the layer's head size (full layers' differs)."""
@@ -197,8 +201,8 @@ class Gemma4ForCausalLM(CausalLM):
         shared = cfg.layer_kv_sources[index] is not None
         full = cfg.layer_types[index] == "full_attention"
         attn = Attention(cfg, self.ops, self.shard, self.tp, self.rope_for(index),
-                         sliding_window=cfg.layer_windows[index], scale=1.0, qk_norm=partial(Gemma4Norm, eps=eps),
-                         v_norm=partial(Gemma4Norm, eps=eps, with_scale=False), head_dim=head_dim,
+                         sliding_window=cfg.layer_windows[index], scale=1.0, qk_norm=partial(Gemma4Norm, eps=eps, ops=self.ops),
+                         v_norm=partial(Gemma4Norm, eps=eps, ops=self.ops, with_scale=False), head_dim=head_dim,
                          num_kv_heads=kv_heads, k_eq_v=bool(hf["attention_k_eq_v"]) and full, store=not shared,
                          methods=self.quant, prefix=f"{prefix}.self_attn")
         wide = 2 if hf["use_double_wide_mlp"] and shared else 1

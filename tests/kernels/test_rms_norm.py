@@ -48,27 +48,47 @@ def test_offset_reference_matches_hf(dtype, offset_form):
     torch.testing.assert_close(reference.rms_norm(x, weight - 1.0, EPS, offset=True), want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float32_weight_reference_matches_gemma4(dtype):
+    """Gemma 4's form (w, in float32) against Gemma4RMSNorm, which takes pow(-0.5) where the
+    reference takes rsqrt: within an ulp of float32 before the cast."""
+    module = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    x, _, weight = make_inputs(17, 257, dtype)
+    hf = module.Gemma4RMSNorm(257, eps=EPS).to(dtype=dtype, device=DEVICE)
+    bare = module.Gemma4RMSNorm(257, eps=EPS, with_scale=False).to(dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        want, want_bare = hf(x), bare(x)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else TOLERANCES[dtype]
+    torch.testing.assert_close(reference.rms_norm(x, weight, EPS, float32_weight=True), want, atol=atol, rtol=rtol)
+    ones = torch.ones_like(weight)
+    torch.testing.assert_close(reference.rms_norm(x, ones, EPS, float32_weight=True), want_bare, atol=atol, rtol=rtol)
+
+
+FORMS = {"plain": {}, "offset": {"offset": True}, "float32_weight": {"float32_weight": True}}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm(shape, dtype, offset):
+def test_rms_norm(shape, dtype, form):
     x, _, weight = make_inputs(*shape, dtype)
     x_before = x.clone()
-    got = kernels.rms_norm(x, weight, EPS, offset=offset)
+    got = kernels.rms_norm(x, weight, EPS, **FORMS[form])
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(got, reference.rms_norm(x, weight, EPS, offset=offset), atol=atol, rtol=rtol)
+    torch.testing.assert_close(got, reference.rms_norm(x, weight, EPS, **FORMS[form]), atol=atol, rtol=rtol)
     assert got.is_contiguous() and got.dtype == dtype
     assert torch.equal(x, x_before)
 
 
-@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_add_rms_norm(shape, dtype, offset):
+def test_fused_add_rms_norm(shape, dtype, form):
     x, residual, weight = make_inputs(*shape, dtype)
     x_before, residual_before = x.clone(), residual.clone()
-    out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS, offset=offset)
-    want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS, offset=offset)
+    out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS, **FORMS[form])
+    want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS, **FORMS[form])
     assert torch.equal(residual_out, want_residual)  # one add in the input dtype: exact
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out, want_out, atol=atol, rtol=rtol)
