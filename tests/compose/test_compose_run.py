@@ -326,9 +326,11 @@ def test_sigkill_of_a_decode_process_restarts_it_and_loses_no_stream(stack):
     assert all(o.startswith("finished:") for o, _ in outcomes), [o for o, _ in outcomes]
     log(f"SIGKILL of {victim['Name'][1:]}: all {n} streams finished ({ended_in:.0f} s after the kill)")
     # the same requests with nothing killed (greedy: the text is a function of the prompt)
+    started = time.monotonic()
     with ThreadPoolExecutor(n) as pool:
         want = list(pool.map(lambda m: stack.oai.chat.completions.create(
             model=MODEL, max_tokens=400, temperature=0, messages=m).choices[0].message.content, prompts))
+    log(f"the same {n} requests again, not streamed: {time.monotonic() - started:.0f} s")
     assert [t for _, t in outcomes] == want
 
     def restarted():
