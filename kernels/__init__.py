@@ -26,7 +26,7 @@ _LAUNCHERS = {
     "lora_expand": "lora", "lora_group": "lora", "lora_shrink": "lora",
     "moe_route": "moe_routing",
     "paged_attention": "paged_attention",
-    "fused_add_rms_norm": "rms_norm", "rms_norm": "rms_norm",
+    "fused_add_rms_norm": "rms_norm", "rms_norm": "rms_norm", "rms_norm_add": "rms_norm",
     "rotary_embedding": "rope",
     "reference": None,  # the module kernels.reference itself
 }
@@ -88,6 +88,7 @@ __all__ = [
     "paged_attention",
     "reference",
     "rms_norm",
+    "rms_norm_add",
     "rotary_embedding",
     "silu_and_mul",
     "store_kv_cache",

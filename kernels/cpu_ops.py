@@ -63,6 +63,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _run("fused_add_rms_norm", reference.fused_add_rms_norm, x, x, residual, weight, eps)
 
 
+rms_norm_add = reference.rms_norm_add
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.reference.rotary_embedding``, compiled (bit-exact)."""

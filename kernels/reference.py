@@ -320,6 +320,14 @@ def fused_add_rms_norm(
     return rms_norm(residual_out, weight, eps, offset, float32_weight), residual_out
 
 
+def rms_norm_add(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+    float32_weight: bool = False
+) -> torch.Tensor:
+    """residual + rms_norm(x), the add in x's dtype after the norm's cast (h + norm(x))."""
+    return residual + rms_norm(x, weight, eps, offset, float32_weight)
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

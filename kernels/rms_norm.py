@@ -1,4 +1,5 @@
-"""RMSNorm, alone and fused with the residual add that precedes it."""
+"""RMSNorm, alone and fused with the residual add that precedes it (pre-norm layers) or follows
+it (Gemma 4's post-norms: h + norm(x))."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _rms_norm_kernel(
     out_ptr,  # [T, H]
     residual_out_ptr,  # [T, H]; written only when ADD_RESIDUAL
     x_ptr,  # [T, H]
-    residual_ptr,  # [T, H]; read only when ADD_RESIDUAL
+    residual_ptr,  # [T, H]; read only when ADD_RESIDUAL or ADD_AFTER
     weight_ptr,  # [H]
     eps,
     stride_xt, stride_rt, stride_ot, stride_rot,
@@ -30,12 +31,14 @@ def _rms_norm_kernel(
     ADD_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
     FLOAT32_WEIGHT: tl.constexpr,
+    ADD_AFTER: tl.constexpr,
 ):
     # One program per token row. The steps and their dtypes follow
     # HF LlamaRMSNorm: add in the input dtype, normalise in float32, cast
     # back, then scale by the weight in the input dtype. OFFSET (Gemma 3's
     # form): scale by 1 + weight in float32, then cast back; FLOAT32_WEIGHT
-    # (Gemma 4's): by the weight in float32, then cast back.
+    # (Gemma 4's): by the weight in float32, then cast back. ADD_AFTER: the
+    # residual added to the cast result, in the input dtype (h + norm(x)).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < HIDDEN
@@ -52,6 +55,8 @@ def _rms_norm_kernel(
         y = (h * inv_rms * w.to(tl.float32)).to(x.dtype)
     else:
         y = (h * inv_rms).to(x.dtype) * w
+    if ADD_AFTER:
+        y = y + tl.load(residual_ptr + row * stride_rt + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * stride_ot + cols, y, mask=ok)
 
 
@@ -76,11 +81,11 @@ def _check(where: str, x: torch.Tensor, weight: torch.Tensor, **others: torch.Te
 
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool,
-    float32_weight: bool
+    float32_weight: bool, add_after: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(out) if residual is not None else None
+    residual_out = torch.empty_like(out) if residual is not None and not add_after else None
     if num_tokens == 0:
         return out, residual_out
     block_h = next_pow2(hidden)
@@ -92,9 +97,10 @@ def _launch(
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         HIDDEN=hidden,
         BLOCK_H=block_h,
-        ADD_RESIDUAL=residual is not None,
+        ADD_RESIDUAL=residual is not None and not add_after,
         OFFSET=offset,
         FLOAT32_WEIGHT=float32_weight,
+        ADD_AFTER=add_after,
         num_warps=min(16, max(1, block_h // 512)),
     )
     return out, residual_out
@@ -129,3 +135,18 @@ def fused_add_rms_norm(
     out, residual_out = _launch(x, residual, weight, eps, offset, float32_weight)
     assert residual_out is not None
     return out, residual_out
+
+
+def rms_norm_add(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+    float32_weight: bool = False
+) -> torch.Tensor:
+    """residual + rms_norm(x, weight, eps, offset, float32_weight), the add in the input dtype
+    after the norm's cast (a post-norm layer's ``h + norm(x)``, Gemma 4's).
+
+    x, residual: [num_tokens, hidden_size] in one dtype; weight: [hidden_size].
+    Returns a new contiguous tensor. Modifies neither x nor residual.
+    """
+    _check("rms_norm_add", x, weight, residual=residual)
+    out, _ = _launch(x, residual, weight, eps, offset, float32_weight, add_after=True)
+    return out

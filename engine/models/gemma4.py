@@ -82,6 +82,10 @@ class Gemma4Norm(nn.Module):
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
 
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + norm(x), one kernel call (h, x: [T, size])."""
+        return self.ops.rms_norm_add(x, h, self.weight, self.eps, float32_weight=True)
+
 
 class Gemma4MoE(FusedMoE):
     """The experts beside a layer's MLP. Routed from the residual stream h (not the MLP's
@@ -140,15 +144,15 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, positions, h, residual, kv, meta, per_layer_input=None):
         """h: the whole residual stream (Gemma 4 scales it per layer: no residual is carried
         beside it, ``residual`` stays None); per_layer_input: [T, P] of this layer."""
-        h = h + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h), kv, meta))
+        h = self.post_attention_layernorm.add_to(h, self.self_attn(positions, self.input_layernorm(h), kv, meta))
         x = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe is not None:
             experts = self.moe(self.pre_feedforward_layernorm_2(h), meta, routed=h)
-            x = self.post_feedforward_layernorm_1(x) + self.post_feedforward_layernorm_2(experts)
-        h = h + self.post_feedforward_layernorm(x)
+            x = self.post_feedforward_layernorm_2.add_to(self.post_feedforward_layernorm_1(x), experts)
+        h = self.post_feedforward_layernorm.add_to(h, x)
         if self.per_layer_size:
             x = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(x))
+            h = self.post_per_layer_input_norm.add_to(h, self.per_layer_projection(x))
         return h * self.layer_scalar, None
 
 

@@ -30,7 +30,7 @@ from engine import LLM, SamplingParams
 
 model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 calls = {}
-for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rms_norm_add", "rotary_embedding",
              "silu_and_mul", "moe_route", "fused_moe", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
              "gdn_gating"):
     def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
@@ -111,6 +111,21 @@ def test_triton_kernels_in_a_hybrid_model_match_transformers(tmp_path):
     assert result["ops"] == "kernels"
     assert {"causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating", "rms_norm",
             "fused_add_rms_norm", "paged_attention"} <= set(result["calls"])
+    assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_triton_kernels_in_gemma4_match_transformers(tmp_path, variant):
+    """Gemma 4's norms (w in float32; after the attention, the MLP and the per-layer input, the
+    residual added in the same call), KV-sharing layers, and the experts beside the MLP."""
+    from tests.engine.families import hf_greedy, hf_model, random_prompts
+    from tests.engine.test_gemma4 import make_gemma4
+
+    model_dir = make_gemma4(tmp_path / variant, variant, seed=2)
+    prompts = random_prompts([1, 6, 19], seed=4)  # 19 > the window of 8
+    result = _run_interpreted(model_dir, prompts)
+    assert result["ops"] == "kernels"
+    assert {"rms_norm", "rms_norm_add", "paged_attention", "store_kv_cache"} <= set(result["calls"])
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 

@@ -95,6 +95,22 @@ def test_fused_add_rms_norm(shape, dtype, form):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_add(shape, dtype, form):
+    """residual + norm(x), the add after the norm's cast (a post-norm layer's)."""
+    x, residual, weight = make_inputs(*shape, dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    got = kernels.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
+    want = reference.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
+    assert torch.equal(want, residual + reference.rms_norm(x, weight, EPS, **FORMS[form]))
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
 def test_rejects_bad_arguments():
     x, residual, weight = make_inputs(3, 40, torch.float32)
     with pytest.raises(ValueError, match="weight has 39 entries for hidden_size 40"):
@@ -103,5 +119,7 @@ def test_rejects_bad_arguments():
         kernels.rms_norm(x, weight.half(), EPS)
     with pytest.raises(ValueError, match="residual shape"):
         kernels.fused_add_rms_norm(x, residual[:2], weight, EPS)
+    with pytest.raises(ValueError, match="residual shape"):
+        kernels.rms_norm_add(x, residual[:2], weight, EPS)
     with pytest.raises(ValueError, match="stride 1 in its last dim"):
         kernels.rms_norm(x.t().contiguous().t(), weight, EPS)
