@@ -205,7 +205,8 @@ class Gemma4ForCausalLM(CausalLM):
         shared = cfg.layer_kv_sources[index] is not None
         full = cfg.layer_types[index] == "full_attention"
         attn = Attention(cfg, self.ops, self.shard, self.tp, self.rope_for(index),
-                         sliding_window=cfg.layer_windows[index], scale=1.0, qk_norm=partial(Gemma4Norm, eps=eps, ops=self.ops),
+                         sliding_window=cfg.layer_windows[index], scale=1.0,
+                         qk_norm=partial(Gemma4Norm, eps=eps, ops=self.ops),
                          v_norm=partial(Gemma4Norm, eps=eps, ops=self.ops, with_scale=False), head_dim=head_dim,
                          num_kv_heads=kv_heads, k_eq_v=bool(hf["attention_k_eq_v"]) and full, store=not shared,
                          methods=self.quant, prefix=f"{prefix}.self_attn")
