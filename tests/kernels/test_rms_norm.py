@@ -84,30 +84,21 @@ def test_rms_norm(shape, dtype, form):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_add_rms_norm(shape, dtype, form):
+def test_norms_fused_with_a_residual_add(shape, dtype, form):
+    """fused_add_rms_norm adds the residual before the norm (pre-norm layers); rms_norm_add adds
+    it after the norm's cast (h + norm(x): Gemma 4's post-norms)."""
     x, residual, weight = make_inputs(*shape, dtype)
     x_before, residual_before = x.clone(), residual.clone()
+    atol, rtol = TOLERANCES[dtype]
     out, residual_out = kernels.fused_add_rms_norm(x, residual, weight, EPS, **FORMS[form])
     want_out, want_residual = reference.fused_add_rms_norm(x, residual, weight, EPS, **FORMS[form])
     assert torch.equal(residual_out, want_residual)  # one add in the input dtype: exact
-    atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out, want_out, atol=atol, rtol=rtol)
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
-
-
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm_add(shape, dtype, form):
-    """residual + norm(x), the add after the norm's cast (a post-norm layer's)."""
-    x, residual, weight = make_inputs(*shape, dtype)
-    x_before, residual_before = x.clone(), residual.clone()
-    got = kernels.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
-    want = reference.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
-    assert torch.equal(want, residual + reference.rms_norm(x, weight, EPS, **FORMS[form]))
-    atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
-    assert got.is_contiguous() and got.dtype == dtype
+    after = kernels.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
+    want_after = reference.rms_norm_add(x, residual, weight, EPS, **FORMS[form])
+    assert torch.equal(want_after, residual + reference.rms_norm(x, weight, EPS, **FORMS[form]))
+    torch.testing.assert_close(after, want_after, atol=atol, rtol=rtol)
+    assert after.is_contiguous() and after.dtype == dtype
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
