@@ -36,10 +36,10 @@ import time
 import urllib.request
 
 from engine.config import EngineArgs
-from pdserve.cli.openmp_spin import LIBGOMP_SPIN
 from engine.sampling_params import MAX_N
 from gateway.config import add_chat_args, add_migration_args, add_runtime_lora_args
 from gateway.router import GPU_HOST_HIT_CREDIT, HOST_HIT_CREDIT
+from pdserve.cli.openmp_spin import LIBGOMP_SPIN
 from prefill_service.flags import add_kv_send_args
 from rpc import ports, tls, tracing
 from rpc.health_probe import is_serving
@@ -238,11 +238,22 @@ def cpu_threads(args: argparse.Namespace, num_prefill: int, num_decode: int,
     docs/benchmarks.md, "One OpenMP team per server"): decode 2 threads and prefill 1 streamed one
     user's tokens at 8.35 ms against 11.80 for 1 + 1, and 4 streams at once 8-17% faster, their
     first tokens later; 2 + 2 made the 4 streams 14% slower."""
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not args.devices and not cuda_available())
-    if not on_cpu:
+    if not on_cpu(args):
         return None, None
     cores = cpu_count or os.cpu_count() or 1
     return max(1, cores // max(1, num_prefill + num_decode)), max(1, cores // max(1, num_decode))
+
+
+def on_cpu(args: argparse.Namespace) -> bool:
+    """Whether the engine servers run on the CPU (--device cpu, or auto with no GPU)."""
+    return args.device == "cpu" or (args.device == "auto" and not args.devices and not cuda_available())
+
+
+def engine_devices(args: argparse.Namespace, engines: int) -> list[str | None]:
+    """Each engine server's --devices entry, round robin (prefill servers first); None: none
+    given, the server takes --device."""
+    devices = args.devices.split(",") if args.devices else []
+    return [devices[i % len(devices)] if devices else None for i in range(engines)]
 
 
 def gpu_memory_shares(args: argparse.Namespace, num_prefill: int, num_decode: int) -> list[float | None]:
@@ -252,12 +263,11 @@ def gpu_memory_shares(args: argparse.Namespace, num_prefill: int, num_decode: in
     0.9 of one GPU: the second fails to allocate). None where the server keeps the flag as given:
     a GPU of its own, --kv-cache-memory set, or CPU."""
     engines = num_prefill + num_decode
-    if args.kv_cache_memory is not None or cpu_threads(args, num_prefill, num_decode) != (None, None):
+    if args.kv_cache_memory is not None or on_cpu(args):
         return [None] * engines
-    devices = args.devices.split(",") if args.devices else [args.device]
     used = []  # the GPU indices of each server: tensor-parallel rank r on its device's index + r
-    for i in range(engines):
-        device = devices[i % len(devices)]
+    for i, device in enumerate(engine_devices(args, engines)):
+        device = device or args.device
         first = int(device.split(":")[1]) if device.startswith("cuda:") else 0
         tp = (args.prefill_tensor_parallel_size if i < num_prefill else None) or args.tensor_parallel_size
         used.append(range(first, first + tp))
@@ -323,8 +333,8 @@ class Cluster:
         if self.local_redis is not None:
             self.local_redis.start()
         a, eng = self.args, engine_flags(self.args)
-        devices = a.devices.split(",") if a.devices else []
         engines = self.prefill + self.decode
+        devices = engine_devices(a, len(engines))
         threads = dict(zip(("prefill", "decode"), cpu_threads(a, len(self.prefill), len(self.decode))))
         shares = gpu_memory_shares(a, len(self.prefill), len(self.decode))
         width = max(len("gateway"), *(len(f"{r}-{n - 1}") for r, n in (("prefill", len(self.prefill)),
@@ -332,7 +342,7 @@ class Cluster:
         for i, addr in enumerate(engines):
             role = "prefill" if i < len(self.prefill) else "decode"
             name = f"{role}-{i if role == 'prefill' else i - len(self.prefill)}"
-            dev = ["--device", devices[i % len(devices)]] if devices else []
+            dev = ["--device", devices[i]] if devices[i] else []
             extra = ["--redis-url", self.redis_url] if self.redis_url else []
             if role == "prefill":
                 extra += ["--kv-send", a.kv_send, "--kv-pairs-per-decode", str(a.kv_pairs_per_decode)]
