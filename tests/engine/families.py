@@ -177,6 +177,28 @@ def assert_prefix_hits_and_preemption(model_dir: Path, blocks: int, caching: boo
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def _small_engine(model_dir: Path, dtype: str, device: str):
+    """pdserve with a small cache and chunks of 64 tokens."""
+    from engine import LLM
+
+    return LLM(str(model_dir), dtype=dtype, device=device, block_size=16, kv_cache_memory="64MiB",
+               max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def _teacher_forced_logprobs(model_dir: Path, dtype: torch.dtype, device: str,
+                             sequences: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """transformers' logprob of each generated token given its prefix, over (prompt, generated)
+    pairs, concatenated."""
+    m = hf_model(model_dir, dtype, device)
+    out = []
+    with torch.no_grad():
+        for prompt, generated in sequences:
+            ids = torch.tensor([prompt + generated], device=device)
+            lp = torch.log_softmax(m(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            out.append(lp.gather(1, ids[0, len(prompt):, None])[:, 0].cpu())
+    return torch.cat(out)
+
+
 def assert_bf16_within_transformers_rounding(model_dir: Path, prompts: list[list[int]], device: str,
                                              max_tokens: int = 16, factor: float = 2.0) -> None:
     """pdserve in bf16 (greedy, each sampled token's logprob) against transformers on the same
@@ -190,27 +212,17 @@ def assert_bf16_within_transformers_rounding(model_dir: Path, prompts: list[list
     which of two roundings chaos favours; each position here is conditioned on the same prefix,
     so one flip costs one position, not the rest of the sequence. The decode steps are pdserve's
     (CUDA graphs on the GPU)."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    llm = LLM(str(model_dir), dtype="bfloat16", device=device, block_size=16, kv_cache_memory="64MiB",
-              max_num_batched_tokens=64, max_num_seqs=8)
+    llm = _small_engine(model_dir, "bfloat16", device)
     outs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                        ignore_eos=True, logprobs=0))]
     if device == "cuda":
         assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs
-    ours, theirs = [], []
-    for dtype in (torch.float32, torch.bfloat16):
-        m = hf_model(model_dir, dtype, device)
-        column = ours if dtype == torch.float32 else theirs
-        with torch.no_grad():
-            for p, out in zip(prompts, outs):
-                ids = torch.tensor([p + list(out.token_ids)], device=device)
-                lp = torch.log_softmax(m(ids).logits[0, len(p) - 1:-1].float(), -1)
-                column.append(lp.gather(1, ids[0, len(p):, None])[:, 0].cpu())
-        del m
-    want = torch.cat(ours)
+    sequences = [(p, list(out.token_ids)) for p, out in zip(prompts, outs)]
+    want = _teacher_forced_logprobs(model_dir, torch.float32, device, sequences)
+    theirs = _teacher_forced_logprobs(model_dir, torch.bfloat16, device, sequences)
     got = torch.tensor([lp.logprob for out in outs for lp in out.logprobs])
-    theirs = torch.cat(theirs)
     err, ref = (got - want).abs(), (theirs - want).abs()
     for q in (0.5, 0.9):
         mine, bound = float(err.quantile(q)), factor * float(ref.quantile(q)) + 1e-3
@@ -226,12 +238,11 @@ def assert_gpu_greedy_match(reference: Path, served: Path, prompts: list[list[in
     within float32 rounding; bf16 within bf16 rounding of transformers' own bf16 arithmetic, up
     to where its bf16 tokens leave its float32 ones (past there bf16 rounding decides). Returns
     the engine."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     m = hf_model(reference, getattr(torch, dtype), "cuda")
     want = hf_greedy(m, prompts, max_tokens)
-    llm = LLM(str(served), dtype=dtype, device="cuda", block_size=16, kv_cache_memory="64MiB",
-              max_num_batched_tokens=64, max_num_seqs=8)
+    llm = _small_engine(served, dtype, "cuda")
     got = [o.outputs[0].token_ids
            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))]
     assert llm.engine.runner.graphs is not None  # decode steps replayed CUDA graphs

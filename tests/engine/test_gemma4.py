@@ -48,10 +48,10 @@ MULTIMODAL = dict(image_token_id=380, video_token_id=382, audio_token_id=376, bo
                   boa_token_id=378, eoa_token_index=377)
 
 
-def make_gemma4(path: Path, variant: str, seed: int = 0) -> Path:
+def make_gemma4(path: Path, variant: str, seed: int = 0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("gemma4_text", **BASE, **VARIANTS[variant])
+    cfg = AutoConfig.for_model("gemma4_text", **{**BASE, **VARIANTS[variant], **overrides})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
     return path
@@ -263,12 +263,7 @@ GPU_VARIANTS = {"dense": dict(global_head_dim=128),
 
 
 def _gpu_shaped(tmp_path: Path, name: str) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("gemma4_text", **{**BASE, **VARIANTS[name], **GPU_SHAPE, **GPU_VARIANTS[name]})
-    torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path / name))
-    return tmp_path / name
+    return make_gemma4(tmp_path / name, name, seed=5, **GPU_SHAPE, **GPU_VARIANTS[name])
 
 
 @pytest.mark.gpu
