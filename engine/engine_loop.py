@@ -44,7 +44,9 @@ class EngineThread:
     its loop (``EngineLoop(..., thread=)``). A server builds its engine here because the
     tensor-parallel workers die with the thread that started them (``PR_SET_PDEATHSIG`` follows
     the parent thread, not the process) and because this thread's OpenMP team is to be the
-    process's only one (engine/cpu_threads.py)."""
+    process's only one (engine/cpu_threads.py). Not a one-worker ThreadPoolExecutor: its worker
+    is joined at interpreter exit, where an engine loop still running would hold the exit; this
+    thread is a daemon."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
