@@ -176,16 +176,18 @@ def _profile(engine, steps: int, device: str) -> dict:
         wall = (time.perf_counter() - t0) / steps
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    launches = sum(e.count for e in kernels) / steps
     host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
                   key=lambda e: -e.self_cpu_time_total)[:10]
-    out = {"wall_ms": wall * 1e3, "gpu_busy_ms": busy,
+    out = {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, "kernels_per_step": launches,
            "top_kernels_ms": {e.key[:90]: e.self_device_time_total / steps / 1e3 for e in top},
+           "top_kernels_per_step": {e.key[:90]: e.count / steps for e in top},
            "top_host_ops_ms": {e.key[:90]: e.self_cpu_time_total / steps / 1e3 for e in host}}
-    print(f"  profiled {steps} steps: {wall * 1e3:.2f} ms a step under the profiler, GPU busy {busy:.2f} ms; "
-          "top kernels (ms a step):", flush=True)
+    print(f"  profiled {steps} steps: {wall * 1e3:.2f} ms a step under the profiler, GPU busy {busy:.2f} ms "
+          f"in {launches:.0f} kernels; top kernels (ms a step, launches a step):", flush=True)
     for name, ms in out["top_kernels_ms"].items():
-        print(f"    {ms:7.3f}  {name}", flush=True)
+        print(f"    {ms:7.3f} {out['top_kernels_per_step'][name]:6.0f}  {name}", flush=True)
     print("  top host ops (self CPU ms a step):", flush=True)
     for name, ms in out["top_host_ops_ms"].items():
         print(f"    {ms:7.3f}  {name}", flush=True)
