@@ -16,7 +16,7 @@ import torch
 # launcher -> its module. Imported on first use (PEP 562): importing ``kernels.reference`` or
 # ``kernels.cpu_ops`` (a CPU step) imports this package first, and Triton is not needed there.
 _LAUNCHERS = {
-    "silu_and_mul": "activation",
+    "gated_activation": "activation", "silu_and_mul": "activation",
     "causal_conv1d": "causal_conv1d",
     "fp8_gemm": "fp8_gemm", "fp8_quantize": "fp8_gemm",
     "fused_moe": "fused_moe",
@@ -27,6 +27,7 @@ _LAUNCHERS = {
     "moe_route": "moe_routing",
     "paged_attention": "paged_attention",
     "fused_add_rms_norm": "rms_norm", "rms_norm": "rms_norm", "rms_norm_add": "rms_norm",
+    "rms_norm_add_norm": "rms_norm", "qk_norm_rope": "rope",
     "rotary_embedding": "rope",
     "reference": None,  # the module kernels.reference itself
 }
@@ -77,6 +78,7 @@ __all__ = [
     "fp8_quantize",
     "fused_add_rms_norm",
     "fused_moe",
+    "gated_activation",
     "gated_delta_rule",
     "gated_rms_norm",
     "gdn_gating",
@@ -86,9 +88,11 @@ __all__ = [
     "lora_shrink",
     "moe_route",
     "paged_attention",
+    "qk_norm_rope",
     "reference",
     "rms_norm",
     "rms_norm_add",
+    "rms_norm_add_norm",
     "rotary_embedding",
     "silu_and_mul",
     "store_kv_cache",

@@ -1,4 +1,4 @@
-"""The gated activation of Llama's MLP: silu(gate) * up."""
+"""The gated activations of the MLPs: act(gate) * up, with act SiLU or GELU-tanh."""
 from __future__ import annotations
 
 import torch
@@ -15,26 +15,53 @@ from kernels._checks import (
 )
 
 _BLOCK = 1024
+ACTIVATIONS = ("silu", "gelu_tanh")
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def activate(g, ACTIVATION: tl.constexpr):
+    # g: float32. silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2u) with
+    # u = sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u).
+    if ACTIVATION == "silu":
+        return g / (1.0 + tl.exp(-g))
+    else:
+        u = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-2.0 * u))
+
+
+@triton.jit
+def _act_mul_kernel(
     out_ptr,  # [T, I] contiguous
-    x_ptr,  # [T, 2 * I]: gate | up
-    stride_xt,
+    gate_ptr,  # [T, I]
+    up_ptr,  # [T, I]
+    stride_gt,
+    stride_ut,
     inter_size,
     BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
-    # Program (token, chunk of BLOCK columns). Like F.silu, silu runs in
+    # Program (token, chunk of BLOCK columns). Like F.silu and F.gelu, the activation runs in
     # float32 and is rounded to the input dtype before the product with up.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter_size
-    row = x_ptr + token * stride_xt
-    gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(row + inter_size + cols, mask=ok, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    gate = tl.load(gate_ptr + token * stride_gt + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + token * stride_ut + cols, mask=ok, other=0.0)
+    act = activate(gate, ACTIVATION).to(up.dtype)
     tl.store(out_ptr + token * inter_size + cols, act * up, mask=ok)
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    num_tokens, inter_size = gate.shape
+    out = torch.empty((num_tokens, inter_size), dtype=gate.dtype, device=gate.device)
+    if num_tokens == 0 or inter_size == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(inter_size))
+    _act_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
+        out, gate, up, gate.stride(0), up.stride(0), inter_size, BLOCK=block, ACTIVATION=activation
+    )
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -48,12 +75,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     require(x.shape[1] % 2 == 0, where, f"x's last dim must be even (gate | up), got {x.shape[1]}")
     check_dtype(where, "x", x, FLOAT_DTYPES)
     check_inner_contiguous(where, "x", x)
-    num_tokens, inter_size = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_tokens, inter_size), dtype=x.dtype, device=x.device)
-    if num_tokens == 0 or inter_size == 0:
-        return out
-    block = min(_BLOCK, triton.next_power_of_2(inter_size))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter_size, block))](
-        out, x, x.stride(0), inter_size, BLOCK=block
-    )
-    return out
+    inter_size = x.shape[1] // 2
+    return _launch(x[:, :inter_size], x[:, inter_size:], "silu")
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up, act "silu" or "gelu_tanh" (F.gelu(approximate="tanh")), for gate and up:
+    [num_tokens, I] in one dtype (any row strides: halves of a gate_up projection, or two
+    tensors). Returns a new contiguous [num_tokens, I] tensor. Modifies nothing."""
+    where = "gated_activation"
+    check_runnable(where, gate=gate, up=up)
+    require(activation in ACTIVATIONS, where, f"activation must be one of {', '.join(ACTIVATIONS)}, "
+            f"got {activation!r}")
+    check_dim(where, "gate", gate, 2, "[num_tokens, intermediate_size]")
+    require(up.shape == gate.shape, where, f"up shape {tuple(up.shape)} != gate shape {tuple(gate.shape)}")
+    check_dtype(where, "gate", gate, FLOAT_DTYPES)
+    require(up.dtype == gate.dtype, where, f"up dtype {up.dtype} != gate dtype {gate.dtype}")
+    check_inner_contiguous(where, "gate", gate)
+    check_inner_contiguous(where, "up", up)
+    return _launch(gate, up, activation)

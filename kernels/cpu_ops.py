@@ -72,6 +72,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return _run("rotary_embedding", reference.rotary_embedding, q, positions, q, k, cos_sin_cache)
 
 
+def qk_norm_rope(*args: Any, **kwargs: Any) -> Any:
+    """``kernels.reference.qk_norm_rope`` over this module's norm and RoPE."""
+    return reference.qk_norm_rope(*args, norm=rms_norm, rope=rotary_embedding, **kwargs)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``kernels.reference.silu_and_mul`` in one compiled call (ATen's same kernels: bit-exact)."""
     return _run("silu_and_mul", reference.silu_and_mul, x, x)

@@ -88,6 +88,7 @@ from kernels._checks import (
     next_pow2,
     require,
 )
+from kernels.activation import activate
 from kernels.fp8_gemm import fp8_quantize
 from kernels.fp8_reference import FP8_DTYPE  # W8A8 experts: e4m3 weights, activations quantized per token
 
@@ -99,7 +100,6 @@ logger = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit (the defaults)
 _FP8_MIN_BLOCK_K = 32  # Triton's fp8 dots on NVIDIA GPUs reduce at least 32 columns per tile
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # The align step's one-hot tile (pairs of a chunk x experts) stays at or under
 # this many elements: one chunk takes min(T*K, _ALIGN_ELEMS / E) pairs.
 _ALIGN_ELEMS = 32768
@@ -210,14 +210,10 @@ def _place_kernel(
 
 @triton.jit
 def _gated(g, up, alpha, limit, ACTIVATION: tl.constexpr):
-    # g, up: float32. silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2u) with
-    # u = sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u); each times up.
+    # g, up: float32. silu and gelu_tanh as kernels.activation's, times up in float32.
     # swigluoai (gpt-oss): g = min(g, limit), up = clamp(up, -limit, limit), (up + 1) g sigmoid(alpha g).
-    if ACTIVATION == "silu":
-        return g / (1.0 + tl.exp(-g)) * up
-    elif ACTIVATION == "gelu_tanh":
-        u = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        return g / (1.0 + tl.exp(-2.0 * u)) * up
+    if ACTIVATION != "swigluoai":
+        return activate(g, ACTIVATION) * up
     else:
         g = tl.minimum(g, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)

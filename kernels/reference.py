@@ -322,10 +322,22 @@ def fused_add_rms_norm(
 
 def rms_norm_add(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
-    float32_weight: bool = False
+    float32_weight: bool = False, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """residual + rms_norm(x), the add in x's dtype after the norm's cast (h + norm(x))."""
-    return residual + rms_norm(x, weight, eps, offset, float32_weight)
+    """residual + rms_norm(x), the add in x's dtype after the norm's cast (h + norm(x)); with
+    ``scale`` (one value in x's dtype) that sum times it, in x's dtype."""
+    out = residual + rms_norm(x, weight, eps, offset, float32_weight)
+    return out if scale is None else out * scale
+
+
+def rms_norm_add_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, next_weight: torch.Tensor, eps: float,
+    offset: bool = False, float32_weight: bool = False, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = rms_norm_add(x, residual, weight, eps, offset, float32_weight, scale); returns
+    (rms_norm(h, next_weight, eps, offset, float32_weight), h)."""
+    h = rms_norm_add(x, residual, weight, eps, offset, float32_weight, scale)
+    return rms_norm(h, next_weight, eps, offset, float32_weight), h
 
 
 def rotary_embedding(
@@ -354,6 +366,41 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+def qk_norm_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    q_weight: torch.Tensor, k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, eps: float,
+    offset: bool = False, float32_weight: bool = False, *, norm=None, rope=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-head rms_norm of q and k (their weights, the form of ``offset`` / ``float32_weight``),
+    then rotary_embedding; v (if given) normed with no weight. q: [T, Hq, D]; k, v: [T, Hk, D] or
+    None (k None: q alone). Returns (q', k', v'), contiguous, None where not given. ``norm``,
+    ``rope``: the rms_norm and rotary_embedding to compose (a kernel module's; default these)."""
+    norm, rope = norm or rms_norm, rope or rotary_embedding
+
+    def heads(x: torch.Tensor, w: torch.Tensor, **form) -> torch.Tensor:
+        return norm(x.reshape(-1, x.shape[-1]), w, eps, **form).view(x.shape)
+
+    form = dict(offset=offset, float32_weight=float32_weight)
+    q = heads(q, q_weight, **form)
+    if v is not None:  # no weight: the norm cast back
+        v = heads(v, torch.ones(v.shape[-1], dtype=v.dtype, device=v.device), float32_weight=True)
+    if k is None:  # the rotation of q alone (a one-head slice of q stands in for k)
+        return rotate_partial(rope, positions, q, q[:, :1], cos_sin_cache)[0], None, v
+    q, k = rotate_partial(rope, positions, q, heads(k, k_weight, **form), cos_sin_cache)
+    return q, k, v
+
+
+def rotate_partial(rope, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope`` (a kernel module's rotary_embedding) on the first ``cos_sin_cache.shape[1]`` dims
+    of each head of q and k (partial rotary), the rest passed through."""
+    rd = cos_sin_cache.shape[1]
+    if rd == q.shape[-1]:
+        return rope(positions, q, k, cos_sin_cache)
+    q_rot, k_rot = rope(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(), cos_sin_cache)
+    return torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x's dtype."""
     inter = x.shape[-1] // 2
@@ -367,6 +414,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 # The activations fused_moe takes, named as in kernels.fused_moe (HF: "silu", "gelu_pytorch_tanh"),
 # each act(gate) * up; "swigluoai" (gpt-oss's clamped SwiGLU) is gated on its own: _gated.
 MOE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up in the inputs' dtype, act "silu" or "gelu_tanh"; gate, up: [T, I]."""
+    return MOE_ACTIVATIONS[activation](gate) * up
 MOE_GATED_ACTIVATIONS = (*MOE_ACTIVATIONS, "swigluoai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
 

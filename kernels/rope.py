@@ -1,4 +1,5 @@
-"""Rotary position embedding, neox / HF ``rotate_half`` style."""
+"""Rotary position embedding, neox / HF ``rotate_half`` style; alone, and after the per-head q/k
+(and V) norms of the families that have them, in one pass (``qk_norm_rope``)."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,7 @@ from kernels._checks import (
     next_pow2,
     require,
 )
+from kernels.rms_norm import normed
 
 
 @triton.jit
@@ -135,3 +137,150 @@ def rotary_embedding(
         BLOCK_HALF=next_pow2(half),
     )
     return q_out, k_out
+
+
+@triton.jit
+def _norm_rotate_heads(
+    out_ptr, x_ptr, w_ptr, token, stride_xt, stride_xh, cos, sin, eps,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, OFFSET: tl.constexpr, FLOAT32_WEIGHT: tl.constexpr,
+    ROTATE: tl.constexpr, UNIT_WEIGHT: tl.constexpr,
+):
+    # Each head's RMSNorm over HEAD_DIM (kernels.rms_norm's forms; UNIT_WEIGHT: no weight, the
+    # norm cast back), then, with ROTATE, _rotate_heads' rotation of its first 2 * HALF dims in
+    # its dtype; dims from 2 * HALF on (partial rotary) pass through normed.
+    REST: tl.constexpr = HEAD_DIM - 2 * HALF
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    rest = 2 * HALF + tl.arange(0, BLOCK_REST)
+    head_ok = heads[:, None] < NUM_HEADS
+    mask = head_ok & (cols[None, :] < HALF)  # [BLOCK_H, BLOCK_HALF]
+    rest_mask = head_ok & (rest[None, :] < HEAD_DIM)
+    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh
+    x1 = tl.load(src + cols[None, :], mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + cols[None, :], mask=mask, other=0.0)
+    h1, h2 = x1.to(tl.float32), x2.to(tl.float32)
+    squares = tl.sum(h1 * h1, axis=1) + tl.sum(h2 * h2, axis=1)
+    if REST > 0:
+        x3 = tl.load(src + rest[None, :], mask=rest_mask, other=0.0)
+        h3 = x3.to(tl.float32)
+        squares += tl.sum(h3 * h3, axis=1)
+    inv_rms = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]
+    dst = out_ptr + (token * NUM_HEADS + heads[:, None]) * HEAD_DIM
+    if UNIT_WEIGHT:
+        y1, y2 = (h1 * inv_rms).to(x1.dtype), (h2 * inv_rms).to(x1.dtype)
+        if REST > 0:
+            tl.store(dst + rest[None, :], (h3 * inv_rms).to(x1.dtype), mask=rest_mask)
+    else:
+        y1 = normed(h1, inv_rms, tl.load(w_ptr + cols, mask=cols < HALF, other=0.0)[None, :], OFFSET, FLOAT32_WEIGHT)
+        y2 = normed(h2, inv_rms, tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0)[None, :], OFFSET,
+                    FLOAT32_WEIGHT)
+        if REST > 0:
+            w3 = tl.load(w_ptr + rest, mask=rest < HEAD_DIM, other=0.0)[None, :]
+            tl.store(dst + rest[None, :], normed(h3, inv_rms, w3, OFFSET, FLOAT32_WEIGHT), mask=rest_mask)
+    if ROTATE:
+        tl.store(dst + cols[None, :], y1 * cos[None, :] - y2 * sin[None, :], mask=mask)
+        tl.store(dst + HALF + cols[None, :], y2 * cos[None, :] + y1 * sin[None, :], mask=mask)
+    else:
+        tl.store(dst + cols[None, :], y1, mask=mask)
+        tl.store(dst + HALF + cols[None, :], y2, mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_out_ptr, k_out_ptr, v_out_ptr,  # [T, H, D] contiguous each
+    q_ptr, k_ptr, v_ptr,  # [T, H, D], any token and head strides
+    q_w_ptr, k_w_ptr,  # [D]
+    positions_ptr,  # [T]
+    cos_sin_ptr,  # [max_positions, 2 * HALF] float32: cos | sin
+    eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    OFFSET: tl.constexpr, FLOAT32_WEIGHT: tl.constexpr, HAS_K: tl.constexpr, NORM_V: tl.constexpr,
+):
+    # One program per token: its query heads, then its key heads (HAS_K), normed and rotated;
+    # its value heads (NORM_V) normed with a unit weight.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + pos * stride_cache
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(row + cols, mask=cols < HALF, other=0.0).to(dtype)
+    sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0).to(dtype)
+    _norm_rotate_heads(q_out_ptr, q_ptr, q_w_ptr, token, stride_qt, stride_qh, cos, sin, eps, NUM_Q_HEADS,
+                       HEAD_DIM, HALF, BLOCK_HQ, BLOCK_HALF, BLOCK_REST, OFFSET, FLOAT32_WEIGHT, True, False)
+    if HAS_K:
+        _norm_rotate_heads(k_out_ptr, k_ptr, k_w_ptr, token, stride_kt, stride_kh, cos, sin, eps, NUM_K_HEADS,
+                           HEAD_DIM, HALF, BLOCK_HK, BLOCK_HALF, BLOCK_REST, OFFSET, FLOAT32_WEIGHT, True, False)
+    if NORM_V:
+        _norm_rotate_heads(v_out_ptr, v_ptr, q_w_ptr, token, stride_vt, stride_vh, cos, sin, eps, NUM_K_HEADS,
+                           HEAD_DIM, HALF, BLOCK_HK, BLOCK_HALF, BLOCK_REST, OFFSET, FLOAT32_WEIGHT, False, True)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    q_weight: torch.Tensor, k_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor, eps: float,
+    offset: bool = False, float32_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-head RMSNorm of q (``q_weight``) and k (``k_weight``) in ``kernels.rms_norm``'s form
+    (``offset``, ``float32_weight``), then ``rotary_embedding`` of both, in one pass; with
+    ``v``, V's per-head norm with no weight (Gemma 4's), not rotated. The norm of each head is
+    cast back to its dtype before the rotation, as the two kernels one after the other do. A
+    table narrower than the head (partial rotary: ``rotary_dim`` columns) turns the first
+    ``rotary_dim`` dims of each head; the rest pass through normed.
+
+    positions: [num_tokens]; q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens,
+        num_kv_heads, head_dim] or None (k None: a layer that reads another's KV, q alone);
+        any strides with stride 1 in head_dim (views of a fused qkv projection)
+    q_weight, k_weight: [head_dim] in q's dtype;
+    cos_sin_cache: [max_positions, rotary_dim] float32, rotary_dim even and <= head_dim
+
+    Returns new contiguous (q_out, k_out, v_out), None where not given. Modifies nothing.
+    """
+    where = "qk_norm_rope"
+    check_runnable(where, positions=positions, q=q, q_weight=q_weight, cos_sin_cache=cos_sin_cache)
+    check_dim(where, "q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    num_tokens, num_q_heads, head_dim = q.shape
+    others = {name: t for name, t in (("k", k), ("v", v)) if t is not None}
+    require(v is None or k is not None, where, "v is normed beside k: give k too")
+    require(k is None or k_weight is not None, where, "k needs k_weight")
+    for name, t in others.items():
+        check_runnable(where, **{name: t})
+        check_dim(where, name, t, 3, "[num_tokens, num_kv_heads, head_dim]")
+        require(t.shape == others["k"].shape and t.shape[0] == num_tokens and t.shape[2] == head_dim, where,
+                f"{name} shape {tuple(t.shape)} does not match q {tuple(q.shape)} and k")
+        require(t.dtype == q.dtype, where, f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+        check_inner_contiguous(where, name, t)
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight if k is not None else None)):
+        if w is not None:
+            require(w.shape == (head_dim,) and w.dtype == q.dtype, where,
+                    f"{name} must be [{head_dim}] in q's dtype {q.dtype}, got {tuple(w.shape)} {w.dtype}")
+    rotary_dim = cos_sin_cache.shape[-1]
+    require(positions.shape == (num_tokens,), where, f"positions must be [{num_tokens}]")
+    require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, where,
+            f"cos_sin_cache has {rotary_dim} columns: an even count up to head_dim {head_dim}")
+    check_dtype(where, "positions", positions, (torch.int32, torch.int64))
+    check_dtype(where, "q", q, FLOAT_DTYPES)
+    check_dtype(where, "cos_sin_cache", cos_sin_cache, (torch.float32,))
+    check_contiguous(where, "positions", positions)
+    check_inner_contiguous(where, "q", q)
+    check_inner_contiguous(where, "cos_sin_cache", cos_sin_cache)
+
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    v_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if num_tokens == 0:
+        return q_out, k_out, v_out
+    num_k_heads = 1 if k is None else k.shape[1]
+    kk, vv = (q if k is None else k), (q if v is None else v)  # placeholders for absent pointers
+    _qk_norm_rope_kernel[(num_tokens,)](
+        q_out, q_out if k_out is None else k_out, q_out if v_out is None else v_out,
+        q, kk, vv, q_weight, q_weight if k_weight is None else k_weight, positions, cos_sin_cache, eps,
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1), cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim, HALF=rotary_dim // 2,
+        BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_k_heads), BLOCK_HALF=next_pow2(rotary_dim // 2),
+        BLOCK_REST=next_pow2(max(1, head_dim - rotary_dim)),
+        OFFSET=offset, FLOAT32_WEIGHT=float32_weight, HAS_K=k is not None, NORM_V=v is not None,
+    )
+    return q_out, k_out, v_out

@@ -40,3 +40,32 @@ def test_rejects_bad_arguments():
         kernels.silu_and_mul(make_x(2, 8, torch.float32)[:, :15])
     with pytest.raises(ValueError, match="must have dtype"):
         kernels.silu_and_mul(make_x(2, 8, torch.float32).long())
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gated_activation_matches_reference(shape, dtype, activation):
+    """act(gate) * up over two tensors of their own strides (a per-layer input's slice beside a
+    projection's output); the reference is transformers' F.silu / F.gelu(approximate="tanh")."""
+    gate = make_x(*shape, dtype, seed=1)[:, :shape[1]]
+    up = make_x(*shape, dtype, seed=2)[:, shape[1]:]
+    got = kernels.gated_activation(gate, up, activation)
+    want = reference.gated_activation(gate, up, activation)
+    act = torch.nn.functional.silu if activation == "silu" else (
+        lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+    assert torch.equal(want, act(gate) * up)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    assert got.shape == shape and got.is_contiguous() and got.dtype == dtype
+    if activation == "silu":  # the [gate | up] form takes the same kernel
+        x = make_x(*shape, dtype)
+        assert torch.equal(kernels.silu_and_mul(x), kernels.gated_activation(x[:, :shape[1]], x[:, shape[1]:], "silu"))
+
+
+def test_gated_activation_rejects_bad_arguments():
+    x = make_x(2, 8, torch.float32)
+    with pytest.raises(ValueError, match="activation must be one of silu, gelu_tanh"):
+        kernels.gated_activation(x[:, :8], x[:, 8:], "relu")
+    with pytest.raises(ValueError, match="up shape"):
+        kernels.gated_activation(x[:, :8], x[:, 8:15], "silu")

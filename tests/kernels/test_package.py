@@ -65,8 +65,8 @@ def test_modules_import_only_torch_triton_and_stdlib():
 
 def test_public_api():
     launchers = {
-        "store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rms_norm_add", "rotary_embedding",
-        "silu_and_mul",
+        "store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rms_norm_add", "rms_norm_add_norm",
+        "rotary_embedding", "qk_norm_rope", "silu_and_mul", "gated_activation",
         "fused_moe", "moe_route", "int4_gemm", "fp8_gemm", "fp8_quantize", "lora_group", "lora_shrink", "lora_expand",
         "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating",  # Gated DeltaNet (kernels/gated_delta.py)
     }

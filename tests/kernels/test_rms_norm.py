@@ -99,6 +99,20 @@ def test_norms_fused_with_a_residual_add(shape, dtype, form):
     assert torch.equal(want_after, residual + reference.rms_norm(x, weight, EPS, **FORMS[form]))
     torch.testing.assert_close(after, want_after, atol=atol, rtol=rtol)
     assert after.is_contiguous() and after.dtype == dtype
+    # Gemma 4's layer end: the sum times the layer scalar, then the next layer's norm of it
+    scale = torch.tensor([0.75], dtype=dtype, device=x.device)
+    next_weight = weight.flip(0)
+    scaled = kernels.rms_norm_add(x, residual, weight, EPS, scale=scale, **FORMS[form])
+    want_scaled = reference.rms_norm_add(x, residual, weight, EPS, scale=scale, **FORMS[form])
+    assert torch.equal(want_scaled, want_after * scale)
+    torch.testing.assert_close(scaled, want_scaled, atol=atol, rtol=rtol)
+    normed, h = kernels.rms_norm_add_norm(x, residual, weight, next_weight, EPS, scale=scale, **FORMS[form])
+    want_normed, want_h = reference.rms_norm_add_norm(x, residual, weight, next_weight, EPS, scale=scale,
+                                                      **FORMS[form])
+    assert torch.equal(want_h, want_scaled) and torch.equal(h, scaled)  # the same sum, to the bit
+    assert torch.equal(want_normed, reference.rms_norm(want_h, next_weight, EPS, **FORMS[form]))
+    assert torch.equal(normed, kernels.rms_norm(h, next_weight, EPS, **FORMS[form]))  # as the next norm alone
+    torch.testing.assert_close(normed, want_normed, atol=atol, rtol=rtol)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
@@ -114,3 +128,7 @@ def test_rejects_bad_arguments():
         kernels.rms_norm_add(x, residual[:2], weight, EPS)
     with pytest.raises(ValueError, match="stride 1 in its last dim"):
         kernels.rms_norm(x.t().contiguous().t(), weight, EPS)
+    with pytest.raises(ValueError, match="scale must be one value"):
+        kernels.rms_norm_add(x, residual, weight, EPS, scale=weight[:2])
+    with pytest.raises(ValueError, match="weight has 39 entries"):
+        kernels.rms_norm_add_norm(x, residual, weight, weight[:39], EPS)

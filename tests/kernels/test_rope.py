@@ -82,3 +82,60 @@ def test_rejects_bad_arguments():
         kernels.rotary_embedding(positions, q, k, cos_sin_cache(32))
     with pytest.raises(ValueError, match="token counts differ"):
         kernels.rotary_embedding(positions[:2], q, k, cache)
+
+
+NORM_FORMS = {"plain": {}, "offset": {"offset": True}, "float32_weight": {"float32_weight": True}}
+NORM_ROPE_CASES = [  # (num_tokens, q heads, kv heads, head_dim, rotary_dim, k, v normed)
+    (1, 1, 1, 16, 16, True, False),
+    (17, 5, 1, 64, 64, True, True),  # Gemma 4's: V normed beside
+    (9, 4, 2, 32, 32, False, False),  # a layer reading another's KV: q alone
+    (33, 6, 2, 64, 16, True, False),  # partial rotary (Qwen3.5's quarter)
+    (5, 3, 3, 24, 8, True, True),  # a head size that is no power of two
+]
+
+
+@pytest.mark.parametrize("form", NORM_FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", NORM_ROPE_CASES)
+def test_qk_norm_rope_matches_the_norms_then_the_rotation(case, dtype, form):
+    """One pass: each head of q and k normed (their weights, the form), cast back, rotated on
+    its first rotary_dim dims; V (when given) normed with no weight, not rotated. Against the
+    reference, which is rms_norm then rotary_embedding one after the other."""
+    tokens, hq, hk, d, rd, with_k, with_v = case
+    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=gen).to(DEVICE)
+    qkv = (3 * torch.randn(tokens, hq + 2 * hk, d, generator=gen)).to(dtype).to(DEVICE)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
+    k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
+    args = (positions, q, k if with_k else None, v if with_v else None, q_w, k_w, cos_sin_cache(rd), 1e-6)
+    before = qkv.clone()
+    got = kernels.qk_norm_rope(*args, **NORM_FORMS[form])
+    want = reference.qk_norm_rope(*args, **NORM_FORMS[form])
+    atol, rtol = TOLERANCES[dtype]
+    for name, g, w in zip("qkv", got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+            assert g.is_contiguous() and g.dtype == dtype
+    assert torch.equal(qkv, before)
+    # the reference: the norms, then the rotation (on the first rotary_dim dims), as two steps
+    normed = reference.rms_norm(q.reshape(-1, d), q_w, 1e-6, **NORM_FORMS[form]).view(q.shape)
+    turned, _ = reference.rotary_embedding(positions, normed[..., :rd].contiguous(), normed[..., :rd].contiguous(),
+                                           cos_sin_cache(rd))
+    assert torch.equal(want[0], torch.cat([turned, normed[..., rd:]], dim=-1))
+    if with_v:
+        unit = reference.rms_norm(v.reshape(-1, d), torch.ones_like(q_w), 1e-6, float32_weight=True).view(v.shape)
+        assert torch.equal(want[2], unit)
+
+
+def test_qk_norm_rope_rejects_bad_arguments():
+    q = torch.randn(3, 2, 16, device=DEVICE)
+    w, table = torch.ones(16, device=DEVICE), cos_sin_cache(16)
+    positions = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="give k too"):
+        kernels.qk_norm_rope(positions, q, None, q, w, w, table, 1e-6)
+    with pytest.raises(ValueError, match="an even count up to head_dim 16"):
+        kernels.qk_norm_rope(positions, q, q, None, w, w, cos_sin_cache(32), 1e-6)
+    with pytest.raises(ValueError, match=r"q_weight must be \[16\]"):
+        kernels.qk_norm_rope(positions, q, q, None, w[:8], w, table, 1e-6)
