@@ -4,7 +4,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -17,9 +16,7 @@ def activation_name(hf_name: str) -> str:
 
 
 def act_and_mul(x: torch.Tensor, name: str, ops: ModuleType) -> torch.Tensor:
-    """x: [T, 2*I] -> [T, I] in x's dtype (SiLU through the fused kernel; GELU-tanh as
-    transformers computes it, in the model dtype)."""
+    """x: [T, 2*I] -> [T, I] in x's dtype, one call of the kernel module."""
     if name == "silu":
         return ops.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return ops.gated_activation(*x.chunk(2, dim=-1), name)

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         that reads another layer's KV (its cache group's, set by the engine): it projects only
         queries. ``head_dim``, ``num_kv_heads``: this layer's, where they are not the config's;
         ``k_eq_v``: no v_proj, V is K's projection (before k_norm and RoPE); ``v_norm``: what
-        makes V's per-head norm. ``sinks``: attention sinks, a parameter ``sinks`` of this
+        makes V's per-head norm (a weightless one, beside ``qk_norm``). ``sinks``: attention sinks, a parameter ``sinks`` of this
         rank's query heads ([num_heads], float32 whatever the model dtype), loaded from
         ``<prefix>.sinks``; ``o_bias``: o_proj has a bias (``o_proj.bias``, added once after
         the all-reduce)."""
@@ -164,15 +164,21 @@ class Attention(nn.Module):
             v = k
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            q = self.q_norm.norm(q.reshape(-1, d))
-            k = None if k is None else self.k_norm.norm(k.reshape(-1, d))
         q = q.reshape(t, self.num_heads, d)
+        k, v = (None, None) if k is None else (k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d))
+        if self.q_norm is not None:
+            return self.norm_and_rotate(positions, q, k, v)
         if k is None:  # the rotation of q alone (a one-head slice of q stands in for k)
             return self.rope(positions, q, q[:, :1])[0], None, None
-        k = k.reshape(t, self.num_kv_heads, d)
-        v = v.reshape(t, self.num_kv_heads, d)
-        if self.v_norm is not None:
-            v = self.v_norm.norm(v)
         q, k = self.rope(positions, q, k)
         return q, k, v
+
+    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
+                        v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q/k norms (and V's, with ``v_norm``) and RoPE, one call of the kernel
+        module (``qk_norm_rope``): q [T, H, D], k, v [T, H_kv, D] or None, views of the projection."""
+        qn, kn = self.q_norm, self.k_norm
+        q, k, normed_v = self.ops.qk_norm_rope(
+            positions, q, k, None if self.v_norm is None else v, qn.weight, None if kn is None else kn.weight,
+            self.rope.cos_sin, qn.eps, offset=qn.offset, float32_weight=qn.float32_weight)
+        return q, k, v if normed_v is None else normed_v

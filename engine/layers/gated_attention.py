@@ -42,7 +42,7 @@ class GatedAttention(Attention):
         t, d, h = x.shape[0], self.head_dim, self.num_heads
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)
-        q, k = self.q_norm.norm(q.reshape(-1, d)), self.k_norm.norm(k.reshape(-1, d))
-        q, k = self.rope(positions, q.view(t, h, d), k.view(t, self.num_kv_heads, d))
-        o = self.attend(q, k, v.reshape(t, self.num_kv_heads, d), kv, meta)
+        q, k, v = self.norm_and_rotate(positions, q, k.view(t, self.num_kv_heads, d),
+                                       v.reshape(t, self.num_kv_heads, d))
+        o = self.attend(q, k, v, kv, meta)
         return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))

@@ -17,6 +17,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    float32_weight = False  # the form's flags as kernels take them (``offset`` per instance)
+
     def __init__(self, size: int, eps: float, ops: ModuleType, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))

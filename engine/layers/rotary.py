@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import reference
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 
 
@@ -137,9 +139,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        rd = self.rotary_dim
-        if rd == self.head_dim:
-            return self.ops.rotary_embedding(positions, q, k, self.cos_sin)
-        q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(),
-                                                 self.cos_sin)
-        return torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+        return reference.rotate_partial(self.ops.rotary_embedding, positions, q, k, self.cos_sin)

@@ -12,6 +12,10 @@ twists, each as transformers 5.23's ``Gemma4TextModel`` computes it.
         h *= layer_scalar
     logits = softcap(lm_head(norm(h)))
 
+Each post-norm, its add and what follows it (the layer scalar; the norm that reads the sum,
+the next layer's input norm or the final norm) is one kernel call (``rms_norm_add``,
+``rms_norm_add_norm``), the per-layer input's gate one more (``gated_activation``).
+
 - Norms multiply by ``w`` (not Gemma 3's ``1 + w``), in float32 (``Gemma4Norm``); V and
   the router's input get a norm without weight.
 - Attention has no softmax scale (1.0: q_norm and k_norm set the size of the logits).
@@ -34,7 +38,6 @@ from types import ModuleType
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -64,6 +67,8 @@ class Gemma4Norm(nn.Module):
     then cast back: one call of the step's kernel module (``rms_norm``, ``float32_weight``).
     ``with_scale=False``: no weight (V's norm, the router's): a unit one that is no parameter."""
 
+    offset, float32_weight = False, True  # the form's flags as kernels take them
+
     def __init__(self, size: int, eps: float, ops: ModuleType, with_scale: bool = True) -> None:
         super().__init__()
         self.eps, self.ops = eps, ops
@@ -82,9 +87,15 @@ class Gemma4Norm(nn.Module):
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + norm(x), one kernel call (h, x: [T, size])."""
-        return self.ops.rms_norm_add(x, h, self.weight, self.eps, float32_weight=True)
+    def add_to(self, h: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """h + norm(x), times ``scale`` if given (one value), one kernel call (h, x: [T, size])."""
+        return self.ops.rms_norm_add(x, h, self.weight, self.eps, float32_weight=True, scale=scale)
+
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor, next_norm: Gemma4Norm,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(s), s) for s = ``add_to(h, x, scale)``, one kernel call."""
+        return self.ops.rms_norm_add_norm(x, h, self.weight, next_norm.weight, self.eps, float32_weight=True,
+                                          scale=scale)
 
 
 class Gemma4MoE(FusedMoE):
@@ -122,6 +133,7 @@ class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: ModuleType, attn: Attention, mlp: GatedMLP, moe: Gemma4MoE | None,
                  per_layer_size: int) -> None:
         super().__init__()
+        self.ops = ops
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = Gemma4Norm(size, eps, ops)
         self.self_attn = attn
@@ -141,19 +153,31 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4Norm(size, eps, ops)
         self.layer_scalar = _ones(1)
 
-    def forward(self, positions, h, residual, kv, meta, per_layer_input=None):
+    def forward(self, positions, h, normed, kv, meta, per_layer_input=None, next_norm=None):
         """h: the whole residual stream (Gemma 4 scales it per layer: no residual is carried
-        beside it, ``residual`` stays None); per_layer_input: [T, P] of this layer."""
-        h = self.post_attention_layernorm.add_to(h, self.self_attn(positions, self.input_layernorm(h), kv, meta))
-        x = self.mlp(self.pre_feedforward_layernorm(h))
-        if self.moe is not None:
+        beside it); normed: input_layernorm(h) when the layer before computed it (None: here);
+        per_layer_input: [T, P] of this layer; next_norm: the norm that reads this layer's
+        output (the next layer's input norm, the model's final one), applied in the layer's
+        last kernel. Returns (h, next_norm(h) or None)."""
+        x = self.input_layernorm(h) if normed is None else normed
+        attn = self.self_attn(positions, x, kv, meta)
+        if self.moe is None:
+            x, h = self.post_attention_layernorm.add_and_norm(h, attn, self.pre_feedforward_layernorm)
+            x = self.mlp(x)
+        else:
+            h = self.post_attention_layernorm.add_to(h, attn)
+            x = self.mlp(self.pre_feedforward_layernorm(h))
             experts = self.moe(self.pre_feedforward_layernorm_2(h), meta, routed=h)
             x = self.post_feedforward_layernorm_2.add_to(self.post_feedforward_layernorm_1(x), experts)
-        h = self.post_feedforward_layernorm.add_to(h, x)
+        last = self.post_feedforward_layernorm
         if self.per_layer_size:
-            x = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
-            h = self.post_per_layer_input_norm.add_to(h, self.per_layer_projection(x))
-        return h * self.layer_scalar, None
+            h = last.add_to(h, x)
+            x = self.ops.gated_activation(self.per_layer_input_gate(h), per_layer_input, "gelu_tanh")
+            x, last = self.per_layer_projection(x), self.post_per_layer_input_norm
+        if next_norm is None:
+            return last.add_to(h, x, scale=self.layer_scalar), None
+        normed, h = last.add_and_norm(h, x, next_norm, scale=self.layer_scalar)
+        return h, normed
 
 
 def _check_tp(cfg: ModelConfig, size: int) -> None:
@@ -240,12 +264,15 @@ class Gemma4ForCausalLM(CausalLM):
         the last layer writing slot s has run (``slot_done``)."""
         h = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, h)
-        for i, layer in enumerate(self.model.layers):
-            h, _ = layer(positions, h, None, self.layer_kv(kv_cache, i), meta,
-                         None if per_layer is None else per_layer[:, i])
+        layers = self.model.layers
+        normed = None  # each layer's last kernel norms its output for the next layer (the last: the final norm)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, normed = layer(positions, h, normed, self.layer_kv(kv_cache, i), meta,
+                              None if per_layer is None else per_layer[:, i], next_norm)
             if on_layer is not None:
                 self.slot_done(i, on_layer)
-        return self.model.norm(h)
+        return normed
 
     def map_name(self, name: str) -> tuple[str, object] | None:
         """The router's tensors and the stacked experts under ``moe``; the rest as CausalLM's."""

@@ -30,9 +30,9 @@ from engine import LLM, SamplingParams
 
 model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 calls = {}
-for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rms_norm_add", "rotary_embedding",
-             "silu_and_mul", "moe_route", "fused_moe", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
-             "gdn_gating"):
+for name in ("store_kv_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rms_norm_add",
+             "rms_norm_add_norm", "rotary_embedding", "qk_norm_rope", "silu_and_mul", "gated_activation", "moe_route",
+             "fused_moe", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating"):
     def counted(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
         calls[_name] = calls.get(_name, 0) + 1
         return _fn(*args, **kwargs)
@@ -84,8 +84,8 @@ def test_triton_kernels_in_the_forward_pass_match_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("family, kernels_run", [
-    ("qwen3-moe", {"moe_route", "fused_moe", "paged_attention", "rms_norm"}),  # routing, experts, q/k norms
-    ("gemma3", {"paged_attention", "store_kv_cache", "rotary_embedding",  # windowed and full layers,
+    ("qwen3-moe", {"moe_route", "fused_moe", "paged_attention", "qk_norm_rope"}),  # routing, experts, q/k norms
+    ("gemma3", {"paged_attention", "store_kv_cache", "qk_norm_rope",  # windowed and full layers,
                 "rms_norm", "fused_add_rms_norm"}),  # and the (1 + w) norms
 ])
 def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, kernels_run):
@@ -110,14 +110,15 @@ def test_triton_kernels_in_a_hybrid_model_match_transformers(tmp_path):
     result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels"
     assert {"causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating", "rms_norm",
-            "fused_add_rms_norm", "paged_attention"} <= set(result["calls"])
+            "fused_add_rms_norm", "paged_attention", "qk_norm_rope"} <= set(result["calls"])
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
 def test_triton_kernels_in_gemma4_match_transformers(tmp_path, variant):
     """Gemma 4's norms (w in float32; after the attention, the MLP and the per-layer input, the
-    residual added in the same call), KV-sharing layers, and the experts beside the MLP."""
+    residual added in the same call, with the layer scalar and the next norm), q/k/V norms with
+    RoPE in one call, the per-layer input's gate, KV-sharing layers, the experts beside the MLP."""
     from tests.engine.families import hf_greedy, hf_model, random_prompts
     from tests.engine.test_gemma4 import make_gemma4
 
@@ -125,7 +126,10 @@ def test_triton_kernels_in_gemma4_match_transformers(tmp_path, variant):
     prompts = random_prompts([1, 6, 19], seed=4)  # 19 > the window of 8
     result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels"
-    assert {"rms_norm", "rms_norm_add", "paged_attention", "store_kv_cache"} <= set(result["calls"])
+    assert {"rms_norm_add", "qk_norm_rope", "gated_activation", "paged_attention",
+            "store_kv_cache"} <= set(result["calls"])
+    if variant == "dense":  # the experts' layers norm after the attention's add apart (two norms of h)
+        assert "rms_norm_add_norm" in result["calls"]
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 
