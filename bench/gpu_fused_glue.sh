@@ -5,7 +5,8 @@
 #   bash bench/gpu_fused_glue.sh [SECTION...]     # kernels | decode | tiles | exact (default: all)
 # kernels: the fused kernels' tests on CUDA; decode: decode step at batch 1/32/128, 1k context,
 # Gemma 4 E2B and Qwen3.5 shapes, before then after (ROUNDS rounds, default 1); tiles: bench.attention_tiles
-# on Gemma 4 E2B's head shapes; exact: the hybrid and Gemma 3 families against transformers on CUDA.
+# on Gemma 4 E2B's head shapes; exact: the hybrid, Gemma 3 and Gemma 4 families against transformers
+# on CUDA.
 source "$(dirname "$0")/gpu_common.sh"
 root=$PWD
 sections=("$@")
@@ -30,7 +31,8 @@ for section in "${sections[@]}"; do
       run 200 $py -m bench.attention_tiles --model-shape gemma-4-e2b --batch-sizes 1,32,128 \
         --output-json "$out/attention-tiles-gemma-4-e2b.json" 2>&1 | grep -v Warning ;;
     exact)
-      run 200 $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cache_groups_gpu.py 2>&1 | tail -4 ;;
+      run ${EXACT_LIMIT:-300} $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cache_groups_gpu.py \
+        tests/engine/test_gemma4.py 2>&1 | tail -4 ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done
