@@ -7,7 +7,9 @@
   ``--stream-idle-timeout 0``, so only the gateway channel's unanswered pings (rpc/server.py:
   keepalive, and the ping timeout that bounds every ping) can find the dead peer: a stream on
   it migrates within keepalive time + timeout of the loss (gRPC's default ping timeout made
-  it a minute) and finishes with exactly the tokens of the same request served without it.
+  it a minute) and finishes with exactly the tokens of the same request computed in one engine
+  (greedy: what the cluster streams without a loss; computed offline, not through the paced
+  decode servers).
   tests/reliability/test_keepalive.py checks the keepalive pings on a quiet connection.
 - **The gateway restarts** (SIGKILL, a new process on the same tiers and Redis): the stream in
   flight is lost with the process, and its decode server frees the blocks; the new gateway
@@ -32,6 +34,9 @@ import grpc
 import httpx
 import pytest
 
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc import server as rpc_server
 from rpc.local_redis import LocalRedis
@@ -65,6 +70,15 @@ def _generate(stub, prompt: list[int], max_tokens: int) -> tuple[list[int], int]
     return [t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_tokens
 
 
+def _reference(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
+    """The request's greedy tokens computed in one engine, nothing transferred."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory="8MiB"))
+    ref = engine.add_request("ref", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ref.output_token_ids
+
+
 def _cluster(gw: GatewayProcess) -> list[dict]:
     return httpx.get(gw.http_url + "/cluster", timeout=10).json()["instances"]
 
@@ -93,8 +107,10 @@ def _holds_a_request(server: EngineServer) -> bool:
     return bool(load.num_running or load.num_waiting)
 
 
-def test_a_stream_on_a_vanished_decode_host_migrates_within_the_keepalive_deadline(tiers):
+def test_a_stream_on_a_vanished_decode_host_migrates_within_the_keepalive_deadline(tiers, tiny_llama_dir):
     _, prefills, decodes = tiers
+    prompt = [9 + (j * 13) % 370 for j in range(40)]
+    want = _reference(tiny_llama_dir, prompt, 300)
     relays = [SilentRelay(d.address) for d in decodes]
     gw = _gateway("gw-keepalive", ["--prefill", ",".join(p.address for p in prefills),
                                    "--decode", ",".join(r.address for r in relays), "--stream-idle-timeout", "0"])
@@ -102,8 +118,6 @@ def test_a_stream_on_a_vanished_decode_host_migrates_within_the_keepalive_deadli
         gw.wait_ready()
         gw.wait_healthy()
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
-        prompt = [9 + (j * 13) % 370 for j in range(40)]
-        want, _ = _generate(stub, prompt, 300)
         stream = stub.Generate(_request(prompt, 300), timeout=120)
         got = list(next(stream).token_ids)
         # The first token is the prefill server's: the decode server holding the stream may still be
