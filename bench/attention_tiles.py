@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 return
             finally:
                 pa._tile_config = default_config
-            rows.append({"tile": label, "splits": splits, "us": us, "tb_per_s": kv_bytes / us / 1e6, "max_abs_err": err})
+            rows.append({"tile": label, "splits": splits, "us": us, "tb_per_s": kv_bytes / us / 1e6,
+                         "max_abs_err": err})
 
         for splits in sorted({default_splits, 1, 2, 4, 8}):
             timed("default", splits)

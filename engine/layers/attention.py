@@ -79,8 +79,8 @@ class Attention(nn.Module):
         that reads another layer's KV (its cache group's, set by the engine): it projects only
         queries. ``head_dim``, ``num_kv_heads``: this layer's, where they are not the config's;
         ``k_eq_v``: no v_proj, V is K's projection (before k_norm and RoPE); ``v_norm``: what
-        makes V's per-head norm (a weightless one, beside ``qk_norm``). ``sinks``: attention sinks, a parameter ``sinks`` of this
-        rank's query heads ([num_heads], float32 whatever the model dtype), loaded from
+        makes V's per-head norm (a weightless one, beside ``qk_norm``). ``sinks``: attention
+        sinks, a parameter ``sinks`` of this rank's query heads ([num_heads], float32 whatever the model dtype), loaded from
         ``<prefix>.sinks``; ``o_bias``: o_proj has a bias (``o_proj.bias``, added once after
         the all-reduce)."""
         super().__init__()

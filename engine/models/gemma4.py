@@ -87,9 +87,9 @@ class Gemma4Norm(nn.Module):
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self(x)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """h + norm(x), times ``scale`` if given (one value), one kernel call (h, x: [T, size])."""
-        return self.ops.rms_norm_add(x, h, self.weight, self.eps, float32_weight=True, scale=scale)
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + norm(x), one kernel call (h, x: [T, size])."""
+        return self.ops.rms_norm_add(x, h, self.weight, self.eps, float32_weight=True)
 
     def add_and_norm(self, h: torch.Tensor, x: torch.Tensor, next_norm: Gemma4Norm,
                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +153,12 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4Norm(size, eps, ops)
         self.layer_scalar = _ones(1)
 
-    def forward(self, positions, h, normed, kv, meta, per_layer_input=None, next_norm=None):
+    def forward(self, positions, h, normed, kv, meta, per_layer_input, next_norm):
         """h: the whole residual stream (Gemma 4 scales it per layer: no residual is carried
         beside it); normed: input_layernorm(h) when the layer before computed it (None: here);
-        per_layer_input: [T, P] of this layer; next_norm: the norm that reads this layer's
-        output (the next layer's input norm, the model's final one), applied in the layer's
-        last kernel. Returns (h, next_norm(h) or None)."""
+        per_layer_input: [T, P] of this layer (None without); next_norm: the norm that reads
+        this layer's output (the next layer's input norm, the model's final one), applied in
+        the layer's last kernel. Returns (h, next_norm(h))."""
         x = self.input_layernorm(h) if normed is None else normed
         attn = self.self_attn(positions, x, kv, meta)
         if self.moe is None:
@@ -174,8 +174,6 @@ class Gemma4DecoderLayer(nn.Module):
             h = last.add_to(h, x)
             x = self.ops.gated_activation(self.per_layer_input_gate(h), per_layer_input, "gelu_tanh")
             x, last = self.per_layer_projection(x), self.post_per_layer_input_norm
-        if next_norm is None:
-            return last.add_to(h, x, scale=self.layer_scalar), None
         normed, h = last.add_and_norm(h, x, next_norm, scale=self.layer_scalar)
         return h, normed
 
