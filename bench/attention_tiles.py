@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     import kernels
+    from bench.kernels import decode_attention_inputs
     from bench.model_shapes import SHAPES
     from kernels import paged_attention as pa
     from kernels import reference
@@ -54,13 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      [int(x) for x in args.batch_sizes.split(",")]):
         torch.manual_seed(0)
         ctx = args.context_len
-        nblk = b * (ctx // BLOCK_SIZE)
-        kc = torch.randn(nblk, BLOCK_SIZE, hkv, d, device=dev, dtype=dt)
-        vc = torch.randn(nblk, BLOCK_SIZE, hkv, d, device=dev, dtype=dt)
-        tables = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, ctx // BLOCK_SIZE)
-        q = torch.randn(b, hq, d, device=dev, dtype=dt)
-        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        q, kc, vc, tables, qsl, lens = decode_attention_inputs(b, ctx, hq, hkv, d, BLOCK_SIZE, dev, dt)
         win = {} if window is None else {"sliding_window": window}
         ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, 1.0, **win).float()
         kv_bytes = b * min(ctx, window or ctx) * hkv * d * 2 * 2

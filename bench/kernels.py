@@ -38,6 +38,22 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
+def decode_attention_inputs(batch: int, ctx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                            block_size: int, device, dtype) -> tuple:
+    """A decode step's attention inputs: (q [B, Hq, D], k_cache, v_cache, block_tables in a
+    random page order, query_start_loc, seq_lens), every sequence ``ctx`` keys long."""
+    import torch
+
+    nblk = batch * (ctx // block_size)
+    kc = torch.randn(nblk, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    vc = torch.randn(nblk, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    tables = torch.randperm(nblk, device=device, dtype=torch.int32).view(batch, ctx // block_size)
+    q = torch.randn(batch, num_q_heads, head_dim, device=device, dtype=dtype)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    return q, kc, vc, tables, qsl, lens
+
+
 def moe_weight_bytes(topk_ids, num_experts: int, hidden: int, inter: int, itemsize: int) -> int:
     """Bytes of expert weights a call must read: w13 and w2 of each distinct expert hit, once."""
     ids = topk_ids[(topk_ids >= 0) & (topk_ids < num_experts)]
@@ -142,13 +158,7 @@ def main(args: argparse.Namespace) -> int:
 
     # ---- paged attention, decode ------------------------------------------------------
     for b, ctx, window in DECODE_CASES:
-        nblk = b * (ctx // BS)
-        kc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
-        vc = torch.randn(nblk, BS, HKV, D, device=dev, dtype=dt)
-        tables = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, ctx // BS)
-        q = torch.randn(b, HQ, D, device=dev, dtype=dt)
-        qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        q, kc, vc, tables, qsl, lens = decode_attention_inputs(b, ctx, HQ, HKV, D, BS, dev, dt)
         scale = D ** -0.5
         default = paged_attention_num_splits(b, b, HQ, HKV, D, ctx, dev, sliding_window=window)
         ref = reference.paged_attention(q, kc, vc, tables, qsl, lens, scale, sliding_window=window)
