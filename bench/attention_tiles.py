@@ -1,7 +1,7 @@
 """The paged attention's decode tiles swept for one model's head shapes (CUDA).
 
     python -m bench.attention_tiles [--model-shape gemma-4-e2b] [--batch-sizes 1,32,128] [--context-len 1024]
-                                    [--output-json F]
+                                    [--quick] [--output-json F]
 
 For each layer shape of the model (query heads, KV heads, head size, window) and batch size:
 the decode step's attention (one query a sequence, random pages) timed under a CUDA graph
@@ -18,6 +18,7 @@ import json
 
 BLOCK_SIZE = 16
 TILES = list(itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3)))  # (block_n, num_warps, num_stages)
+QUICK_TILES = list(itertools.product((16, 32), (4, 8), (1, 2)))
 
 
 def layer_shapes(shape: dict) -> list[tuple[int, int, int, int | None]]:
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-shape", default="gemma-4-e2b", choices=sorted(SHAPES))
     p.add_argument("--batch-sizes", default="1,32,128")
     p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help=f"{len(QUICK_TILES)} tiles instead of {len(TILES)}")
     p.add_argument("--output-json")
     args = p.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for splits in sorted({default_splits, 1, 2, 4, 8}):
             timed("default", splits)
-        for (bn, warps, stages) in TILES:
+        for (bn, warps, stages) in QUICK_TILES if args.quick else TILES:
             cfg = pa._TileConfig(1, max(16, pa.next_pow2(hq // hkv)), bn, num_warps=warps, num_stages=stages)
             for splits in sorted({default_splits, max(1, default_splits // 2), 2 * default_splits}):
                 timed(f"n{bn} w{warps} s{stages}", splits, cfg)
