@@ -28,7 +28,7 @@ for section in "${sections[@]}"; do
         done
       done ;;
     tiles)
-      run ${TILES_LIMIT:-200} $py -m bench.attention_tiles --model-shape gemma-4-e2b --batch-sizes ${TILES_BATCHES:-1,32,128} $TILES_FLAGS \
+      run ${TILES_LIMIT:-200} $py -m bench.attention_tiles --model-shape gemma-4-e2b --batch-sizes ${TILES_BATCHES:-1,32,128} ${TILES_FLAGS:-} \
         --output-json "$out/attention-tiles-gemma-4-e2b.json" 2>&1 | grep -v Warning ;;
     exact)
       run ${EXACT_LIMIT:-300} $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cache_groups_gpu.py \
