@@ -417,8 +417,13 @@ MOE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up in the inputs' dtype, act "silu" or "gelu_tanh"; gate, up: [T, I]."""
-    return MOE_ACTIVATIONS[activation](gate) * up
+    """act(gate) * up in the inputs' dtype, act "silu", "gelu_tanh" or "sigmoid" (gated
+    attention's output gate); gate, up: [T, I] or [T, H, I] (per head: taken as transformers
+    takes them, the heads flattened into one contiguous row a token)."""
+    act = torch.sigmoid if activation == "sigmoid" else MOE_ACTIVATIONS[activation]
+    if gate.dim() == 3:
+        return (act(gate.reshape(gate.shape[0], -1)) * up.reshape(up.shape[0], -1)).view(gate.shape)
+    return act(gate) * up
 MOE_GATED_ACTIVATIONS = (*MOE_ACTIVATIONS, "swigluoai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
 

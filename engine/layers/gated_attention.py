@@ -3,7 +3,7 @@ engine/layers/attention.py (its ``attend``) with an output gate.
 
     x -> q_proj (per head: the query's D rows, then its gate's D rows), k_proj, v_proj
       -> (1 + w) q/k RMSNorms per head -> RoPE (partial: the first rotary_dim dims)
-      -> store K/V, paged attention -> o * sigmoid(gate) -> o_proj
+      -> store K/V, paged attention -> o * sigmoid(gate) (one call, the gate read where it lies) -> o_proj
 
 The q part of ``qkv_proj`` is twice the heads' width and splits by heads under tensor
 parallelism as the query does (a head's query and gate rows stay on one rank).
@@ -44,5 +44,5 @@ class GatedAttention(Attention):
         q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)
         q, k, v = self.norm_and_rotate(positions, q, k.view(t, self.num_kv_heads, d),
                                        v.reshape(t, self.num_kv_heads, d))
-        o = self.attend(q, k, v, kv, meta)
-        return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
+        o = self.ops.gated_activation(gate, self.attend(q, k, v, kv, meta), "sigmoid")  # o * sigmoid(gate)
+        return self.o_proj(o.reshape(t, self.q_size))

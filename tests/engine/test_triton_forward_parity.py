@@ -100,8 +100,9 @@ def test_triton_kernels_in_new_families_match_transformers(tmp_path, family, ker
 
 
 def test_triton_kernels_in_a_hybrid_model_match_transformers(tmp_path):
-    """Qwen3.5's Gated DeltaNet layers (conv, delta rule, gated norm, gating) and its (1 + w)
-    norms through the Triton kernels, chunked prefill beside decodes."""
+    """Qwen3.5's Gated DeltaNet layers (conv, delta rule, gated norm, gating), its (1 + w)
+    norms and its gated attention (q/k norms with partial RoPE, the output gate) through the
+    Triton kernels, chunked prefill beside decodes."""
     from tests.engine.families import hf_greedy, hf_model, random_prompts
     from tests.engine.test_qwen3_next import make_checkpoint
 
@@ -110,7 +111,7 @@ def test_triton_kernels_in_a_hybrid_model_match_transformers(tmp_path):
     result = _run_interpreted(model_dir, prompts)
     assert result["ops"] == "kernels"
     assert {"causal_conv1d", "gated_delta_rule", "gated_rms_norm", "gdn_gating", "rms_norm",
-            "fused_add_rms_norm", "paged_attention", "qk_norm_rope"} <= set(result["calls"])
+            "fused_add_rms_norm", "paged_attention", "qk_norm_rope", "gated_activation"} <= set(result["calls"])
     assert result["tokens"] == hf_greedy(hf_model(model_dir), prompts, MAX_TOKENS)
 
 
