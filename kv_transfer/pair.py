@@ -11,6 +11,7 @@ so it can neither read nor write a block. This keeps strangers out; it does
 not encrypt the KV data, which crosses the network in the clear."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import hmac
@@ -46,6 +47,42 @@ _POLL_S = 0.0005
 _NCCL_PING_BYTES = 32 << 20  # >= p2p channels (32 on H200 pairs) x NCCL's 512 KiB p2p chunk
 KV_SECRET_ENV = "PDSERVE_KV_SECRET"
 _AUTH_POLL_S = 0.005
+
+
+class _Teardowns:
+    """The pairs' process groups being torn down, and the exit waiting for them. A group's
+    teardown (gloo's shutdown and its destructor, which joins the group's threads) may run on
+    a pair's daemon thread, the one that noticed the peer leave, while the process exits: a
+    daemon thread that comes back to Python once the interpreter is finalizing is ended
+    mid-destructor, and the C++ runtime aborts the process (SIGABRT at a clean shutdown).
+    ``at_exit`` (registered with atexit: it runs before finalizing) waits for the teardowns
+    under way, up to ``EXIT_WAIT_S``."""
+
+    EXIT_WAIT_S = 10.0
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._idle:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._count -= 1
+                self._idle.notify_all()
+
+    def at_exit(self) -> None:
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._count == 0, self.EXIT_WAIT_S):
+                logger.warning("exiting with %d KV pair teardown(s) still running", self._count)
+
+
+_teardowns = _Teardowns()
+atexit.register(_teardowns.at_exit)
 
 
 def _auth_proof(secret: bytes, rank: int, challenge: str, own_nonce: str) -> bytes:
@@ -436,12 +473,14 @@ class _Pair:
         group, self._group = self._group, None
         if group is None:
             return
-        try:
-            if self.backend == "nccl":
-                if not self._aborted:
-                    self._aborted = True
-                    group.abort()
-            else:
-                group.shutdown()
-        except Exception as e:  # already torn down by a peer error
-            logger.debug("KV group teardown: %s", e)
+        with _teardowns.running():  # an exit waits for it (_Teardowns)
+            try:
+                if self.backend == "nccl":
+                    if not self._aborted:
+                        self._aborted = True
+                        group.abort()
+                else:
+                    group.shutdown()
+            except Exception as e:  # already torn down by a peer error
+                logger.debug("KV group teardown: %s", e)
+            del group  # its destructor runs here, counted

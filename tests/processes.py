@@ -380,8 +380,12 @@ def running_cluster(engines: list[ServiceProcess], gateway: GatewayProcess,
 
 
 def stop_all(procs: list[ServiceProcess], timeout: float = 60.0) -> list[int]:
-    """``stop()`` each in turn, every one stopped (killed, with its group) even where an
-    earlier one's stop raised; the exit codes, or the first error once all are stopped."""
+    """SIGTERM to every one at once (as ``pdserve up`` passes a Ctrl-C on: a prefill server
+    closes its KV pairs while its decode peers stop), then ``stop()`` each in turn, every one
+    stopped (killed, with its group) even where an earlier one's stop raised; the exit codes,
+    or the first error once all are stopped."""
+    for p in procs:
+        p.terminate()
     codes, error = [], None
     for p in procs:
         try:

@@ -142,3 +142,25 @@ def test_decode_server_killed_mid_stream(cluster, tiny_llama_dir):
     for i in range(3):  # new requests go to the survivor
         assert len(_tokens(stub, 10 + i)) == 4
     survivor.wait_idle()
+
+
+def test_prefill_and_decode_stopped_at_once_exit_cleanly(tiny_llama_dir):
+    """A Ctrl-C on ``pdserve up`` reaches every server at once: the prefill server closes its KV
+    pair while the decode server stops, whose pair thread then tears the pair's process group
+    down as the interpreter exits. Both must exit 0 (the decode server aborted with SIGABRT when
+    that teardown was still running at exit)."""
+    flags = ["--model", str(tiny_llama_dir), "--kv-cache-memory", "16MiB"]
+    prefill, decode = EngineServer("prefill", flags), EngineServer("decode", flags)
+    gw = GatewayProcess("gw-stop", ["--prefill", prefill.address, "--decode", decode.address,
+                                    "--max-model-len", "512"])
+    with prefill, decode, gw:
+        for p in (prefill, decode, gw):
+            p.wait_ready()
+        gw.wait_healthy()
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gw.grpc_address))
+        for i in range(3):  # the pair is up and has carried transfers
+            assert len(_tokens(stub, i)) == 4
+        assert gw.stop() == 0
+        prefill.terminate()
+        decode.terminate()
+        assert (prefill.proc.wait(60), decode.proc.wait(60)) == (0, 0), decode.logs()
