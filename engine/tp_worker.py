@@ -51,7 +51,10 @@ def release(group: object, procs: list[mp.Process]) -> None:
 
 
 def stop_workers(procs: list[mp.Process], wait: float = JOIN_TIMEOUT_S) -> None:
-    """Wait up to ``wait`` s for workers told to stop; kill the ones still running."""
+    """Wait up to ``wait`` s for workers told to stop; kill the ones still running. Once a
+    worker has died (a non-zero exit), none waits: the others block in a collective with it."""
+    if any(p.exitcode not in (None, 0) for p in procs):
+        wait = 0.0
     for p in procs:
         p.join(wait)
         if p.is_alive():
