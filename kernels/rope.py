@@ -149,7 +149,6 @@ def _norm_rotate_heads(
     # Each head's RMSNorm over HEAD_DIM (kernels.rms_norm's forms; UNIT_WEIGHT: no weight, the
     # norm cast back), then, with ROTATE, _rotate_heads' rotation of its first 2 * HALF dims in
     # its dtype; dims from 2 * HALF on (partial rotary) pass through normed.
-    REST: tl.constexpr = HEAD_DIM - 2 * HALF
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     rest = 2 * HALF + tl.arange(0, BLOCK_REST)
@@ -161,7 +160,7 @@ def _norm_rotate_heads(
     x2 = tl.load(src + HALF + cols[None, :], mask=mask, other=0.0)
     h1, h2 = x1.to(tl.float32), x2.to(tl.float32)
     squares = tl.sum(h1 * h1, axis=1) + tl.sum(h2 * h2, axis=1)
-    if REST > 0:
+    if HEAD_DIM > 2 * HALF:
         x3 = tl.load(src + rest[None, :], mask=rest_mask, other=0.0)
         h3 = x3.to(tl.float32)
         squares += tl.sum(h3 * h3, axis=1)
@@ -169,13 +168,13 @@ def _norm_rotate_heads(
     dst = out_ptr + (token * NUM_HEADS + heads[:, None]) * HEAD_DIM
     if UNIT_WEIGHT:
         y1, y2 = (h1 * inv_rms).to(x1.dtype), (h2 * inv_rms).to(x1.dtype)
-        if REST > 0:
+        if HEAD_DIM > 2 * HALF:
             tl.store(dst + rest[None, :], (h3 * inv_rms).to(x1.dtype), mask=rest_mask)
     else:
         y1 = normed(h1, inv_rms, tl.load(w_ptr + cols, mask=cols < HALF, other=0.0)[None, :], OFFSET, FLOAT32_WEIGHT)
         y2 = normed(h2, inv_rms, tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0)[None, :], OFFSET,
                     FLOAT32_WEIGHT)
-        if REST > 0:
+        if HEAD_DIM > 2 * HALF:
             w3 = tl.load(w_ptr + rest, mask=rest < HEAD_DIM, other=0.0)[None, :]
             tl.store(dst + rest[None, :], normed(h3, inv_rms, w3, OFFSET, FLOAT32_WEIGHT), mask=rest_mask)
     if ROTATE:
