@@ -85,19 +85,18 @@ def test_rejects_bad_arguments():
 
 
 NORM_FORMS = {"plain": {}, "offset": {"offset": True}, "float32_weight": {"float32_weight": True}}
-NORM_ROPE_CASES = [  # (num_tokens, q heads, kv heads, head_dim, rotary_dim, k, v normed)
-    (1, 1, 1, 16, 16, True, False),
-    (17, 5, 1, 64, 64, True, True),  # Gemma 4's: V normed beside
-    (9, 4, 2, 32, 32, False, False),  # a layer reading another's KV: q alone
-    (33, 6, 2, 64, 16, True, False),  # partial rotary (Qwen3.5's quarter)
-    (5, 3, 3, 24, 8, True, True),  # a head size that is no power of two
+NORM_ROPE_CASES = [  # (num_tokens, q heads, kv heads, head_dim, rotary_dim, k, v normed), the norm's form
+    ((1, 1, 1, 16, 16, True, False), "plain"),  # Qwen3's
+    ((17, 5, 1, 64, 64, True, True), "float32_weight"),  # Gemma 4's: V normed beside
+    ((9, 4, 2, 32, 32, False, False), "offset"),  # a layer reading another's KV: q alone
+    ((33, 6, 2, 64, 16, True, False), "offset"),  # partial rotary (Qwen3.5's quarter)
+    ((5, 3, 3, 24, 8, True, True), "plain"),  # a head size that is no power of two
 ]
 
 
-@pytest.mark.parametrize("form", NORM_FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", NORM_ROPE_CASES)
-def test_qk_norm_rope_matches_the_norms_then_the_rotation(case, dtype, form):
+@pytest.mark.parametrize("case, form", NORM_ROPE_CASES)
+def test_qk_norm_rope_matches_the_norms_then_the_rotation(case, form, dtype):
     """One pass: each head of q and k normed (their weights, the form), cast back, rotated on
     its first rotary_dim dims; V (when given) normed with no weight, not rotated. Against the
     reference, which is rms_norm then rotary_embedding one after the other."""
