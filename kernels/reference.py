@@ -414,6 +414,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 # The activations fused_moe takes, named as in kernels.fused_moe (HF: "silu", "gelu_pytorch_tanh"),
 # each act(gate) * up; "swigluoai" (gpt-oss's clamped SwiGLU) is gated on its own: _gated.
 MOE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+MOE_GATED_ACTIVATIONS = (*MOE_ACTIVATIONS, "swigluoai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -424,8 +426,6 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> t
     if gate.dim() == 3:
         return (act(gate.reshape(gate.shape[0], -1)) * up.reshape(up.shape[0], -1)).view(gate.shape)
     return act(gate) * up
-MOE_GATED_ACTIVATIONS = (*MOE_ACTIVATIONS, "swigluoai")
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
 
 
 def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLU_ALPHA,
