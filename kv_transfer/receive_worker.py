@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -45,6 +46,7 @@ from kv_transfer.tp_parts import (check_page_split, check_state_ranks, close_on_
                                   receive_part)
 
 logger = logging.getLogger(__name__)
+CLOSE_WAIT_S = 10.0  # close(): how long the receive threads of the closed pairs are waited for
 
 
 class KVReceiveWorker:
@@ -70,6 +72,7 @@ class KVReceiveWorker:
         self._remote_next: dict[str, list[tuple[int, str]]] = {}
         self._channels = itertools.count()
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []  # the pairs' receive threads, joined by close()
         self.tp = engine.tp if engine.tp is not None and engine.tp.size > 1 else None
         self._ranks_ready = False  # the worker ranks' KV handlers installed
         if self.tp is not None:  # the workers' parts ask before landing and report how they ended
@@ -146,8 +149,11 @@ class KVReceiveWorker:
             stale, self._remote_next[request.peer] = self._remote_next.get(request.peer, []), remote
         self._stop(stale)
         for receiver, name, heads in local:
-            threading.Thread(target=self._recv_loop, args=(receiver, name, heads, len(parts), request.peer),
-                             daemon=True, name=f"kv-recv-{name}").start()
+            thread = threading.Thread(target=self._recv_loop, args=(receiver, name, heads, len(parts), request.peer),
+                                      daemon=True, name=f"kv-recv-{name}")
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
         return ChannelOffer(self.host, endpoints[0].port, self.layout, backend,
                             tuple(endpoints) if len(parts) > 1 else ())
 
@@ -157,14 +163,22 @@ class KVReceiveWorker:
             close_on_ranks(self.tp.store, remote, "kv_stop_listening", self.timeout)
 
     def close(self) -> None:
+        """Close every pair and wait (``CLOSE_WAIT_S`` in all) for the receive threads to end: one
+        that saw its peer leave first may still hold its pair's process group (a frame, an
+        exception's traceback) or be tearing it down, and a process that exits meanwhile
+        aborts in the group's destructor (kv_transfer/pair.py, ``_Teardowns``)."""
         with self._lock:
             receivers = list(self._receivers.values()) + list(self._setting_up)
             self._receivers, self._setting_up = {}, set()
             remote = [r for pairs in (self._remote, self._remote_next) for rs in pairs.values() for r in rs]
             self._remote, self._remote_next = {}, {}
+            threads, self._threads = self._threads, []
         for r in receivers:
             r.close()
         self._stop(remote)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _forget(self, receiver: KVReceiver, peer: str) -> None:
         with self._lock:
