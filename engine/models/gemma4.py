@@ -161,12 +161,9 @@ class Gemma4DecoderLayer(nn.Module):
         the layer's last kernel. Returns (h, next_norm(h))."""
         x = self.input_layernorm(h) if normed is None else normed
         attn = self.self_attn(positions, x, kv, meta)
-        if self.moe is None:
-            x, h = self.post_attention_layernorm.add_and_norm(h, attn, self.pre_feedforward_layernorm)
-            x = self.mlp(x)
-        else:
-            h = self.post_attention_layernorm.add_to(h, attn)
-            x = self.mlp(self.pre_feedforward_layernorm(h))
+        x, h = self.post_attention_layernorm.add_and_norm(h, attn, self.pre_feedforward_layernorm)
+        x = self.mlp(x)
+        if self.moe is not None:
             experts = self.moe(self.pre_feedforward_layernorm_2(h), meta, routed=h)
             x = self.post_feedforward_layernorm_2.add_to(self.post_feedforward_layernorm_1(x), experts)
         last = self.post_feedforward_layernorm
