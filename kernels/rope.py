@@ -20,12 +20,20 @@ from kernels.rms_norm import normed
 
 
 @triton.jit
+def _store_turned(dst, x1, x2, cos, sin, HALF: tl.constexpr, mask):
+    # The halves [x1 | x2] of heads turned and stored at dst (its first half; the second HALF
+    # on): x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin), in x's dtype like HF (cos and sin
+    # [BLOCK_HALF] arrive already cast to it).
+    tl.store(dst, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
+    tl.store(dst + HALF, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+
+
+@triton.jit
 def _rotate_heads(
     out_ptr, x_ptr, token, stride_xt, stride_xh, cos, sin,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # x = [x1 | x2] per head; out = x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin),
-    # in x's dtype like HF (cos and sin arrive already cast to it).
+    # x = [x1 | x2] per head, turned (_store_turned).
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < HALF)  # [BLOCK_H, BLOCK_HALF]
@@ -34,8 +42,7 @@ def _rotate_heads(
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     # out is contiguous [T, NUM_HEADS, 2 * HALF].
     dst = out_ptr + (token * NUM_HEADS + heads[:, None]) * (2 * HALF) + cols[None, :]
-    tl.store(dst, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
-    tl.store(dst + HALF, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+    _store_turned(dst, x1, x2, cos, sin, HALF, mask)
 
 
 @triton.jit
@@ -147,8 +154,8 @@ def _norm_rotate_heads(
     ROTATE: tl.constexpr, UNIT_WEIGHT: tl.constexpr,
 ):
     # Each head's RMSNorm over HEAD_DIM (kernels.rms_norm's forms; UNIT_WEIGHT: no weight, the
-    # norm cast back), then, with ROTATE, _rotate_heads' rotation of its first 2 * HALF dims in
-    # its dtype; dims from 2 * HALF on (partial rotary) pass through normed.
+    # norm cast back), then, with ROTATE, its first 2 * HALF dims turned as rotary_embedding
+    # turns them (_store_turned); dims from 2 * HALF on (partial rotary) pass through normed.
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     rest = 2 * HALF + tl.arange(0, BLOCK_REST)
@@ -178,8 +185,7 @@ def _norm_rotate_heads(
             w3 = tl.load(w_ptr + rest, mask=rest < HEAD_DIM, other=0.0)[None, :]
             tl.store(dst + rest[None, :], normed(h3, inv_rms, w3, OFFSET, FLOAT32_WEIGHT), mask=rest_mask)
     if ROTATE:
-        tl.store(dst + cols[None, :], y1 * cos[None, :] - y2 * sin[None, :], mask=mask)
-        tl.store(dst + HALF + cols[None, :], y2 * cos[None, :] + y1 * sin[None, :], mask=mask)
+        _store_turned(dst + cols[None, :], y1, y2, cos, sin, HALF, mask)
     else:
         tl.store(dst + cols[None, :], y1, mask=mask)
         tl.store(dst + HALF + cols[None, :], y2, mask=mask)

@@ -1,7 +1,8 @@
-"""The fused glue kernels compile for a Hopper GPU (sm_90) on a machine without one: Triton's
-ahead-of-time path (its bundled ptxas) takes each kernel through every stage a launch would,
-in a child process without TRITON_INTERPRET (the interpreter, which runs the kernel tests on
-CPU, accepts code the GPU compiler refuses: this catches that before a GPU sees it)."""
+"""The fused glue kernels (and RoPE, which shares their rotation) compile for a Hopper GPU
+(sm_90) on a machine without one: Triton's ahead-of-time path (its bundled ptxas) takes each
+kernel through every stage a launch would, in a child process without TRITON_INTERPRET (the
+interpreter, which runs the kernel tests on CPU, accepts code the GPU compiler refuses: this
+catches that before a GPU sees it)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.activation import _act_mul_kernel
 from kernels.rms_norm import _rms_norm_kernel
-from kernels.rope import _qk_norm_rope_kernel
+from kernels.rope import _qk_norm_rope_kernel, _rope_kernel
 
 def build(fn, constexprs, types):
     # the arguments not in constexprs: typed by types, else pointers to bf16 and 32-bit ints
@@ -38,6 +39,9 @@ cases = {
     "qk_norm_rope qwen3.5": (_qk_norm_rope_kernel, dict(
         NUM_Q_HEADS=16, NUM_K_HEADS=2, HEAD_DIM=256, HALF=32, BLOCK_HQ=16, BLOCK_HK=2, BLOCK_HALF=32, BLOCK_REST=128,
         OFFSET=True, FLOAT32_WEIGHT=False, HAS_K=True, NORM_V=False), rope_types),
+    # RoPE alone, turning heads as the fused kernel does (one helper)
+    "rotary_embedding": (_rope_kernel, dict(
+        NUM_Q_HEADS=32, NUM_K_HEADS=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64), rope_types),
     "rms_norm_add_norm": (_rms_norm_kernel, dict(
         HIDDEN=1536, BLOCK_H=2048, ADD_RESIDUAL=False, OFFSET=False, FLOAT32_WEIGHT=True, ADD_AFTER=True,
         HAS_SCALE=True, NORM_AFTER=True), {"eps": "fp32"}),
