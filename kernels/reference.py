@@ -8,6 +8,7 @@ They are vectorized over tokens; paged attention loops over sequences only.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -383,11 +384,17 @@ def qk_norm_rope(
     form = dict(offset=offset, float32_weight=float32_weight)
     q = heads(q, q_weight, **form)
     if v is not None:  # no weight: the norm cast back
-        v = heads(v, torch.ones(v.shape[-1], dtype=v.dtype, device=v.device), float32_weight=True)
+        v = heads(v, _unit_weight(v.shape[-1], v.dtype, v.device), float32_weight=True)
     if k is None:  # the rotation of q alone (a one-head slice of q stands in for k)
         return rotate_partial(rope, positions, q, q[:, :1], cos_sin_cache)[0], None, v
     q, k = rotate_partial(rope, positions, q, heads(k, k_weight, **form), cos_sin_cache)
     return q, k, v
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_weight(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A norm's weight of ones (a weightless norm in the float32-weight form), made once."""
+    return torch.ones(size, dtype=dtype, device=device)
 
 
 def rotate_partial(rope, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor

@@ -71,18 +71,18 @@ class Attention(nn.Module):
                  rope: RotaryEmbedding, *, sliding_window: int | None = None, scale: float | None = None,
                  qk_norm: str | Callable[[int], nn.Module] | None = None, methods: LinearMethods | None = None,
                  prefix: str = "", store: bool = True, head_dim: int | None = None, num_kv_heads: int | None = None,
-                 k_eq_v: bool = False, v_norm: Callable[[int], nn.Module] | None = None, sinks: bool = False,
+                 k_eq_v: bool = False, v_norm: bool = False, sinks: bool = False,
                  o_bias: bool = False) -> None:
         """``qk_norm``: None, "plain" or "offset" (see engine/layers/norm.py), or what makes the
         norm of one head (``make(head_dim)``, with a ``norm(x)``); ``methods``: the projections'
         linear methods, by their checkpoint names under ``prefix``; ``store``: False for a layer
         that reads another layer's KV (its cache group's, set by the engine): it projects only
         queries. ``head_dim``, ``num_kv_heads``: this layer's, where they are not the config's;
-        ``k_eq_v``: no v_proj, V is K's projection (before k_norm and RoPE); ``v_norm``: what
-        makes V's per-head norm (a weightless one, beside ``qk_norm``). ``sinks``: attention
-        sinks, a parameter ``sinks`` of this rank's query heads ([num_heads], float32 whatever the model dtype), loaded from
-        ``<prefix>.sinks``; ``o_bias``: o_proj has a bias (``o_proj.bias``, added once after
-        the all-reduce)."""
+        ``k_eq_v``: no v_proj, V is K's projection (before k_norm and RoPE); ``v_norm``: V's
+        heads normed too, with no weight (Gemma 4's; beside ``qk_norm``, in its call). ``sinks``:
+        attention sinks, a parameter ``sinks`` of this rank's query heads ([num_heads], float32
+        whatever the model dtype), loaded from ``<prefix>.sinks``; ``o_bias``: o_proj has a
+        bias (``o_proj.bias``, added once after the all-reduce)."""
         super().__init__()
         d = self.head_dim = head_dim or cfg.head_dim
         if num_kv_heads is not None:
@@ -105,14 +105,13 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
             attach_loader(self.sinks, (shard.num_heads,), [Part(shard.num_heads, q_lo, q_hi)], 0)
             self.sinks.keep_dtype = True  # the kernels take float32 sinks (engine/model_loader.py casts others)
-        self.q_norm = self.k_norm = self.v_norm = None
+        self.q_norm = self.k_norm = None
+        self.v_norm = v_norm and store
         if qk_norm is not None:
             make = qk_norm if callable(qk_norm) else (
                 lambda n: RMSNorm(n, cfg.rms_norm_eps, ops, offset=qk_norm == "offset"))
             self.q_norm = make(d)
             self.k_norm = make(d) if store else None
-        if v_norm is not None and store:
-            self.v_norm = v_norm(d)
         self.rope, self.ops = rope, ops
         self.scale = d ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
@@ -179,6 +178,6 @@ class Attention(nn.Module):
         module (``qk_norm_rope``): q [T, H, D], k, v [T, H_kv, D] or None, views of the projection."""
         qn, kn = self.q_norm, self.k_norm
         q, k, normed_v = self.ops.qk_norm_rope(
-            positions, q, k, None if self.v_norm is None else v, qn.weight, None if kn is None else kn.weight,
+            positions, q, k, v if self.v_norm else None, qn.weight, None if kn is None else kn.weight,
             self.rope.cos_sin, qn.eps, offset=qn.offset, float32_weight=qn.float32_weight)
         return q, k, v if normed_v is None else normed_v

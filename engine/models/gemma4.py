@@ -65,7 +65,8 @@ def _ones(size: int) -> nn.Parameter:
 class Gemma4Norm(nn.Module):
     """Gemma 4's RMSNorm over the last dim: x * (mean(x^2) + eps) ** -0.5 * w, all in float32,
     then cast back: one call of the step's kernel module (``rms_norm``, ``float32_weight``).
-    ``with_scale=False``: no weight (V's norm, the router's): a unit one that is no parameter."""
+    ``with_scale=False``: no weight (the router's): a unit one that is no parameter. (V's norm,
+    also weightless, runs inside the q/k norms' call: ``Attention(v_norm=True)``.)"""
 
     offset, float32_weight = False, True  # the form's flags as kernels take them
 
@@ -225,8 +226,7 @@ class Gemma4ForCausalLM(CausalLM):
         full = cfg.layer_types[index] == "full_attention"
         attn = Attention(cfg, self.ops, self.shard, self.tp, self.rope_for(index),
                          sliding_window=cfg.layer_windows[index], scale=1.0,
-                         qk_norm=partial(Gemma4Norm, eps=eps, ops=self.ops),
-                         v_norm=partial(Gemma4Norm, eps=eps, ops=self.ops, with_scale=False), head_dim=head_dim,
+                         qk_norm=partial(Gemma4Norm, eps=eps, ops=self.ops), v_norm=True, head_dim=head_dim,
                          num_kv_heads=kv_heads, k_eq_v=bool(hf["attention_k_eq_v"]) and full, store=not shared,
                          methods=self.quant, prefix=f"{prefix}.self_attn")
         wide = 2 if hf["use_double_wide_mlp"] and shared else 1

@@ -44,7 +44,7 @@ def fused_layer(layer, ops: ModuleType, cache_dtype: torch.dtype) -> FusedForwar
         return None
     if n1.weight.dtype != torch.float32 or n1.weight.device.type != "cpu":
         return None
-    if (attn.q_norm is not None or attn.k_norm is not None or attn.v_norm is not None or attn.sinks is not None
+    if (attn.q_norm is not None or attn.k_norm is not None or attn.v_norm or attn.sinks is not None
             or attn.sliding_window is not None or not attn.store or not attn.has_kv or attn.k_eq_v
             or attn.rope.rotary_dim != attn.head_dim or attn.num_heads % attn.num_kv_heads
             or attn.head_dim > cpu_attention.MAX_HEAD_DIM):
