@@ -48,6 +48,20 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+def offline_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """A request's greedy tokens computed in one offline engine, nothing transferred: what a
+    cluster streams for it when nothing is lost (and not paced as a test's decode servers are)."""
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory="8MiB"))
+    ref = engine.add_request("ref", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ref.output_token_ids
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -15,10 +15,8 @@ import grpc
 import httpx
 import pytest
 
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.conftest import offline_greedy
 from tests.processes import EngineServer, GatewayProcess, ServiceProcess
 
 pytestmark = pytest.mark.slow
@@ -37,16 +35,6 @@ def Engine(role: str, model) -> EngineServer:
 
 def _prompt(i: int) -> list[int]:
     return [7 + (i * 31 + j * 13) % 370 for j in range(40)]
-
-
-def _reference(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
-    """The request's greedy tokens computed in one engine, nothing transferred: what the
-    cluster streams when nothing is killed (offline: not paced like the decode servers)."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory="8MiB"))
-    ref = engine.add_request("ref", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return ref.output_token_ids
 
 
 def _generate(stub, i: int, max_tokens: int = 4):
@@ -117,7 +105,7 @@ def test_dead_prefill_server_costs_no_request(cluster):
 
 
 def test_decode_server_killed_mid_stream(cluster, tiny_llama_dir):
-    expected = _reference(tiny_llama_dir, _prompt(1), 400)
+    expected = offline_greedy(tiny_llama_dir, _prompt(1), 400)
     gw, _, decodes, stub = cluster(1, 2)
     stream = _generate(stub, 1, max_tokens=400)
     first = list(next(stream).token_ids)

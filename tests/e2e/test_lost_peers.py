@@ -34,12 +34,10 @@ import grpc
 import httpx
 import pytest
 
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc import server as rpc_server
 from rpc.local_redis import LocalRedis
+from tests.conftest import offline_greedy
 from tests.processes import EngineServer, GatewayProcess, free_port, wait_for
 from tests.silent_relay import SilentRelay
 
@@ -68,15 +66,6 @@ def _request(prompt: list[int], max_tokens: int) -> gateway_pb2.GenerateRequest:
 def _generate(stub, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     deltas = list(stub.Generate(_request(prompt, max_tokens), timeout=90))
     return [t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_tokens
-
-
-def _reference(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
-    """The request's greedy tokens computed in one engine, nothing transferred."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory="8MiB"))
-    ref = engine.add_request("ref", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return ref.output_token_ids
 
 
 def _cluster(gw: GatewayProcess) -> list[dict]:
@@ -110,7 +99,7 @@ def _holds_a_request(server: EngineServer) -> bool:
 def test_a_stream_on_a_vanished_decode_host_migrates_within_the_keepalive_deadline(tiers, tiny_llama_dir):
     _, prefills, decodes = tiers
     prompt = [9 + (j * 13) % 370 for j in range(40)]
-    want = _reference(tiny_llama_dir, prompt, 300)
+    want = offline_greedy(tiny_llama_dir, prompt, 300)
     relays = [SilentRelay(d.address) for d in decodes]
     gw = _gateway("gw-keepalive", ["--prefill", ",".join(p.address for p in prefills),
                                    "--decode", ",".join(r.address for r in relays), "--stream-idle-timeout", "0"])
