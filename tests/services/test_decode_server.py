@@ -26,10 +26,10 @@ SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     port, mport = free_port(), free_port()
-    # 8 blocks of 16 tokens, at most 2 requests waiting for blocks, KV timeout 1.5 s
+    # 40 blocks of 16 tokens, at most 2 requests waiting for blocks, KV timeout 1.5 s
     proc = ServiceProcess("decode", "decode_service.server",
                           ["--port", str(port), "--metrics-port", str(mport), "--model", str(tiny_llama_dir),
-                           "--num-gpu-blocks-override", "8", "--max-queued-requests", "2",
+                           "--num-gpu-blocks-override", "40", "--max-queued-requests", "2",
                            "--kv-transfer-timeout", "1.5"], "decode server ready", env={"OMP_NUM_THREADS": "1"})
     proc.wait_ready()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -101,9 +101,9 @@ def _reserve(stub, rid: str, prompt: list[int]):
 
 def test_reservation_backpressure_kv_wait_and_abort(server):
     _, stub, _, _ = server
-    long_prompt = list(range(3, 3 + 16 * 6))  # 6 of the 8 blocks
+    long_prompt = [3 + i % 300 for i in range(16 * 30)]  # 30 of the 40 blocks
     held = _reserve(stub, "r1", long_prompt)
-    assert len(next(held).reserved.block_ids) == 6
+    assert len(next(held).reserved.block_ids) == 30
     t_reserved = time.monotonic()
     # Next two wait for blocks (queue of 2); the third is refused at once.
     # Each call is sent only once the one before it is queued: two streams in
@@ -131,10 +131,10 @@ def test_reservation_backpressure_kv_wait_and_abort(server):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "no KV arrived from the prefill tier within 1.5s of its prefill start" in err.value.details()
     threads[0].join(10)
-    assert len(got[0].reserved.block_ids) == 6
+    assert len(got[0].reserved.block_ids) == 30
     waiting[0].cancel()  # client cancel frees w0; w1 gets the blocks; Abort frees them
     threads[1].join(10)
-    assert len(got[1].reserved.block_ids) == 6
+    assert len(got[1].reserved.block_ids) == 30
     assert stub.Abort(common_pb2.AbortRequest(request_id="w1"), timeout=10).found
     assert next(waiting[1]).delta.finish_reason == "abort"  # the stream ends in a defined way
     _wait_idle(stub)
@@ -147,13 +147,24 @@ def _generate(stub, rid: str, max_tokens: int):
         sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)), timeout=60)
 
 
+def _generation_tokens(mport: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=10).text
+    return sum(float(line.split(" ")[1]) for line in text.splitlines()
+               if line.startswith("pdserve:generation_tokens_total{"))
+
+
 def test_running_request_cancelled_by_the_client_frees_its_blocks(server):
-    _, stub, _, _ = server
-    stream = _generate(stub, "c1", 400)
+    _, stub, _, mport = server
+    before = _generation_tokens(mport)
+    # 37 + 470 tokens fit the model's 512 and the 40 blocks: left alone it
+    # runs 470 steps, far longer than one GetLoad and the cancel take.
+    stream = _generate(stub, "c1", 470)
     next(stream)
-    assert _load(stub).num_running == 1 and _load(stub).kv_blocks_used > 0
+    info = _load(stub)  # one snapshot: running, holding blocks
+    assert info.num_running == 1 and info.kv_blocks_used > 0, info
     stream.cancel()
     _wait_idle(stub)
+    assert _generation_tokens(mport) - before < 470  # stopped by the cancel, not by max_tokens
 
 
 def _cpu_seconds(pid: int) -> float:
