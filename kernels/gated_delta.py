@@ -533,31 +533,42 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    out_ptr, x_ptr, gate_ptr, weight_ptr, eps, num_rows,
-    stride_xr, stride_gr, stride_or,
+    out_ptr, x_ptr, gate_ptr, weight_ptr, eps, num_rows, heads,
+    stride_xt, stride_xh, stride_gt, stride_gh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PROD_DTYPE: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row = token * heads + head
     row_ok = rows < num_rows
+    tok, head = rows // heads, rows % heads
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + (tok * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
     w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     # weight * h.to(x's dtype), in torch's promoted dtype of the two, then * silu(gate) in float32.
     h = (w[None, :] * h.to(x.dtype).to(tl.float32)).to(PROD_DTYPE).to(tl.float32)
-    gate = tl.load(gate_ptr + rows[:, None] * stride_gr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + (tok * stride_gt + head * stride_gh)[:, None] + cols[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
     y = h * (gate / (1.0 + tl.exp(-gate)))
-    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _token_head_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(tokens, heads, token stride, head stride) of ``t`` [..., D] read as [tokens, heads, D]:
+    [T, H, D] as it lies (a view of a wider GEMM output is read in place), else its rows."""
+    if t.dim() == 3:
+        return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+    rows = t.reshape(-1, t.shape[-1])
+    return rows.shape[0], 1, rows.stride(0), 0
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3NextRMSNormGated / Qwen3_5RMSNormGated (the contract of
-    ``kernels.linear_reference.gated_rms_norm``). x, gate: [..., D] of one shape (rows may be
-    strided, last dim contiguous); weight: [D]. Returns a new contiguous tensor of x's shape
-    and dtype."""
+    ``kernels.linear_reference.gated_rms_norm``). x, gate: [..., D] of one shape; [T, H, D]
+    may have any token and head strides, other shapes strided rows; last dim contiguous.
+    weight: [D]. Returns a new contiguous tensor of x's shape and dtype."""
     where = "gated_rms_norm"
     check_runnable(where, x=x, gate=gate, weight=weight)
     require(x.dim() >= 1 and gate.shape == x.shape, where,
@@ -567,20 +578,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     for name, t in (("x", x), ("gate", gate), ("weight", weight)):
         check_dtype(where, name, t, FLOAT_DTYPES)
         check_inner_contiguous(where, name, t)
-    x2 = x.reshape(-1, D)
-    g2 = gate.reshape(-1, D)
-    n = x2.shape[0]
-    out = torch.empty((n, D), dtype=x.dtype, device=x.device)
+    tokens, heads, sxt, sxh = _token_head_strides(x)
+    _, _, sgt, sgh = _token_head_strides(gate)
+    n = tokens * heads
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n:
         block_d = next_pow2(D)
         block_r = max(1, min(16, 4096 // block_d))
         _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
-            out, x2, g2, weight, eps, n, x2.stride(0), g2.stride(0), out.stride(0),
+            out, x, gate, weight, eps, n, heads, sxt, sxh, sgt, sgh,
             D=D, BLOCK_D=block_d, BLOCK_R=block_r,
             PROD_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)],
             num_warps=4,
         )
-    return out.reshape(x.shape)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The fused glue kernels (and RoPE, which shares their rotation) compile for a Hopper GPU
-(sm_90) on a machine without one: Triton's ahead-of-time path (its bundled ptxas) takes each
+"""The fused glue kernels (with RoPE, which shares their rotation, and the gated RMSNorm,
+which reads its gate in place) compile for a Hopper GPU (sm_90) on a machine without
+one: Triton's ahead-of-time path (its bundled ptxas) takes each
 kernel through every stage a launch would, in a child process without TRITON_INTERPRET (the
 interpreter, which runs the kernel tests on CPU, accepts code the GPU compiler refuses: this
 catches that before a GPU sees it)."""
@@ -15,9 +16,11 @@ from tests.processes import REPO
 CHILD = r"""
 import json
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.activation import _act_mul_kernel
+from kernels.gated_delta import _gated_rms_norm_kernel
 from kernels.rms_norm import _rms_norm_kernel
 from kernels.rope import _qk_norm_rope_kernel, _rope_kernel
 
@@ -47,6 +50,9 @@ cases = {
         HAS_SCALE=True, NORM_AFTER=True), {"eps": "fp32"}),
     "gated_activation gelu_tanh": (_act_mul_kernel, dict(HEADS=1, BLOCK=1024, ACTIVATION="gelu_tanh"), {}),
     "gated_activation sigmoid": (_act_mul_kernel, dict(HEADS=16, BLOCK=256, ACTIVATION="sigmoid"), {}),
+    # Qwen3.5's DeltaNet output norm, [T, Hv, Dv] views of the stacked projection
+    "gated_rms_norm": (_gated_rms_norm_kernel, dict(D=128, BLOCK_D=128, BLOCK_R=16, PROD_DTYPE=tl.bfloat16),
+                       {"eps": "fp32"}),
 }
 print(json.dumps({name: build(*case) for name, case in cases.items()}))
 """

@@ -461,6 +461,14 @@ def test_triton_gated_rms_norm(dtype, weight_float32):
     torch.testing.assert_close(got, expect, atol=atol, rtol=rtol)
     torch.testing.assert_close(delta_kernels.gated_rms_norm(x, gate, weight, 1e-6), expect.view(9, 3, 32),
                                atol=atol, rtol=rtol)
+    # [T, H, D] read where it lies: the gate a view of a wider GEMM output (token stride 116,
+    # head stride 32), x with heads 40 apart; neither flattens to rows without a copy.
+    wide = torch.randn(9, 116, generator=gen).to(dtype).to(DEVICE)
+    gate3 = wide[:, 7:7 + 96].view(9, 3, 32)
+    x3 = torch.randn(9, 3, 40, generator=gen).to(dtype).to(DEVICE)[..., 3:35]
+    got = delta_kernels.gated_rms_norm(x3, gate3, weight, 1e-6)
+    assert got.is_contiguous() and got.shape == (9, 3, 32)
+    torch.testing.assert_close(got, ref.gated_rms_norm(x3, gate3, weight, 1e-6), atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------------------------------------
