@@ -14,7 +14,12 @@ projections two ways (``fused_qkvz``):
     Qwen3-Next   in_proj_qkvz [Hk * (2 Dk + 2 r Dv), hidden], grouped per k head: q_h, k_h, v_h (r heads), z_h (r heads)
                  in_proj_ba   [Hk * 2r, hidden], per k head: b (r), a (r)
     Qwen3.5      in_proj_qkv  [2 Hk Dk + Hv Dv, hidden]: every q head, every k head, every v head
-                 in_proj_z    [Hv Dv, hidden]; in_proj_b, in_proj_a [Hv, hidden] (stacked here as in_proj_ba)
+                 in_proj_z    [Hv Dv, hidden]; in_proj_b, in_proj_a [Hv, hidden]
+
+Qwen3.5's four load stacked into one ``in_proj`` [q | k | v | z | b | a], one GEMM whose
+outputs the convolution, the gating and the gated norm read in place. Where the checkpoint
+quantizes b and a otherwise than q, k, v and z (FP8 checkpoints often leave them 16-bit),
+they stay apart: ``in_proj_qkvz`` [q | k | v | z] and ``in_proj_ba`` [b | a].
 
 Tensor parallelism splits the k heads (and with them their v heads): a rank's rows of the
 grouped Qwen3-Next projections are one contiguous range; of Qwen3.5's, one range per part.
@@ -73,12 +78,17 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_ba = ColumnParallelLinear(h, [Part(nk * 2 * r, k_lo * 2 * r, k_hi * 2 * r)],
                                                    method=method_for(methods, prefix, "in_proj_ba"))
         else:
-            self.in_proj_qkv = ColumnParallelLinear(h, [qk_part, qk_part, v_part],
-                                                    method=method_for(methods, prefix, "in_proj_qkv"))
-            self.in_proj_z = ColumnParallelLinear(h, [v_part], method=method_for(methods, prefix, "in_proj_z"))
-            self.in_proj_ba = ColumnParallelLinear(h, [Part(nv, v_lo, v_hi)] * 2, shard_ids=("b", "a"),
-                                                   method=method_for(methods, prefix, "in_proj_ba",
-                                                                     ["in_proj_b", "in_proj_a"]))
+            qkvz, ba = [qk_part, qk_part, v_part, v_part], [Part(nv, v_lo, v_hi)] * 2
+            qkvz_ids, stored = ("qkv",) * 3 + ("z",), ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+            try:
+                method = method_for(methods, prefix, "in_proj", stored)
+            except ValueError:  # b and a quantized otherwise: two GEMMs
+                self.in_proj_qkvz = ColumnParallelLinear(h, qkvz, shard_ids=qkvz_ids,
+                                                         method=method_for(methods, prefix, "in_proj_qkvz", stored[:2]))
+                self.in_proj_ba = ColumnParallelLinear(h, ba, shard_ids=("b", "a"),
+                                                       method=method_for(methods, prefix, "in_proj_ba", stored[2:]))
+            else:
+                self.in_proj = ColumnParallelLinear(h, qkvz + ba, shard_ids=qkvz_ids + ("b", "a"), method=method)
         # depthwise conv over the [q | k | v] channels, as the checkpoint stores it: [C, 1, K]
         self.conv1d = nn.Module()
         self.conv1d.weight = _split_param([qk_part, qk_part, v_part], 1, self.kernel_size)
@@ -104,8 +114,12 @@ class GatedDeltaNet(nn.Module):
             b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
             mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
             return mixed, z.reshape(t, hv, dv), b.reshape(t, hv), a.reshape(t, hv)
-        b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
-        return self.in_proj_qkv(x), self.in_proj_z(x).view(t, hv, dv), b, a
+        if hasattr(self, "in_proj"):  # views of one GEMM's output
+            mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        else:
+            mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
+        return mixed, z.view(t, hv, dv), b, a
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, state, ops = x.shape[0], self.linear_state, self.ops
@@ -122,6 +136,5 @@ class GatedDeltaNet(nn.Module):
                                  k.reshape(t, self.num_k_heads, self.head_k_dim),
                                  v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, state.ssm, slots, qsl,
                                  has_state, use_qk_l2norm=True)
-        o = ops.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
-                               self.eps)
+        o = ops.gated_rms_norm(o.view(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight, self.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

@@ -16,7 +16,9 @@ split and gives each parameter what the checkpoint loader
 (``engine/models/base.py``) needs, so no model or method repeats slicing code:
 
     param.full_shape                    the unsharded shape (dummy weights draw it whole)
-    param.shard_ids                     the checkpoint parts it is stacked from ((None,): one)
+    param.shard_ids                     the checkpoint parts it is stacked from ((None,): one);
+                                        consecutive parts that one checkpoint tensor holds
+                                        share an id (``part_span``)
     param.weight_loader(param, t, sid)  copy checkpoint tensor ``t`` (part ``sid``, or the
                                         whole stacked tensor when sid is None) into the shard
                                         (a whole parameter takes a file-mapped ``t`` itself:
@@ -82,23 +84,32 @@ class Part:
         return Part(cdiv(self.full, div), self.lo // div, cdiv(self.hi, div))
 
 
+def part_span(shard_ids: Sequence, shard_id) -> slice:
+    """The stacked parts checkpoint tensor ``shard_id`` holds: one part, or several
+    consecutive parts that share an id (Qwen3.5's ``in_proj_qkv`` is q, k and v)."""
+    ids = list(shard_ids)
+    first = ids.index(shard_id)
+    stop = first + ids.count(shard_id)
+    if ids[first:stop] != [shard_id] * (stop - first):
+        raise ValueError(f"the parts of {shard_id!r} are not consecutive in {ids}")
+    return slice(first, stop)
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, parts: Sequence[Part], dim: int,
-              which: int | None) -> None:
-    """Copy checkpoint rows (along ``dim``) into a stacked shard. ``which`` = one part
-    (``src`` holds that part whole, or already just this rank's rows); None = ``src`` holds
-    every part stacked in full."""
-    if which is not None:
-        p = parts[which]
-        dst_lo = sum(q.size for q in parts[:which])
-        if src.shape[dim] != p.size:
-            src = src.narrow(dim, p.lo, p.size)
-        dst.narrow(dim, dst_lo, p.size).copy_(src)
+              which: int | slice | None) -> None:
+    """Copy checkpoint rows (along ``dim``) into a stacked shard. ``which``: the part (or the
+    slice of consecutive parts) ``src`` holds, None = every part. ``src`` holds those parts
+    whole, stacked as stored, or already just this rank's rows of them."""
+    span = slice(None) if which is None else slice(which, which + 1) if isinstance(which, int) else which
+    first = range(len(parts))[span].start
+    dst_lo = sum(q.size for q in parts[:first])
+    held = parts[span]
+    rows = sum(p.size for p in held)
+    if src.shape[dim] == rows:  # this rank's rows already (every part whole, unsplit)
+        dst.narrow(dim, dst_lo, rows).copy_(src)
         return
-    if len(parts) == 1 and src.shape[dim] == parts[0].size:  # the file reader took this rank's rows
-        dst.copy_(src)
-        return
-    src_lo = dst_lo = 0
-    for p in parts:
+    src_lo = 0
+    for p in held:
         dst.narrow(dim, dst_lo, p.size).copy_(src.narrow(dim, src_lo + p.lo, p.size))
         src_lo, dst_lo = src_lo + p.full, dst_lo + p.size
 
@@ -115,7 +126,6 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
     the same tensor, and must agree)."""
     param.full_shape = full_shape
     param.shard_ids = tuple(shard_ids)
-    ids = list(shard_ids)
 
     def weight_loader(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
         if parts is None:
@@ -128,9 +138,9 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
                 fill(p, src)
             loaded.add(shard_id)
             return
-        which = None if shard_id is None else ids.index(shard_id)
-        rows = {sum(q.full for q in parts), sum(q.size for q in parts)} if which is None else \
-            {parts[which].full, parts[which].size}
+        which = None if shard_id is None else part_span(shard_ids, shard_id)
+        held = parts if which is None else parts[which]
+        rows = {sum(q.full for q in held), sum(q.size for q in held)}
         if src.dim() != p.dim() or src.shape[dim] not in rows or any(
                 src.shape[d] != p.shape[d] for d in range(p.dim()) if d != dim):
             want = [str(n) for n in p.shape]
@@ -145,10 +155,8 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
     def checkpoint_slice(shard_id=None) -> tuple[int, int, int] | None:
         if parts is None or all(p.size == p.full for p in parts):
             return None
-        if shard_id is None:
-            return (dim, parts[0].lo, parts[0].hi) if len(parts) == 1 else None
-        p = parts[ids.index(shard_id)]
-        return dim, p.lo, p.hi
+        held = parts if shard_id is None else parts[part_span(shard_ids, shard_id)]
+        return (dim, held[0].lo, held[0].hi) if len(held) == 1 else None
 
     param.weight_loader = weight_loader
     param.checkpoint_slice = checkpoint_slice
@@ -157,24 +165,19 @@ def attach_loader(param: nn.Parameter, full_shape: tuple[int, ...], parts: Seque
 
 def _attach_per_part_loader(param: nn.Parameter, shard_ids: Sequence) -> nn.Parameter:
     """``param`` [num_parts, *shape]: one tensor of ``shape`` per stacked part (a per-tensor
-    scale of q, k and v each). A checkpoint that stores the parts stacked already (shard id
-    None) gives one tensor for all of them."""
+    scale of q, k and v each). A checkpoint tensor that covers several parts (shard id None:
+    all of them) gives one tensor for each of them, stacked, or one that they share."""
     param.full_shape = tuple(param.shape)
     param.shard_ids = tuple(shard_ids)
-    ids = list(shard_ids)
 
     def weight_loader(p: nn.Parameter, src: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:
-            if tuple(src.shape) == tuple(p.shape):
-                p.data.copy_(src)
-                return
-            src = src.reshape(p.shape[1:]) if src.numel() == p[0].numel() else src
-            _check_shape(src, p[0])
-            p.data.copy_(src.expand_as(p))
+        rows = p.data if shard_id is None else p.data[part_span(shard_ids, shard_id)]
+        if tuple(src.shape) == tuple(rows.shape):  # one tensor for each part, stacked
+            rows.copy_(src)
             return
-        row = p.data[ids.index(shard_id)]
-        _check_shape(src.reshape(row.shape) if src.numel() == row.numel() else src, row)
-        row.copy_(src.reshape(row.shape))
+        src = src.reshape(rows.shape[1:]) if src.numel() == rows[0].numel() else src
+        _check_shape(src, rows[0])  # one tensor for all the parts it covers
+        rows.copy_(src.expand_as(rows))
 
     param.weight_loader = weight_loader
     param.checkpoint_slice = lambda shard_id=None: None

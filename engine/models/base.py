@@ -201,14 +201,17 @@ class CausalLM(nn.Module):
                 return name.replace(part, fused), shard_id
         return name, None
 
+    def params_by_name(self) -> dict[str, nn.Parameter]:
+        """The parameters by name (made once: the model's structure is fixed when built)."""
+        return self.__dict__.setdefault("_params_by_name", dict(self.named_parameters()))
+
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of this rank's part of checkpoint tensor ``name``; None: all of it.
         The loader reads only that part from the file."""
         mapped = self.map_name(name)
         if mapped is None:
             return None
-        params = self.__dict__.setdefault("_params_by_name", dict(self.named_parameters()))
-        param = params.get(mapped[0])
+        param = self.params_by_name().get(mapped[0])
         where = getattr(param, "checkpoint_slice", None)
         return where(mapped[1]) if where is not None else None
 

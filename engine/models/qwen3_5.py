@@ -1,6 +1,7 @@
 """Qwen3.5 (text): Qwen3-Next's hybrid decoder (engine/models/qwen3_next.py) with the
 DeltaNet's input projections stored apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``; b and a load stacked into one ``in_proj_ba``). The dense model has an MLP
+``in_proj_a``; they load stacked into one ``in_proj``, or into ``in_proj_qkvz`` and
+``in_proj_ba`` where the checkpoint quantizes b and a otherwise). The dense model has an MLP
 on every layer; the MoE model (``Qwen3_5MoeForCausalLM``) experts and a sigmoid-gated
 shared expert on every layer, top-k weights always renormalised.
 
@@ -22,8 +23,19 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     fused_qkvz = False
     always_renormalize = True
     stacked_params = CausalLM.stacked_params + (
-        (".in_proj_b.", ".in_proj_ba.", "b"), (".in_proj_a.", ".in_proj_ba.", "a"),
+        (".in_proj_qkv.", ".in_proj.", "qkv"), (".in_proj_z.", ".in_proj.", "z"),
+        (".in_proj_b.", ".in_proj.", "b"), (".in_proj_a.", ".in_proj.", "a"),
     )
+
+    def map_name(self, name: str) -> tuple[str, object] | None:
+        mapped = super().map_name(name)
+        if mapped is None or ".in_proj." not in mapped[0]:
+            return mapped
+        if mapped[0] in self.params_by_name():
+            return mapped
+        # this layer keeps b and a apart (engine/layers/gated_delta_net.py)
+        apart = ".in_proj_ba." if mapped[1] in ("b", "a") else ".in_proj_qkvz."
+        return mapped[0].replace(".in_proj.", apart), mapped[1]
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

@@ -53,9 +53,10 @@ class _Rounding:
         return round_trip_tokens(x, self.group_size)
 
 
-def hf_w8a8_model(dequant_dir: Path, group_size: int | None = None):
+def hf_w8a8_model(dequant_dir: Path, group_size: int | None = None, keep: tuple[str, ...] = ()):
     """transformers' model at ``dequant_dir`` (float32, CPU) with W8A8's activation rounding
-    on every decoder linear layer and expert."""
+    on every decoder linear layer and expert, but those named ``keep`` (the last part of
+    their names: left unquantized)."""
     from transformers import AutoModelForCausalLM
 
     # eager experts: the loop over hit experts calling F.linear, which the rounding wraps
@@ -64,7 +65,7 @@ def hf_w8a8_model(dequant_dir: Path, group_size: int | None = None):
                                                  experts_implementation="eager").eval()
     rounding = model.w8a8_rounding = _Rounding(group_size)
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and name.rsplit(".", 1)[-1] not in keep:
             module.register_forward_pre_hook(lambda mod, args: (rounding(args[0]), *args[1:]))
         elif type(module).__name__.endswith("Experts"):  # transformers 5's stacked experts call F.linear
             module.forward = _experts_forward(module.forward, rounding)

@@ -25,7 +25,9 @@ from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i of a word holds column AWQ_ORDER[i] of its 8
 # The decoder's linear layers (not embeddings, norms, the LM head or MoE experts).
-LINEAR = re.compile(r"^(model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj)\.weight$")
+# (prefix, layer, block, projection); Gated DeltaNet's as (..., "linear_attn", "in_proj_qkv") and so on
+LINEAR = re.compile(r"^(model\.layers\.(\d+)\.(?:(self_attn|mlp)\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj"
+                    r"|(linear_attn)\.(in_proj_\w+|out_proj)))\.weight$")
 FORMATS = ("awq", "gptq", "compressed-tensors")
 
 
@@ -186,7 +188,7 @@ def write_int4_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, gr
             quant[name] = t
             dense[name] = t.float() if t.is_floating_point() else t
             continue
-        prefix, layer, block, proj = m.groups()
+        prefix, layer, block, proj = (g for g in m.groups() if g is not None)
         perm = None
         if desc_act:
             # layers reading the same input share GPTQ's act order (the same Hessian)
@@ -307,33 +309,36 @@ def quantize_fp8_weight(w: torch.Tensor, fmt: str, strategy: str, block: tuple[i
     return {"weight": q, name: s if strategy == "block" else s.reshape(())}, q.float() * scale
 
 
-def fp8_quantization_config(fmt: str, strategy: str, block: tuple[int, int], moe: bool) -> dict:
+def fp8_quantization_config(fmt: str, strategy: str, block: tuple[int, int], moe: bool,
+                            keep: tuple[str, ...] = ()) -> dict:
     if fmt == "fp8":
         config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                  "modules_to_not_convert": ["lm_head"] + (["mlp.gate"] if moe else [])}
+                  "modules_to_not_convert": ["lm_head"] + (["mlp.gate"] if moe else []) + list(keep)}
         if strategy == "block":
             config["weight_block_size"] = list(block)
         return config
     raise ValueError(fmt)
 
 
-def _ct_fp8_config(dst: Path, strategy: str, block: tuple[int, int], moe: bool) -> None:
+def _ct_fp8_config(dst: Path, strategy: str, block: tuple[int, int], moe: bool, keep: tuple[str, ...] = ()) -> None:
     """Add the compressed-tensors quantization_config to dst/config.json as the library writes it."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
-    ignore = ["lm_head"] + (["re:.*mlp\\.gate$"] if moe else [])
+    ignore = ["lm_head"] + (["re:.*mlp\\.gate$"] if moe else []) + [f"re:.*\\.{k}$" for k in keep]
     config = QuantizationConfig(config_groups={"group_0": _ct_fp8_scheme(strategy, block)}, format="float-quantized",
                                 quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=config).update_config(str(dst))
 
 
 def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, strategy: str,
-                         block: tuple[int, int] = (128, 128), *, dequant_dir: str | Path | None = None
-                         ) -> tuple[Path, Path]:
+                         block: tuple[int, int] = (128, 128), *, dequant_dir: str | Path | None = None,
+                         keep: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Quantize every decoder linear layer and every MoE expert of the float model in
     ``src_dir`` to FP8 as ``fmt`` stores it ("compressed-tensors" float-quantized, strategy
-    tensor | channel | block; "fp8", strategy tensor | block) and write it to ``dst_dir``;
+    tensor | channel | block; "fp8", strategy tensor | block) and write it to ``dst_dir``,
+    but for the layers named ``keep`` (the last part of their names), which the config
+    lists as not converted and the file holds in float;
     write the same model with those weights dequantized (float32, no quantization_config)
     to ``dequant_dir`` (default ``<dst_dir>-dequant``). Experts stacked by transformers 5
     are written one by one (``experts.<e>.gate_proj.weight`` ...), as FP8 checkpoints name
@@ -347,6 +352,8 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, str
     for name, t in tensors.items():
         m, e = LINEAR.match(name) or EXPERT.match(name), STACKED_EXPERTS.match(name)
         moe = moe or EXPERT.match(name) is not None
+        if m is not None and m.group(1).rsplit(".", 1)[-1] in keep:
+            m = None
         if m is None and e is None:
             quant[name] = t
             dense[name] = t.float() if t.is_floating_point() else t
@@ -370,7 +377,7 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, fmt: str, str
             out.append(torch.cat(rows))
         dense[name] = torch.stack(out)
     if fmt == "compressed-tensors":
-        _write_pair(src, dst, deq, quant, dense, lambda d: _ct_fp8_config(d, strategy, block, moe))
+        _write_pair(src, dst, deq, quant, dense, lambda d: _ct_fp8_config(d, strategy, block, moe, keep))
     else:
-        _write_pair(src, dst, deq, quant, dense, fp8_quantization_config(fmt, strategy, block, moe))
+        _write_pair(src, dst, deq, quant, dense, fp8_quantization_config(fmt, strategy, block, moe, keep))
     return dst, deq

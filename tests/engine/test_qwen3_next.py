@@ -28,6 +28,8 @@ from engine.layers.linear_state import LinearState
 from engine.model_loader import load_model
 from kernels import reference
 from tests.engine.families import assert_greedy_match, hf_greedy, random_prompts
+from tests.engine.fp8_weights_oracle import assert_w8a8_match, hf_w8a8_model
+from tests.engine.quant_checkpoints import write_fp8_checkpoint
 
 BASE = dict(vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
@@ -400,6 +402,28 @@ def test_tensor_parallel_through_the_engine(checkpoints, hf_models, greedy):
     finally:
         llm.engine.close()
     assert_greedy_match(hf_models[name], prompts, want, got, tie=1e-4)  # all-reduces sum in another order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,strategy,keep", [
+    ("fp8", "block", ("in_proj_b", "in_proj_a")),  # as Qwen's FP8 checkpoints leave b and a: two GEMMs
+    ("compressed-tensors", "tensor", ()),  # all four quantized: one GEMM, one scale per stored tensor
+])
+def test_fp8_checkpoint_serves_its_dequantized_model(checkpoints, tmp_path, fmt, strategy, keep):
+    """Qwen3.5's DeltaNet input projections in FP8 W8A8: in_proj_qkv (three stacked parts
+    under one scale or one run of block scales), in_proj_z, and in_proj_b / in_proj_a, in
+    the one stacked GEMM where all four share a scheme, else q|k|v|z and b|a apart."""
+    dst, deq = write_fp8_checkpoint(checkpoints["qwen3.5"], tmp_path / "q", fmt, strategy, (16, 16), keep=keep)
+    oracle = hf_w8a8_model(deq, 16 if strategy == "block" else None, keep=keep)
+    prompts = random_prompts([1, 6, 23], seed=40)
+    llm = LLM(str(dst), max_num_batched_tokens=16, kv_cache_memory="8MiB", block_size=BLOCK)
+    assert_w8a8_match(oracle, prompts, hf_greedy(oracle, prompts, MAX_TOKENS), _generate(llm, prompts))
+    delta = llm.engine.runner.model.model.layers[0].linear_attn
+    if keep:
+        assert delta.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn
+        assert delta.in_proj_ba.weight.dtype == torch.float32 and not hasattr(delta, "in_proj")
+    else:
+        assert delta.in_proj.weight.dtype == torch.float8_e4m3fn and not hasattr(delta, "in_proj_ba")
 
 
 # ---- on the GPU: the Triton kernels and CUDA graphs --------------------------------------
