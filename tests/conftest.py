@@ -20,6 +20,10 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.triton_interpreter import install
+
+        install()
     if os.environ["OMP_NUM_THREADS"].isdigit():  # in case a plugin imported torch first
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 except ImportError:  # pragma: no cover

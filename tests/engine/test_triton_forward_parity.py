@@ -25,6 +25,8 @@ MAX_TOKENS = 6
 
 CHILD = r"""
 import json, sys
+from tests.triton_interpreter import install
+install()
 import kernels
 from engine import LLM, SamplingParams
 
