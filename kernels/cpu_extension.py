@@ -31,7 +31,7 @@ except ImportError:  # not on POSIX: no build lock of our own, no stale-lock che
 
 import torch
 
-DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about a minute on two busy cores
+DEFAULT_BUILD_TIMEOUT_S = 900.0  # a build takes about half a minute on two busy cores
 
 logger = logging.getLogger(__name__)
 

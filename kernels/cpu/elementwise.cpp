@@ -14,8 +14,11 @@
 //
 // x, q, k: float32, float64, float16 or bfloat16, the last dim contiguous (any other strides); w in
 // x's dtype; positions int32 or int64; outputs are new contiguous tensors. Anything else raises. Rows are split over threads (at::parallel_for).
-#include <torch/extension.h>
+// ATen and the op registry; not torch/extension.h (all of libtorch's C++ API and the Python
+// bindings), whose headers alone took three times as long to compile.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <tuple>

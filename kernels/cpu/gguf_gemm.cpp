@@ -21,8 +21,11 @@
 // bytes are widened to 32-bit lanes a vector of bytes at a time and both nibbles taken there,
 // where widening each nibble vector apart took twice the byte shuffles (1.25x the decode GEMMs'
 // time on an AVX2 machine).
-#include <torch/extension.h>
+// ATen and pybind11 with torch's tensor conversions; not torch/extension.h (all of libtorch's C++
+// API besides), whose headers alone took twice as long to compile.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -467,11 +470,11 @@ std::vector<std::string> paths() { return {std::begin(kPaths), std::end(kPaths)}
 struct Call {
   const float* bias;
   int64_t T, K, N, rb;
-  torch::Tensor y;
+  at::Tensor y;
 };
 
 // The bias's data (or null), checked against w's N rows
-const float* check_bias(const char* where, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+const float* check_bias(const char* where, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
               where, ": bias must be a contiguous float32 [N]");
@@ -479,8 +482,8 @@ const float* check_bias(const char* where, const torch::Tensor& w, const c10::op
 }
 
 // x [T, K] float32 and w [N, row bytes] checked against each other
-Call check_args(const char* where, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
-                const c10::optional<torch::Tensor>& bias) {
+Call check_args(const char* where, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qtype >= 0 && qtype <= 2, where, ": qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               where, ": x must be a contiguous float32 CPU tensor [T, K]");
@@ -489,12 +492,12 @@ Call check_args(const char* where, const torch::Tensor& x, const torch::Tensor& 
   const int64_t K = x.size(1), rb = w.size(1);
   TORCH_CHECK(K % kBlock == 0 && rb == K / kBlock * block_bytes(qtype), where, ": w's rows are ", rb,
               " bytes, not the ", K / kBlock * block_bytes(qtype), " of ", K, " weights");
-  return {check_bias(where, w, bias), x.size(0), K, w.size(0), rb, torch::empty({x.size(0), w.size(0)}, x.options())};
+  return {check_bias(where, w, bias), x.size(0), K, w.size(0), rb, at::empty({x.size(0), w.size(0)}, x.options())};
 }
 
 
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
-                          const std::string& path) {
+at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias,
+                       const std::string& path) {
   const auto [b, T, K, N, rb, y] = check_args("gguf_linear", x, w, qtype, bias);
   if (T == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -513,8 +516,8 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
   return y;
 }
 
-torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
-                             const std::string& path) {
+at::Tensor gguf_linear_q8(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias,
+                          const std::string& path) {
   const auto [b, T, K, N, rb, y] = check_args("gguf_linear_q8", x, w, qtype, bias);
   if (T == 0 || N == 0) return y;
   const char* chosen = path.empty() ? kQ8Paths[0] : path.c_str();
@@ -532,13 +535,13 @@ torch::Tensor gguf_linear_q8(torch::Tensor x, torch::Tensor w, int64_t qtype, c1
 }
 
 // x's Q8 blocks, as gguf_linear_q8 takes them: (q int8 [T, K], d float32 [T, K / 32])
-std::tuple<torch::Tensor, torch::Tensor> quantize_q8(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> quantize_q8(at::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
               x.size(1) % kBlock == 0, "quantize_q8: x must be a contiguous float32 CPU tensor [T, K], K % 32 == 0");
   QuantizedRows xq;
   quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), xq);
-  auto q = torch::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar));
-  auto d = torch::empty({x.size(0), x.size(1) / kBlock}, x.options());
+  auto q = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar));
+  auto d = at::empty({x.size(0), x.size(1) / kBlock}, x.options());
   std::memcpy(q.data_ptr<int8_t>(), xq.q.data(), xq.q.size());
   std::memcpy(d.data_ptr<float>(), xq.d.data(), xq.d.size() * sizeof(float));
   return {q, d};

@@ -21,9 +21,12 @@
 // products, their lanes summed together) and adds the tile's weighted values
 // with the row's output held in registers. Items run over the torch intra-op
 // threads, longest first, each thread taking the next item.
-#include <torch/extension.h>
-
+// ATen and pybind11 with torch's tensor conversions; not torch/extension.h (all of libtorch's C++
+// API besides), whose headers alone took twice as long to compile.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
