@@ -60,9 +60,13 @@ run: install
 # processes: tests/conftest.py) per worker, in file order; PYTEST_WORKERS=0 runs in one process.
 # The ten slowest tests are listed at the end of every run.
 PYTEST_WORKERS ?= 2
+# The suite starts some hundreds of Python processes (servers, tensor-parallel ranks, children):
+# each reads pdserve's modules' bytecode from __pycache__ (written by the first) instead of
+# compiling them again, even where the environment sets PYTHONDONTWRITEBYTECODE; pytest keeps its
+# rewritten test modules there too. On two cores that takes the suite from about 13 to 11 minutes.
 
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
 
 compose-test: install-test
 	tests/compose/docker_host.sh
