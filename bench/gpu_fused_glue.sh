@@ -3,7 +3,7 @@
 # layer ends) measured against the tree before it, and the decode attention's tiles swept.
 #   mkdir -p .gpu/before; git archive BASE | tar -x -C .gpu/before    # carry .gpu and .whl
 #   bash bench/gpu_fused_glue.sh [SECTION...]     # kernels | decode | blas | tiles | exact (default: all)
-# kernels: the fused kernels' tests on CUDA; decode: decode step at batch 1/32/128, 1k context,
+# kernels: the fused kernels' tests and the linear-attention kernels' on CUDA; decode: decode step at batch 1/32/128, 1k context,
 # Gemma 4 E2B and Qwen3.5 shapes, before then after (ROUNDS rounds, default 1); blas: Gemma 4 E2B's
 # with each graph's BLAS library chosen by timing (PDSERVE_DECODE_BLAS=auto); tiles: bench.attention_tiles
 # on Gemma 4 E2B's head shapes; exact: the hybrid, Gemma 3 and Gemma 4 families against transformers
@@ -15,8 +15,8 @@ sections=("$@")
 for section in "${sections[@]}"; do
   case $section in
     kernels)
-      run 120 $py -m pytest -q -p no:cacheprovider tests/kernels/test_rms_norm.py tests/kernels/test_rope.py \
-        tests/kernels/test_activation.py 2>&1 | tail -4 ;;
+      run 150 $py -m pytest -q -p no:cacheprovider tests/kernels/test_rms_norm.py tests/kernels/test_rope.py \
+        tests/kernels/test_activation.py tests/kernels/test_linear_attention.py 2>&1 | tail -4 ;;
     decode)
       for round in $(seq ${ROUNDS:-1}); do
         for shape in ${SHAPES:-gemma-4-e2b qwen3.5-text-default}; do
