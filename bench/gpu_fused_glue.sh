@@ -3,8 +3,9 @@
 # layer ends) measured against the tree before it, and the decode attention's tiles swept.
 #   mkdir -p .gpu/before; git archive BASE | tar -x -C .gpu/before    # carry .gpu and .whl
 #   bash bench/gpu_fused_glue.sh [SECTION...]     # kernels | decode | blas | tiles | exact (default: all)
-# kernels: the fused kernels' tests and the linear-attention kernels' on CUDA; decode: decode step at batch 1/32/128, 1k context,
-# Gemma 4 E2B and Qwen3.5 shapes, before then after (ROUNDS rounds, default 1); blas: Gemma 4 E2B's
+# kernels: the fused kernels' tests and the linear-attention kernels' on CUDA; decode: decode step at
+# batch 1/32/128, 1k context, Gemma 4 E2B and Qwen3.5 shapes, before then after (ROUNDS rounds,
+# default 1); blas: Gemma 4 E2B's
 # with each graph's BLAS library chosen by timing (PDSERVE_DECODE_BLAS=auto); tiles: bench.attention_tiles
 # on Gemma 4 E2B's head shapes; exact: the hybrid, Gemma 3 and Gemma 4 families against transformers
 # on CUDA.
