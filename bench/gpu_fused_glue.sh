@@ -5,10 +5,9 @@
 #   bash bench/gpu_fused_glue.sh [SECTION...]     # kernels | decode | blas | tiles | exact (default: all)
 # kernels: the fused kernels' tests and the linear-attention kernels' on CUDA; decode: decode step at
 # batch 1/32/128, 1k context, Gemma 4 E2B and Qwen3.5 shapes, before then after (ROUNDS rounds,
-# default 1); blas: Gemma 4 E2B's
-# with each graph's BLAS library chosen by timing (PDSERVE_DECODE_BLAS=auto); tiles: bench.attention_tiles
-# on Gemma 4 E2B's head shapes; exact: the hybrid, Gemma 3 and Gemma 4 families against transformers
-# on CUDA.
+# default 1); blas: Gemma 4 E2B's with each graph's BLAS library chosen by timing
+# (PDSERVE_DECODE_BLAS=auto); tiles: bench.attention_tiles on Gemma 4 E2B's head shapes; exact: the
+# hybrid, Gemma 3 and Gemma 4 families against transformers on CUDA.
 source "$(dirname "$0")/gpu_common.sh"
 root=$PWD
 sections=("$@")
