@@ -26,11 +26,12 @@ SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     port, mport = free_port(), free_port()
-    # 40 blocks of 16 tokens, at most 2 requests waiting for blocks, KV timeout 1.5 s
+    # 40 blocks of 16 tokens, at most 2 requests waiting for blocks, KV timeout 1.5 s; decode
+    # steps paced at 10 ms (the hidden --test-step-delay), so a stream outlives the RPCs about it
     proc = ServiceProcess("decode", "decode_service.server",
                           ["--port", str(port), "--metrics-port", str(mport), "--model", str(tiny_llama_dir),
                            "--num-gpu-blocks-override", "40", "--max-queued-requests", "2",
-                           "--kv-transfer-timeout", "1.5"], "decode server ready", env={"OMP_NUM_THREADS": "1"})
+                           "--kv-transfer-timeout", "1.5", "--test-step-delay", "0.01"], "decode server ready", env={"OMP_NUM_THREADS": "1"})
     proc.wait_ready()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield proc, engine_pb2_grpc.DecodeStub(channel), channel, mport
@@ -156,8 +157,8 @@ def _generation_tokens(mport: int) -> float:
 def test_running_request_cancelled_by_the_client_frees_its_blocks(server):
     _, stub, _, mport = server
     before = _generation_tokens(mport)
-    # 37 + 470 tokens fit the model's 512 and the 40 blocks: left alone it
-    # runs 470 steps, far longer than one GetLoad and the cancel take.
+    # 37 + 470 tokens fit the model's 512 and the 40 blocks: left alone it runs 470 paced
+    # steps (4.7 s), far longer than one GetLoad and the cancel take.
     stream = _generate(stub, "c1", 470)
     next(stream)
     info = _load(stub)  # one snapshot: running, holding blocks
