@@ -95,6 +95,15 @@ def free_port() -> int:
     return free_ports(1)
 
 
+def metric_total(metrics_url: str, name: str) -> float:
+    """Counter or gauge ``name`` of a server's Prometheus page, summed over its labels."""
+    import httpx
+
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
+
 
 def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (an exited child not yet reaped counts as gone)."""

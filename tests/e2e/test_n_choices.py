@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 
 import grpc
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.conftest import HERMES_API_KEY
+from tests.processes import metric_total
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,7 @@ def oai(hermes_cluster):
 
 def _metric(engine, name: str) -> float:
     """A counter of an engine server, summed over its labels."""
-    text = httpx.get(engine.load().metrics_url, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return metric_total(engine.load().metrics_url, name)
 
 
 def _single(oai, seed: int, **kw):

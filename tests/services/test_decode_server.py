@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tests.processes import ServiceProcess, free_port
+from tests.processes import ServiceProcess, free_port, metric_total
 
 SP = common_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
@@ -149,9 +149,7 @@ def _generate(stub, rid: str, max_tokens: int):
 
 
 def _generation_tokens(mport: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=10).text
-    return sum(float(line.split(" ")[1]) for line in text.splitlines()
-               if line.startswith("pdserve:generation_tokens_total{"))
+    return metric_total(f"http://127.0.0.1:{mport}/metrics", "pdserve:generation_tokens_total")
 
 
 def test_running_request_cancelled_by_the_client_frees_its_blocks(server):
