@@ -136,5 +136,5 @@ class GatedDeltaNet(nn.Module):
                                  k.reshape(t, self.num_k_heads, self.head_k_dim),
                                  v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, state.ssm, slots, qsl,
                                  has_state, use_qk_l2norm=True)
-        o = ops.gated_rms_norm(o.view(t, self.num_v_heads, self.head_v_dim), z, self.norm.weight, self.eps)
+        o = ops.gated_rms_norm(o, z, self.norm.weight, self.eps)  # [T, Hv, Dv] both
         return self.out_proj(o.reshape(t, self.value_dim))
